@@ -1,0 +1,47 @@
+"""jax_ssdtrain: offload training activations to NVMe SSDs from ``jax.checkpoint``.
+
+    import jax, jax_ssdtrain as ssd
+    from jax.ad_checkpoint import checkpoint_name
+
+    def block(p, x):
+        h = checkpoint_name(x @ p["w1"], "mlp_up")   # a plain JAX tag
+        ...
+    jax.checkpoint(block, policy=ssd.ssd_offload_policy)
+
+Tagged activations leave the program in the forward pass through an XLA FFI custom call, land
+in the store (pinned host tier and/or files in the store directory) and come back, prefetched,
+in the backward pass.
+"""
+from jax_ssdtrain._src import remat as _remat
+from jax_ssdtrain._src.config import (
+    StoreConfig,
+    configure,
+    configured,
+    current as current_config,
+    defaults as default_config,
+    parse_size,
+    release_all,
+    reset_stats,
+    shutdown,
+    stats,
+    store_directories,
+)
+from jax_ssdtrain._src.policies import (
+    Location,
+    OffloadPolicy,
+    location_policy,
+    offload_policy,
+    ssd_offload_policy,
+)
+from jax_ssdtrain._src.primitives import HigherOrderOffloadError
+
+_remat.install()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HigherOrderOffloadError", "Location", "OffloadPolicy", "StoreConfig", "configure",
+    "configured", "current_config", "default_config", "location_policy", "offload_policy",
+    "parse_size", "release_all", "reset_stats", "shutdown", "ssd_offload_policy", "stats",
+    "store_directories",
+]

@@ -1,0 +1,310 @@
+"""The process-wide store: configuration, defaults from ``SSDTRAIN_*`` variables, statistics.
+
+``configure()`` (re)creates the engine of this process; the first offloading program configures
+it from the defaults when nobody has. Defaults come from environment variables:
+
+=========================== ======================================== =====================
+variable                    option                                   default
+=========================== ======================================== =====================
+``SSDTRAIN_DIR``            ``directory`` (``:``-separated: striped)  private temp dir
+``SSDTRAIN_CAPACITY``       ``capacity_bytes`` (file space, total)    90% of free space
+``SSDTRAIN_HOST_CACHE``     ``host_cache_bytes`` (write-behind,       1 GiB
+                            forwarding and read-ahead buffers)
+``SSDTRAIN_HOST_TIER``      ``host_tier_bytes`` (``host`` location)   8 GiB
+``SSDTRAIN_STAGING``        ``staging_bytes`` (GPU staging arena)     1 GiB
+``SSDTRAIN_IO_THREADS``     ``io_threads``                            8
+``SSDTRAIN_CHUNK``          ``chunk_bytes`` (one I/O request)         8 MiB
+``SSDTRAIN_PREFETCH``       ``prefetch_bytes`` (read-ahead budget)    1 GiB
+``SSDTRAIN_O_DIRECT``       ``o_direct`` (auto / on / off)            auto
+``SSDTRAIN_GDS``            ``gds`` (auto / on / off)                 auto
+``SSDTRAIN_FORWARDING``     ``forwarding`` (on / off)                 on
+=========================== ======================================== =====================
+
+Sizes accept suffixes (``512MiB``, ``4G``, ``1.5GB``). Host memory is taken lazily, as used.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from jax_ssdtrain._src import native
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+  """The store's settings. ``directories`` empty means a private temp dir removed at exit."""
+  directories: tuple[str, ...] = ()
+  capacity_bytes: int | None = None
+  host_cache_bytes: int = 1 * GiB
+  host_tier_bytes: int = 8 * GiB
+  staging_bytes: int = 1 * GiB
+  io_threads: int = 8
+  chunk_bytes: int = 8 * MiB
+  prefetch_bytes: int = 1 * GiB
+  o_direct: bool | None = None
+  gds: bool | None = None
+  forwarding: bool = True
+
+
+_ENV = {  # option -> (variable, parser)
+    "directories": ("SSDTRAIN_DIR", lambda v: tuple(p for p in v.split(":") if p)),
+    "capacity_bytes": ("SSDTRAIN_CAPACITY", lambda v: parse_size(v, what="SSDTRAIN_CAPACITY")),
+    "host_cache_bytes": ("SSDTRAIN_HOST_CACHE", lambda v: parse_size(v, what="SSDTRAIN_HOST_CACHE")),
+    "host_tier_bytes": ("SSDTRAIN_HOST_TIER", lambda v: parse_size(v, what="SSDTRAIN_HOST_TIER")),
+    "staging_bytes": ("SSDTRAIN_STAGING", lambda v: parse_size(v, what="SSDTRAIN_STAGING")),
+    "io_threads": ("SSDTRAIN_IO_THREADS", lambda v: _parse_int(v, what="SSDTRAIN_IO_THREADS")),
+    "chunk_bytes": ("SSDTRAIN_CHUNK", lambda v: parse_size(v, what="SSDTRAIN_CHUNK")),
+    "prefetch_bytes": ("SSDTRAIN_PREFETCH", lambda v: parse_size(v, what="SSDTRAIN_PREFETCH")),
+    "o_direct": ("SSDTRAIN_O_DIRECT", lambda v: _parse_switch(v, what="SSDTRAIN_O_DIRECT")),
+    "gds": ("SSDTRAIN_GDS", lambda v: _parse_switch(v, what="SSDTRAIN_GDS")),
+    "forwarding": ("SSDTRAIN_FORWARDING", lambda v: _parse_switch(v, what="SSDTRAIN_FORWARDING",
+                                                                  auto=False)),
+}
+
+
+def defaults() -> StoreConfig:
+  """The configuration given by the environment (``SSDTRAIN_*``) over the built-in defaults."""
+  values = {}
+  for option, (var, parse) in _ENV.items():
+    raw = os.environ.get(var)
+    if raw is not None and raw.strip():
+      values[option] = parse(raw.strip())
+  return _validated(StoreConfig(**values))
+
+
+def configure(directory: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+              capacity_bytes: int | str | None = None, **options: Any) -> StoreConfig:
+  """(Re)creates this process's store and returns its configuration.
+
+  ``directory``: one directory or a list (one per NVMe drive; tensors are striped across
+  them); None keeps the current one (initially ``$SSDTRAIN_DIR`` or a private temp dir).
+  ``capacity_bytes``: file space in all. Other options are the fields of :class:`StoreConfig`;
+  sizes may be strings such as ``"4GiB"``. Reconfiguring drops every stored activation.
+  """
+  unknown = sorted(set(options) - {f.name for f in dataclasses.fields(StoreConfig)} -
+                   {"directories"})
+  if unknown:
+    raise TypeError(f"configure: unknown option(s) {unknown}; known: "
+                    f"{[f.name for f in dataclasses.fields(StoreConfig)]}")
+  with _lock:
+    base = _state.config if _state.config is not None else defaults()
+    changes = dict(options)
+    if directory is not None:
+      changes["directories"] = _directories(directory)
+    if capacity_bytes is not None:
+      changes["capacity_bytes"] = capacity_bytes
+    for key in ("capacity_bytes", "host_cache_bytes", "host_tier_bytes", "staging_bytes",
+                "chunk_bytes", "prefetch_bytes"):
+      if isinstance(changes.get(key), str):
+        changes[key] = parse_size(changes[key], what=key)
+    cfg = _validated(dataclasses.replace(base, **changes))
+    _apply(cfg)
+    return cfg
+
+
+def current() -> StoreConfig | None:
+  """The configuration in force, or None before the store is first used."""
+  return _state.config
+
+
+def ensure_configured() -> StoreConfig:
+  with _lock:
+    if _state.config is None:
+      _apply(defaults())
+    return _state.config
+
+
+@contextlib.contextmanager
+def configured(directory=None, capacity_bytes=None, **options) -> Iterator[StoreConfig]:
+  """Scoped configuration (for tests): the previous one is restored on exit."""
+  previous = _state.config
+  try:
+    yield configure(directory, capacity_bytes, **options)
+  finally:
+    with _lock:
+      if previous is None:
+        _shutdown_locked()
+      else:
+        _apply(previous)
+
+
+def store_directories() -> tuple[str, ...]:
+  """The directories the store files live in now (the temp dir when none was given)."""
+  cfg = ensure_configured()
+  return cfg.directories or (_state.temp_dir,)
+
+
+def stats() -> dict[str, float]:
+  """Engine counters since the last :func:`reset_stats` (see the README for the keys)."""
+  ensure_configured()
+  s = native.stats()
+  s["write_GBps"] = s["disk_bytes_written"] / s["write_seconds"] / 1e9 if s.get("write_seconds") else 0.0
+  s["read_GBps"] = s["disk_bytes_read"] / s["read_seconds"] / 1e9 if s.get("read_seconds") else 0.0
+  return s
+
+
+def reset_stats() -> None:
+  ensure_configured()
+  native.reset_stats()
+
+
+def release_all() -> None:
+  """Frees every stored activation (waits for in-flight I/O). Handles held become invalid."""
+  if _state.config is not None:
+    native.release_all()
+
+
+def shutdown() -> None:
+  """Closes the store and deletes its files (and the private temp dir)."""
+  with _lock:
+    _shutdown_locked()
+
+
+def parse_size(value: int | str, *, what: str) -> int:
+  """``"512MiB"``, ``"4G"``, ``"1.5GB"``, ``1048576`` -> bytes."""
+  if isinstance(value, bool):
+    raise ValueError(f"{what}: expected a size in bytes, got {value!r}")
+  if isinstance(value, int):
+    return value
+  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*", str(value), re.IGNORECASE)
+  if not m:
+    raise ValueError(f"{what}: cannot read {value!r} as a size (e.g. 1048576, 512MiB, 4G)")
+  number, prefix, suffix = m.groups()
+  power = "kmgt".find(prefix.lower()) + 1 if prefix else 0
+  unit = (1024 if (suffix.lower().startswith("i") or suffix == "") else 1000) ** power
+  return int(float(number) * unit)
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementation
+
+
+class _State:
+  config: StoreConfig | None = None
+  temp_dir: str | None = None
+  targets_registered = False
+
+
+_state = _State()
+_lock = threading.RLock()
+
+
+def _apply(cfg: StoreConfig) -> None:
+  if not _state.targets_registered:
+    native.register_targets()
+    _state.targets_registered = True
+  directories = cfg.directories
+  if not directories:
+    if _state.temp_dir is None:
+      _state.temp_dir = tempfile.mkdtemp(prefix="jax_ssdtrain-")  # mode 0700
+    directories = (_state.temp_dir,)
+  native.configure(_engine_options(cfg, directories))
+  _state.config = cfg
+  if cfg.directories and _state.temp_dir is not None:
+    _remove_temp_dir()
+
+
+def _engine_options(cfg: StoreConfig, directories: tuple[str, ...]) -> dict[str, Any]:
+  capacity = cfg.capacity_bytes
+  if capacity is None:
+    capacity = int(0.9 * sum(_free_bytes(d) for d in directories))
+  switch = {None: 2, True: 1, False: 0}
+  return dict(directories=":".join(directories), capacity_bytes=capacity,
+              host_cache_bytes=cfg.host_cache_bytes, host_tier_bytes=cfg.host_tier_bytes,
+              staging_bytes=cfg.staging_bytes, io_threads=cfg.io_threads,
+              chunk_bytes=cfg.chunk_bytes, prefetch_bytes=cfg.prefetch_bytes,
+              o_direct=switch[cfg.o_direct], gds=switch[cfg.gds], forwarding=int(cfg.forwarding))
+
+
+def _free_bytes(directory: str) -> int:
+  probe = directory
+  while not os.path.exists(probe):  # not created yet: ask the nearest existing parent
+    parent = os.path.dirname(os.path.abspath(probe))
+    if parent == probe:
+      break
+    probe = parent
+  try:
+    return shutil.disk_usage(probe).free
+  except OSError as e:
+    raise OSError(e.errno, f"store directory {directory!r}: cannot read free space: {e.strerror}")
+
+
+def _validated(cfg: StoreConfig) -> StoreConfig:
+  for key in ("host_cache_bytes", "host_tier_bytes", "staging_bytes", "chunk_bytes",
+              "prefetch_bytes", "io_threads"):
+    value = getattr(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise ValueError(f"{key}: expected an integer >= 0, got {value!r}")
+  for key in ("io_threads", "chunk_bytes"):
+    if getattr(cfg, key) == 0:
+      raise ValueError(f"{key}: must be positive, got 0")
+  if cfg.capacity_bytes is not None and (isinstance(cfg.capacity_bytes, bool) or
+                                         not isinstance(cfg.capacity_bytes, int) or
+                                         cfg.capacity_bytes <= 0):
+    raise ValueError(f"capacity_bytes: expected a positive integer, got {cfg.capacity_bytes!r}")
+  for key in ("o_direct", "gds"):
+    if getattr(cfg, key) not in (None, True, False):
+      raise ValueError(f"{key}: expected True, False or None (auto), got {getattr(cfg, key)!r}")
+  if not isinstance(cfg.forwarding, bool):
+    raise ValueError(f"forwarding: expected a bool, got {cfg.forwarding!r}")
+  return dataclasses.replace(cfg, directories=_directories(cfg.directories))
+
+
+def _directories(value) -> tuple[str, ...]:
+  items = [value] if isinstance(value, (str, os.PathLike)) else list(value)
+  out = []
+  for item in items:
+    if not isinstance(item, (str, os.PathLike)) or not os.fspath(item):
+      raise ValueError(f"directory: expected a path or a list of paths, got {item!r}")
+    path = os.path.abspath(os.fspath(item))
+    if ":" in path:
+      raise ValueError(f"directory: a path may not contain ':', got {path!r}")
+    out.append(path)
+  if len(set(out)) != len(out):
+    raise ValueError(f"directory: the same directory is listed twice: {out}")
+  return tuple(out)
+
+
+def _parse_int(value: str, *, what: str) -> int:
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"{what}: expected an integer, got {value!r}") from None
+
+
+def _parse_switch(value: str, *, what: str, auto: bool = True) -> bool | None:
+  v = value.lower()
+  if v in ("1", "on", "true", "yes"):
+    return True
+  if v in ("0", "off", "false", "no"):
+    return False
+  if auto and v == "auto":
+    return None
+  raise ValueError(f"{what}: expected on/off{'/auto' if auto else ''}, got {value!r}")
+
+
+def _shutdown_locked() -> None:
+  if _state.config is not None:
+    native.shutdown()
+    _state.config = None
+  _remove_temp_dir()
+
+
+def _remove_temp_dir() -> None:
+  if _state.temp_dir is not None:
+    shutil.rmtree(_state.temp_dir, ignore_errors=True)
+    _state.temp_dir = None
+
+
+atexit.register(shutdown)

@@ -1,0 +1,161 @@
+"""Remat policies that send tagged activations to the SSD store.
+
+Public API first (factories and the ready policy), implementation after. A policy is a
+small frozen, hashable dataclass: JAX's partial-eval cache keys on it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from jax._src import ad_checkpoint as _ad_checkpoint
+
+name_p = _ad_checkpoint.name_p
+
+DEFAULT_MIN_BYTES = 1 << 20
+
+
+class Location(enum.Enum):
+  """Where a tagged activation lives between the forward and the backward pass."""
+  REMAT = "remat"    # recomputed in the backward pass
+  DEVICE = "device"  # saved in device memory (JAX's own saving)
+  HOST = "host"      # the engine's pinned host-memory tier
+  NVME = "nvme"      # the store files, through the host cache
+
+  @classmethod
+  def parse(cls, value: str | Location, *, what: str = "location") -> Location:
+    if isinstance(value, Location):
+      return value
+    try:
+      return cls(str(value).strip().lower())
+    except ValueError:
+      choices = ", ".join(repr(m.value) for m in cls)
+      raise ValueError(f"{what}: unknown location {value!r}; expected one of {choices}") from None
+
+
+def offload_policy(names_to_offload: Iterable[str], names_to_save: Iterable[str] = (), *,
+                   min_bytes: int = DEFAULT_MIN_BYTES,
+                   base: Callable[..., Any] | None = None,
+                   location: str | Location = Location.NVME) -> OffloadPolicy:
+  """Counterpart of ``jax.checkpoint_policies.save_and_offload_only_these_names``.
+
+  Tensors tagged with ``checkpoint_name`` and listed in ``names_to_offload`` go to the store
+  (``location``: ``"nvme"`` or ``"host"``) when they are at least ``min_bytes`` large, and are
+  saved on the device otherwise; ``names_to_save`` stay on the device; every other equation is
+  decided by ``base`` (default: recompute).
+  """
+  offload = _names("names_to_offload", names_to_offload)
+  save = _names("names_to_save", names_to_save)
+  both = sorted(set(offload) & set(save))
+  if both:
+    raise ValueError(f"names {both} are in both names_to_offload and names_to_save")
+  loc = Location.parse(location, what="location")
+  if loc not in (Location.NVME, Location.HOST):
+    raise ValueError(f"location: offload_policy offloads to 'nvme' or 'host', got {location!r}")
+  if base is not None and not callable(base):
+    raise TypeError(f"base: expected a remat policy (callable) or None, got {base!r}")
+  locations = {n: loc for n in offload} | {n: Location.DEVICE for n in save}
+  return OffloadPolicy(_freeze(locations), _min_bytes(min_bytes), default=None,
+                       below_min=Location.DEVICE, base=base)
+
+
+def location_policy(locations: Mapping[str, str | Location], *,
+                    min_bytes: int = DEFAULT_MIN_BYTES,
+                    default: str | Location = Location.REMAT) -> OffloadPolicy:
+  """A policy from a per-name location map (``remat | device | host | nvme``).
+
+  Tagged names that are not in ``locations`` get ``default``; untagged values are recomputed.
+  A host or nvme tensor smaller than ``min_bytes`` is saved on the device instead.
+  """
+  if not isinstance(locations, Mapping):
+    raise TypeError(f"locations: expected a mapping of tag name to location, got {locations!r}")
+  parsed = {_names("locations", [k])[0]: Location.parse(v, what=f"locations[{k!r}]")
+            for k, v in locations.items()}
+  return OffloadPolicy(_freeze(parsed), _min_bytes(min_bytes),
+                       default=Location.parse(default, what="default"),
+                       below_min=Location.DEVICE, base=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreDecision:
+  """What an OffloadPolicy answers for a tag that goes to the store.
+
+  JAX itself never sees it: the partial-eval hook (``remat.py``) rewrites those tags into a
+  store/load pair first. Were the hook bypassed, JAX would reject it loudly (TypeError).
+  """
+  location: Location
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPolicy:
+  """Per-name locations for ``checkpoint_name`` tags; other equations go to ``base``.
+
+  locations: sorted ``(name, Location)`` pairs.
+  default: location of tagged names not listed (None: ask ``base``).
+  below_min: location of a host/nvme tag smaller than ``min_bytes``.
+  base: policy for untagged equations and, when ``default`` is None, unlisted names
+    (None: recompute).
+  """
+  locations: tuple[tuple[str, Location], ...]
+  min_bytes: int
+  default: Location | None
+  below_min: Location
+  base: Callable[..., Any] | None
+
+  def location_of(self, name: str, aval) -> Location | None:
+    """The location of a tag, or None when ``base`` decides it."""
+    loc = dict(self.locations).get(name, self.default)
+    if loc in (Location.NVME, Location.HOST) and _nbytes(aval) < self.min_bytes:
+      return self.below_min
+    return loc
+
+  def __call__(self, prim, *avals, **params):
+    if prim is name_p:
+      loc = self.location_of(params["name"], avals[0])
+      if loc is not None:
+        return _DECISIONS[loc]
+    return self.base(prim, *avals, **params) if self.base is not None else False
+
+  def offloads(self) -> bool:
+    return any(loc in (Location.NVME, Location.HOST) for _, loc in self.locations) or \
+        self.default in (Location.NVME, Location.HOST)
+
+
+_DECISIONS = {Location.REMAT: False, Location.DEVICE: True,
+              Location.HOST: StoreDecision(Location.HOST),
+              Location.NVME: StoreDecision(Location.NVME)}
+
+# Every tagged tensor of at least 1 MiB goes to the store; everything else is recomputed.
+ssd_offload_policy = OffloadPolicy((), DEFAULT_MIN_BYTES, default=Location.NVME,
+                                   below_min=Location.REMAT, base=None)
+
+
+def _nbytes(aval) -> int:
+  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _names(arg: str, names: Iterable[str]) -> tuple[str, ...]:
+  if isinstance(names, str):
+    raise TypeError(f"{arg}: expected an iterable of names, got the string {names!r}")
+  out = tuple(names)
+  for n in out:
+    if not isinstance(n, str) or not n:
+      raise TypeError(f"{arg}: tag names must be non-empty strings, got {n!r}")
+  return out
+
+
+def _min_bytes(value: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    raise ValueError(f"min_bytes: expected an integer >= 0, got {value!r}")
+  return int(value)
+
+
+def _freeze(locations: Mapping[str, Location]) -> tuple[tuple[str, Location], ...]:
+  return tuple(sorted(locations.items()))

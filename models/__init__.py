@@ -1,0 +1,16 @@
+"""Flax transformer models (GPT, BERT, T5) with activation tags for jax_ssdtrain policies."""
+from .common import (ATTN, CROSS_KV, CROSS_Q, LAYER_IN, LOCATIONS, MLP_UP, PRESETS, QKV,
+                     REMAT_SHORTCUTS, TAGS, ModelConfig, get_config, make_remat_policy,
+                     parse_locations, resolve_locations)
+from .bert import BERT
+from .gpt import GPT
+from .t5 import T5
+
+MODELS = {"gpt": GPT, "bert": BERT, "t5": T5}
+
+
+def build_model(name: str, cfg: ModelConfig, policy=None):
+    """``MODELS[name](cfg, policy)``; every model has ``loss(tokens, rng) -> (loss, metrics)``."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODELS)}")
+    return MODELS[name](cfg, policy)

@@ -1,0 +1,197 @@
+#!/usr/bin/env python
+"""Train GPT / BERT / T5 with activations placed per tag (remat | device | host | nvme).
+
+    python scripts/train.py --model gpt --preset tiny --steps 30 \
+        --locations layer_in=nvme,qkv=nvme,attn=nvme,mlp_up=nvme
+
+Tags and locations are documented in models/common.py.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root: models/
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import models  # noqa: E402
+from models import data as data_lib  # noqa: E402
+from models import training  # noqa: E402
+
+
+def _positive(kind):
+    def parse(s):
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {s!r}")
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+        return v
+    return parse
+
+
+def _non_negative_int(s):
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {s!r}")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def _locations(s):
+    try:
+        return models.parse_locations(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(models.MODELS), default="gpt")
+    p.add_argument("--preset", choices=models.PRESETS, default="tiny")
+    p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
+                   help="compute dtype (default: the model config's, bfloat16)")
+    p.add_argument("--batch", type=_positive(int), default=8)
+    p.add_argument("--seq-len", type=_positive(int), default=None, help="default: the preset's")
+    p.add_argument("--steps", type=_positive(int), default=30)
+    p.add_argument("--lr", type=_positive(float), default=3e-3)
+    p.add_argument("--warmup", type=_non_negative_int, default=None, help="default: steps/10")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip-norm", type=_positive(float), default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--remat-policy", choices=sorted(models.REMAT_SHORTCUTS), default=None,
+                   help="keep: no remat; remat: recompute from layer input; offload: all tags to nvme")
+    p.add_argument("--locations", type=_locations, default=None,
+                   help=f"TAG=LOC,... with TAG in {{{','.join(models.TAGS)}}}, "
+                        f"LOC in {{{','.join(models.LOCATIONS)}}}; overrides --remat-policy")
+    p.add_argument("--min-bytes", type=_non_negative_int, default=None,
+                   help="tensors smaller than this stay on device (default: 0 for tiny, 1 MiB else)")
+    p.add_argument("--store-dir", default=None, help="directory of the activation store file "
+                   "(default: $SSDTRAIN_DIR or a private temp dir)")
+    p.add_argument("--data", default="synthetic", help="'synthetic' or a glob of pre-tokenized .npy shards")
+    p.add_argument("--loader", choices=("memmap", "dali"), default="memmap")
+    p.add_argument("--workdir", default=None, help="metrics.csv, TensorBoard events and checkpoints")
+    p.add_argument("--checkpoint-every", type=_non_negative_int, default=0, help="0: only at the end (with --workdir)")
+    p.add_argument("--restore", action="store_true", help="resume from the latest checkpoint in --workdir")
+    p.add_argument("--log-every", type=_positive(int), default=1, help="steps between metric fetches")
+    return p
+
+
+def _tb_writer(workdir):
+    for mod in ("tensorboardX", "torch.utils.tensorboard"):
+        try:
+            return __import__(mod, fromlist=["SummaryWriter"]).SummaryWriter(workdir)
+        except Exception:
+            continue
+    return None
+
+
+def main(argv=None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.restore and not args.workdir:
+        parser.error("--restore needs --workdir")
+    if args.checkpoint_every and not args.workdir:
+        parser.error("--checkpoint-every needs --workdir")
+    if args.data != "synthetic" and not any(c in args.data for c in "*?[") and not os.path.exists(args.data):
+        parser.error(f"--data: no such file {args.data!r}")
+    run = training.RunConfig(
+        model=args.model, preset=args.preset, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
+        lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
+        seed=args.seed, remat_policy=args.remat_policy, locations=args.locations, dtype=args.dtype,
+        min_bytes=args.min_bytes if args.min_bytes is not None else (0 if args.preset == "tiny" else 1 << 20))
+    cfg = run.model_config()
+    if cfg.positions == "learned" and (args.seq_len or 0) > cfg.max_len:
+        parser.error(f"--seq-len {args.seq_len} exceeds the preset's max_len {cfg.max_len}")
+
+    locations = run.resolved_locations()
+    offloading = bool(locations) and any(v in ("host", "nvme") for v in locations.values())
+    import jax_ssdtrain as ssd
+    if args.store_dir:
+        os.makedirs(args.store_dir, exist_ok=True)
+        ssd.configure(directory=args.store_dir)
+    try:
+        batches = data_lib.make_batches(args.data, args.loader, run.batch, run.example_length(cfg),
+                                        cfg.vocab_size, run.seed)
+    except data_lib.DataError as e:
+        parser.error(str(e))
+
+    state, _, schedule = training.create_train_state(run)
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    manager = training.checkpoint_manager(os.path.join(args.workdir, "checkpoints")) if args.workdir else None
+    if args.restore:
+        state = training.restore_checkpoint(manager, state)
+        # deterministic sources resume at the restored step
+        batches = data_lib.make_batches(args.data, args.loader, run.batch, run.example_length(cfg),
+                                        cfg.vocab_size, run.seed, start_step=int(state.step))
+    print(f"{args.model}/{args.preset}: {n_params / 1e6:.2f}M params, dtype {cfg.dtype}, "
+          f"batch {run.batch}x{run.example_length(cfg)}, locations {locations or 'keep'}", flush=True)
+
+    step_fn = training.jit_train_step()
+    rng = jax.random.key(run.seed + 1)
+    writer = csv_file = tb = None
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
+        csv_path = os.path.join(args.workdir, "metrics.csv")
+        csv_file = open(csv_path, "a" if args.restore else "w", newline="")
+        writer = csv.writer(csv_file)
+        if not args.restore or os.path.getsize(csv_path) == 0:
+            writer.writerow(["step", "loss", "grad_norm", "lr", "tokens_per_s", "gb_written", "gb_read"])
+        tb = _tb_writer(args.workdir)
+
+    from tqdm import tqdm
+    ssd.reset_stats()
+    start = int(state.step)
+    bar = tqdm(range(start, run.steps), initial=start, total=run.steps, dynamic_ncols=True)
+    tokens_done, t0, loss = 0, None, float("nan")
+    for step in bar:
+        state, metrics = step_fn(state, next(batches), rng)
+        if t0 is None:  # exclude compilation from throughput
+            jax.block_until_ready(metrics)
+            t0 = time.perf_counter()
+        else:
+            tokens_done += float(metrics["tokens"])
+        if (step + 1) % args.log_every == 0 or step + 1 == run.steps:
+            loss = float(metrics["loss"])
+            dt = time.perf_counter() - t0
+            tps = tokens_done / dt if dt > 0 and tokens_done else 0.0
+            st = ssd.stats()
+            gw, gr = st.get("bytes_written", 0) / 1e9, st.get("bytes_read", 0) / 1e9
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", GB_off=f"{gw:.3f}")
+            row = [step + 1, loss, float(metrics["grad_norm"]), float(schedule(step)), tps, gw, gr]
+            if writer:
+                writer.writerow(row)
+            if tb:
+                for k, v in zip(["loss", "grad_norm", "lr", "tokens_per_s", "gb_written", "gb_read"], row[1:]):
+                    tb.add_scalar(k, v, step + 1)
+        if manager and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            training.save_checkpoint(manager, state)
+    bar.close()
+    jax.block_until_ready(state)
+    dt = time.perf_counter() - t0 if t0 is not None else 0.0
+    if manager and (not manager.latest_step() or manager.latest_step() < int(state.step)):
+        training.save_checkpoint(manager, state)
+    for f in (csv_file, tb):
+        if f:
+            f.close()
+    if hasattr(batches, "close"):
+        batches.close()
+    st = ssd.stats()
+    summary = dict(final_loss=loss, tokens_per_s=tokens_done / dt if dt > 0 else 0.0,
+                   gb_written=st.get("bytes_written", 0) / 1e9, gb_read=st.get("bytes_read", 0) / 1e9,
+                   steps=int(state.step), offload=offloading)
+    print(f"done: steps {summary['steps']}  final loss {loss:.4f}  tokens/s {summary['tokens_per_s']:,.0f}  "
+          f"store written {summary['gb_written']:.4f} GB  read {summary['gb_read']:.4f} GB", flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Models: tags, presets, training on `tiny`, nvme offload bit-exact against device saving."""
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import models  # noqa: E402
+from models import data as data_lib, training  # noqa: E402
+
+TAGS_BY_MODEL = {
+    "gpt": {"layer_in", "qkv", "attn", "mlp_up"},
+    "bert": {"layer_in", "qkv", "attn", "mlp_up"},
+    "t5": set(models.TAGS),
+}
+BLOCK_TAGS = ("layer_in", "qkv", "attn", "mlp_up", "cross_q", "cross_kv")
+
+
+def train_losses(run: training.RunConfig, steps: int):
+    state, _, _ = training.create_train_state(run)
+    cfg = run.model_config()
+    batches = data_lib.synthetic_batches(run.batch, run.example_length(cfg), cfg.vocab_size, run.seed)
+    step, rng, losses = jax.jit(training.train_step), jax.random.key(1), []
+    for _ in range(steps):
+        state, metrics = step(state, next(batches), rng)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), state
+
+
+@pytest.mark.parametrize("model", sorted(models.MODELS))
+def test_tiny_loss_falls(model):
+    run = training.RunConfig(model=model, batch=8, steps=20, locations="qkv=nvme,mlp_up=nvme", min_bytes=0)
+    losses, _ = train_losses(run, 20)
+    assert np.all(np.isfinite(losses))
+    assert losses[-3:].mean() < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model", sorted(models.MODELS))
+def test_nvme_offload_bit_exact_vs_device(model, dtype):
+    import jax_ssdtrain as ssd
+
+    tags = ",".join(f"{t}={{}}" for t in BLOCK_TAGS if t in TAGS_BY_MODEL[model])
+    common = dict(model=model, batch=4, steps=3, dtype=dtype, min_bytes=0)
+    ssd.reset_stats()
+    nvme, s_nvme = train_losses(training.RunConfig(locations=tags.replace("{}", "nvme"), **common), 3)
+    written = ssd.stats()["bytes_written"]
+    device, s_dev = train_losses(training.RunConfig(locations=tags.replace("{}", "device"), **common), 3)
+    np.testing.assert_array_equal(nvme, device)
+    jax.tree.map(np.testing.assert_array_equal, s_nvme.params, s_dev.params)
+    assert written > 0, "nothing was offloaded"
+
+
+@pytest.mark.parametrize("model", sorted(models.MODELS))
+def test_tags_present(model):
+    cfg = models.get_config(model, "tiny")
+    m = models.build_model(model, cfg)
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    params = jax.eval_shape(lambda: m.init(jax.random.key(0), tokens, jax.random.key(0), method="loss"))
+    jaxpr = str(jax.make_jaxpr(lambda p: m.apply(p, tokens, jax.random.key(0), method="loss"))(params))
+    found = {t for t in models.TAGS if f"name={t}\n" in jaxpr or f"name={t} " in jaxpr or f"name={t}]" in jaxpr}
+    assert found == TAGS_BY_MODEL[model]
+
+
+def test_remat_policies_agree():
+    """keep / full remat / selective saving give the same f32 gradients (up to fusion noise)."""
+    base = dict(model="gpt", batch=4, dtype="float32")
+    ref, _ = train_losses(training.RunConfig(remat_policy="keep", **base), 2)
+    for kw in (dict(remat_policy="remat"), dict(locations="qkv=device,attn=remat")):
+        got, _ = train_losses(training.RunConfig(**kw, **base), 2)
+        np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+def test_untied_embeddings_and_learned_positions_t5():
+    for model in models.MODELS:
+        run = training.RunConfig(model=model, batch=2, model_overrides=dict(tie_embeddings=False, positions="learned"))
+        losses, state = train_losses(run, 1)
+        assert np.isfinite(losses).all()
+
+
+@pytest.mark.parametrize("preset", models.PRESETS)
+def test_presets(preset):
+    for model in models.MODELS:
+        cfg = models.get_config(model, preset)
+        assert cfg.hidden % cfg.num_heads == 0 and cfg.dtype == "bfloat16"
+    cfg = models.get_config("gpt", preset)
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    shapes = jax.eval_shape(lambda t: models.GPT(cfg).init(jax.random.key(0), t), tokens)
+    n = sum(x.size for x in jax.tree.leaves(shapes))
+    expected = {"small": 124e6, "medium": 355e6, "large": 774e6, "xl": 1.56e9, "gpt-1.3b": 1.3e9}
+    if preset in expected:
+        assert abs(n / expected[preset] - 1) < 0.05, n
+
+
+def test_locations_parsing():
+    assert models.parse_locations("qkv=nvme, attn=host") == {"qkv": "nvme", "attn": "host"}
+    assert models.resolve_locations("keep", None) is None
+    assert models.resolve_locations(None, None) is None
+    assert models.resolve_locations("remat", None) == {"layer_in": "device"}
+    assert models.resolve_locations("offload", "attn=remat")["attn"] == "remat"
+    assert models.resolve_locations(None, "qkv=nvme") == {"qkv": "nvme"}
+    assert models.resolve_locations("keep", "qkv=nvme")["mlp_up"] == "device"
+    for bad in ("qkv", "qkv=ssd", "foo=nvme"):
+        with pytest.raises(ValueError):
+            models.parse_locations(bad)
+    with pytest.raises(ValueError):
+        models.resolve_locations("sometimes", None)
+    with pytest.raises(ValueError):
+        models.get_config("gpt", "huge")

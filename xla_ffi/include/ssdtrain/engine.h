@@ -1,0 +1,301 @@
+// The process-wide activation store: file space allocator, host cache with
+// write-behind / forwarding / LIFO read-ahead, host tier, I/O thread pool and
+// statistics. Device (CUDA) specifics live in ffi_cuda.cu and reach the engine
+// through DeviceHooks; no CUDA call is made by anything in this header's
+// implementation unless CUDA handlers have run.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "ssdtrain/status.h"
+
+namespace ssdtrain {
+
+constexpr uint64_t kAlign = 4096;
+constexpr uint64_t kKiB = 1024, kMiB = 1024 * kKiB, kGiB = 1024 * kMiB;
+inline uint64_t RoundUp(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
+
+struct Config {
+  std::vector<std::string> directories;
+  uint64_t capacity_bytes = 64 * kGiB;
+  uint64_t host_cache_bytes = 2 * kGiB;
+  uint64_t host_tier_bytes = 1 * kGiB;
+  uint64_t staging_bytes = 1 * kGiB;
+  int io_threads = 8;
+  uint64_t chunk_bytes = 8 * kMiB;
+  int o_direct = 2;  // 0 off, 1 on, 2 auto
+  int gds = 2;       // 0 off, 1 on, 2 auto (kvikio builds only)
+  uint64_t prefetch_bytes = 1 * kGiB;
+  bool forwarding = true;
+
+  static Config Defaults();
+  // Parses "key=value" lines on top of the defaults. EINVAL on bad input.
+  static Status Parse(std::string_view kv, Config* out);
+};
+
+// First-fit allocator over [0, capacity) in units of `align`.
+class RangeAllocator {
+ public:
+  void Reset(uint64_t capacity, uint64_t align);
+  bool Alloc(uint64_t len, uint64_t* off);
+  void Free(uint64_t off, uint64_t len);
+  uint64_t capacity() const { return capacity_; }
+  uint64_t in_use() const { return in_use_; }
+  uint64_t peak() const { return peak_; }
+  void ResetPeak() { peak_ = in_use_; }
+  uint64_t free_bytes() const { return capacity_ - in_use_; }
+  uint64_t largest_free() const;
+
+ private:
+  std::map<uint64_t, uint64_t> free_;  // offset -> length
+  uint64_t capacity_ = 0, align_ = kAlign, in_use_ = 0, peak_ = 0;
+};
+
+// An anonymous mmap'd host region carved by a RangeAllocator.
+struct HostArena {
+  char* base = nullptr;
+  uint64_t size = 0;
+  RangeAllocator alloc;
+  Status Init(uint64_t bytes, const char* what);
+  void Destroy();
+};
+
+class IoBackend {
+ public:
+  virtual ~IoBackend() = default;
+  virtual const char* name() const = 0;
+  virtual bool gds() const { return false; }
+  // Transfers exactly `len` bytes (retrying short transfers) or fails.
+  virtual Status Write(size_t file, const void* buf, uint64_t len, uint64_t off) = 0;
+  virtual Status Read(size_t file, void* buf, uint64_t len, uint64_t off) = 0;
+};
+
+struct StoreFile {
+  std::string dir;
+  int fd = -1;
+  bool unlinked = true;
+  uint64_t size = 0;      // current allocated file size
+  uint64_t max_size = 0;  // share of capacity_bytes
+};
+
+std::unique_ptr<IoBackend> MakePosixBackend(const std::vector<StoreFile>* files);
+#ifdef SSDTRAIN_HAVE_KVIKIO
+// Returns nullptr (and a reason) when kvikio cannot be used; the caller falls
+// back to POSIX.
+std::unique_ptr<IoBackend> MakeKvikioBackend(const std::vector<StoreFile>* files, int gds,
+                                             bool o_direct, std::string* why_not);
+#endif
+
+enum class WState { kNone, kQueued, kRunning, kDone, kCancelled, kFailed };
+
+struct Entry {
+  uint32_t id = 0;
+  int64_t site = 0;
+  int tier = 0;  // 0 nvme (through host cache), 1 host tier
+  uint64_t nbytes = 0, padded = 0, seq = 0;
+  std::string name;
+  bool filling = true;   // the store is still copying bytes in
+  bool released = false;
+  bool freed = false;
+  int loads = 0;
+  // Host copy (cache arena for tier 0, host-tier arena for tier 1).
+  int host_arena = -1;  // 0 cache, 1 host tier, -1 none
+  uint64_t host_off = 0;
+  char* host_ptr = nullptr;
+  bool host_valid = false;       // the host buffer holds the bytes (device: after host_ready)
+  bool host_from_store = false;  // the host copy is the store's (forwarding) not a read-back
+  // File copy.
+  bool has_slot = false;
+  uint64_t file_off = 0;  // logical (striped) offset
+  WState w = WState::kNone;
+  int w_pending = 0;
+  // Read into the host buffer (demand or read-ahead).
+  bool reading = false;
+  int r_pending = 0;
+  Status r_status;
+  int pins = 0;   // loads copying out of the host buffer
+  Status error;   // sticky (failed write)
+  void* dev = nullptr;  // owned by the device module
+};
+using EntryPtr = std::shared_ptr<Entry>;
+
+// Implemented by the CUDA module. All calls are made with Engine::mu held
+// unless stated otherwise.
+class DeviceHooks {
+ public:
+  virtual ~DeviceHooks() = default;
+  // Lock NOT held. Blocks until the host copy of `e` really holds the bytes
+  // (the D2H of a device store completed).
+  virtual Status WaitHostReady(Entry& e) = 0;
+  // The host buffer of `e` is about to be freed or reused.
+  virtual void BeforeHostFree(Entry& e) = 0;
+  // `e` is being freed: drop device-side copies.
+  virtual void OnEntryFree(Entry& e) = 0;
+};
+
+struct Stats {
+  uint64_t bytes_written = 0, tensors_written = 0, bytes_read = 0, tensors_read = 0;
+  uint64_t disk_bytes_written = 0, disk_bytes_read = 0, disk_tensors_written = 0,
+           disk_tensors_read = 0;
+  uint64_t write_skipped_bytes = 0, write_skipped_tensors = 0;
+  uint64_t forwarded_tensors = 0, forwarded_bytes = 0;
+  uint64_t staging_forwarded_tensors = 0;
+  uint64_t prefetch_hits = 0, prefetch_misses = 0, prefetch_issued = 0;
+  uint64_t bounce_writes = 0, bounce_reads = 0;
+  double stall_seconds = 0, write_seconds = 0, read_seconds = 0;
+  double handle_sync_seconds = 0;
+  uint64_t staging_in_use = 0, staging_peak = 0;
+};
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int n);
+  ~ThreadPool();
+  void Submit(std::function<void()> fn, bool high_priority);
+
+ private:
+  void Run();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> high_, normal_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+class Engine {
+ public:
+  using Clock = std::chrono::steady_clock;
+  using Lock = std::unique_lock<std::mutex>;
+
+  static Status Create(const Config& cfg, std::shared_ptr<Engine>* out);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const Config& config() const { return cfg_; }
+
+  // ---- CPU handlers -------------------------------------------------------
+  Status StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int tier,
+                       std::string_view name, uint32_t handle[2]);
+  Status LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
+                    std::string_view name);
+
+  // ---- building blocks (device module) -----------------------------------
+  // Registers a new entry (releasing loaded entries of `site`) and reserves its
+  // host buffer and file slot. e->host_ptr == nullptr means "no host buffer":
+  // use WriteThrough.
+  Status BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_view name,
+                    EntryPtr* out);
+  // The bytes are (or, for the device path, will be once WaitHostReady
+  // returns) in e->host_ptr: start the write-behind.
+  Status CommitStore(const EntryPtr& e);
+  // Synchronous store through a bounce buffer; fill(dst, off, len) copies
+  // bytes [off, off+len) of the tensor to dst.
+  Status WriteThrough(const EntryPtr& e,
+                      const std::function<Status(void*, uint64_t, uint64_t)>& fill);
+  void AbortStore(const EntryPtr& e);
+  void MakeHandle(const Entry& e, uint32_t h[2]) const;
+
+  // Validates the handle and marks the entry loaded. Lock held.
+  Status LookupForLoad(Lock& lk, const uint32_t handle[2], uint64_t nbytes, int64_t site,
+                       std::string_view name, EntryPtr* out);
+  struct HostRef {
+    EntryPtr e;
+    const char* ptr = nullptr;
+    bool pinned = false;      // e->pins was incremented
+    char* bounce = nullptr;   // owned aligned buffer (free with free())
+  };
+  // Makes the bytes of `e` available in host memory (waits for a running
+  // read-ahead, or reads from the file). Lock held (may be released while
+  // waiting).
+  Status AcquireHost(Lock& lk, const EntryPtr& e, HostRef* ref);
+  void ReleaseHost(Lock& lk, HostRef* ref);
+  // Schedules read-ahead of the next predicted entries. Lock held.
+  void SchedulePrefetch(Lock& lk);
+  // Returns (and clears) a recorded asynchronous error. Lock held.
+  Status TakePendingError();
+
+  Status ReleaseAll();
+  std::string StatsString();
+  void ResetStats();
+  std::string FilePaths();
+
+  // Device module support.
+  std::mutex mu;
+  std::condition_variable cv;
+  Stats stats;
+  DeviceHooks* hooks() { return hooks_.get(); }
+  void SetHooks(std::unique_ptr<DeviceHooks> h) { hooks_ = std::move(h); }
+  HostArena& cache_arena() { return cache_; }
+  HostArena& tier_arena() { return tier_; }
+  // Predicted next loads (newest first) within the read-ahead budget. Lock held.
+  std::vector<EntryPtr> PredictNext(uint64_t budget);
+  void AddStall(double s) { stats.stall_seconds += s; }
+  std::atomic<bool> gds_active{false};
+
+ private:
+  Engine() = default;
+  Status Init(const Config& cfg);
+  Status OpenFiles();
+  Status EnsureFileSpace(uint64_t loff, uint64_t len);
+  template <typename F>
+  void ForEachPiece(uint64_t loff, uint64_t len, F&& f) const;
+  bool AllocHost(int arena, uint64_t padded, uint64_t* off);
+  void FreeHostBuffer(Entry& e);
+  // Evicts one clean cached entry. For read-ahead (`prefetch_seq` != 0) only
+  // entries already loaded or older than prefetch_seq are considered.
+  bool EvictOne(const Entry* exclude, uint64_t prefetch_seq);
+  Status AcquireCacheBuffer(Lock& lk, Entry& e, bool may_block);
+  void EnqueueWrite(const EntryPtr& e);
+  void WritePiece(const EntryPtr& e, size_t file, uint64_t foff, uint64_t buf_off,
+                  uint64_t len);
+  void FinishWrite(const EntryPtr& e);
+  void StartRead(const EntryPtr& e, bool demand);
+  void ReadPiece(const EntryPtr& e, size_t file, uint64_t foff, uint64_t buf_off,
+                 uint64_t len);
+  void FinishRead(const EntryPtr& e);
+  Status SyncIo(bool write, char* buf, uint64_t loff, uint64_t len);
+  void Release(const EntryPtr& e);
+  void MaybeFree(const EntryPtr& e);
+  void ReleaseLoadedOfSite(int64_t site);
+  void BusyBegin(bool write);
+  void BusyEnd(bool write);
+
+  Config cfg_;
+  std::vector<StoreFile> files_;
+  std::unique_ptr<IoBackend> backend_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<DeviceHooks> hooks_;
+  HostArena cache_, tier_;
+  RangeAllocator slots_;
+  bool o_direct_ = false;
+  uint32_t salt_ = 0;
+  uint32_t next_id_ = 1;
+  uint64_t next_seq_ = 1;
+  std::unordered_map<uint32_t, EntryPtr> entries_;               // live entries
+  std::unordered_map<int64_t, std::set<uint32_t>> by_site_;      // live ids per site
+  std::map<uint64_t, EntryPtr> unloaded_;                        // tier-0, by store seq
+  int writes_inflight_ = 0, reads_inflight_ = 0, pending_free_ = 0;
+  Status pending_error_;
+  int active_[2] = {0, 0};
+  Clock::time_point busy_since_[2];
+};
+
+// Process-wide engine (created with defaults on first use if not configured).
+std::shared_ptr<Engine> CurrentEngine(Status* st);
+
+}  // namespace ssdtrain

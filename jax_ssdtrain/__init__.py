@@ -19,6 +19,7 @@ from jax_ssdtrain._src.config import (
     configured,
     current as current_config,
     defaults as default_config,
+    flush,
     parse_size,
     release_all,
     reset_stats,
@@ -41,7 +42,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HigherOrderOffloadError", "Location", "OffloadPolicy", "StoreConfig", "configure",
-    "configured", "current_config", "default_config", "location_policy", "offload_policy",
+    "configured", "current_config", "default_config", "flush", "location_policy", "offload_policy",
     "parse_size", "release_all", "reset_stats", "shutdown", "ssd_offload_policy", "stats",
     "store_directories",
 ]

@@ -115,6 +115,9 @@ class ModelConfig:
     positions: str = "learned"  # or "relative" (t5 bucketed relative bias)
     rel_buckets: int = 32
     rel_max_distance: int = 128
+    # jax.nn.dot_product_attention implementation: "xla", "cudnn" or "auto" (cudnn on GPU for
+    # bf16/fp16 with a supported head dim, else xla; JAX's own None always means xla).
+    attention: str = "auto"
 
     @property
     def head_dim(self) -> int:
@@ -129,6 +132,15 @@ class ModelConfig:
             raise ValueError(f"hidden {self.hidden} not divisible by num_heads {self.num_heads}")
         if self.norm not in ("layernorm", "rmsnorm") or self.positions not in ("learned", "relative"):
             raise ValueError(f"bad norm/positions: {self.norm!r}/{self.positions!r}")
+        if self.attention not in ("auto", "xla", "cudnn"):
+            raise ValueError(f"bad attention implementation {self.attention!r}: use auto, xla or cudnn")
+
+    def attention_impl(self) -> str:
+        if self.attention != "auto":
+            return self.attention
+        cudnn_ok = (jax.default_backend() == "gpu" and self.compute_dtype in (jnp.bfloat16, jnp.float16)
+                    and self.head_dim % 8 == 0 and self.head_dim <= 128)
+        return "cudnn" if cudnn_ok else "xla"
 
 
 # (layers, hidden, heads, max_len); mlp_dim = 4 * hidden.
@@ -196,7 +208,8 @@ class Attention(nn.Module):
             k, v = kv[:, :, 0], kv[:, :, 1]
         if bias is not None:
             bias = bias.astype(q.dtype)  # (1,N,T,S)
-        out = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=self.causal, implementation=None)
+        out = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=self.causal,
+                                           implementation=cfg.attention_impl())
         out = checkpoint_name(out, ATTN)  # (B,T,N,D)
         return _dense(cfg, cfg.hidden, axis=(-2, -1), name="out")(out)  # (B,T,H)
 

@@ -74,7 +74,10 @@ def create_train_state(run: RunConfig, policy=None):
     init_rng, loss_rng = jax.random.split(jax.random.key(run.seed))
     params = jax.jit(lambda r: model.init(r, tokens, loss_rng, method="loss")["params"])(init_rng)
     tx, schedule = make_optimizer(run)
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx), model, schedule
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    # Array step and committed arrays, like a restored state: one compilation for both.
+    state = jax.device_put(state.replace(step=jnp.zeros((), jnp.int32)), jax.local_devices()[0])
+    return state, model, schedule
 
 
 def train_step(state: TrainState, tokens: jax.Array, rng: jax.Array):

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=models.PRESETS, default="tiny")
     p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
                    help="compute dtype (default: the model config's, bfloat16)")
+    p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
+                   help="attention implementation (auto: cudnn on GPU in bf16/fp16, else xla)")
     p.add_argument("--batch", type=_positive(int), default=8)
     p.add_argument("--seq-len", type=_positive(int), default=None, help="default: the preset's")
     p.add_argument("--steps", type=_positive(int), default=30)
@@ -107,6 +109,7 @@ def main(argv=None) -> dict:
         model=args.model, preset=args.preset, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
         lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
         seed=args.seed, remat_policy=args.remat_policy, locations=args.locations, dtype=args.dtype,
+        model_overrides={"attention": args.attention},
         min_bytes=args.min_bytes if args.min_bytes is not None else (0 if args.preset == "tiny" else 1 << 20))
     cfg = run.model_config()
     if cfg.positions == "learned" and (args.seq_len or 0) > cfg.max_len:
@@ -153,7 +156,11 @@ def main(argv=None) -> dict:
     bar = tqdm(range(start, run.steps), initial=start, total=run.steps, dynamic_ncols=True)
     tokens_done, t0, loss = 0, None, float("nan")
     for step in bar:
-        state, metrics = step_fn(state, next(batches), rng)
+        try:
+            tokens = next(batches)
+        except data_lib.DataError as e:
+            parser.error(str(e))
+        state, metrics = step_fn(state, tokens, rng)
         if t0 is None:  # exclude compilation from throughput
             jax.block_until_ready(metrics)
             t0 = time.perf_counter()

@@ -30,6 +30,15 @@ def train_losses(run: training.RunConfig, steps: int):
     return np.array(losses), state
 
 
+def loss_and_grads(run: training.RunConfig):
+    """One forward+backward (no optimizer: cheaper to compile than a train step)."""
+    state, model, _ = training.create_train_state(run)
+    cfg = run.model_config()
+    tokens = next(data_lib.synthetic_batches(run.batch, run.example_length(cfg), cfg.vocab_size, run.seed))
+    f = lambda p: model.apply({"params": p}, tokens, jax.random.key(1), method="loss")[0]
+    return jax.jit(jax.value_and_grad(f))(state.params)
+
+
 @pytest.mark.parametrize("model", sorted(models.MODELS))
 def test_tiny_loss_falls(model):
     run = training.RunConfig(model=model, batch=8, steps=20, locations="qkv=nvme,mlp_up=nvme", min_bytes=0)
@@ -44,14 +53,17 @@ def test_nvme_offload_bit_exact_vs_device(model, dtype):
     import jax_ssdtrain as ssd
 
     tags = ",".join(f"{t}={{}}" for t in BLOCK_TAGS if t in TAGS_BY_MODEL[model])
-    common = dict(model=model, batch=4, steps=3, dtype=dtype, min_bytes=0)
+    common = dict(model=model, batch=4, dtype=dtype, min_bytes=0)
     ssd.reset_stats()
-    nvme, s_nvme = train_losses(training.RunConfig(locations=tags.replace("{}", "nvme"), **common), 3)
-    written = ssd.stats()["bytes_written"]
-    device, s_dev = train_losses(training.RunConfig(locations=tags.replace("{}", "device"), **common), 3)
-    np.testing.assert_array_equal(nvme, device)
-    jax.tree.map(np.testing.assert_array_equal, s_nvme.params, s_dev.params)
-    assert written > 0, "nothing was offloaded"
+    nvme = jax.block_until_ready(loss_and_grads(training.RunConfig(locations=tags.replace("{}", "nvme"), **common)))
+    stats = ssd.stats()
+    device = loss_and_grads(training.RunConfig(locations=tags.replace("{}", "device"), **common))
+    if jax.default_backend() == "cpu":  # loss and every gradient, bit for bit
+        jax.tree.map(np.testing.assert_array_equal, nvme, device)
+    else:  # GPU: XLA fuses the backward differently around the custom calls (ulp-level noise)
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=2e-2, atol=1e-3)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tol), nvme, device)
+    assert stats["bytes_written"] > 0 and stats["bytes_read"] > 0, f"nothing was offloaded: {stats}"
 
 
 @pytest.mark.parametrize("model", sorted(models.MODELS))
@@ -66,19 +78,23 @@ def test_tags_present(model):
 
 
 def test_remat_policies_agree():
-    """keep / full remat / selective saving give the same f32 gradients (up to fusion noise)."""
+    """keep / full remat / selective saving give the same f32 loss and gradients."""
     base = dict(model="gpt", batch=4, dtype="float32")
-    ref, _ = train_losses(training.RunConfig(remat_policy="keep", **base), 2)
+    ref = loss_and_grads(training.RunConfig(remat_policy="keep", **base))
     for kw in (dict(remat_policy="remat"), dict(locations="qkv=device,attn=remat")):
-        got, _ = train_losses(training.RunConfig(**kw, **base), 2)
-        np.testing.assert_allclose(got, ref, rtol=1e-5)
+        got = loss_and_grads(training.RunConfig(**kw, **base))
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), got, ref)
 
 
-def test_untied_embeddings_and_learned_positions_t5():
-    for model in models.MODELS:
-        run = training.RunConfig(model=model, batch=2, model_overrides=dict(tie_embeddings=False, positions="learned"))
-        losses, state = train_losses(run, 1)
-        assert np.isfinite(losses).all()
+@pytest.mark.parametrize("model", ["gpt", "t5"])
+def test_untied_embeddings_and_other_positions(model):
+    overrides = dict(tie_embeddings=False, **({"positions": "learned"} if model == "t5" else {}))
+    run = training.RunConfig(model=model, batch=2, model_overrides=overrides)
+    state, m, _ = training.create_train_state(run)
+    assert "logits" in str(jax.tree.map(jnp.shape, state.params))
+    tokens = jnp.ones((2, run.example_length(run.model_config())), jnp.int32)
+    loss, _ = jax.jit(lambda p: m.apply({"params": p}, tokens, jax.random.key(0), method="loss"))(state.params)
+    assert np.isfinite(loss)
 
 
 @pytest.mark.parametrize("preset", models.PRESETS)

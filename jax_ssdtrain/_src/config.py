@@ -154,6 +154,15 @@ def stats() -> dict[str, float]:
   return s
 
 
+def flush() -> None:
+  """Waits for the store's in-flight writes and reads (then ``stats()`` is exact for a step).
+
+  Raises the error of a failed asynchronous write, if any.
+  """
+  if _state.config is not None:
+    native.flush()
+
+
 def reset_stats() -> None:
   ensure_configured()
   native.reset_stats()

@@ -209,6 +209,7 @@ class Engine {
                       const std::function<Status(void*, uint64_t, uint64_t)>& fill);
   void AbortStore(const EntryPtr& e);
   void MakeHandle(const Entry& e, uint32_t h[2]) const;
+  uint32_t HandleCheck(uint32_t id) const;
 
   // Validates the handle and marks the entry loaded. Lock held.
   Status LookupForLoad(Lock& lk, const uint32_t handle[2], uint64_t nbytes, int64_t site,
@@ -229,6 +230,8 @@ class Engine {
   // Returns (and clears) a recorded asynchronous error. Lock held.
   Status TakePendingError();
 
+  // Waits until no write or read is in flight; returns (and clears) a pending I/O error.
+  Status Flush();
   Status ReleaseAll();
   std::string StatsString();
   void ResetStats();
@@ -274,6 +277,7 @@ class Engine {
   void ReleaseLoadedOfSite(int64_t site);
   void BusyBegin(bool write);
   void BusyEnd(bool write);
+  void CountFileIo(bool write, size_t file, uint64_t len);
 
   Config cfg_;
   std::vector<StoreFile> files_;
@@ -291,6 +295,7 @@ class Engine {
   std::map<uint64_t, EntryPtr> unloaded_;                        // tier-0, by store seq
   int writes_inflight_ = 0, reads_inflight_ = 0, pending_free_ = 0;
   Status pending_error_;
+  std::vector<uint64_t> file_bytes_written_, file_bytes_read_;
   int active_[2] = {0, 0};
   Clock::time_point busy_since_[2];
 };

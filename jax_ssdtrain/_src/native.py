@@ -1,0 +1,257 @@
+"""ctypes loader and thin wrappers around ``libssdtrain.so`` (the native engine).
+
+The library is a plain shared object (not a Python extension). It exports a
+small C ABI (``ssdtrain_*``; every call returns 0 or an errno-like code with a
+message) and the XLA FFI handlers ``SsdtrainStoreCpu`` / ``SsdtrainLoadCpu``
+(and ``SsdtrainStoreCuda`` / ``SsdtrainLoadCuda`` in CUDA builds), registered
+with JAX as the custom-call targets ``ssdtrain_store`` / ``ssdtrain_load``.
+
+The library is loaded lazily on first use (``lib()``), so importing this module
+never fails; ``lib()`` raises ImportError if the library was not built.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import errno as _errno
+import os
+import threading
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = [
+    "STORE_TARGET",
+    "LOAD_TARGET",
+    "library_path",
+    "lib",
+    "available",
+    "register_targets",
+    "build_info",
+    "configure",
+    "stats",
+    "reset_stats",
+    "flush",
+    "release_all",
+    "shutdown",
+    "file_paths",
+]
+
+STORE_TARGET = "ssdtrain_store"
+LOAD_TARGET = "ssdtrain_load"
+
+_ERRLEN = 8192
+_OUTLEN = 1 << 16
+
+_lock = threading.RLock()
+_lib: ctypes.CDLL | None = None
+_registered: set[str] = set()
+_atexit_registered = False
+
+
+def library_path() -> Path:
+    """Where the native library is looked for: $SSDTRAIN_LIB, else next to the package."""
+    env = os.environ.get("SSDTRAIN_LIB")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[1] / "libssdtrain.so"
+
+
+def _preload_kvikio() -> None:
+    # A kvikio-enabled build links libkvikio.so, which the libkvikio wheel
+    # loads into the process; harmless (and skipped) when not installed.
+    try:
+        import libkvikio  # type: ignore
+
+        libkvikio.load_library()
+    except Exception:  # noqa: BLE001 - optional dependency
+        pass
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded native library (loaded on first call)."""
+    global _lib, _atexit_registered
+    with _lock:
+        if _lib is not None:
+            return _lib
+        path = library_path()
+        if not path.is_file():
+            raise ImportError(
+                f"jax_ssdtrain native library not found at {path}. Build it with "
+                "`pip install -e .` (or `pip install .`) from the jax_ssdtrain checkout, "
+                "or point $SSDTRAIN_LIB at a built libssdtrain.so."
+            )
+        _preload_kvikio()
+        try:
+            so = ctypes.CDLL(str(path), mode=os.RTLD_LAZY | os.RTLD_LOCAL)
+        except OSError as e:
+            raise ImportError(f"could not load {path}: {e}") from e
+        c_char_p, c_size_t, c_int = ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
+        for fn, args in [
+            ("ssdtrain_configure", [c_char_p, c_char_p, c_size_t]),
+            ("ssdtrain_stats", [c_char_p, c_size_t]),
+            ("ssdtrain_flush", [c_char_p, c_size_t]),
+            ("ssdtrain_release_all", [c_char_p, c_size_t]),
+            ("ssdtrain_shutdown", [c_char_p, c_size_t]),
+            ("ssdtrain_build_info", [c_char_p, c_size_t]),
+            ("ssdtrain_file_paths", [c_char_p, c_size_t]),
+        ]:
+            f = getattr(so, fn)
+            f.argtypes = args
+            f.restype = c_int
+        so.ssdtrain_reset_stats.argtypes = []
+        so.ssdtrain_reset_stats.restype = None
+        _lib = so
+        if not _atexit_registered:
+            atexit.register(_atexit_shutdown)
+            _atexit_registered = True
+        return so
+
+
+def available() -> bool:
+    try:
+        lib()
+        return True
+    except ImportError:
+        return False
+
+
+def _raise(code: int, msg: str) -> None:
+    if code == _errno.EINVAL:
+        raise ValueError(msg)
+    raise OSError(code, msg)
+
+
+def _call_err(fn, *args) -> None:
+    err = ctypes.create_string_buffer(_ERRLEN)
+    rc = fn(*args, err, _ERRLEN)
+    if rc != 0:
+        _raise(rc, err.value.decode("utf-8", "replace") or f"error {rc}")
+
+
+def _call_out(fn) -> str:
+    size = _OUTLEN
+    while True:
+        out = ctypes.create_string_buffer(size)
+        rc = fn(out, size)
+        if rc == _errno.ERANGE and size < (1 << 24):
+            size *= 4
+            continue
+        if rc != 0:
+            _raise(rc, out.value.decode("utf-8", "replace") or f"error {rc}")
+        return out.value.decode("utf-8", "replace")
+
+
+def _parse_kv(text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for line in text.splitlines():
+        if "=" not in line:
+            continue
+        k, v = line.split("=", 1)
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v
+    return out
+
+
+def build_info() -> dict[str, Any]:
+    """``{"cuda": 0|1, "kvikio": 0|1, "ffi_api": "major.minor"}``."""
+    info = _parse_kv(_call_out(lib().ssdtrain_build_info))
+    info["ffi_api"] = str(info.get("ffi_api", ""))
+    return info
+
+
+def register_targets() -> None:
+    """Registers ssdtrain_store/ssdtrain_load for "cpu" (and "CUDA" when built with CUDA)."""
+    import jax.ffi
+
+    with _lock:
+        so = lib()
+        platforms = [("cpu", "SsdtrainStoreCpu", "SsdtrainLoadCpu")]
+        if build_info().get("cuda") == 1:
+            platforms.append(("CUDA", "SsdtrainStoreCuda", "SsdtrainLoadCuda"))
+        for platform, store_sym, load_sym in platforms:
+            if platform in _registered:
+                continue
+            jax.ffi.register_ffi_target(
+                STORE_TARGET, jax.ffi.pycapsule(getattr(so, store_sym)), platform=platform
+            )
+            jax.ffi.register_ffi_target(
+                LOAD_TARGET, jax.ffi.pycapsule(getattr(so, load_sym)), platform=platform
+            )
+            _registered.add(platform)
+
+
+def _format_value(key: str, value: object) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if key == "directories" and isinstance(value, (list, tuple)):
+        parts = [os.fspath(v) for v in value]
+        for p in parts:
+            if ":" in p or "\n" in p:
+                raise ValueError(f"configure: directory names may not contain ':' or newlines: {p!r}")
+        return ":".join(parts)
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    s = str(value)
+    if "\n" in s:
+        raise ValueError(f"configure: value of {key!r} contains a newline")
+    return s
+
+
+def configure(kv: Mapping[str, object] | None = None, **kwargs: object) -> None:
+    """(Re)creates the process-wide engine.
+
+    Keys: directories (str with ':' separators, or a list), capacity_bytes,
+    host_cache_bytes, host_tier_bytes, staging_bytes, io_threads, chunk_bytes,
+    o_direct (0/1/2=auto), gds (0/1/2), prefetch_bytes, forwarding (bool).
+    Unknown keys or bad values raise ValueError; system errors raise OSError.
+    Reconfiguring drains in-flight I/O and drops every stored activation.
+    """
+    items = dict(kv or {})
+    items.update(kwargs)
+    text = "".join(f"{k}={_format_value(k, v)}\n" for k, v in items.items() if v is not None)
+    _call_err(lib().ssdtrain_configure, text.encode())
+
+
+def stats() -> dict[str, Any]:
+    """Counters and gauges of the engine (see the native docs for the keys)."""
+    return _parse_kv(_call_out(lib().ssdtrain_stats))
+
+
+def reset_stats() -> None:
+    lib().ssdtrain_reset_stats()
+
+
+def flush() -> None:
+    """Waits until no write or read is in flight; raises a pending asynchronous I/O error."""
+    _call_err(lib().ssdtrain_flush)
+
+
+def release_all() -> None:
+    """Drains in-flight I/O and frees every stored activation."""
+    _call_err(lib().ssdtrain_release_all)
+
+
+def shutdown() -> None:
+    """Releases everything and closes (deletes) the store files."""
+    _call_err(lib().ssdtrain_shutdown)
+
+
+def file_paths() -> list[str]:
+    """One line per store file: its path or ``<dir>/(unlinked)``."""
+    return [p for p in _call_out(lib().ssdtrain_file_paths).splitlines() if p]
+
+
+def _atexit_shutdown() -> None:
+    try:
+        if _lib is not None:
+            shutdown()
+    except Exception:  # noqa: BLE001 - interpreter is exiting
+        pass

@@ -1,0 +1,43 @@
+"""Smoke test of scripts/bench_rok.py: the tiny preset on CPU, three policies, no probe."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_rok.py"
+POLICIES = ("keep", "selective", "ssd_nvme_named")
+
+
+@pytest.mark.timeout(120)  # about 15 s on 2 CPU cores
+def test_bench_rok_tiny(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, str(SCRIPT), "--tiny", "--steps", "2", "--policies", ",".join(POLICIES),
+         "--no-probe", "--out", str(tmp_path), "--store-dir", str(tmp_path / "store")]
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=110)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+
+  (path,) = tmp_path.glob("rok_cpu_*.json")
+  assert path.with_suffix(".png").stat().st_size > 0
+  doc = json.loads(path.read_text())
+  assert doc["env"]["device_kind"] == "cpu" and doc["env"]["jax"]
+  rows = {r["policy"]: r for r in doc["rows"]}
+  assert set(rows) == set(POLICIES)
+  for r in rows.values():
+    assert "error" not in r, r
+    assert (r["H"], r["S"], r["B"], r["L"]) == (256, 128, 2, 2)
+    assert len(r["step_ms_all"]) == 2 and r["step_ms_median"] > 0 and r["model_tflops"] > 0
+    assert r["temp_GB"] > 0
+  assert rows["selective"]["x_selective"] == 1.0
+  assert rows["keep"]["temp_GB"] > rows["selective"]["temp_GB"]
+  assert "check_ok" not in rows["keep"]  # checks default to the ssd policies
+
+  ssd = rows["ssd_nvme_named"]
+  assert ssd["offload_GB_per_step"] == pytest.approx(ssd["expected_offload_GB_per_step"])
+  assert ssd["disk_MB_written_per_step"] > 0 and ssd["stall_ms_per_step"] >= 0
+  assert ssd["engine"]["tensors_written"] == 2 * 2 * 4  # steps x layers x tags
+  assert ssd["check_steps"] == 20 and ssd["check_identical_repeats"] is True
+  assert ssd["check_max_rel_diff_vs_selective"] <= 1e-2 and ssd["check_ok"] is True
+  assert "ssd_nvme_named" in proc.stdout and "x sel" in proc.stdout  # the table

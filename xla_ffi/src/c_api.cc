@@ -1,0 +1,123 @@
+// The C ABI used by jax_ssdtrain/_src/native.py through ctypes. Nothing
+// throws across it: every failure is an errno-like code plus a message.
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "ssdtrain/engine.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace ssdtrain {
+Status ReplaceEngine(const Config* cfg);
+std::shared_ptr<Engine> PeekEngine();
+}  // namespace ssdtrain
+
+using ssdtrain::Status;
+
+namespace {
+
+int CopyOut(const std::string& s, char* out, size_t len) {
+  if (!out || len == 0) return ERANGE;
+  size_t n = std::min(s.size(), len - 1);
+  memcpy(out, s.data(), n);
+  out[n] = '\0';
+  return n < s.size() ? ERANGE : 0;
+}
+
+int Report(const Status& s, char* err, size_t errlen) {
+  if (s.ok()) {
+    if (err && errlen) err[0] = '\0';
+    return 0;
+  }
+  CopyOut(s.message(), err, errlen);
+  return s.code() ? s.code() : EIO;
+}
+
+template <typename F>
+int Guard(char* err, size_t errlen, F&& f) {
+  try {
+    return Report(f(), err, errlen);
+  } catch (const std::bad_alloc&) {
+    return Report(Status(ENOMEM, "out of memory"), err, errlen);
+  } catch (const std::exception& ex) {
+    return Report(Status(EIO, std::string("internal error: ") + ex.what()), err, errlen);
+  } catch (...) {
+    return Report(Status(EIO, "internal error (unknown exception)"), err, errlen);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+SSD_EXPORT int ssdtrain_configure(const char* kv, char* err, size_t errlen) {
+  return Guard(err, errlen, [&]() -> Status {
+    ssdtrain::Config cfg;
+    SSD_RETURN_IF_ERROR(ssdtrain::Config::Parse(kv ? kv : "", &cfg));
+    return ssdtrain::ReplaceEngine(&cfg);
+  });
+}
+
+SSD_EXPORT int ssdtrain_stats(char* out, size_t outlen) {
+  try {
+    auto e = ssdtrain::PeekEngine();
+    if (!e) return CopyOut("configured=0\n", out, outlen);
+    return CopyOut("configured=1\n" + e->StatsString(), out, outlen);
+  } catch (...) {
+    return CopyOut("", out, outlen), EIO;
+  }
+}
+
+SSD_EXPORT void ssdtrain_reset_stats(void) {
+  try {
+    if (auto e = ssdtrain::PeekEngine()) e->ResetStats();
+  } catch (...) {
+  }
+}
+
+SSD_EXPORT int ssdtrain_flush(char* err, size_t errlen) {
+  return Guard(err, errlen, [&]() -> Status {
+    auto e = ssdtrain::PeekEngine();
+    return e ? e->Flush() : Status::Ok();
+  });
+}
+
+SSD_EXPORT int ssdtrain_release_all(char* err, size_t errlen) {
+  return Guard(err, errlen, [&]() -> Status {
+    auto e = ssdtrain::PeekEngine();
+    return e ? e->ReleaseAll() : Status::Ok();
+  });
+}
+
+SSD_EXPORT int ssdtrain_shutdown(char* err, size_t errlen) {
+  return Guard(err, errlen, [&]() -> Status { return ssdtrain::ReplaceEngine(nullptr); });
+}
+
+SSD_EXPORT int ssdtrain_build_info(char* out, size_t outlen) {
+  std::string s;
+#ifdef SSDTRAIN_HAVE_CUDA
+  s += "cuda=1\n";
+#else
+  s += "cuda=0\n";
+#endif
+#ifdef SSDTRAIN_HAVE_KVIKIO
+  s += "kvikio=1\n";
+#else
+  s += "kvikio=0\n";
+#endif
+  s += "ffi_api=" + std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR) +
+       "\n";
+  return CopyOut(s, out, outlen);
+}
+
+SSD_EXPORT int ssdtrain_file_paths(char* out, size_t outlen) {
+  try {
+    auto e = ssdtrain::PeekEngine();
+    return CopyOut(e ? e->FilePaths() : std::string(), out, outlen);
+  } catch (...) {
+    return EIO;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,60 @@
+// CPU FFI handlers: the activation is in host memory; no CUDA anywhere here.
+#include "ffi_common.h"
+
+namespace ffi = xla::ffi;
+
+namespace ssdtrain {
+namespace {
+
+ffi::Error StoreCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> handle,
+                        int64_t site, int32_t tier, std::string_view name) {
+  return Guarded([&]() -> Status {
+    if (handle->element_count() != 2)
+      return Status(EINVAL, "store of tag '" + std::string(name) +
+                                "': handle output must have 2 uint32 elements");
+    Status st;
+    auto engine = CurrentEngine(&st);
+    if (!engine) return st;
+    return engine->StoreFromHost(x.untyped_data(), x.size_bytes(), site, tier, name,
+                                 handle->typed_data());
+  });
+}
+
+ffi::Error LoadCpuImpl(ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out,
+                       int64_t site, int32_t tier, std::string_view name) {
+  return Guarded([&]() -> Status {
+    if (handle.element_count() != 2)
+      return Status(EINVAL, "load of tag '" + std::string(name) +
+                                "': handle input must have 2 uint32 elements");
+    Status st;
+    auto engine = CurrentEngine(&st);
+    if (!engine) return st;
+    return engine->LoadToHost(handle.typed_data(), out->untyped_data(), out->size_bytes(), site,
+                              name);
+  });
+}
+
+}  // namespace
+}  // namespace ssdtrain
+
+// Exported (the library is built with -fvisibility=hidden).
+extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainStoreCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainLoadCpu(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    SsdtrainStoreCpu, ssdtrain::StoreCpuImpl,
+    ffi::Ffi::Bind()
+        .Arg<ffi::AnyBuffer>()                // x: the activation to store
+        .Ret<ffi::Buffer<ffi::U32>>()         // handle: uint32[2] = {id, id ^ salt}
+        .Attr<int64_t>("site")                // tag site id (shared by store and load)
+        .Attr<int32_t>("tier")                // 0 = nvme via host cache, 1 = host tier
+        .Attr<std::string_view>("name"));     // tag name, for messages only
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    SsdtrainLoadCpu, ssdtrain::LoadCpuImpl,
+    ffi::Ffi::Bind()
+        .Arg<ffi::Buffer<ffi::U32>>()         // handle: from the matching store
+        .Ret<ffi::AnyBuffer>()                // out: receives the stored bytes
+        .Attr<int64_t>("site")                // tag site id (must match the store)
+        .Attr<int32_t>("tier")                // tier of the matching store
+        .Attr<std::string_view>("name"));     // tag name, for messages only

@@ -1,0 +1,541 @@
+// CUDA FFI handlers and the device side of the engine (staging arena, copy
+// stream, events). Stream-ordered correctness first:
+//   store: D2D x -> staging on the compute stream (E1), handle written on the
+//          compute stream, D2H staging -> pinned host on the copy stream after
+//          E1 (E2), I/O threads wait E2 and write the file.
+//   load:  handle D2H + sync, then D2D from staging (forwarded / prefetched),
+//          else H2D from pinned host (after E2), else file -> pinned -> H2D.
+// No CUDA call is made at load time or from CPU handlers: the module is
+// created on the first CUDA handler call.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <unordered_map>
+
+#include "ffi_common.h"
+#include "ssdtrain/cuda_check.h"
+
+namespace ffi = xla::ffi;
+
+namespace ssdtrain {
+namespace {
+
+using Lock = Engine::Lock;
+using Clock = Engine::Clock;
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+__global__ void WriteHandleKernel(uint32_t* h, uint32_t a, uint32_t b) {
+  h[0] = a;
+  h[1] = b;
+}
+
+struct DevEntry {
+  int device = -1;
+  // Copy in the device staging arena.
+  bool staged = false;
+  bool stage_from_store = false;
+  uint64_t stage_off = 0, stage_len = 0;
+  char* stage_ptr = nullptr;
+  cudaEvent_t stage_ready = nullptr;         // the staging copy is complete after this
+  std::vector<cudaEvent_t> stage_fences;     // async users of the staging region
+  // Host copy.
+  cudaEvent_t host_ready = nullptr;          // D2H into the host buffer done (E2)
+  std::vector<cudaEvent_t> host_fences;      // async H2D readers of the host buffer
+};
+
+struct DeviceState {
+  int device = -1;
+  cudaStream_t copy = nullptr;
+  char* staging = nullptr;
+  uint64_t staging_size = 0;
+  RangeAllocator alloc;
+  std::vector<cudaEvent_t> free_events;
+  std::unordered_map<Entry*, EntryPtr> staged;
+};
+
+DevEntry* D(Entry& e) { return static_cast<DevEntry*>(e.dev); }
+
+class CudaModule final : public DeviceHooks {
+ public:
+  explicit CudaModule(Engine* eng) : eng_(eng) {}
+
+  ~CudaModule() override {
+    for (auto& [id, ds] : devices_) {
+      int prev = -1;
+      cudaGetDevice(&prev);
+      cudaSetDevice(ds->device);
+      if (ds->copy) cudaStreamSynchronize(ds->copy);
+      for (cudaEvent_t ev : ds->free_events) cudaEventDestroy(ev);
+      if (ds->staging) cudaFree(ds->staging);
+      if (ds->copy) cudaStreamDestroy(ds->copy);
+      if (prev >= 0) cudaSetDevice(prev);
+    }
+    for (void* p : registered_) cudaHostUnregister(p);
+    cudaGetLastError();
+  }
+
+  // Lock held.
+  Status Device(int dev, DeviceState** out) {
+    auto it = devices_.find(dev);
+    if (it != devices_.end()) {
+      *out = it->second.get();
+      return Status::Ok();
+    }
+    auto ds = std::make_unique<DeviceState>();
+    ds->device = dev;
+    SSD_CHECK_CUDA(cudaStreamCreateWithFlags(&ds->copy, cudaStreamNonBlocking));
+    uint64_t want = RoundUp(eng_->config().staging_bytes, 256);
+    if (want) {
+      cudaError_t err = cudaMalloc(&ds->staging, want);
+      if (err != cudaSuccess) {
+        cudaGetLastError();
+        fprintf(stderr,
+                "ssdtrain: cannot allocate %llu bytes of device staging on GPU %d (%s); "
+                "stores go through the slow unstaged path\n",
+                static_cast<unsigned long long>(want), dev, cudaGetErrorString(err));
+        ds->staging = nullptr;
+        want = 0;
+      }
+    }
+    ds->staging_size = want;
+    ds->alloc.Reset(want, 256);
+    if (!host_registered_) {
+      host_registered_ = true;
+      for (HostArena* a : {&eng_->cache_arena(), &eng_->tier_arena()}) {
+        if (!a->base || !a->size) continue;
+        cudaError_t err = cudaHostRegister(a->base, a->size, cudaHostRegisterPortable);
+        if (err != cudaSuccess) {
+          cudaGetLastError();
+          fprintf(stderr,
+                  "ssdtrain: cudaHostRegister of %llu bytes failed (%s); host copies use "
+                  "pageable memory (slower, still correct)\n",
+                  static_cast<unsigned long long>(a->size), cudaGetErrorString(err));
+        } else {
+          registered_.push_back(a->base);
+        }
+      }
+    }
+    *out = ds.get();
+    devices_[dev] = std::move(ds);
+    return Status::Ok();
+  }
+
+  Status NewEvent(DeviceState* ds, cudaEvent_t* ev) {
+    if (!ds->free_events.empty()) {
+      *ev = ds->free_events.back();
+      ds->free_events.pop_back();
+      return Status::Ok();
+    }
+    SSD_CHECK_CUDA(cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
+    return Status::Ok();
+  }
+
+  void PutEvent(int dev, cudaEvent_t ev) {
+    if (!ev) return;
+    auto it = devices_.find(dev);
+    if (it == devices_.end()) {
+      cudaEventDestroy(ev);
+      return;
+    }
+    it->second->free_events.push_back(ev);
+  }
+
+  // Records a fresh event on `stream` and appends it to `fences`, recycling
+  // completed ones.
+  Status AddFence(DeviceState* ds, std::vector<cudaEvent_t>* fences, cudaStream_t stream) {
+    for (size_t i = 0; i < fences->size();) {
+      if (cudaEventQuery((*fences)[i]) == cudaSuccess) {
+        ds->free_events.push_back((*fences)[i]);
+        (*fences)[i] = fences->back();
+        fences->pop_back();
+      } else {
+        cudaGetLastError();
+        ++i;
+      }
+    }
+    cudaEvent_t ev;
+    SSD_RETURN_IF_ERROR(NewEvent(ds, &ev));
+    cudaError_t err = cudaEventRecord(ev, stream);
+    if (err != cudaSuccess) {
+      ds->free_events.push_back(ev);
+      SSD_CHECK_CUDA(err);
+    }
+    fences->push_back(ev);
+    return Status::Ok();
+  }
+
+  void SyncAndRecycle(int dev, std::vector<cudaEvent_t>* fences) {
+    for (cudaEvent_t ev : *fences) {
+      cudaEventSynchronize(ev);
+      PutEvent(dev, ev);
+    }
+    fences->clear();
+    cudaGetLastError();
+  }
+
+  static bool Idle(DevEntry* d) {
+    auto done = [](cudaEvent_t ev) {
+      if (!ev) return true;
+      cudaError_t e = cudaEventQuery(ev);
+      if (e != cudaSuccess) cudaGetLastError();
+      return e == cudaSuccess;
+    };
+    if (!done(d->stage_ready) || !done(d->host_ready)) return false;
+    for (cudaEvent_t ev : d->stage_fences)
+      if (!done(ev)) return false;
+    return true;
+  }
+
+  // Lock held. Frees the staging copy of `e` after every user of it finished.
+  void FreeStaging(Entry& e) {
+    DevEntry* d = D(e);
+    if (!d || !d->staged) return;
+    auto it = devices_.find(d->device);
+    if (d->stage_ready) cudaEventSynchronize(d->stage_ready);
+    if (d->host_ready) cudaEventSynchronize(d->host_ready);  // D2H reading the stage
+    SyncAndRecycle(d->device, &d->stage_fences);
+    PutEvent(d->device, d->stage_ready);
+    d->stage_ready = nullptr;
+    if (it != devices_.end()) {
+      it->second->alloc.Free(d->stage_off, d->stage_len);
+      it->second->staged.erase(&e);
+      eng_->stats.staging_in_use -= d->stage_len;
+    }
+    d->staged = false;
+    d->stage_ptr = nullptr;
+    cudaGetLastError();
+  }
+
+  // Lock held. Reserves staging for `e`. Evicts completed copies first
+  // (loaded entries, then oldest); with may_block, also waits for busy ones.
+  // prefetch_seq != 0 restricts eviction to entries loaded already or older.
+  bool AllocStaging(DeviceState* ds, const EntryPtr& e, bool may_block, uint64_t prefetch_seq) {
+    uint64_t len = RoundUp(e->nbytes, 256);
+    if (len > ds->staging_size) return false;
+    auto t0 = Clock::now();
+    bool stalled = false;
+    for (;;) {
+      uint64_t off;
+      if (ds->alloc.Alloc(len, &off)) {
+        DevEntry* d = D(*e);
+        d->staged = true;
+        d->stage_off = off;
+        d->stage_len = len;
+        d->stage_ptr = ds->staging + off;
+        ds->staged[e.get()] = e;
+        eng_->stats.staging_in_use += len;
+        eng_->stats.staging_peak = std::max(eng_->stats.staging_peak, eng_->stats.staging_in_use);
+        if (stalled) eng_->stats.stall_seconds += Since(t0);
+        return true;
+      }
+      Entry* best = nullptr;
+      Entry* best_busy = nullptr;
+      auto better = [](Entry* a, Entry* b) {
+        if (!b) return true;
+        bool la = a->loads > 0, lb = b->loads > 0;
+        if (la != lb) return la;
+        return a->seq < b->seq;
+      };
+      for (auto& [raw, ep] : ds->staged) {
+        if (raw == e.get() || raw->filling || raw->pins > 0) continue;
+        if (prefetch_seq && !(raw->loads > 0 || raw->seq < prefetch_seq)) continue;
+        if (Idle(D(*raw))) {
+          if (better(raw, best)) best = raw;
+        } else if (better(raw, best_busy)) {
+          best_busy = raw;
+        }
+      }
+      if (best) {
+        FreeStaging(*best);
+        continue;
+      }
+      if (may_block && best_busy) {
+        stalled = true;
+        FreeStaging(*best_busy);  // blocks on its events
+        continue;
+      }
+      return false;
+    }
+  }
+
+  // ---- DeviceHooks --------------------------------------------------------
+  Status WaitHostReady(Entry& e) override {
+    DevEntry* d = D(e);
+    if (d && d->host_ready) SSD_CHECK_CUDA(cudaEventSynchronize(d->host_ready));
+    return Status::Ok();
+  }
+
+  void BeforeHostFree(Entry& e) override {
+    DevEntry* d = D(e);
+    if (!d) return;
+    if (d->host_ready) {
+      cudaEventSynchronize(d->host_ready);
+      PutEvent(d->device, d->host_ready);
+      d->host_ready = nullptr;
+    }
+    SyncAndRecycle(d->device, &d->host_fences);
+  }
+
+  void OnEntryFree(Entry& e) override {
+    DevEntry* d = D(e);
+    if (!d) return;
+    FreeStaging(e);
+    BeforeHostFree(e);
+    delete d;
+    e.dev = nullptr;
+  }
+
+  // Lock held: copies the next predicted entries that sit in host memory
+  // into device staging on the copy stream.
+  void StagePrefetch(DeviceState* ds) {
+    const uint64_t budget =
+        std::min<uint64_t>(eng_->config().prefetch_bytes, ds->staging_size / 2);
+    if (!budget) return;
+    for (const EntryPtr& e : eng_->PredictNext(budget)) {
+      if (e->filling || e->reading || !e->host_ptr || !e->host_valid || e->nbytes == 0) continue;
+      DevEntry* d = D(*e);
+      if (!d) {
+        d = new DevEntry();
+        d->device = ds->device;
+        e->dev = d;
+      }
+      if (d->staged) continue;
+      if (!AllocStaging(ds, e, false, e->seq)) break;
+      d->stage_from_store = false;
+      Status s = [&]() -> Status {
+        if (d->host_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->copy, d->host_ready, 0));
+        SSD_CHECK_CUDA(cudaMemcpyAsync(d->stage_ptr, e->host_ptr, e->nbytes,
+                                       cudaMemcpyHostToDevice, ds->copy));
+        cudaEvent_t ready;
+        SSD_RETURN_IF_ERROR(NewEvent(ds, &ready));
+        d->stage_ready = ready;
+        SSD_CHECK_CUDA(cudaEventRecord(ready, ds->copy));
+        return AddFence(ds, &d->host_fences, ds->copy);
+      }();
+      if (!s.ok()) {
+        FreeStaging(*e);
+        break;
+      }
+      staged_prefetches_++;
+    }
+  }
+
+  Engine* eng_;
+  std::map<int, std::unique_ptr<DeviceState>> devices_;
+  std::vector<void*> registered_;
+  bool host_registered_ = false;
+  uint64_t staged_prefetches_ = 0;
+};
+
+// Lock held.
+CudaModule* Module(Engine& eng) {
+  if (!eng.hooks()) eng.SetHooks(std::make_unique<CudaModule>(&eng));
+  return static_cast<CudaModule*>(eng.hooks());
+}
+
+Status LaunchWriteHandle(cudaStream_t stream, uint32_t* dst, const uint32_t h[2]) {
+  WriteHandleKernel<<<1, 1, 0, stream>>>(dst, h[0], h[1]);
+  SSD_CHECK_CUDA(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status StoreCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> handle,
+                 int64_t site, int32_t tier, std::string_view name) {
+  if (handle->element_count() != 2)
+    return Status(EINVAL, "store of tag '" + std::string(name) +
+                              "': handle output must have 2 uint32 elements");
+  Status st;
+  auto eng = CurrentEngine(&st);
+  if (!eng) return st;
+  const uint64_t nbytes = x.size_bytes();
+  const char* src = static_cast<const char*>(x.untyped_data());
+  uint32_t* hdst = handle->typed_data();
+  int dev = 0;
+  SSD_CHECK_CUDA(cudaGetDevice(&dev));
+
+  EntryPtr e;
+  SSD_RETURN_IF_ERROR(eng->BeginStore(site, tier, nbytes, name, &e));
+  uint32_t h[2];
+  eng->MakeHandle(*e, h);
+
+  Status s = [&]() -> Status {
+    Lock lk(eng->mu);
+    CudaModule* mod = Module(*eng);
+    DeviceState* ds = nullptr;
+    SSD_RETURN_IF_ERROR(mod->Device(dev, &ds));
+    auto* d = new DevEntry();
+    d->device = dev;
+    e->dev = d;
+    if (nbytes == 0) return LaunchWriteHandle(stream, hdst, h);
+    if (!e->host_ptr) {
+      // Larger than the host cache (or no room): synchronous write-through.
+      SSD_RETURN_IF_ERROR(LaunchWriteHandle(stream, hdst, h));
+      lk.unlock();
+      return Status(-1, "");  // handled below
+    }
+    if (e->padded > nbytes) memset(e->host_ptr + nbytes, 0, e->padded - nbytes);
+    if (mod->AllocStaging(ds, e, true, 0)) {
+      d->stage_from_store = true;
+      SSD_CHECK_CUDA(cudaMemcpyAsync(d->stage_ptr, src, nbytes, cudaMemcpyDeviceToDevice, stream));
+      cudaEvent_t e1, e2;
+      SSD_RETURN_IF_ERROR(mod->NewEvent(ds, &e1));
+      d->stage_ready = e1;
+      SSD_CHECK_CUDA(cudaEventRecord(e1, stream));
+      SSD_RETURN_IF_ERROR(LaunchWriteHandle(stream, hdst, h));
+      SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->copy, e1, 0));
+      SSD_CHECK_CUDA(cudaMemcpyAsync(e->host_ptr, d->stage_ptr, nbytes, cudaMemcpyDeviceToHost,
+                                     ds->copy));
+      SSD_RETURN_IF_ERROR(mod->NewEvent(ds, &e2));
+      d->host_ready = e2;
+      SSD_CHECK_CUDA(cudaEventRecord(e2, ds->copy));
+      return Status::Ok();
+    }
+    // No staging room (or bigger than the arena): D2H on the compute stream.
+    lk.unlock();
+    auto t0 = Clock::now();
+    SSD_CHECK_CUDA(cudaMemcpyAsync(e->host_ptr, src, nbytes, cudaMemcpyDeviceToHost, stream));
+    SSD_RETURN_IF_ERROR(LaunchWriteHandle(stream, hdst, h));
+    SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
+    lk.lock();
+    eng->AddStall(Since(t0));
+    return Status::Ok();
+  }();
+  if (s.code() == -1) {
+    return eng->WriteThrough(e, [&](void* dst, uint64_t off, uint64_t len) -> Status {
+      SSD_CHECK_CUDA(cudaMemcpyAsync(dst, src + off, len, cudaMemcpyDeviceToHost, stream));
+      SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
+      return Status::Ok();
+    });
+  }
+  if (!s.ok()) {
+    eng->AbortStore(e);
+    return s.With("store of tag '" + std::string(name) + "'");
+  }
+  return eng->CommitStore(e);
+}
+
+thread_local uint32_t* t_handle_host = nullptr;
+
+Status LoadCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out,
+                int64_t site, int32_t tier, std::string_view name) {
+  if (handle.element_count() != 2)
+    return Status(EINVAL, "load of tag '" + std::string(name) +
+                              "': handle input must have 2 uint32 elements");
+  Status st;
+  auto eng = CurrentEngine(&st);
+  if (!eng) return st;
+  const uint64_t nbytes = out->size_bytes();
+  char* dst = static_cast<char*>(out->untyped_data());
+  int dev = 0;
+  SSD_CHECK_CUDA(cudaGetDevice(&dev));
+
+  // The handle lives on the device: read it (exact matching; costs a sync).
+  if (!t_handle_host) {
+    void* p = nullptr;
+    SSD_CHECK_CUDA(cudaHostAlloc(&p, 64, cudaHostAllocPortable));
+    t_handle_host = static_cast<uint32_t*>(p);
+  }
+  auto t0 = Clock::now();
+  SSD_CHECK_CUDA(cudaMemcpyAsync(t_handle_host, handle.typed_data(), 2 * sizeof(uint32_t),
+                                 cudaMemcpyDeviceToHost, stream));
+  SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
+  const uint32_t h[2] = {t_handle_host[0], t_handle_host[1]};
+  double sync_s = Since(t0);
+
+  Lock lk(eng->mu);
+  eng->stats.handle_sync_seconds += sync_s;
+  SSD_RETURN_IF_ERROR(eng->TakePendingError());
+  EntryPtr e;
+  SSD_RETURN_IF_ERROR(eng->LookupForLoad(lk, h, nbytes, site, name, &e));
+  CudaModule* mod = Module(*eng);
+  DeviceState* ds = nullptr;
+  SSD_RETURN_IF_ERROR(mod->Device(dev, &ds));
+  if (nbytes == 0) return Status::Ok();
+  DevEntry* d = D(*e);
+  if (!d) {
+    d = new DevEntry();
+    d->device = dev;
+    e->dev = d;
+  }
+  if (d->staged && d->device == dev && !e->filling && e->error.ok()) {
+    // Forwarded from the store, or prefetched into staging.
+    if (d->stage_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(stream, d->stage_ready, 0));
+    SSD_CHECK_CUDA(cudaMemcpyAsync(dst, d->stage_ptr, nbytes, cudaMemcpyDeviceToDevice, stream));
+    SSD_RETURN_IF_ERROR(mod->AddFence(ds, &d->stage_fences, stream));
+    if (e->tier == 0) {
+      if (d->stage_from_store) {
+        eng->stats.forwarded_tensors++;
+        eng->stats.forwarded_bytes += nbytes;
+      } else {
+        eng->stats.prefetch_hits++;
+      }
+    }
+    eng->stats.staging_forwarded_tensors++;
+  } else {
+    Engine::HostRef ref;
+    Status s = eng->AcquireHost(lk, e, &ref);
+    if (s.ok() && ref.bounce) {
+      lk.unlock();
+      s = [&]() -> Status {
+        SSD_CHECK_CUDA(cudaMemcpyAsync(dst, ref.ptr, nbytes, cudaMemcpyHostToDevice, stream));
+        SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
+        return Status::Ok();
+      }();
+      lk.lock();
+    } else if (s.ok()) {
+      s = [&]() -> Status {
+        if (d->host_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(stream, d->host_ready, 0));
+        SSD_CHECK_CUDA(cudaMemcpyAsync(dst, ref.ptr, nbytes, cudaMemcpyHostToDevice, stream));
+        return mod->AddFence(ds, &d->host_fences, stream);
+      }();
+    }
+    eng->ReleaseHost(lk, &ref);
+    SSD_RETURN_IF_ERROR(s);
+  }
+  eng->SchedulePrefetch(lk);
+  mod->StagePrefetch(ds);
+  return Status::Ok();
+}
+
+ffi::Error StoreCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                         ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
+                         std::string_view name) {
+  return Guarded([&] { return StoreCuda(stream, x, handle, site, tier, name); });
+}
+
+ffi::Error LoadCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U32> handle,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
+                        std::string_view name) {
+  return Guarded([&] { return LoadCuda(stream, handle, out, site, tier, name); });
+}
+
+}  // namespace
+}  // namespace ssdtrain
+
+extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainStoreCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainLoadCuda(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    SsdtrainStoreCuda, ssdtrain::StoreCudaImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // compute stream of the call
+        .Arg<ffi::AnyBuffer>()                     // x: the activation to store (device)
+        .Ret<ffi::Buffer<ffi::U32>>()              // handle: uint32[2] = {id, id ^ salt}
+        .Attr<int64_t>("site")                     // tag site id (shared by store and load)
+        .Attr<int32_t>("tier")                     // 0 = nvme via host cache, 1 = host tier
+        .Attr<std::string_view>("name"));          // tag name, for messages only
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    SsdtrainLoadCuda, ssdtrain::LoadCudaImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // compute stream of the call
+        .Arg<ffi::Buffer<ffi::U32>>()              // handle: from the matching store (device)
+        .Ret<ffi::AnyBuffer>()                     // out: receives the stored bytes (device)
+        .Attr<int64_t>("site")                     // tag site id (must match the store)
+        .Attr<int32_t>("tier")                     // tier of the matching store
+        .Attr<std::string_view>("name"));          // tag name, for messages only

@@ -68,11 +68,12 @@ def storage_probe_script() -> Path | None:
     return None
 
 
-def run_storage_probe(directory: str | os.PathLike, gb: float, timeout: float = 900) -> dict:
+def run_storage_probe(directory: str | os.PathLike, gb: float, timeout: float = 900,
+                      script: Path | None = None) -> dict:
     """Raw O_DIRECT bandwidth of ``directory``: best write/read GB/s over the probe's settings."""
-    script = storage_probe_script()
-    if script is None:
-        return {"note": "storage_probe.py not found; probe skipped"}
+    script = script or storage_probe_script()
+    if script is None or not Path(script).is_file():
+        return {"note": f"storage_probe.py not found ({script or 'shared/tools'}); probe skipped"}
     cmd = [sys.executable, str(script), str(directory), str(gb)]
     out = {"cmd": " ".join(cmd), "dir": str(directory), "GB": gb}
     try:

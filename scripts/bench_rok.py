@@ -171,12 +171,16 @@ def _compare_fn():
     return jax.jit(compare)
 
 
-def run_check(step, reference, params, shape, n: int, tol: float) -> dict:
-    """Each of ``n`` fresh inputs twice through ``step`` (bitwise equal?) and once through
-    ``reference`` (selective). A race shows up as repeats that differ or a moving error."""
+def run_check(step, reference, params, shape, cfg: dict) -> dict:
+    """Fresh inputs, each twice through ``step`` (bitwise equal?) and once through ``reference``
+    (selective). A race shows up as repeats that differ or an error that moves from step to
+    step. ``cfg["check_steps"]`` inputs, fewer (>= 3) if that would exceed
+    ``cfg["check_budget_s"]`` at the timed step times."""
     import jax
     import jax.numpy as jnp
     H, S, B, L = shape
+    per_input = (2 * cfg["step_ms"] + cfg["selective_ms"]) / 1e3
+    n = max(3, min(cfg["check_steps"], int(cfg["check_budget_s"] / max(per_input, 1e-9))))
     compare = _compare_fn()
     identical, ref_deterministic, rels = True, True, []
     for i in range(n):
@@ -190,11 +194,11 @@ def run_check(step, reference, params, shape, n: int, tol: float) -> dict:
             identical = False
             ref_deterministic &= bool(compare(r, reference(params, x), r)[0].item())
         del a, b, r
-    ok = (identical or not ref_deterministic) and max(rels) <= tol
+    tol = cfg["check_tol"]
     out = {"check_steps": n, "check_identical_repeats": identical,
            "check_max_rel_diff_vs_selective": max(rels), "check_rel_diffs": rels,
-           "check_tol": tol, "check_ok": ok}
-    if not identical:
+           "check_tol": tol, "check_ok": (identical or not ref_deterministic) and max(rels) <= tol}
+    if not identical:  # the reference too: the program is not deterministic, the check is weak
         out["check_reference_deterministic"] = ref_deterministic
     return out
 
@@ -223,46 +227,54 @@ def engine_row(s: dict, steps: int) -> dict:
 
 
 def child(cfg: dict) -> int:
+    """``cfg["mode"]``: "time" (compile, warm up, time, engine stats) or "check"."""
     import jax
     name, shape = cfg["policy"], tuple(cfg["shape"])
     H, S, B, L = shape
     spec = POLICIES[name]
     dev = jax.devices()[0]
-    gpu = dev.platform == "gpu"
-    row = {"policy": name, "H": H, "S": S, "B": B, "L": L, "heads": H // HEAD_DIM,
-           "device_kind": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
-           "steps": cfg["steps"], "offloaded": list(spec.offloaded), "saved": list(spec.saved),
-           "via": spec.via if spec.offloaded else None,
-           "expected_offload_GB_per_step": offload_bytes(spec, *shape, cfg["min_bytes"]) / 1e9}
+    row = {"policy": name, "H": H, "S": S, "B": B, "L": L}
+    ssd = None
     if spec.ssd:
         import jax_ssdtrain as ssd
         options = dict(cfg["ssd_options"])
         if spec.small_cache:
             options["host_cache_bytes"] = cfg["sweep_host_cache"]
-        store = ssd.configure(directory=cfg["store_dir"], **options)
-        row["store_config"] = dataclasses.asdict(store)
-
+        row["store_config"] = dataclasses.asdict(ssd.configure(directory=cfg["store_dir"],
+                                                               **options))
     params, x0 = init(*shape)
-    impl = "cudnn" if gpu else None
+    impl = "cudnn" if dev.platform == "gpu" else None
+    compile_ = lambda policy: make_step(policy, H // HEAD_DIM, impl).lower(params, x0).compile()  # noqa: E731
     t0 = time.perf_counter()
-    step = make_step(spec.policy(cfg["min_bytes"]), H // HEAD_DIM, impl).lower(params, x0).compile()
-    row["compile_s"] = time.perf_counter() - t0
+    step = compile_(spec.policy(cfg["min_bytes"]))
+    compile_s = time.perf_counter() - t0
+
+    if cfg["mode"] == "check":
+        reference = compile_(POLICIES["selective"].policy(0))
+        row.update(run_check(step, reference, params, shape, cfg))
+        print(json.dumps(row), flush=True)
+        return 0
+
+    row.update(heads=H // HEAD_DIM, device_kind=dev.device_kind, platform=dev.platform,
+               jax=jax.__version__, steps=cfg["steps"], offloaded=list(spec.offloaded),
+               saved=list(spec.saved), via=spec.via if spec.offloaded else None,
+               expected_offload_GB_per_step=offload_bytes(spec, *shape, cfg["min_bytes"]) / 1e9,
+               compile_s=compile_s)
     ma = step.memory_analysis()
     for key in ("temp", "host_temp", "argument", "output"):
         row[f"{key}_GB"] = getattr(ma, f"{key}_size_in_bytes", 0) / 1e9 if ma is not None else None
-
     for _ in range(cfg["warmup"]):
         out = step(params, x0)
     jax.block_until_ready(out)
     del out
-    if spec.ssd:
+    if ssd:
         ssd.reset_stats()
     times = []
     for _ in range(cfg["steps"]):
         t0 = time.perf_counter()
         jax.block_until_ready(step(params, x0))
         times.append(time.perf_counter() - t0)
-    if spec.ssd:
+    if ssd:
         row.update(engine_row(ssd.stats(), cfg["steps"]))
     ms = statistics.median(times) * 1e3
     row.update(step_ms_median=ms, step_ms_min=min(times) * 1e3,
@@ -270,11 +282,6 @@ def child(cfg: dict) -> int:
                model_tflops=model_flops(*shape) / ms / 1e9)
     mem = dev.memory_stats() or {}
     row["peak_GB"] = mem["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in mem else None
-
-    if cfg["check"]:
-        reference = make_step(POLICIES["selective"].policy(0), H // HEAD_DIM, impl)
-        reference = reference.lower(params, x0).compile()
-        row.update(run_check(step, reference, params, shape, cfg["check_steps"], cfg["check_tol"]))
     print(json.dumps(row), flush=True)
     return 0
 
@@ -329,7 +336,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                    help="correctness check (default: on for ssd_* policies only)")
-    p.add_argument("--check-steps", type=int, default=20)
+    p.add_argument("--check-steps", type=int, default=20, help="fresh inputs (default 20)")
+    p.add_argument("--check-budget-s", type=float, default=120,
+                   help="fewer check inputs (>= 3) where 20 would take longer than this")
+    p.add_argument("--check-xla-flags", default="--xla_gpu_exclude_nondeterministic_ops=true",
+                   help="XLA_FLAGS added for the check on GPU: cuDNN attention's backward is "
+                        "not deterministic otherwise, and a repeat check would mean nothing")
     p.add_argument("--check-tol", type=float, default=1e-2,
                    help="max relative gradient difference vs selective (bf16)")
     p.add_argument("--min-bytes", type=int, default=None,
@@ -342,6 +354,8 @@ def parse_args(argv=None):
                    help="host cache of the ssd_nvme_sweep_* policies, small so that the disk is "
                         "used (default 512MiB; --tiny: 1MiB)")
     p.add_argument("--probe-gb", type=float, default=2.0)
+    p.add_argument("--probe-script", type=Path, default=None,
+                   help="storage_probe.py (default: <repo>/../shared/tools or <repo>/shared/tools)")
     p.add_argument("--no-probe", action="store_true", help="skip the storage probe")
     p.add_argument("--out", type=Path, default=common.REPO_ROOT / "benchmarks")
     p.add_argument("--merge", action="store_true",
@@ -404,10 +418,13 @@ def table(doc: dict) -> str:
             if "engine" in r else "-"
         vs = f"{_fmt(r.get('write_vs_probe'))}/{_fmt(r.get('read_vs_probe'))}" \
             if "engine" in r else "-"
-        check = "-" if "check_ok" not in r else (
-            ("ok" if r["check_ok"] else "FAIL") + (" same" if r["check_identical_repeats"] else
-                                                   " DIFF") +
-            f" {r['check_max_rel_diff_vs_selective']:.1e}")
+        check = "-"
+        if "check_error" in r:
+            check = "FAIL (error)"
+        elif "check_ok" in r:
+            check = (f"{'ok' if r['check_ok'] else 'FAIL'} "
+                     f"{'same' if r['check_identical_repeats'] else 'DIFF'} "
+                     f"{r['check_max_rel_diff_vs_selective']:.1e}")
         lines.append((shape, r["policy"], f"{r['step_ms_median']:.1f}",
                       _fmt(r.get("x_selective"), "{:.3f}"), f"{r['model_tflops']:.1f}",
                       _fmt(r.get("temp_GB")), _fmt(r.get("staging_GB_peak")), _fmt(host), disk,
@@ -512,8 +529,50 @@ def replot(paths: list[Path], out: Path) -> int:
 
 
 def failures(doc: dict) -> list[str]:
-    return [f"{r.get('policy')} {_key(r)[1:]}: {r.get('error') or 'check failed'}"
+    why = lambda r: r.get("error") or r.get("check_error") or "check failed"  # noqa: E731
+    return [f"{r.get('policy')} {_key(r)[1:]}: {why(r)}"
             for r in doc["rows"] if not _ok(r) or r.get("check_ok") is False]
+
+
+CHILD_KEYS = ("steps", "warmup", "check_steps", "check_tol", "check_budget_s", "min_bytes",
+              "sweep_host_cache")
+
+
+def run_policy(args, name: str, shape, store_dir: str, done: list[dict]) -> dict:
+    """The timing child, then (if asked) the check child, whose program is made deterministic
+    on GPU (``--check-xla-flags``) so that a repeat that differs means a race."""
+    cfg = {"policy": name, "shape": shape, "store_dir": store_dir, "ssd_options": dict(args.ssd),
+           "mode": "time"} | {k: getattr(args, k) for k in CHILD_KEYS}
+    cmd = [sys.executable, os.path.abspath(__file__), "--child"]
+    t0 = time.perf_counter()
+    row = dict(zip(("policy", "H", "S", "B", "L"), (name, *shape)))
+    row |= common.run_json_child(cmd + [json.dumps(cfg)], args.child_timeout)
+    label = f"[{','.join(map(str, shape))}] {name}"
+    if not _ok(row):
+        print(f"{label}: ERROR {row['error']}\n{row.get('stderr_tail', '')}", flush=True)
+        return row
+    print(f"{label}: {row['step_ms_median']:.1f} ms, temp {row['temp_GB']:.2f} GB "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    if POLICIES[name].ssd if args.check is None else args.check:
+        sel = next((r for r in done if _key(r) == ("selective", *shape) and _ok(r)), row)
+        cfg |= {"mode": "check", "step_ms": row["step_ms_median"],
+                "selective_ms": sel["step_ms_median"]}
+        env = dict(os.environ)
+        if row["platform"] == "gpu" and args.check_xla_flags:
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args.check_xla_flags}".strip()
+            row["check_xla_flags"] = args.check_xla_flags
+        t1 = time.perf_counter()
+        check = common.run_json_child(cmd + [json.dumps(cfg)], args.child_timeout, env=env)
+        if "error" in check:
+            check = {"check_ok": False, "check_error": check["error"],
+                     "check_stderr_tail": check.get("stderr_tail")}
+        row |= {k: v for k, v in check.items() if k.startswith("check_")}
+        row["check_wall_s"] = time.perf_counter() - t1
+        print(f"{label}: check {'ok' if row['check_ok'] else 'FAILED'} "
+              f"({row.get('check_steps', 0)} inputs, {row['check_wall_s']:.0f} s)", flush=True)
+    row["wall_s"] = time.perf_counter() - t0
+    return row
 
 
 def main(argv=None) -> int:
@@ -532,26 +591,11 @@ def main(argv=None) -> int:
         probe = {"note": "--no-probe"}
         if not args.no_probe:
             print(f"storage probe: {store_dir}, {args.probe_gb:g} GB ...", flush=True)
-            probe = common.run_storage_probe(store_dir, args.probe_gb)
+            probe = common.run_storage_probe(store_dir, args.probe_gb, script=args.probe_script)
         rows = []
         for shape in args.shapes:
             for name in args.policies:
-                check = POLICIES[name].ssd if args.check is None else args.check
-                cfg = {"policy": name, "shape": shape, "steps": args.steps, "warmup": args.warmup,
-                       "check": check, "check_steps": args.check_steps,
-                       "check_tol": args.check_tol, "min_bytes": args.min_bytes,
-                       "store_dir": store_dir, "ssd_options": dict(args.ssd),
-                       "sweep_host_cache": args.sweep_host_cache}
-                t0 = time.perf_counter()
-                row = common.run_json_child([sys.executable, os.path.abspath(__file__),
-                                             "--child", json.dumps(cfg)], args.child_timeout)
-                row = dict(zip(("policy", "H", "S", "B", "L"), (name, *shape))) | row
-                row["wall_s"] = time.perf_counter() - t0
-                rows.append(row)
-                status = (f"{row['step_ms_median']:.1f} ms, temp {row['temp_GB']:.2f} GB"
-                          if _ok(row) else f"ERROR {row['error']}\n{row.get('stderr_tail', '')}")
-                print(f"[{','.join(map(str, shape))}] {name}: {status} ({row['wall_s']:.0f} s)",
-                      flush=True)
+                rows.append(run_policy(args, name, shape, store_dir, rows))
     finally:
         if made_dir:
             shutil.rmtree(made_dir, ignore_errors=True)

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(models.MODELS), default="gpt")
     p.add_argument("--preset", choices=models.PRESETS, default="tiny")
-    p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="compute dtype (default: the model config's, bfloat16)")
     p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
                    help="attention implementation (auto: cudnn on GPU in bf16/fp16, else xla)")
@@ -133,6 +133,8 @@ def main(argv=None) -> dict:
     if args.restore:
         state = training.restore_checkpoint(manager, state)
         # deterministic sources resume at the restored step
+        if hasattr(batches, "close"):
+            batches.close()
         batches = data_lib.make_batches(args.data, args.loader, run.batch, run.example_length(cfg),
                                         cfg.vocab_size, run.seed, start_step=int(state.step))
     print(f"{args.model}/{args.preset}: {n_params / 1e6:.2f}M params, dtype {cfg.dtype}, "
@@ -154,6 +156,7 @@ def main(argv=None) -> dict:
     ssd.reset_stats()
     start = int(state.step)
     bar = tqdm(range(start, run.steps), initial=start, total=run.steps, dynamic_ncols=True)
+    tokens_per_step = run.batch * (run.seq_len or cfg.max_len)  # model input positions
     tokens_done, t0, loss = 0, None, float("nan")
     for step in bar:
         try:
@@ -165,7 +168,7 @@ def main(argv=None) -> dict:
             jax.block_until_ready(metrics)
             t0 = time.perf_counter()
         else:
-            tokens_done += float(metrics["tokens"])
+            tokens_done += tokens_per_step
         if (step + 1) % args.log_every == 0 or step + 1 == run.steps:
             loss = float(metrics["loss"])
             dt = time.perf_counter() - t0

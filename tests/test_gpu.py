@@ -30,7 +30,7 @@ def gpt_layer(x, p, heads):
   x = checkpoint_name(x, "layer_in")
   qkv = checkpoint_name(rms(x) @ p["wqkv"], "qkv")
   q, k, v = jnp.split(qkv.reshape(b, s, 3 * heads, h // heads), 3, axis=2)  # [B, S, 3*nh, hd]
-  a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
   a = checkpoint_name(a.reshape(b, s, h), "attn")
   x = x + a @ p["wo"]
   u = checkpoint_name(rms(x) @ p["w1"], "mlp_up")

@@ -60,8 +60,9 @@ def test_nvme_offload_bit_exact_vs_device(model, dtype):
     device = loss_and_grads(training.RunConfig(locations=tags.replace("{}", "device"), **common))
     if jax.default_backend() == "cpu":  # loss and every gradient, bit for bit
         jax.tree.map(np.testing.assert_array_equal, nvme, device)
-    else:  # GPU: XLA fuses the backward differently around the custom calls (ulp-level noise)
-        tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=2e-2, atol=1e-3)
+    else:  # GPU: XLA fuses the backward differently around the custom calls, and "f32" matmuls
+        # run in TF32: rounding-level noise only
+        tol = dict(rtol=5e-3, atol=5e-4) if dtype == "float32" else dict(rtol=2e-2, atol=1e-3)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tol), nvme, device)
     assert stats["bytes_written"] > 0 and stats["bytes_read"] > 0, f"nothing was offloaded: {stats}"
 

@@ -195,11 +195,14 @@ def main(argv=None) -> dict:
     if hasattr(batches, "close"):
         batches.close()
     st = ssd.stats()
+    mem = jax.devices()[0].memory_stats() or {}  # None on CPU
     summary = dict(final_loss=loss, tokens_per_s=tokens_done / dt if dt > 0 else 0.0,
                    gb_written=st.get("bytes_written", 0) / 1e9, gb_read=st.get("bytes_read", 0) / 1e9,
+                   peak_device_gb=mem.get("peak_bytes_in_use", 0) / 1e9,
                    steps=int(state.step), offload=offloading)
     print(f"done: steps {summary['steps']}  final loss {loss:.4f}  tokens/s {summary['tokens_per_s']:,.0f}  "
-          f"store written {summary['gb_written']:.4f} GB  read {summary['gb_read']:.4f} GB", flush=True)
+          f"store written {summary['gb_written']:.4f} GB  read {summary['gb_read']:.4f} GB  "
+          f"peak device memory {summary['peak_device_gb']:.2f} GB", flush=True)
     return summary
 
 

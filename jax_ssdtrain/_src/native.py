@@ -16,6 +16,7 @@ import atexit
 import ctypes
 import errno as _errno
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Mapping
@@ -50,11 +51,20 @@ _atexit_registered = False
 
 
 def library_path() -> Path:
-    """Where the native library is looked for: $SSDTRAIN_LIB, else next to the package."""
+    """Where the native library is: $SSDTRAIN_LIB, else next to this package, else in an
+    installed copy of the package on sys.path (a source checkout imported beside a
+    ``pip install .`` of it has no library of its own)."""
     env = os.environ.get("SSDTRAIN_LIB")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[1] / "libssdtrain.so"
+    here = Path(__file__).resolve().parents[1] / "libssdtrain.so"
+    if here.exists():
+        return here
+    for entry in sys.path:
+        installed = Path(entry or ".") / "jax_ssdtrain" / "libssdtrain.so"
+        if installed.exists():
+            return installed.resolve()
+    return here
 
 
 def _preload_kvikio() -> None:

@@ -201,8 +201,8 @@ def main(argv=None) -> dict:
                    peak_device_gb=mem.get("peak_bytes_in_use", 0) / 1e9,
                    steps=int(state.step), offload=offloading)
     print(f"done: steps {summary['steps']}  final loss {loss:.4f}  tokens/s {summary['tokens_per_s']:,.0f}  "
-          f"store written {summary['gb_written']:.4f} GB  read {summary['gb_read']:.4f} GB  "
-          f"peak device memory {summary['peak_device_gb']:.2f} GB", flush=True)
+          f"store written {summary['gb_written']:.4f} GB  read {summary['gb_read']:.4f} GB"
+          + (f"  peak device memory {summary['peak_device_gb']:.2f} GB" if mem else ""), flush=True)
     return summary
 
 

@@ -407,3 +407,13 @@ def test_default_store_is_a_private_temp_dir(monkeypatch):
     assert not os.path.exists(d)
   finally:
     ssd.shutdown()
+
+
+def test_base_policy_decides_untagged_equations(store):
+  w = params(jax.random.key(40))
+  x = jax.random.normal(jax.random.key(41), (8, 32))
+  ours = ssd.offload_policy(["h"], names_to_save=["g"], min_bytes=0, base=cp.dots_saveable)
+  reference = cp.save_from_both_policies(cp.dots_saveable, cp.save_only_these_names("h", "g"))
+  grad = lambda pol: jax.jit(jax.grad(make_loss(pol)))(w, x)
+  assert_trees_equal(grad(ours), grad(reference))
+  assert ssd.stats()["tensors_written"] == 3

@@ -50,7 +50,8 @@ struct DevEntry {
 
 struct DeviceState {
   int device = -1;
-  cudaStream_t copy = nullptr;
+  cudaStream_t copy = nullptr;  // device -> host (stores)
+  cudaStream_t h2d = nullptr;   // host -> device staging (read-ahead), so both directions overlap
   char* staging = nullptr;
   uint64_t staging_size = 0;
   RangeAllocator alloc;
@@ -70,9 +71,11 @@ class CudaModule final : public DeviceHooks {
       cudaGetDevice(&prev);
       cudaSetDevice(ds->device);
       if (ds->copy) cudaStreamSynchronize(ds->copy);
+      if (ds->h2d) cudaStreamSynchronize(ds->h2d);
       for (cudaEvent_t ev : ds->free_events) cudaEventDestroy(ev);
       if (ds->staging) cudaFree(ds->staging);
       if (ds->copy) cudaStreamDestroy(ds->copy);
+      if (ds->h2d) cudaStreamDestroy(ds->h2d);
       if (prev >= 0) cudaSetDevice(prev);
     }
     for (void* p : registered_) cudaHostUnregister(p);
@@ -89,6 +92,7 @@ class CudaModule final : public DeviceHooks {
     auto ds = std::make_unique<DeviceState>();
     ds->device = dev;
     SSD_CHECK_CUDA(cudaStreamCreateWithFlags(&ds->copy, cudaStreamNonBlocking));
+    SSD_CHECK_CUDA(cudaStreamCreateWithFlags(&ds->h2d, cudaStreamNonBlocking));
     uint64_t want = RoundUp(eng_->config().staging_bytes, 256);
     if (want) {
       cudaError_t err = cudaMalloc(&ds->staging, want);
@@ -294,7 +298,7 @@ class CudaModule final : public DeviceHooks {
   // into device staging on the copy stream.
   void StagePrefetch(DeviceState* ds) {
     const uint64_t budget =
-        std::min<uint64_t>(eng_->config().prefetch_bytes, ds->staging_size / 2);
+        std::min<uint64_t>(eng_->config().prefetch_bytes, ds->staging_size);
     if (!budget) return;
     for (const EntryPtr& e : eng_->PredictNext(budget)) {
       if (e->filling || e->reading || !e->host_ptr || !e->host_valid || e->nbytes == 0) continue;
@@ -308,14 +312,14 @@ class CudaModule final : public DeviceHooks {
       if (!AllocStaging(ds, e, false, e->seq)) break;
       d->stage_from_store = false;
       Status s = [&]() -> Status {
-        if (d->host_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->copy, d->host_ready, 0));
+        if (d->host_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->h2d, d->host_ready, 0));
         SSD_CHECK_CUDA(cudaMemcpyAsync(d->stage_ptr, e->host_ptr, e->nbytes,
-                                       cudaMemcpyHostToDevice, ds->copy));
+                                       cudaMemcpyHostToDevice, ds->h2d));
         cudaEvent_t ready;
         SSD_RETURN_IF_ERROR(NewEvent(ds, &ready));
         d->stage_ready = ready;
-        SSD_CHECK_CUDA(cudaEventRecord(ready, ds->copy));
-        return AddFence(ds, &d->host_fences, ds->copy);
+        SSD_CHECK_CUDA(cudaEventRecord(ready, ds->h2d));
+        return AddFence(ds, &d->host_fences, ds->h2d);
       }();
       if (!s.ok()) {
         FreeStaging(*e);

@@ -298,6 +298,19 @@ def _check_directory(directory: str) -> None:
     else:
       msg = f"store directory {directory!r} cannot be created: {probe!r} is not writable"
     raise PermissionError(_errno.EACCES, msg)
+  missing = []
+  cur = directory
+  while cur != probe and cur:
+    missing.append(cur)
+    cur = os.path.dirname(cur)
+  for path in reversed(missing):  # created 0700, as the engine would
+    try:
+      os.mkdir(path, 0o700)
+    except FileExistsError:
+      pass
+    except OSError as e:
+      raise type(e)(e.errno, f"store directory {directory!r} cannot be created: mkdir({path!r}) "
+                    f"failed: {e.strerror}") from None
 
 
 def _free_bytes_total(directories: Sequence[str]) -> int:

@@ -615,7 +615,9 @@ void Engine::ReleaseLoadedOfSite(int64_t site) {
   std::vector<EntryPtr> victims;
   for (uint32_t id : it->second) {
     auto e = entries_.find(id);
-    if (e != entries_.end() && e->second->loads > 0) victims.push_back(e->second);
+    // Not while a load is under way (another thread running the same program).
+    if (e != entries_.end() && e->second->loads > 0 && e->second->loading == 0)
+      victims.push_back(e->second);
   }
   for (auto& v : victims) Release(v);
 }
@@ -1198,9 +1200,11 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
   SSD_RETURN_IF_ERROR(TakePendingError());
   EntryPtr e;
   SSD_RETURN_IF_ERROR(LookupForLoad(lk, handle, nbytes, site, name, &e));
+  e->loading++;
   HostRef ref;
   Status s = AcquireHost(lk, e, &ref);
   if (!s.ok()) {
+    e->loading--;
     ReleaseHost(lk, &ref);
     return s;
   }
@@ -1210,6 +1214,7 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
     if (s.ok()) memcpy(dst, ref.ptr, nbytes);
     lk.lock();
   }
+  e->loading--;
   ReleaseHost(lk, &ref);
   SchedulePrefetch(lk);
   return s;

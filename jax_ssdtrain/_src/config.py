@@ -18,6 +18,8 @@ variable                    option                                   default
 ``SSDTRAIN_O_DIRECT``       ``o_direct`` (auto / on / off)            auto
 ``SSDTRAIN_GDS``            ``gds`` (auto / on / off)                 auto
 ``SSDTRAIN_FORWARDING``     ``forwarding`` (on / off)                 on
+``SSDTRAIN_ON_FULL``        ``on_full`` (error / keep)                error
+``SSDTRAIN_VERIFY``         ``verify`` (crc32c checks, on / off)      off
 =========================== ======================================== =====================
 
 Sizes accept suffixes (``512MiB``, ``4G``, ``1.5GB``). Host memory is taken lazily, as used.
@@ -26,12 +28,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno as _errno
 import dataclasses
 import os
 import re
 import shutil
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -55,6 +59,12 @@ class StoreConfig:
   o_direct: bool | None = None
   gds: bool | None = None
   forwarding: bool = True
+  on_full: str = "error"
+  verify: bool = False
+
+
+class UnknownOptionError(TypeError, ValueError):
+  """``configure()`` got an option it does not know (both a TypeError and a ValueError)."""
 
 
 _ENV = {  # option -> (variable, parser)
@@ -70,6 +80,8 @@ _ENV = {  # option -> (variable, parser)
     "gds": ("SSDTRAIN_GDS", lambda v: _parse_switch(v, what="SSDTRAIN_GDS")),
     "forwarding": ("SSDTRAIN_FORWARDING", lambda v: _parse_switch(v, what="SSDTRAIN_FORWARDING",
                                                                   auto=False)),
+    "on_full": ("SSDTRAIN_ON_FULL", lambda v: v.lower()),
+    "verify": ("SSDTRAIN_VERIFY", lambda v: _parse_switch(v, what="SSDTRAIN_VERIFY", auto=False)),
 }
 
 
@@ -95,8 +107,8 @@ def configure(directory: str | os.PathLike | Sequence[str | os.PathLike] | None 
   unknown = sorted(set(options) - {f.name for f in dataclasses.fields(StoreConfig)} -
                    {"directories"})
   if unknown:
-    raise TypeError(f"configure: unknown option(s) {unknown}; known: "
-                    f"{[f.name for f in dataclasses.fields(StoreConfig)]}")
+    raise UnknownOptionError(f"configure: unknown option(s) {unknown}; known: "
+                             f"{[f.name for f in dataclasses.fields(StoreConfig)]}")
   with _lock:
     base = _state.config if _state.config is not None else defaults()
     changes = dict(options)
@@ -149,6 +161,7 @@ def stats() -> dict[str, float]:
   """Engine counters since the last :func:`reset_stats` (see the README for the keys)."""
   ensure_configured()
   s = native.stats()
+  _warn_if_kept(s)
   s["write_GBps"] = s["disk_bytes_written"] / s["write_seconds"] / 1e9 if s.get("write_seconds") else 0.0
   s["read_GBps"] = s["disk_bytes_read"] / s["read_seconds"] / 1e9 if s.get("read_seconds") else 0.0
   return s
@@ -161,6 +174,7 @@ def flush() -> None:
   """
   if _state.config is not None:
     native.flush()
+    _warn_if_kept(native.stats())
 
 
 def reset_stats() -> None:
@@ -203,6 +217,8 @@ class _State:
   config: StoreConfig | None = None
   temp_dir: str | None = None
   targets_registered = False
+  warned_kept = False
+  warned_o_direct: set = set()
 
 
 _state = _State()
@@ -218,22 +234,116 @@ def _apply(cfg: StoreConfig) -> None:
     if _state.temp_dir is None:
       _state.temp_dir = tempfile.mkdtemp(prefix="jax_ssdtrain-")  # mode 0700
     directories = (_state.temp_dir,)
+  if cfg.directories:
+    for d in cfg.directories:
+      _check_directory(d)
   native.configure(_engine_options(cfg, directories))
   _state.config = cfg
+  _state.warned_kept = False
+  if cfg.o_direct is None and native.stats().get("o_direct") == 0 and \
+      directories not in _state.warned_o_direct:
+    _state.warned_o_direct.add(directories)
+    warnings.warn(f"jax_ssdtrain: O_DIRECT is not supported by the filesystem of the store "
+                  f"directory {', '.join(directories)} (e.g. tmpfs); using buffered I/O "
+                  f"(o_direct=None/auto). Pass o_direct=False to silence this.",
+                  RuntimeWarning, stacklevel=3)
   if cfg.directories and _state.temp_dir is not None:
     _remove_temp_dir()
 
 
 def _engine_options(cfg: StoreConfig, directories: tuple[str, ...]) -> dict[str, Any]:
   capacity = cfg.capacity_bytes
+  free = _free_bytes_total(directories)
   if capacity is None:
-    capacity = int(0.9 * sum(_free_bytes(d) for d in directories))
+    capacity = int(0.9 * free)
+  elif capacity > free:
+    raise ValueError(f"capacity_bytes={capacity} ({capacity / GiB:.2f} GiB) is beyond the free "
+                     f"space of the store directories {list(directories)}: {free} bytes "
+                     f"({free / GiB:.2f} GiB)")
   switch = {None: 2, True: 1, False: 0}
   return dict(directories=":".join(directories), capacity_bytes=capacity,
               host_cache_bytes=cfg.host_cache_bytes, host_tier_bytes=cfg.host_tier_bytes,
               staging_bytes=cfg.staging_bytes, io_threads=cfg.io_threads,
               chunk_bytes=cfg.chunk_bytes, prefetch_bytes=cfg.prefetch_bytes,
-              o_direct=switch[cfg.o_direct], gds=switch[cfg.gds], forwarding=int(cfg.forwarding))
+              o_direct=switch[cfg.o_direct], gds=switch[cfg.gds], forwarding=int(cfg.forwarding),
+              on_full=_ON_FULL[cfg.on_full], verify=int(cfg.verify))
+
+
+_ON_FULL = {"error": 0, "keep": 1}
+
+
+def _warn_if_kept(s: dict[str, Any]) -> None:
+  if s.get("full_kept_tensors") and not _state.warned_kept:
+    _state.warned_kept = True
+    warnings.warn(f"jax_ssdtrain: the store was full (capacity_bytes={s.get('file_bytes_peak')} "
+                  f"in use at peak); on_full='keep' kept {s['full_kept_tensors']} tensor(s), "
+                  f"{s['full_kept_bytes']} bytes, in host memory", RuntimeWarning, stacklevel=3)
+
+
+def _check_directory(directory: str) -> None:
+  """Names the problem with a store directory before the engine tries it."""
+  probe = directory
+  while not os.path.lexists(probe):
+    parent = os.path.dirname(probe)
+    if parent == probe:
+      break
+    probe = parent
+  if not os.path.isdir(probe):
+    what = "is" if probe == directory else "is below"
+    raise NotADirectoryError(_errno.ENOTDIR, f"store directory {directory!r} {what} {probe!r}, "
+                             f"which exists and is not a directory")
+  if not os.access(probe, os.W_OK | os.X_OK):
+    if probe == directory:
+      msg = f"store directory {directory!r} is not writable"
+    else:
+      msg = f"store directory {directory!r} cannot be created: {probe!r} is not writable"
+    raise PermissionError(_errno.EACCES, msg)
+  missing = []
+  cur = directory
+  while cur != probe and cur:
+    missing.append(cur)
+    cur = os.path.dirname(cur)
+  for path in reversed(missing):  # created 0700, as the engine would
+    try:
+      os.mkdir(path, 0o700)
+    except FileExistsError:
+      pass
+    except OSError as e:
+      raise type(e)(e.errno, f"store directory {directory!r} cannot be created: mkdir({path!r}) "
+                    f"failed: {e.strerror}") from None
+
+
+def _free_bytes_total(directories: Sequence[str]) -> int:
+  """Free space of the directories' filesystems, each filesystem counted once."""
+  seen, total = set(), 0
+  for d in directories:
+    probe = _existing(d)
+    try:
+      dev = os.stat(probe).st_dev
+    except OSError:
+      dev = probe
+    if dev in seen:
+      continue
+    seen.add(dev)
+    total += _free_bytes(d)
+  return total
+
+
+def _existing(directory: str) -> str:
+  probe = directory
+  while not os.path.exists(probe):
+    parent = os.path.dirname(os.path.abspath(probe))
+    if parent == probe:
+      break
+    probe = parent
+  return probe
+
+
+def _physical_ram() -> int | None:
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
 
 
 def _free_bytes(directory: str) -> int:
@@ -267,6 +377,20 @@ def _validated(cfg: StoreConfig) -> StoreConfig:
       raise ValueError(f"{key}: expected True, False or None (auto), got {getattr(cfg, key)!r}")
   if not isinstance(cfg.forwarding, bool):
     raise ValueError(f"forwarding: expected a bool, got {cfg.forwarding!r}")
+  if not isinstance(cfg.verify, bool):
+    raise ValueError(f"verify: expected a bool, got {cfg.verify!r}")
+  if cfg.on_full not in _ON_FULL:
+    raise ValueError(f"on_full: expected 'error' or 'keep', got {cfg.on_full!r}")
+  ram = _physical_ram()
+  if ram:
+    for key in ("host_tier_bytes", "host_cache_bytes"):
+      if getattr(cfg, key) > ram:
+        raise ValueError(f"{key}={getattr(cfg, key)} ({getattr(cfg, key) / GiB:.2f} GiB) is "
+                         f"beyond the physical memory of this machine ({ram / GiB:.2f} GiB)")
+    both = cfg.host_tier_bytes + cfg.host_cache_bytes
+    if both > ram:
+      raise ValueError(f"host_tier_bytes + host_cache_bytes = {both} ({both / GiB:.2f} GiB) is "
+                       f"beyond the physical memory of this machine ({ram / GiB:.2f} GiB)")
   return dataclasses.replace(cfg, directories=_directories(cfg.directories))
 
 

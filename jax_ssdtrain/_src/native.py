@@ -36,6 +36,8 @@ __all__ = [
     "release_all",
     "shutdown",
     "file_paths",
+    "debug_truncate",
+    "debug_corrupt",
 ]
 
 STORE_TARGET = "ssdtrain_store"
@@ -108,6 +110,10 @@ def lib() -> ctypes.CDLL:
         ]:
             f = getattr(so, fn)
             f.argtypes = args
+            f.restype = c_int
+        for fn in ("ssdtrain_debug_truncate", "ssdtrain_debug_corrupt"):
+            f = getattr(so, fn)
+            f.argtypes = [ctypes.c_uint64, c_char_p, c_size_t]
             f.restype = c_int
         so.ssdtrain_reset_stats.argtypes = []
         so.ssdtrain_reset_stats.restype = None
@@ -220,7 +226,9 @@ def configure(kv: Mapping[str, object] | None = None, **kwargs: object) -> None:
 
     Keys: directories (str with ':' separators, or a list), capacity_bytes,
     host_cache_bytes, host_tier_bytes, staging_bytes, io_threads, chunk_bytes,
-    o_direct (0/1/2=auto), gds (0/1/2), prefetch_bytes, forwarding (bool).
+    o_direct (0/1/2=auto), gds (0/1/2), prefetch_bytes, forwarding (bool),
+    on_full (0 error, 1 keep in the host tier), verify (bool: crc32c checks).
+    The test hook $SSDTRAIN_FAULT ("op:n:errno") is read here.
     Unknown keys or bad values raise ValueError; system errors raise OSError.
     Reconfiguring drains in-flight I/O and drops every stored activation.
     """
@@ -257,6 +265,16 @@ def shutdown() -> None:
 def file_paths() -> list[str]:
     """One line per store file: its path or ``<dir>/(unlinked)``."""
     return [p for p in _call_out(lib().ssdtrain_file_paths).splitlines() if p]
+
+
+def debug_truncate(size: int = 0) -> None:
+    """Test hook: cuts every store file to ``size`` bytes (data stored beyond is lost)."""
+    _call_err(lib().ssdtrain_debug_truncate, int(size))
+
+
+def debug_corrupt(offset: int) -> None:
+    """Test hook: flips one byte of the store at logical (striped) offset ``offset``."""
+    _call_err(lib().ssdtrain_debug_corrupt, int(offset))
 
 
 def _atexit_shutdown() -> None:

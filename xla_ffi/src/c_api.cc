@@ -120,4 +120,20 @@ SSD_EXPORT int ssdtrain_file_paths(char* out, size_t outlen) {
   }
 }
 
+// Test hooks (tests/test_reliability.py): cut every store file to `size`
+// bytes; flip one byte of the store at a logical offset.
+SSD_EXPORT int ssdtrain_debug_truncate(uint64_t size, char* err, size_t errlen) {
+  return Guard(err, errlen, [&]() -> Status {
+    auto e = ssdtrain::PeekEngine();
+    return e ? e->DebugTruncate(size) : Status(EINVAL, "the store is not configured");
+  });
+}
+
+SSD_EXPORT int ssdtrain_debug_corrupt(uint64_t offset, char* err, size_t errlen) {
+  return Guard(err, errlen, [&]() -> Status {
+    auto e = ssdtrain::PeekEngine();
+    return e ? e->DebugCorrupt(offset) : Status(EINVAL, "the store is not configured");
+  });
+}
+
 }  // extern "C"

@@ -148,6 +148,7 @@ Status Config::Parse(std::string_view kv, Config* out) {
         {"io_threads", 1, 256},             {"chunk_bytes", 1, 1LL << 32},
         {"o_direct", 0, 2},                 {"gds", 0, 2},
         {"prefetch_bytes", 0, INT64_MAX},   {"forwarding", 0, 1},
+        {"on_full", 0, 1},                  {"verify", 0, 1},
     };
     const IntKey* k = nullptr;
     for (const auto& cand : keys)
@@ -171,6 +172,8 @@ Status Config::Parse(std::string_view kv, Config* out) {
     else if (key == "gds") c.gds = static_cast<int>(x);
     else if (key == "prefetch_bytes") c.prefetch_bytes = x;
     else if (key == "forwarding") c.forwarding = x != 0;
+    else if (key == "on_full") c.on_full = static_cast<int>(x);
+    else if (key == "verify") c.verify = x != 0;
   }
   if (c.chunk_bytes % kAlign != 0)
     return Status(EINVAL, "configure: invalid value for 'chunk_bytes': " +
@@ -180,6 +183,57 @@ Status Config::Parse(std::string_view kv, Config* out) {
                               std::to_string(c.capacity_bytes) + " (must be >= 4096)");
   *out = c;
   return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------
+// FaultSpec (test hook)
+// ---------------------------------------------------------------------------
+Status FaultSpec::Parse(const char* spec, FaultSpec* out) {
+  out->op = kNone;
+  if (!spec || !*spec) return Status::Ok();
+  std::string s(spec);
+  auto bad = [&](const std::string& why) {
+    return Status(EINVAL, "SSDTRAIN_FAULT='" + s + "': " + why +
+                              " (expected op:n:errno, op in write, read, shortwrite, shortread; "
+                              "e.g. write:3:ENOSPC)");
+  };
+  size_t a = s.find(':'), b = a == std::string::npos ? a : s.find(':', a + 1);
+  if (b == std::string::npos) return bad("expected three ':'-separated fields");
+  std::string op = s.substr(0, a), n = s.substr(a + 1, b - a - 1), err = s.substr(b + 1);
+  if (op == "write") out->op = kWrite;
+  else if (op == "read") out->op = kRead;
+  else if (op == "shortwrite") out->op = kShortWrite;
+  else if (op == "shortread") out->op = kShortRead;
+  else return bad("unknown op '" + op + "'");
+  int64_t k = 0;
+  if (!ParseInt("n", n, &k).ok() || k < 1) return bad("n must be a positive integer");
+  out->n = static_cast<uint64_t>(k);
+  static const struct { const char* name; int code; } names[] = {
+      {"EIO", EIO},       {"ENOSPC", ENOSPC}, {"EDQUOT", EDQUOT}, {"EROFS", EROFS},
+      {"EBADF", EBADF},   {"EFBIG", EFBIG},   {"EINTR", EINTR},   {"EAGAIN", EAGAIN},
+      {"ENOMEM", ENOMEM}, {"EINVAL", EINVAL}, {"ENXIO", ENXIO},   {"EFAULT", EFAULT},
+  };
+  out->err = -1;
+  for (const auto& nm : names)
+    if (err == nm.name) out->err = nm.code;
+  if (out->err < 0) {
+    int64_t e = 0;
+    if (!ParseInt("errno", err, &e).ok() || e < 0 || e > 4095)
+      return bad("unknown errno '" + err + "'");
+    out->err = static_cast<int>(e);
+  }
+  if ((out->op == kWrite || out->op == kRead) && out->err == 0)
+    return bad("errno must be non-zero for op '" + op + "'");
+  fprintf(stderr, "ssdtrain: fault injection armed: %s\n", s.c_str());
+  return Status::Ok();
+}
+
+FaultSpec::Op FaultSpec::Next(bool write) {
+  if (op == kNone) return kNone;
+  bool mine = write ? (op == kWrite || op == kShortWrite) : (op == kRead || op == kShortRead);
+  if (!mine) return kNone;
+  uint64_t k = (write ? writes : reads).fetch_add(1) + 1;
+  return k == n ? op : kNone;
 }
 
 // ---------------------------------------------------------------------------
@@ -318,6 +372,7 @@ Status Engine::Init(const Config& cfg) {
   SSD_RETURN_IF_ERROR(cache_.Init(cfg.host_cache_bytes, "host_cache_bytes"));
   SSD_RETURN_IF_ERROR(tier_.Init(cfg.host_tier_bytes, "host_tier_bytes"));
   slots_.Reset(cfg.capacity_bytes, kAlign);
+  SSD_RETURN_IF_ERROR(FaultSpec::Parse(getenv("SSDTRAIN_FAULT"), &fault_));
   SSD_RETURN_IF_ERROR(OpenFiles());
 #ifdef SSDTRAIN_HAVE_KVIKIO
   if (cfg.gds != 0) {
@@ -330,7 +385,7 @@ Status Engine::Init(const Config& cfg) {
     }
   }
 #endif
-  if (!backend_) backend_ = MakePosixBackend(&files_);
+  if (!backend_) backend_ = MakePosixBackend(&files_, &fault_);
   pool_ = std::make_unique<ThreadPool>(cfg.io_threads);
   return Status::Ok();
 }
@@ -361,9 +416,16 @@ Status Engine::OpenFiles() {
         files_.clear();
         return s;
       }
-      fchmod(fd, 0600);
-      unlink(buf.data());
       f.fd = fd;
+      if (fchmod(fd, 0600) != 0 || unlink(buf.data()) != 0) {
+        Status s = SysError(errno, "making the store file '" + std::string(buf.data()) +
+                                       "' private (fchmod/unlink)", __FILE__, __LINE__);
+        unlink(buf.data());
+        close(fd);
+        for (auto& g : files_) close(g.fd);
+        files_.clear();
+        return s;
+      }
     }
     files_.push_back(f);
   }
@@ -390,7 +452,13 @@ Status Engine::OpenFiles() {
     if (!direct_ok) {
       for (auto& f : files_) {
         int fl = fcntl(f.fd, F_GETFL);
-        if (fl >= 0) fcntl(f.fd, F_SETFL, fl & ~O_DIRECT);
+        if (fl < 0 || fcntl(f.fd, F_SETFL, fl & ~O_DIRECT) < 0) {
+          Status s = SysError(errno, "clearing O_DIRECT on the store file in '" + f.dir + "'",
+                              __FILE__, __LINE__);
+          for (auto& g : files_) close(g.fd);
+          files_.clear();
+          return s;
+        }
       }
     }
   }
@@ -547,7 +615,9 @@ void Engine::ReleaseLoadedOfSite(int64_t site) {
   std::vector<EntryPtr> victims;
   for (uint32_t id : it->second) {
     auto e = entries_.find(id);
-    if (e != entries_.end() && e->second->loads > 0) victims.push_back(e->second);
+    // Not while a load is under way (another thread running the same program).
+    if (e != entries_.end() && e->second->loads > 0 && e->second->loading == 0)
+      victims.push_back(e->second);
   }
   for (auto& v : victims) Release(v);
 }
@@ -614,6 +684,7 @@ void Engine::EnqueueWrite(const EntryPtr& e) {
   });
   e->w = WState::kQueued;
   e->w_pending = static_cast<int>(pieces.size());
+  e->w_io_left = static_cast<int>(pieces.size());
   writes_inflight_++;
   for (auto& [f, foff, boff, len] : pieces) {
     pool_->Submit([this, e, f = f, foff = foff, boff = boff, len = len] {
@@ -636,6 +707,11 @@ void Engine::WritePiece(const EntryPtr& e, size_t file, uint64_t foff, uint64_t 
   Status s;
   if (hooks_ && e->dev) s = hooks_->WaitHostReady(*e);
   if (s.ok()) s = backend_->Write(file, e->host_ptr + boff, len, foff);
+  // The last piece checksums the host copy (device stores: the bytes exist only now).
+  if (e->w_io_left.fetch_sub(1) == 1 && cfg_.verify && !e->crc_set && s.ok()) {
+    e->crc = Crc32c(0, e->host_ptr, e->nbytes);
+    e->crc_set = true;
+  }
   Lock lk(mu);
   BusyEnd(true);
   if (s.ok()) CountFileIo(true, file, len);
@@ -677,6 +753,7 @@ void Engine::StartRead(const EntryPtr& e, bool demand) {
   e->reading = true;
   e->r_status = Status();
   e->r_pending = static_cast<int>(pieces.size());
+  e->r_io_left = static_cast<int>(pieces.size());
   reads_inflight_++;
   for (auto& [f, foff, boff, len] : pieces) {
     pool_->Submit([this, e, f = f, foff = foff, boff = boff, len = len] {
@@ -692,11 +769,17 @@ void Engine::ReadPiece(const EntryPtr& e, size_t file, uint64_t foff, uint64_t b
     BusyBegin(false);
   }
   Status s = backend_->Read(file, e->host_ptr + boff, len, foff);
+  Status c;  // the last piece verifies the whole tensor
+  if (e->r_io_left.fetch_sub(1) == 1) c = CheckCrc(*e, e->host_ptr);
   Lock lk(mu);
   BusyEnd(false);
   if (s.ok()) CountFileIo(false, file, len);
   if (!s.ok() && e->r_status.ok())
     e->r_status = s.With("read of " + Describe(e->name, e->site, e->id));
+  if (!c.ok()) {
+    stats.checksum_failures++;
+    if (e->r_status.ok()) e->r_status = c;
+  }
   if (--e->r_pending == 0) FinishRead(e);
 }
 
@@ -713,6 +796,18 @@ void Engine::FinishRead(const EntryPtr& e) {
   }
   MaybeFree(e);
   cv.notify_all();
+}
+
+Status Engine::CheckCrc(const Entry& e, const char* buf) {
+  if (!cfg_.verify || !e.crc_set || e.nbytes == 0) return Status::Ok();
+  uint32_t got = Crc32c(0, buf, e.nbytes);
+  if (got == e.crc) return Status::Ok();
+  char hex[64];
+  snprintf(hex, sizeof hex, "crc32c 0x%08x read, 0x%08x written", got, e.crc);
+  return Status(EIO, "checksum mismatch reading " + Describe(e.name, e.site, e.id) + ": " + hex +
+                         " (" + std::to_string(e.nbytes) + " bytes at store offset " +
+                         std::to_string(e.file_off) + "); the store file was modified or the "
+                         "disk returned bad data");
 }
 
 Status Engine::SyncIo(bool write, char* buf, uint64_t loff, uint64_t len) {
@@ -786,29 +881,56 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
     e->host_ptr = tier_.base + off;
   } else {
     uint64_t off;
+    Status full;
     if (!slots_.Alloc(e->padded, &off)) {
-      return Status(ENOSPC, "No space left in the ssdtrain store for tag '" + e->name +
+      full = Status(ENOSPC, "No space left in the ssdtrain store for tag '" + e->name +
                                 "': " + std::to_string(e->padded) + " bytes requested, " +
                                 std::to_string(slots_.free_bytes()) + " free (largest extent " +
                                 std::to_string(slots_.largest_free()) + ", capacity_bytes=" +
                                 std::to_string(cfg_.capacity_bytes) + ")");
+    } else {
+      Status s = EnsureFileSpace(off, e->padded);
+      if (!s.ok()) {
+        slots_.Free(off, e->padded);
+        full = s.With("storing tag '" + e->name + "'");
+      }
     }
-    Status s = EnsureFileSpace(off, e->padded);
-    if (!s.ok()) {
-      slots_.Free(off, e->padded);
-      return s.With("storing tag '" + e->name + "'");
-    }
-    e->has_slot = true;
-    e->file_off = off;
-    Status a = AcquireCacheBuffer(lk, *e, true);
-    if (!a.ok()) {
-      slots_.Free(off, e->padded);
-      return a;
+    if (full.ok()) {
+      e->has_slot = true;
+      e->file_off = off;
+      Status a = AcquireCacheBuffer(lk, *e, true);
+      if (!a.ok()) {
+        slots_.Free(off, e->padded);
+        return a;
+      }
+    } else {
+      bool fs_full = full.code() == ENOSPC || full.code() == EDQUOT || full.code() == EFBIG;
+      if (cfg_.on_full != 1 || !fs_full) return full;
+      // on_full=keep: hold the tensor in the host tier instead (never overwrites live data).
+      if (!AllocHost(1, e->padded, &off))
+        return Status(ENOSPC, full.message() + "; on_full=keep: the host tier has no room "
+                                  "either (" + std::to_string(tier_.alloc.free_bytes()) +
+                                  " bytes free, host_tier_bytes=" +
+                                  std::to_string(cfg_.host_tier_bytes) + ")");
+      e->tier = 1;
+      e->kept_full = true;
+      e->host_arena = 1;
+      e->host_off = off;
+      e->host_ptr = tier_.base + off;
+      stats.full_kept_tensors++;
+      stats.full_kept_bytes += nbytes;
+      if (!warned_full_) {
+        warned_full_ = true;
+        fprintf(stderr,
+                "ssdtrain: store full (capacity_bytes=%llu); on_full=keep: keeping tag '%s' "
+                "and later overflow in host memory (host tier)\n",
+                static_cast<unsigned long long>(cfg_.capacity_bytes), e->name.c_str());
+      }
     }
   }
   entries_[e->id] = e;
   by_site_[site].insert(e->id);
-  if (tier == 0) unloaded_[e->seq] = e;
+  if (e->tier == 0) unloaded_[e->seq] = e;
   stats.bytes_written += nbytes;
   stats.tensors_written++;
   *out = e;
@@ -840,10 +962,12 @@ Status Engine::WriteThrough(const EntryPtr& e,
   char* bounce = static_cast<char*>(raw);
   auto t0 = Clock::now();
   Status s;
+  uint32_t crc = 0;
   for (uint64_t off = 0; off < e->nbytes && s.ok(); off += window) {
     uint64_t len = std::min(window, e->nbytes - off);
     s = fill(bounce, off, len);
     if (!s.ok()) break;
+    if (cfg_.verify) crc = Crc32c(crc, bounce, len);
     uint64_t plen = RoundUp(len, kAlign);
     if (plen > len) memset(bounce + len, 0, plen - len);
     s = SyncIo(true, bounce, e->file_off + off, plen);
@@ -858,6 +982,10 @@ Status Engine::WriteThrough(const EntryPtr& e,
     return s.With("synchronous write of " + Describe(e->name, e->site, e->id));
   }
   e->w = WState::kDone;
+  if (cfg_.verify) {
+    e->crc = crc;
+    e->crc_set = true;
+  }
   stats.disk_bytes_written += e->nbytes;
   stats.disk_tensors_written++;
   MaybeFree(e);
@@ -880,6 +1008,10 @@ Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int
     if (nbytes) {
       memcpy(e->host_ptr, src, nbytes);
       if (e->padded > nbytes) memset(e->host_ptr + nbytes, 0, e->padded - nbytes);
+      if (cfg_.verify && e->tier == 0) {
+        e->crc = Crc32c(0, e->host_ptr, nbytes);
+        e->crc_set = true;
+      }
     }
     return CommitStore(e);
   }
@@ -995,12 +1127,17 @@ Status Engine::AcquireHost(Lock& lk, const EntryPtr& e, HostRef* ref) {
   stats.bounce_reads++;
   lk.unlock();
   Status s = SyncIo(false, static_cast<char*>(raw), e->file_off, e->padded);
+  Status c = s.ok() ? CheckCrc(*e, static_cast<char*>(raw)) : Status();
   lk.lock();
+  if (!c.ok()) {
+    stats.checksum_failures++;
+    s = c;
+  }
   stats.stall_seconds += Seconds(t0, Clock::now());
   (void)t0;
   if (!s.ok()) {
     free(raw);
-    return s.With("load of " + Describe(e->name, e->site, e->id));
+    return c.ok() ? s.With("load of " + Describe(e->name, e->site, e->id)) : s;
   }
   stats.disk_bytes_read += e->nbytes;
   stats.disk_tensors_read++;
@@ -1063,9 +1200,11 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
   SSD_RETURN_IF_ERROR(TakePendingError());
   EntryPtr e;
   SSD_RETURN_IF_ERROR(LookupForLoad(lk, handle, nbytes, site, name, &e));
+  e->loading++;
   HostRef ref;
   Status s = AcquireHost(lk, e, &ref);
   if (!s.ok()) {
+    e->loading--;
     ReleaseHost(lk, &ref);
     return s;
   }
@@ -1075,6 +1214,7 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
     if (s.ok()) memcpy(dst, ref.ptr, nbytes);
     lk.lock();
   }
+  e->loading--;
   ReleaseHost(lk, &ref);
   SchedulePrefetch(lk);
   return s;
@@ -1139,6 +1279,9 @@ std::string Engine::StatsString() {
   u("prefetch_issued", s.prefetch_issued);
   u("bounce_writes", s.bounce_writes);
   u("bounce_reads", s.bounce_reads);
+  u("full_kept_tensors", s.full_kept_tensors);
+  u("full_kept_bytes", s.full_kept_bytes);
+  u("checksum_failures", s.checksum_failures);
   d("stall_seconds", s.stall_seconds);
   d("handle_sync_seconds", s.handle_sync_seconds);
   d("write_seconds", s.write_seconds);
@@ -1160,6 +1303,9 @@ std::string Engine::StatsString() {
   u("o_direct", o_direct_ ? 1 : 0);
   u("gds", gds_active ? 1 : 0);
   u("io_threads", cfg_.io_threads);
+  u("verify", cfg_.verify ? 1 : 0);
+  u("on_full", cfg_.on_full);
+  u("open_files", files_.size());
   u("chunk_bytes", cfg_.chunk_bytes);
   u("directories", files_.size());
   for (size_t i = 0; i < files_.size(); ++i) {
@@ -1169,6 +1315,40 @@ std::string Engine::StatsString() {
   }
   o << "backend=" << (backend_ ? backend_->name() : "none") << '\n';
   return o.str();
+}
+
+Status Engine::DebugTruncate(uint64_t size) {
+  Lock lk(mu);
+  for (auto& f : files_)
+    SSD_CHECK_SYS(ftruncate(f.fd, static_cast<off_t>(size)),
+                  "ftruncate of the store file in '" + f.dir + "'");
+  return Status::Ok();
+}
+
+Status Engine::DebugCorrupt(uint64_t loff) {
+  if (files_.empty()) return Status(EINVAL, "no store file");
+  const uint64_t chunk = cfg_.chunk_bytes, n = files_.size();
+  uint64_t stripe = loff / chunk, within = loff % chunk;
+  const StoreFile& f = files_[stripe % n];
+  uint64_t foff = (stripe / n) * chunk + within;
+  uint64_t base = foff / kAlign * kAlign;
+  void* raw = nullptr;
+  if (posix_memalign(&raw, kAlign, kAlign) != 0) return Status(ENOMEM, "debug_corrupt buffer");
+  char* p = static_cast<char*>(raw);
+  // Aligned block read-modify-write: works with and without O_DIRECT.
+  ssize_t r = pread(f.fd, p, kAlign, static_cast<off_t>(base));
+  Status s;
+  if (r != static_cast<ssize_t>(kAlign)) {
+    s = r < 0 ? SysError(errno, "debug_corrupt pread", __FILE__, __LINE__)
+              : Status(EIO, "debug_corrupt: offset " + std::to_string(loff) + " is past the end "
+                                                                            "of the store file");
+  } else {
+    p[foff - base] ^= 0x5A;
+    if (pwrite(f.fd, p, kAlign, static_cast<off_t>(base)) != static_cast<ssize_t>(kAlign))
+      s = SysError(errno, "debug_corrupt pwrite", __FILE__, __LINE__);
+  }
+  free(raw);
+  return s;
 }
 
 std::string Engine::FilePaths() {

@@ -9,7 +9,8 @@ namespace {
 
 class PosixBackend final : public IoBackend {
  public:
-  explicit PosixBackend(const std::vector<StoreFile>* files) : files_(files) {}
+  PosixBackend(const std::vector<StoreFile>* files, FaultSpec* fault)
+      : files_(files), fault_(fault) {}
   const char* name() const override { return "posix"; }
 
   Status Write(size_t file, const void* buf, uint64_t len, uint64_t off) override {
@@ -17,7 +18,7 @@ class PosixBackend final : public IoBackend {
     const char* p = static_cast<const char*>(buf);
     uint64_t done = 0;
     while (done < len) {
-      ssize_t n = pwrite(f.fd, p + done, len - done, static_cast<off_t>(off + done));
+      ssize_t n = Call(true, f.fd, const_cast<char*>(p) + done, len - done, off + done);
       if (n < 0) {
         if (errno == EINTR) continue;
         int e = errno;
@@ -38,7 +39,7 @@ class PosixBackend final : public IoBackend {
     char* p = static_cast<char*>(buf);
     uint64_t done = 0;
     while (done < len) {
-      ssize_t n = pread(f.fd, p + done, len - done, static_cast<off_t>(off + done));
+      ssize_t n = Call(false, f.fd, p + done, len - done, off + done);
       if (n < 0) {
         if (errno == EINTR) continue;
         int e = errno;
@@ -55,13 +56,31 @@ class PosixBackend final : public IoBackend {
   }
 
  private:
+  // One pread/pwrite, or the fault injected in its place (SSDTRAIN_FAULT).
+  ssize_t Call(bool write, int fd, char* p, uint64_t len, uint64_t off) {
+    FaultSpec::Op op = fault_ ? fault_->Next(write) : FaultSpec::kNone;
+    if (op == FaultSpec::kWrite || op == FaultSpec::kRead) {
+      errno = fault_->err;
+      return -1;
+    }
+    if (op == FaultSpec::kShortWrite || op == FaultSpec::kShortRead) {
+      // Half the bytes, kept 4 KiB aligned so that O_DIRECT accepts the call.
+      uint64_t half = len / 2 / kAlign * kAlign;
+      if (half > 0) len = half;
+    }
+    return write ? pwrite(fd, p, len, static_cast<off_t>(off))
+                 : pread(fd, p, len, static_cast<off_t>(off));
+  }
+
   const std::vector<StoreFile>* files_;
+  FaultSpec* fault_;
 };
 
 }  // namespace
 
-std::unique_ptr<IoBackend> MakePosixBackend(const std::vector<StoreFile>* files) {
-  return std::make_unique<PosixBackend>(files);
+std::unique_ptr<IoBackend> MakePosixBackend(const std::vector<StoreFile>* files,
+                                            FaultSpec* fault) {
+  return std::make_unique<PosixBackend>(files, fault);
 }
 
 }  // namespace ssdtrain

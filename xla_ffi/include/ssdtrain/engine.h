@@ -41,6 +41,8 @@ struct Config {
   int gds = 2;       // 0 off, 1 on, 2 auto (kvikio builds only)
   uint64_t prefetch_bytes = 1 * kGiB;
   bool forwarding = true;
+  int on_full = 0;      // store full: 0 error, 1 keep the tensor in the host tier
+  bool verify = false;  // crc32c of every tensor written, checked after every disk read
 
   static Config Defaults();
   // Parses "key=value" lines on top of the defaults. EINVAL on bad input.
@@ -74,6 +76,24 @@ struct HostArena {
   void Destroy();
 };
 
+// crc32c (Castagnoli), hardware (SSE4.2) where available, else slicing-by-8.
+uint32_t Crc32c(uint32_t crc, const void* data, uint64_t len);
+
+// Test hook: SSDTRAIN_FAULT="op:n:errno" (op in write, read, shortwrite,
+// shortread) read when an engine is created. The n-th pwrite/pread syscall of
+// that kind fails with errno (write/read) or transfers half of its bytes
+// (shortwrite/shortread; errno ignored). Fires once.
+struct FaultSpec {
+  enum Op { kNone, kWrite, kRead, kShortWrite, kShortRead };
+  Op op = kNone;
+  uint64_t n = 0;
+  int err = 0;
+  std::atomic<uint64_t> writes{0}, reads{0};
+  static Status Parse(const char* spec, FaultSpec* out);
+  // Called before each syscall; returns kNone, or the fault to apply now.
+  Op Next(bool write);
+};
+
 class IoBackend {
  public:
   virtual ~IoBackend() = default;
@@ -92,7 +112,8 @@ struct StoreFile {
   uint64_t max_size = 0;  // share of capacity_bytes
 };
 
-std::unique_ptr<IoBackend> MakePosixBackend(const std::vector<StoreFile>* files);
+std::unique_ptr<IoBackend> MakePosixBackend(const std::vector<StoreFile>* files,
+                                            FaultSpec* fault = nullptr);
 #ifdef SSDTRAIN_HAVE_KVIKIO
 // Returns nullptr (and a reason) when kvikio cannot be used; the caller falls
 // back to POSIX.
@@ -128,6 +149,12 @@ struct Entry {
   int r_pending = 0;
   Status r_status;
   int pins = 0;   // loads copying out of the host buffer
+  int loading = 0;  // CPU loads in progress (the site's next store must not release it)
+  bool kept_full = false;  // on_full=keep: held in the host tier because the files were full
+  // verify: crc32c of the nbytes, set before (or by the last piece of) the write.
+  bool crc_set = false;
+  uint32_t crc = 0;
+  std::atomic<int> w_io_left{0}, r_io_left{0};  // pieces whose syscalls are not done
   Status error;   // sticky (failed write)
   void* dev = nullptr;  // owned by the device module
 };
@@ -159,6 +186,8 @@ struct Stats {
   double stall_seconds = 0, write_seconds = 0, read_seconds = 0;
   double handle_sync_seconds = 0;
   uint64_t staging_in_use = 0, staging_peak = 0;
+  uint64_t full_kept_tensors = 0, full_kept_bytes = 0;  // on_full=keep
+  uint64_t checksum_failures = 0;
 };
 
 class ThreadPool {
@@ -236,6 +265,10 @@ class Engine {
   std::string StatsString();
   void ResetStats();
   std::string FilePaths();
+  // Test hooks (C ABI ssdtrain_debug_*): cut every store file to `size` bytes;
+  // flip one byte at a logical (striped) store offset.
+  Status DebugTruncate(uint64_t size);
+  Status DebugCorrupt(uint64_t loff);
 
   // Device module support.
   std::mutex mu;
@@ -272,6 +305,8 @@ class Engine {
                  uint64_t len);
   void FinishRead(const EntryPtr& e);
   Status SyncIo(bool write, char* buf, uint64_t loff, uint64_t len);
+  // verify: checks the bytes read into `buf` against e's crc.
+  Status CheckCrc(const Entry& e, const char* buf);
   void Release(const EntryPtr& e);
   void MaybeFree(const EntryPtr& e);
   void ReleaseLoadedOfSite(int64_t site);
@@ -287,6 +322,8 @@ class Engine {
   HostArena cache_, tier_;
   RangeAllocator slots_;
   bool o_direct_ = false;
+  bool warned_full_ = false;
+  FaultSpec fault_;
   uint32_t salt_ = 0;
   uint32_t next_id_ = 1;
   uint64_t next_seq_ = 1;

@@ -1,0 +1,70 @@
+"""Shared by tests/test_reliability.py and the subprocesses it starts (imported by path)."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+import jax_ssdtrain as ssd
+
+NAMES = ("h", "g")
+
+
+def layer(w, x, names=NAMES):
+  h = checkpoint_name(jnp.sin(x @ w["a"]), names[0])
+  g = checkpoint_name(h @ w["b"], names[1])
+  return x + jnp.tanh(g) * h
+
+
+def make_loss(policy, names=NAMES):
+  f = jax.checkpoint(lambda w, x: layer(w, x, names), policy=policy)
+
+  def loss(w, x):
+    y, _ = jax.lax.scan(lambda c, wi: (f(wi, c), None), x, w)
+    return jnp.sum(y ** 2)
+  return loss
+
+
+def params(seed=0, n_layers=3, d=64, batch=64):
+  ka, kb, kx = jax.random.split(jax.random.key(seed), 3)
+  w = {"a": jax.random.normal(ka, (n_layers, d, d)) / np.sqrt(d),
+       "b": jax.random.normal(kb, (n_layers, d, d)) / np.sqrt(d)}
+  return w, jax.random.normal(kx, (batch, d))
+
+
+def steps(names=NAMES):
+  ours = jax.jit(jax.grad(make_loss(ssd.offload_policy(names, min_bytes=0), names)))
+  ref = jax.jit(jax.grad(make_loss(jax.checkpoint_policies.save_only_these_names(*names),
+                                   names)))
+  return ours, ref
+
+
+def assert_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def store(x, site=1, name="t"):
+  return jax.ffi.ffi_call("ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32),
+                          has_side_effect=True)(x, site=np.int64(site), tier=np.int32(0),
+                                                name=name)
+
+
+def load(h, like, site=1, name="t"):
+  return jax.ffi.ffi_call("ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype),
+                          has_side_effect=True)(h, site=np.int64(site), tier=np.int32(0),
+                                                name=name)
+
+
+def store_fds(directory):
+  """Open descriptors of this process on files in `directory` (unlinked store files)."""
+  out = []
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+      continue
+    if target.startswith(str(directory) + "/"):
+      out.append(target)
+  return out

@@ -23,12 +23,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _rel_common as rc  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Backend of the subprocesses: cpu here; `SSDTRAIN_TEST_PLATFORM=cuda` on a GPU machine runs
+# them through the CUDA handlers.
+PLATFORM = os.environ.get("SSDTRAIN_TEST_PLATFORM", "cpu")
 MiB = 1 << 20
 
 
 def run_py(code, *, env=None, timeout=120):
   """Runs `code` in a fresh interpreter (CPU jax); returns the CompletedProcess."""
-  full_env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=HERE + os.pathsep +
+  full_env = dict(os.environ, JAX_PLATFORMS=PLATFORM, PYTHONPATH=HERE + os.pathsep +
                   os.environ.get("PYTHONPATH", ""))
   full_env.pop("SSDTRAIN_FAULT", None)
   full_env.update(env or {})
@@ -365,7 +368,7 @@ def test_kill_9_leaves_nothing_readable(tmp_path):
               jax.block_until_ready(g)
               print("READY", flush=True)
           """)],
-      env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=HERE), stdout=subprocess.PIPE,
+      env=dict(os.environ, JAX_PLATFORMS=PLATFORM, PYTHONPATH=HERE), stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True)
   try:
     t0 = time.monotonic()
@@ -424,7 +427,7 @@ def test_two_processes_one_directory(tmp_path):
       assert s["disk_tensors_read"] > 0, s
       print("OK", s["disk_tensors_written"])
       """)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=HERE)
+  env = dict(os.environ, JAX_PLATFORMS=PLATFORM, PYTHONPATH=HERE)
   env.pop("SSDTRAIN_FAULT", None)
   procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True) for _ in range(2)]

@@ -456,6 +456,13 @@ Status LoadCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> handle, ffi::Result<f
   SSD_RETURN_IF_ERROR(eng->TakePendingError());
   EntryPtr e;
   SSD_RETURN_IF_ERROR(eng->LookupForLoad(lk, h, nbytes, site, name, &e));
+  // A concurrent store at this site must not release the entry while it is being loaded
+  // (the lock is dropped around the bounce copy below); the guard ends under the lock.
+  e->loading++;
+  struct LoadingGuard {
+    Entry& entry;
+    ~LoadingGuard() { entry.loading--; }
+  } loading_guard{*e};
   CudaModule* mod = Module(*eng);
   DeviceState* ds = nullptr;
   SSD_RETURN_IF_ERROR(mod->Device(dev, &ds));

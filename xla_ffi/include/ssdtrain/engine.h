@@ -149,7 +149,7 @@ struct Entry {
   int r_pending = 0;
   Status r_status;
   int pins = 0;   // loads copying out of the host buffer
-  int loading = 0;  // CPU loads in progress (the site's next store must not release it)
+  int loading = 0;  // loads in progress (the site's next store must not release it)
   bool kept_full = false;  // on_full=keep: held in the host tier because the files were full
   // verify: crc32c of the nbytes, set before (or by the last piece of) the write.
   bool crc_set = false;

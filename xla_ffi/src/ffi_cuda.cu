@@ -473,7 +473,9 @@ Status LoadCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> handle, ffi::Result<f
     d->device = dev;
     e->dev = d;
   }
-  if (d->staged && d->device == dev && !e->filling && e->error.ok()) {
+  // Without forwarding an nvme tensor comes back from the file, not from its store's staging copy.
+  const bool staging_usable = eng->config().forwarding || e->tier != 0 || !d->stage_from_store;
+  if (d->staged && staging_usable && d->device == dev && !e->filling && e->error.ok()) {
     // Forwarded from the store, or prefetched into staging.
     if (d->stage_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(stream, d->stage_ready, 0));
     SSD_CHECK_CUDA(cudaMemcpyAsync(dst, d->stage_ptr, nbytes, cudaMemcpyDeviceToDevice, stream));

@@ -677,20 +677,22 @@ void Engine::BusyEnd(bool write) {
 // ---------------------------------------------------------------------------
 // Writes
 // ---------------------------------------------------------------------------
-void Engine::EnqueueWrite(const EntryPtr& e) {
-  std::vector<std::tuple<size_t, uint64_t, uint64_t, uint64_t>> pieces;
-  ForEachPiece(e->file_off, e->padded, [&](size_t f, uint64_t foff, uint64_t boff, uint64_t len) {
-    pieces.emplace_back(f, foff, boff, len);
+std::vector<Engine::Piece> Engine::Pieces(const Entry& e) const {
+  std::vector<Piece> pieces;
+  ForEachPiece(e.file_off, e.padded, [&](size_t f, uint64_t foff, uint64_t boff, uint64_t len) {
+    pieces.push_back(Piece{f, foff, boff, len});
   });
+  return pieces;
+}
+
+void Engine::EnqueueWrite(const EntryPtr& e) {
+  const std::vector<Piece> pieces = Pieces(*e);
   e->w = WState::kQueued;
   e->w_pending = static_cast<int>(pieces.size());
   e->w_io_left = static_cast<int>(pieces.size());
   writes_inflight_++;
-  for (auto& [f, foff, boff, len] : pieces) {
-    pool_->Submit([this, e, f = f, foff = foff, boff = boff, len = len] {
-      WritePiece(e, f, foff, boff, len);
-    }, false);
-  }
+  for (const Piece& p : pieces)
+    pool_->Submit([this, e, p] { WritePiece(e, p.file, p.file_off, p.buf_off, p.len); }, false);
 }
 
 void Engine::WritePiece(const EntryPtr& e, size_t file, uint64_t foff, uint64_t boff,
@@ -746,20 +748,14 @@ void Engine::FinishWrite(const EntryPtr& e) {
 // Reads
 // ---------------------------------------------------------------------------
 void Engine::StartRead(const EntryPtr& e, bool demand) {
-  std::vector<std::tuple<size_t, uint64_t, uint64_t, uint64_t>> pieces;
-  ForEachPiece(e->file_off, e->padded, [&](size_t f, uint64_t foff, uint64_t boff, uint64_t len) {
-    pieces.emplace_back(f, foff, boff, len);
-  });
+  const std::vector<Piece> pieces = Pieces(*e);
   e->reading = true;
   e->r_status = Status();
   e->r_pending = static_cast<int>(pieces.size());
   e->r_io_left = static_cast<int>(pieces.size());
   reads_inflight_++;
-  for (auto& [f, foff, boff, len] : pieces) {
-    pool_->Submit([this, e, f = f, foff = foff, boff = boff, len = len] {
-      ReadPiece(e, f, foff, boff, len);
-    }, demand);
-  }
+  for (const Piece& p : pieces)
+    pool_->Submit([this, e, p] { ReadPiece(e, p.file, p.file_off, p.buf_off, p.len); }, demand);
 }
 
 void Engine::ReadPiece(const EntryPtr& e, size_t file, uint64_t foff, uint64_t boff,

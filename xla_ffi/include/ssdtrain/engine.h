@@ -290,6 +290,13 @@ class Engine {
   Status EnsureFileSpace(uint64_t loff, uint64_t len);
   template <typename F>
   void ForEachPiece(uint64_t loff, uint64_t len, F&& f) const;
+  // One I/O request of an entry: `len` bytes at `file_off` of file `file`, `buf_off` into the
+  // entry's host buffer.
+  struct Piece {
+    size_t file;
+    uint64_t file_off, buf_off, len;
+  };
+  std::vector<Piece> Pieces(const Entry& e) const;
   bool AllocHost(int arena, uint64_t padded, uint64_t* off);
   void FreeHostBuffer(Entry& e);
   // Evicts one clean cached entry. For read-ahead (`prefetch_seq` != 0) only

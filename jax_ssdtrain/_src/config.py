@@ -275,8 +275,8 @@ _ON_FULL = {"error": 0, "keep": 1}
 def _warn_if_kept(s: dict[str, Any]) -> None:
   if s.get("full_kept_tensors") and not _state.warned_kept:
     _state.warned_kept = True
-    warnings.warn(f"jax_ssdtrain: the store was full (capacity_bytes={s.get('file_bytes_peak')} "
-                  f"in use at peak); on_full='keep' kept {s['full_kept_tensors']} tensor(s), "
+    warnings.warn(f"jax_ssdtrain: the store was full ({s.get('file_bytes_peak')} bytes of file "
+                  f"space in use at peak); on_full='keep' kept {s['full_kept_tensors']} tensor(s), "
                   f"{s['full_kept_bytes']} bytes, in host memory", RuntimeWarning, stacklevel=3)
 
 
@@ -325,11 +325,15 @@ def _free_bytes_total(directories: Sequence[str]) -> int:
     if dev in seen:
       continue
     seen.add(dev)
-    total += _free_bytes(d)
+    try:
+      total += shutil.disk_usage(probe).free
+    except OSError as e:
+      raise OSError(e.errno, f"store directory {d!r}: cannot read free space: {e.strerror}")
   return total
 
 
 def _existing(directory: str) -> str:
+  """The directory, or its nearest existing parent when it is not created yet."""
   probe = directory
   while not os.path.exists(probe):
     parent = os.path.dirname(os.path.abspath(probe))
@@ -344,19 +348,6 @@ def _physical_ram() -> int | None:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   except (ValueError, OSError, AttributeError):
     return None
-
-
-def _free_bytes(directory: str) -> int:
-  probe = directory
-  while not os.path.exists(probe):  # not created yet: ask the nearest existing parent
-    parent = os.path.dirname(os.path.abspath(probe))
-    if parent == probe:
-      break
-    probe = parent
-  try:
-    return shutil.disk_usage(probe).free
-  except OSError as e:
-    raise OSError(e.errno, f"store directory {directory!r}: cannot read free space: {e.strerror}")
 
 
 def _validated(cfg: StoreConfig) -> StoreConfig:

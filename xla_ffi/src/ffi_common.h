@@ -23,6 +23,14 @@ inline xla::ffi::Error ToFfiError(const Status& s) {
   return ffi::Error(code, msg);
 }
 
+// A handle is uint32[2] = {id, check}; `op` is "store" or "load" for the message.
+inline Status CheckHandleShape(size_t element_count, std::string_view op, std::string_view name) {
+  if (element_count == 2) return Status::Ok();
+  return Status(EINVAL, std::string(op) + " of tag '" + std::string(name) +
+                            "': the handle must have 2 uint32 elements, got " +
+                            std::to_string(element_count));
+}
+
 // Runs f() -> Status, converting exceptions so nothing propagates into XLA.
 template <typename F>
 xla::ffi::Error Guarded(F&& f) {

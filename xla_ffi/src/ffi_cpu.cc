@@ -9,9 +9,7 @@ namespace {
 ffi::Error StoreCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> handle,
                         int64_t site, int32_t tier, std::string_view name) {
   return Guarded([&]() -> Status {
-    if (handle->element_count() != 2)
-      return Status(EINVAL, "store of tag '" + std::string(name) +
-                                "': handle output must have 2 uint32 elements");
+    SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
@@ -23,9 +21,7 @@ ffi::Error StoreCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> han
 ffi::Error LoadCpuImpl(ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out,
                        int64_t site, int32_t tier, std::string_view name) {
   return Guarded([&]() -> Status {
-    if (handle.element_count() != 2)
-      return Status(EINVAL, "load of tag '" + std::string(name) +
-                                "': handle input must have 2 uint32 elements");
+    SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
@@ -45,7 +41,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainStoreCpu, ssdtrain::StoreCpuImpl,
     ffi::Ffi::Bind()
         .Arg<ffi::AnyBuffer>()                // x: the activation to store
-        .Ret<ffi::Buffer<ffi::U32>>()         // handle: uint32[2] = {id, id ^ salt}
+        .Ret<ffi::Buffer<ffi::U32>>()         // handle: uint32[2] = {id, check word}
         .Attr<int64_t>("site")                // tag site id (shared by store and load)
         .Attr<int32_t>("tier")                // 0 = nvme via host cache, 1 = host tier
         .Attr<std::string_view>("name"));     // tag name, for messages only

@@ -350,9 +350,7 @@ Status LaunchWriteHandle(cudaStream_t stream, uint32_t* dst, const uint32_t h[2]
 
 Status StoreCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> handle,
                  int64_t site, int32_t tier, std::string_view name) {
-  if (handle->element_count() != 2)
-    return Status(EINVAL, "store of tag '" + std::string(name) +
-                              "': handle output must have 2 uint32 elements");
+  SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
   Status st;
   auto eng = CurrentEngine(&st);
   if (!eng) return st;
@@ -427,9 +425,7 @@ thread_local uint32_t* t_handle_host = nullptr;
 
 Status LoadCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out,
                 int64_t site, int32_t tier, std::string_view name) {
-  if (handle.element_count() != 2)
-    return Status(EINVAL, "load of tag '" + std::string(name) +
-                              "': handle input must have 2 uint32 elements");
+  SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
   Status st;
   auto eng = CurrentEngine(&st);
   if (!eng) return st;
@@ -538,7 +534,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // compute stream of the call
         .Arg<ffi::AnyBuffer>()                     // x: the activation to store (device)
-        .Ret<ffi::Buffer<ffi::U32>>()              // handle: uint32[2] = {id, id ^ salt}
+        .Ret<ffi::Buffer<ffi::U32>>()              // handle: uint32[2] = {id, check word}
         .Attr<int64_t>("site")                     // tag site id (shared by store and load)
         .Attr<int32_t>("tier")                     // 0 = nvme via host cache, 1 = host tier
         .Attr<std::string_view>("name"));          // tag name, for messages only

@@ -14,48 +14,42 @@ class PosixBackend final : public IoBackend {
   const char* name() const override { return "posix"; }
 
   Status Write(size_t file, const void* buf, uint64_t len, uint64_t off) override {
-    const StoreFile& f = (*files_)[file];
-    const char* p = static_cast<const char*>(buf);
-    uint64_t done = 0;
-    while (done < len) {
-      ssize_t n = Call(true, f.fd, const_cast<char*>(p) + done, len - done, off + done);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        int e = errno;
-        return Status(e, "pwrite(" + std::to_string(len - done) + " bytes at offset " +
-                             std::to_string(off + done) + ") to the store file in '" + f.dir +
-                             "' failed: " + ErrnoString(e));
-      }
-      if (n == 0)
-        return Status(EIO, "pwrite to the store file in '" + f.dir + "' wrote 0 bytes at offset " +
-                               std::to_string(off + done) + " (short write)");
-      done += static_cast<uint64_t>(n);
-    }
-    return Status::Ok();
+    return Transfer(true, file, const_cast<char*>(static_cast<const char*>(buf)), len, off);
   }
 
   Status Read(size_t file, void* buf, uint64_t len, uint64_t off) override {
+    return Transfer(false, file, static_cast<char*>(buf), len, off);
+  }
+
+ private:
+  // pwrite/pread until all `len` bytes moved: retries EINTR and short transfers; a 0-byte
+  // transfer is an error (a read of 0 bytes means the file was truncated).
+  Status Transfer(bool write, size_t file, char* p, uint64_t len, uint64_t off) {
     const StoreFile& f = (*files_)[file];
-    char* p = static_cast<char*>(buf);
+    const char* call = write ? "pwrite" : "pread";
+    const char* dir = write ? ") to" : ") from";
     uint64_t done = 0;
     while (done < len) {
-      ssize_t n = Call(false, f.fd, p + done, len - done, off + done);
+      ssize_t n = Call(write, f.fd, p + done, len - done, off + done);
       if (n < 0) {
         if (errno == EINTR) continue;
         int e = errno;
-        return Status(e, "pread(" + std::to_string(len - done) + " bytes at offset " +
-                             std::to_string(off + done) + ") from the store file in '" + f.dir +
-                             "' failed: " + ErrnoString(e));
+        return Status(e, std::string(call) + "(" + std::to_string(len - done) +
+                             " bytes at offset " + std::to_string(off + done) + dir +
+                             " the store file in '" + f.dir + "' failed: " + ErrnoString(e));
       }
       if (n == 0)
-        return Status(EIO, "pread from the store file in '" + f.dir + "' returned 0 bytes at offset " +
-                               std::to_string(off + done) + ": file truncated");
+        return write ? Status(EIO, "pwrite to the store file in '" + f.dir +
+                                       "' wrote 0 bytes at offset " + std::to_string(off + done) +
+                                       " (short write)")
+                     : Status(EIO, "pread from the store file in '" + f.dir +
+                                       "' returned 0 bytes at offset " +
+                                       std::to_string(off + done) + ": file truncated");
       done += static_cast<uint64_t>(n);
     }
     return Status::Ok();
   }
 
- private:
   // One pread/pwrite, or the fault injected in its place (SSDTRAIN_FAULT).
   ssize_t Call(bool write, int fd, char* p, uint64_t len, uint64_t off) {
     FaultSpec::Op op = fault_ ? fault_->Next(write) : FaultSpec::kNone;

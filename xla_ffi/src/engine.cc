@@ -1270,6 +1270,7 @@ std::string Engine::StatsString() {
   u("forwarded_tensors", s.forwarded_tensors);
   u("forwarded_bytes", s.forwarded_bytes);
   u("staging_forwarded_tensors", s.staging_forwarded_tensors);
+  u("staging_waits", s.staging_waits);
   u("prefetch_hits", s.prefetch_hits);
   u("prefetch_misses", s.prefetch_misses);
   u("prefetch_issued", s.prefetch_issued);

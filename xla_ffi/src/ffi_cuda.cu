@@ -5,6 +5,11 @@
 //          E1 (E2), I/O threads wait E2 and write the file.
 //   load:  handle D2H + sync, then D2D from staging (forwarded / prefetched),
 //          else H2D from pinned host (after E2), else file -> pinned -> H2D.
+//   staging reuse: a freed staging range keeps the events of its last users
+//          (copy in, D2H out, loads out); whichever stream allocates an
+//          overlapping range next waits on them. No host thread blocks on a
+//          staging range, so read-ahead can evict entries whose loads are
+//          still queued and stores never stall the host.
 // No CUDA call is made at load time or from CPU handlers: the module is
 // created on the first CUDA handler call.
 #include <cuda_runtime.h>
@@ -42,6 +47,7 @@ struct DevEntry {
   uint64_t stage_off = 0, stage_len = 0;
   char* stage_ptr = nullptr;
   cudaEvent_t stage_ready = nullptr;         // the staging copy is complete after this
+  cudaEvent_t stage_d2h = nullptr;           // the D2H read of the staging copy is done
   std::vector<cudaEvent_t> stage_fences;     // async users of the staging region
   // Host copy.
   cudaEvent_t host_ready = nullptr;          // D2H into the host buffer done (E2)
@@ -57,6 +63,12 @@ struct DeviceState {
   RangeAllocator alloc;
   std::vector<cudaEvent_t> free_events;
   std::unordered_map<Entry*, EntryPtr> staged;
+  // Freed staging ranges whose last users may still run on some stream.
+  struct PendingFree {
+    uint64_t off = 0, len = 0;
+    std::vector<cudaEvent_t> events;
+  };
+  std::vector<PendingFree> pending;
 };
 
 DevEntry* D(Entry& e) { return static_cast<DevEntry*>(e.dev); }
@@ -73,6 +85,8 @@ class CudaModule final : public DeviceHooks {
       if (ds->copy) cudaStreamSynchronize(ds->copy);
       if (ds->h2d) cudaStreamSynchronize(ds->h2d);
       for (cudaEvent_t ev : ds->free_events) cudaEventDestroy(ev);
+      for (auto& pf : ds->pending)
+        for (cudaEvent_t ev : pf.events) cudaEventDestroy(ev);
       if (ds->staging) cudaFree(ds->staging);
       if (ds->copy) cudaStreamDestroy(ds->copy);
       if (ds->h2d) cudaStreamDestroy(ds->h2d);
@@ -182,47 +196,91 @@ class CudaModule final : public DeviceHooks {
     cudaGetLastError();
   }
 
+  static bool Done(cudaEvent_t ev) {
+    if (!ev) return true;
+    cudaError_t e = cudaEventQuery(ev);
+    if (e != cudaSuccess) cudaGetLastError();
+    return e == cudaSuccess;
+  }
+
+  // No copy into, out of, or D2H from the staging range of `d` is pending.
   static bool Idle(DevEntry* d) {
-    auto done = [](cudaEvent_t ev) {
-      if (!ev) return true;
-      cudaError_t e = cudaEventQuery(ev);
-      if (e != cudaSuccess) cudaGetLastError();
-      return e == cudaSuccess;
-    };
-    if (!done(d->stage_ready) || !done(d->host_ready)) return false;
+    if (!Done(d->stage_ready) || !Done(d->stage_d2h)) return false;
     for (cudaEvent_t ev : d->stage_fences)
-      if (!done(ev)) return false;
+      if (!Done(ev)) return false;
     return true;
   }
 
-  // Lock held. Frees the staging copy of `e` after every user of it finished.
+  // Lock held. Frees the staging copy of `e` without waiting: the range's
+  // last users' events go to the pending list (see AllocStaging).
   void FreeStaging(Entry& e) {
     DevEntry* d = D(e);
     if (!d || !d->staged) return;
+    DeviceState::PendingFree pf;
+    pf.off = d->stage_off;
+    pf.len = d->stage_len;
+    for (cudaEvent_t ev : {d->stage_ready, d->stage_d2h})
+      if (ev) pf.events.push_back(ev);
+    pf.events.insert(pf.events.end(), d->stage_fences.begin(), d->stage_fences.end());
+    d->stage_ready = d->stage_d2h = nullptr;
+    d->stage_fences.clear();
     auto it = devices_.find(d->device);
-    if (d->stage_ready) cudaEventSynchronize(d->stage_ready);
-    if (d->host_ready) cudaEventSynchronize(d->host_ready);  // D2H reading the stage
-    SyncAndRecycle(d->device, &d->stage_fences);
-    PutEvent(d->device, d->stage_ready);
-    d->stage_ready = nullptr;
     if (it != devices_.end()) {
-      it->second->alloc.Free(d->stage_off, d->stage_len);
-      it->second->staged.erase(&e);
+      DeviceState* ds = it->second.get();
+      ds->alloc.Free(d->stage_off, d->stage_len);
+      ds->staged.erase(&e);
       eng_->stats.staging_in_use -= d->stage_len;
+      if (!pf.events.empty()) ds->pending.push_back(std::move(pf));
+    } else {
+      for (cudaEvent_t ev : pf.events) {
+        cudaEventSynchronize(ev);
+        cudaEventDestroy(ev);
+      }
+      cudaGetLastError();
     }
     d->staged = false;
     d->stage_ptr = nullptr;
-    cudaGetLastError();
   }
 
-  // Lock held. Reserves staging for `e`. Evicts completed copies first
-  // (loaded entries, then oldest); with may_block, also waits for busy ones.
+  // Lock held. Drops pending ranges whose users all finished.
+  void CollectPending(DeviceState* ds) {
+    for (size_t i = 0; i < ds->pending.size();) {
+      auto& pf = ds->pending[i];
+      bool done = true;
+      for (cudaEvent_t ev : pf.events) done = done && Done(ev);
+      if (!done) {
+        ++i;
+        continue;
+      }
+      ds->free_events.insert(ds->free_events.end(), pf.events.begin(), pf.events.end());
+      pf = std::move(ds->pending.back());
+      ds->pending.pop_back();
+    }
+  }
+
+  // Lock held. Orders `stream` after every pending user of [off, off + len).
+  Status OrderAfterPending(DeviceState* ds, uint64_t off, uint64_t len, cudaStream_t stream) {
+    for (const auto& pf : ds->pending) {
+      if (pf.off >= off + len || off >= pf.off + pf.len) continue;
+      for (cudaEvent_t ev : pf.events) {
+        if (Done(ev)) continue;
+        SSD_CHECK_CUDA(cudaStreamWaitEvent(stream, ev, 0));
+        eng_->stats.staging_waits++;
+      }
+    }
+    return Status::Ok();
+  }
+
+  // Lock held. Reserves staging for `e`, to be written on `stream`. Evicts
+  // copies, loaded entries first, then the oldest; idle ones before busy
+  // ones (a busy one's users are waited for on `stream`, not on the host).
   // prefetch_seq != 0 restricts eviction to entries loaded already or older.
-  bool AllocStaging(DeviceState* ds, const EntryPtr& e, bool may_block, uint64_t prefetch_seq) {
+  Status AllocStaging(DeviceState* ds, const EntryPtr& e, cudaStream_t stream,
+                      uint64_t prefetch_seq, bool* got) {
+    *got = false;
     uint64_t len = RoundUp(e->nbytes, 256);
-    if (len > ds->staging_size) return false;
-    auto t0 = Clock::now();
-    bool stalled = false;
+    if (len > ds->staging_size) return Status::Ok();
+    CollectPending(ds);
     for (;;) {
       uint64_t off;
       if (ds->alloc.Alloc(len, &off)) {
@@ -234,8 +292,8 @@ class CudaModule final : public DeviceHooks {
         ds->staged[e.get()] = e;
         eng_->stats.staging_in_use += len;
         eng_->stats.staging_peak = std::max(eng_->stats.staging_peak, eng_->stats.staging_in_use);
-        if (stalled) eng_->stats.stall_seconds += Since(t0);
-        return true;
+        *got = true;
+        return OrderAfterPending(ds, off, len, stream);
       }
       Entry* best = nullptr;
       Entry* best_busy = nullptr;
@@ -254,16 +312,9 @@ class CudaModule final : public DeviceHooks {
           best_busy = raw;
         }
       }
-      if (best) {
-        FreeStaging(*best);
-        continue;
-      }
-      if (may_block && best_busy) {
-        stalled = true;
-        FreeStaging(*best_busy);  // blocks on its events
-        continue;
-      }
-      return false;
+      Entry* victim = best ? best : best_busy;
+      if (!victim) return Status::Ok();
+      FreeStaging(*victim);
     }
   }
 
@@ -295,11 +346,11 @@ class CudaModule final : public DeviceHooks {
   }
 
   // Lock held: copies the next predicted entries that sit in host memory
-  // into device staging on the copy stream.
-  void StagePrefetch(DeviceState* ds) {
+  // into device staging on the h2d stream.
+  Status StagePrefetch(DeviceState* ds) {
     const uint64_t budget =
         std::min<uint64_t>(eng_->config().prefetch_bytes, ds->staging_size);
-    if (!budget) return;
+    if (!budget) return Status::Ok();
     for (const EntryPtr& e : eng_->PredictNext(budget)) {
       if (e->filling || e->reading || !e->host_ptr || !e->host_valid || e->nbytes == 0) continue;
       DevEntry* d = D(*e);
@@ -309,7 +360,9 @@ class CudaModule final : public DeviceHooks {
         e->dev = d;
       }
       if (d->staged) continue;
-      if (!AllocStaging(ds, e, false, e->seq)) break;
+      bool got = false;
+      SSD_RETURN_IF_ERROR(AllocStaging(ds, e, ds->h2d, e->seq, &got));
+      if (!got) break;
       d->stage_from_store = false;
       Status s = [&]() -> Status {
         if (d->host_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->h2d, d->host_ready, 0));
@@ -323,10 +376,11 @@ class CudaModule final : public DeviceHooks {
       }();
       if (!s.ok()) {
         FreeStaging(*e);
-        break;
+        return s.With("read-ahead of tag '" + e->name + "'");
       }
       staged_prefetches_++;
     }
+    return Status::Ok();
   }
 
   Engine* eng_;
@@ -381,10 +435,12 @@ Status StoreCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<
       return Status(-1, "");  // handled below
     }
     if (e->padded > nbytes) memset(e->host_ptr + nbytes, 0, e->padded - nbytes);
-    if (mod->AllocStaging(ds, e, true, 0)) {
+    bool staged = false;
+    SSD_RETURN_IF_ERROR(mod->AllocStaging(ds, e, stream, 0, &staged));
+    if (staged) {
       d->stage_from_store = true;
       SSD_CHECK_CUDA(cudaMemcpyAsync(d->stage_ptr, src, nbytes, cudaMemcpyDeviceToDevice, stream));
-      cudaEvent_t e1, e2;
+      cudaEvent_t e1, e2, e3;
       SSD_RETURN_IF_ERROR(mod->NewEvent(ds, &e1));
       d->stage_ready = e1;
       SSD_CHECK_CUDA(cudaEventRecord(e1, stream));
@@ -395,6 +451,10 @@ Status StoreCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<
       SSD_RETURN_IF_ERROR(mod->NewEvent(ds, &e2));
       d->host_ready = e2;
       SSD_CHECK_CUDA(cudaEventRecord(e2, ds->copy));
+      // The same point again, owned by the staging range (host_ready stays with the host copy).
+      SSD_RETURN_IF_ERROR(mod->NewEvent(ds, &e3));
+      d->stage_d2h = e3;
+      SSD_CHECK_CUDA(cudaEventRecord(e3, ds->copy));
       return Status::Ok();
     }
     // No staging room (or bigger than the arena): D2H on the compute stream.
@@ -507,8 +567,7 @@ Status LoadCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> handle, ffi::Result<f
     SSD_RETURN_IF_ERROR(s);
   }
   eng->SchedulePrefetch(lk);
-  mod->StagePrefetch(ds);
-  return Status::Ok();
+  return mod->StagePrefetch(ds);
 }
 
 ffi::Error StoreCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,

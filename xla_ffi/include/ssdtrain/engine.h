@@ -181,6 +181,7 @@ struct Stats {
   uint64_t write_skipped_bytes = 0, write_skipped_tensors = 0;
   uint64_t forwarded_tensors = 0, forwarded_bytes = 0;
   uint64_t staging_forwarded_tensors = 0;
+  uint64_t staging_waits = 0;  // staging reuses ordered after a still-running user (GPU side)
   uint64_t prefetch_hits = 0, prefetch_misses = 0, prefetch_issued = 0;
   uint64_t bounce_writes = 0, bounce_reads = 0;
   double stall_seconds = 0, write_seconds = 0, read_seconds = 0;

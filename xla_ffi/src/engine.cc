@@ -926,7 +926,7 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
   }
   entries_[e->id] = e;
   by_site_[site].insert(e->id);
-  if (e->tier == 0) unloaded_[e->seq] = e;
+  unloaded_[e->seq] = e;  // every tier: the LIFO read-ahead into device staging uses it
   stats.bytes_written += nbytes;
   stats.tensors_written++;
   *out = e;

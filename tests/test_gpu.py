@@ -125,3 +125,52 @@ def test_gpu_gpt_stack_memory_and_bytes(store):
         f"disk {st['disk_bytes_written'] / 1e9:.3f} GB, skipped {st['write_skipped_bytes'] / 1e9:.3f} GB")
   assert temp["ours"] <= 1.10 * temp["recompute"]
   assert st["bytes_written"] == tagged and st["bytes_read"] == tagged
+
+
+def _raw_store(x, site):
+  return jax.ffi.ffi_call("ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32),
+                          has_side_effect=True)(x, site=np.int64(site), tier=np.int32(1),
+                                                name="raw")
+
+
+def _raw_load(h, like, site):
+  return jax.ffi.ffi_call("ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype),
+                          has_side_effect=True)(h, site=np.int64(site), tier=np.int32(1),
+                                                name="raw")
+
+
+def test_gpu_loads_predict_their_handles(store):
+  # The scan's backward loads every site in reverse store order: all loads predicted, none
+  # wrong, and the result equals the one with handles read from the device.
+  p, x = gpt_stack(512, 256, 2, 3)
+  ours = step_fn(ssd.offload_policy(NAMES, min_bytes=0, location="host"), 4)
+  predicted = ours(p, x)
+  s = ssd.stats()
+  assert s["speculative_loads"] == s["tensors_read"] == 4 * 3 and s["handle_mismatches"] == 0, s
+  with ssd.configured(directory=store.directories[0] + "-exact", capacity_bytes=1 << 30,
+                      exact_loads=True):
+    ssd.reset_stats()
+    exact = step_fn(ssd.offload_policy(NAMES, min_bytes=0, location="host"), 4)(p, x)
+    assert ssd.stats()["speculative_loads"] == 0
+  assert max_rel(predicted, exact) == 0.0
+
+
+def test_gpu_out_of_order_loads_fail_the_step(store):
+  # Two stores at one site loaded oldest first: the prediction (newest first) is wrong for
+  # both loads. The step must fail with an error naming the cause, never return the swap.
+  a = jnp.arange(4096, dtype=jnp.float32)
+  b = a + 10000.0
+
+  def oldest_first(a, b, site):
+    ha, hb = _raw_store(a, site), _raw_store(b, site)
+    la = _raw_load(ha, a, site)
+    hb, la = jax.lax.optimization_barrier((hb, la))  # the second load after the first
+    return la, _raw_load(hb, b, site)
+
+  with pytest.raises(Exception, match="exact_loads"):
+    jax.block_until_ready(jax.jit(lambda a, b: oldest_first(a, b, 77))(a, b))
+  with ssd.configured(directory=store.directories[0] + "-exact", capacity_bytes=1 << 30,
+                      exact_loads=True):
+    la, lb = jax.jit(lambda a, b: oldest_first(a, b, 78))(a, b)
+    np.testing.assert_array_equal(np.asarray(la), np.asarray(a))
+    np.testing.assert_array_equal(np.asarray(lb), np.asarray(b))

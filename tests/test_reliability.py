@@ -111,7 +111,8 @@ def test_unknown_option(tmp_path):
     ssd.configure(directory=tmp_path / "s", bogus_option=1)
 
 
-@pytest.mark.parametrize("key,value", [("on_full", "drop"), ("verify", "yes")])
+@pytest.mark.parametrize("key,value", [("on_full", "drop"), ("verify", "yes"),
+                                       ("exact_loads", "no")])
 def test_bad_new_option_values(tmp_path, key, value):
   with pytest.raises(ValueError, match=f"{key}.*{value}"):
     ssd.configure(directory=tmp_path / "s", capacity_bytes=16 * MiB, **{key: value})

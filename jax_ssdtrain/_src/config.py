@@ -20,6 +20,8 @@ variable                    option                                   default
 ``SSDTRAIN_FORWARDING``     ``forwarding`` (on / off)                 on
 ``SSDTRAIN_ON_FULL``        ``on_full`` (error / keep)                error
 ``SSDTRAIN_VERIFY``         ``verify`` (crc32c checks, on / off)      off
+``SSDTRAIN_EXACT_LOADS``    ``exact_loads`` (GPU loads read their     off
+                            handle first instead of predicting it)
 =========================== ======================================== =====================
 
 Sizes accept suffixes (``512MiB``, ``4G``, ``1.5GB``). Host memory is taken lazily, as used.
@@ -61,6 +63,7 @@ class StoreConfig:
   forwarding: bool = True
   on_full: str = "error"
   verify: bool = False
+  exact_loads: bool = False
 
 
 class UnknownOptionError(TypeError, ValueError):
@@ -82,6 +85,8 @@ _ENV = {  # option -> (variable, parser)
                                                                   auto=False)),
     "on_full": ("SSDTRAIN_ON_FULL", lambda v: v.lower()),
     "verify": ("SSDTRAIN_VERIFY", lambda v: _parse_switch(v, what="SSDTRAIN_VERIFY", auto=False)),
+    "exact_loads": ("SSDTRAIN_EXACT_LOADS",
+                    lambda v: _parse_switch(v, what="SSDTRAIN_EXACT_LOADS", auto=False)),
 }
 
 
@@ -266,7 +271,8 @@ def _engine_options(cfg: StoreConfig, directories: tuple[str, ...]) -> dict[str,
               staging_bytes=cfg.staging_bytes, io_threads=cfg.io_threads,
               chunk_bytes=cfg.chunk_bytes, prefetch_bytes=cfg.prefetch_bytes,
               o_direct=switch[cfg.o_direct], gds=switch[cfg.gds], forwarding=int(cfg.forwarding),
-              on_full=_ON_FULL[cfg.on_full], verify=int(cfg.verify))
+              on_full=_ON_FULL[cfg.on_full], verify=int(cfg.verify),
+              exact_loads=int(cfg.exact_loads))
 
 
 _ON_FULL = {"error": 0, "keep": 1}
@@ -366,10 +372,9 @@ def _validated(cfg: StoreConfig) -> StoreConfig:
   for key in ("o_direct", "gds"):
     if getattr(cfg, key) not in (None, True, False):
       raise ValueError(f"{key}: expected True, False or None (auto), got {getattr(cfg, key)!r}")
-  if not isinstance(cfg.forwarding, bool):
-    raise ValueError(f"forwarding: expected a bool, got {cfg.forwarding!r}")
-  if not isinstance(cfg.verify, bool):
-    raise ValueError(f"verify: expected a bool, got {cfg.verify!r}")
+  for key in ("forwarding", "verify", "exact_loads"):
+    if not isinstance(getattr(cfg, key), bool):
+      raise ValueError(f"{key}: expected a bool, got {getattr(cfg, key)!r}")
   if cfg.on_full not in _ON_FULL:
     raise ValueError(f"on_full: expected 'error' or 'keep', got {cfg.on_full!r}")
   ram = _physical_ram()

@@ -149,6 +149,7 @@ Status Config::Parse(std::string_view kv, Config* out) {
         {"o_direct", 0, 2},                 {"gds", 0, 2},
         {"prefetch_bytes", 0, INT64_MAX},   {"forwarding", 0, 1},
         {"on_full", 0, 1},                  {"verify", 0, 1},
+        {"exact_loads", 0, 1},
     };
     const IntKey* k = nullptr;
     for (const auto& cand : keys)
@@ -174,6 +175,7 @@ Status Config::Parse(std::string_view kv, Config* out) {
     else if (key == "forwarding") c.forwarding = x != 0;
     else if (key == "on_full") c.on_full = static_cast<int>(x);
     else if (key == "verify") c.verify = x != 0;
+    else if (key == "exact_loads") c.exact_loads = x != 0;
   }
   if (c.chunk_bytes % kAlign != 0)
     return Status(EINVAL, "configure: invalid value for 'chunk_bytes': " +
@@ -1156,6 +1158,27 @@ void Engine::ReleaseHost(Lock& lk, HostRef* ref) {
   ref->ptr = nullptr;
 }
 
+bool Engine::PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes,
+                         uint32_t h[2], uint64_t* left) const {
+  auto ids = by_site_.find(site);
+  if (ids == by_site_.end()) return false;
+  const Entry* best = nullptr;
+  for (uint32_t id : ids->second) {
+    auto it = entries_.find(id);
+    if (it == entries_.end()) continue;
+    const Entry* e = it->second.get();
+    if (e->loads || e->run_id != run_id || e->device != device || e->nbytes != nbytes) continue;
+    if (!best || e->seq > best->seq) best = e;
+  }
+  if (!best) return false;
+  uint64_t n = 0;
+  for (const auto& [seq, e] : unloaded_)
+    if (e->run_id == run_id && e->device == device && e.get() != best) n++;
+  *left = n;
+  MakeHandle(*best, h);
+  return true;
+}
+
 std::vector<EntryPtr> Engine::PredictNext(uint64_t budget) {
   std::vector<EntryPtr> out;
   for (auto it = unloaded_.rbegin(); it != unloaded_.rend(); ++it) {
@@ -1270,6 +1293,8 @@ std::string Engine::StatsString() {
   u("forwarded_tensors", s.forwarded_tensors);
   u("forwarded_bytes", s.forwarded_bytes);
   u("staging_forwarded_tensors", s.staging_forwarded_tensors);
+  u("speculative_loads", s.speculative_loads);
+  u("handle_mismatches", s.handle_mismatches);
   u("staging_waits", s.staging_waits);
   u("prefetch_hits", s.prefetch_hits);
   u("prefetch_misses", s.prefetch_misses);

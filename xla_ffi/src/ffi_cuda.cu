@@ -3,8 +3,16 @@
 //   store: D2D x -> staging on the compute stream (E1), handle written on the
 //          compute stream, D2H staging -> pinned host on the copy stream after
 //          E1 (E2), I/O threads wait E2 and write the file.
-//   load:  handle D2H + sync, then D2D from staging (forwarded / prefetched),
-//          else H2D from pinned host (after E2), else file -> pinned -> H2D.
+//   load:  the handle is predicted on the host (newest unloaded entry of the
+//          site in this XLA execution), the copy is enqueued, and a kernel
+//          after it compares the handle on the device with the prediction: on
+//          a mismatch it fills the output with 0xFF bytes (NaN in every float
+//          type) and records it in mapped host memory, which the next load
+//          reports as an error; the execution's last load syncs and reports it
+//          itself, so a mismatch fails the step that made it. Without a
+//          prediction (or with exact_loads) the handle is read first (a sync).
+//          Copy: D2D from staging (forwarded / prefetched), else H2D from
+//          pinned host (after E2), else file -> pinned -> H2D.
 //   staging reuse: a freed staging range keeps the events of its last users
 //          (copy in, D2H out, loads out); whichever stream allocates an
 //          overlapping range next waits on them. No host thread blocks on a
@@ -15,6 +23,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <cstdio>
 #include <map>
 #include <unordered_map>
@@ -37,6 +47,36 @@ double Since(Clock::time_point t0) {
 __global__ void WriteHandleKernel(uint32_t* h, uint32_t a, uint32_t b) {
   h[0] = a;
   h[1] = b;
+}
+
+// A predicted load's check, in mapped host memory (one slot per execution id
+// modulo kMismatchSlots). Written by the device only on a mismatch.
+struct MismatchSlot {
+  unsigned long long run_id;
+  unsigned int count;
+  unsigned int predicted, actual, actual_check;
+};
+constexpr int kMismatchSlots = 64;
+
+__global__ void VerifyHandleKernel(const uint32_t* handle, uint32_t want0, uint32_t want1,
+                                   unsigned char* out, uint64_t nbytes, MismatchSlot* slot,
+                                   unsigned long long run_id) {
+  const uint32_t a = handle[0], b = handle[1];
+  if (a == want0 && b == want1) return;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < nbytes;
+       i += stride)
+    out[i] = 0xFF;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    volatile MismatchSlot* s = slot;
+    s->run_id = run_id;
+    s->predicted = want0;
+    s->actual = a;
+    s->actual_check = b;
+    __threadfence_system();
+    s->count = s->count + 1;
+    __threadfence_system();
+  }
 }
 
 struct DevEntry {
@@ -93,7 +133,45 @@ class CudaModule final : public DeviceHooks {
       if (prev >= 0) cudaSetDevice(prev);
     }
     for (void* p : registered_) cudaHostUnregister(p);
+    if (mismatch_) cudaFreeHost(mismatch_);
     cudaGetLastError();
+  }
+
+  // Lock held. Mapped host slots the verify kernel writes on a mismatch.
+  Status MismatchSlots(MismatchSlot** dev_ptr) {
+    if (!mismatch_) {
+      void* p = nullptr;
+      SSD_CHECK_CUDA(cudaHostAlloc(&p, kMismatchSlots * sizeof(MismatchSlot),
+                                   cudaHostAllocMapped | cudaHostAllocPortable));
+      memset(p, 0, kMismatchSlots * sizeof(MismatchSlot));
+      mismatch_ = static_cast<MismatchSlot*>(p);
+    }
+    void* d = nullptr;
+    SSD_CHECK_CUDA(cudaHostGetDevicePointer(&d, mismatch_, 0));
+    *dev_ptr = static_cast<MismatchSlot*>(d);
+    return Status::Ok();
+  }
+
+  // Lock held. An error for every predicted load found wrong since the last call.
+  Status TakeMismatch() {
+    if (!mismatch_) return Status::Ok();
+    for (int i = 0; i < kMismatchSlots; ++i) {
+      volatile MismatchSlot* s = &mismatch_[i];
+      unsigned int count = s->count;
+      if (count == reported_[i]) continue;
+      std::atomic_thread_fence(std::memory_order_acquire);
+      const unsigned int n = count - reported_[i];
+      reported_[i] = count;
+      eng_->stats.handle_mismatches += n;
+      return Status(EIO, "a predicted load got the handle {" + std::to_string(s->actual) + ", " +
+                             std::to_string(s->actual_check) + "} instead of entry " +
+                             std::to_string(s->predicted) + " (XLA execution " +
+                             std::to_string(s->run_id) +
+                             "): this program loads a tag out of store order; its output was "
+                             "filled with NaN and this step failed. Configure exact_loads=True "
+                             "(SSDTRAIN_EXACT_LOADS=1) for such programs");
+    }
+    return Status::Ok();
   }
 
   // Lock held.
@@ -388,6 +466,8 @@ class CudaModule final : public DeviceHooks {
   std::vector<void*> registered_;
   bool host_registered_ = false;
   uint64_t staged_prefetches_ = 0;
+  MismatchSlot* mismatch_ = nullptr;
+  unsigned int reported_[kMismatchSlots] = {};
 };
 
 // Lock held.
@@ -402,8 +482,9 @@ Status LaunchWriteHandle(cudaStream_t stream, uint32_t* dst, const uint32_t h[2]
   return Status::Ok();
 }
 
-Status StoreCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> handle,
-                 int64_t site, int32_t tier, std::string_view name) {
+Status StoreCuda(cudaStream_t stream, int64_t run_id, ffi::AnyBuffer x,
+                 ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
+                 std::string_view name) {
   SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
   Status st;
   auto eng = CurrentEngine(&st);
@@ -422,8 +503,11 @@ Status StoreCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<
   Status s = [&]() -> Status {
     Lock lk(eng->mu);
     CudaModule* mod = Module(*eng);
+    SSD_RETURN_IF_ERROR(mod->TakeMismatch());
     DeviceState* ds = nullptr;
     SSD_RETURN_IF_ERROR(mod->Device(dev, &ds));
+    e->run_id = run_id;
+    e->device = dev;
     auto* d = new DevEntry();
     d->device = dev;
     e->dev = d;
@@ -483,8 +567,9 @@ Status StoreCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<
 
 thread_local uint32_t* t_handle_host = nullptr;
 
-Status LoadCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out,
-                int64_t site, int32_t tier, std::string_view name) {
+Status LoadCuda(cudaStream_t stream, int64_t run_id, ffi::Buffer<ffi::U32> handle,
+                ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
+                std::string_view name) {
   SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
   Status st;
   auto eng = CurrentEngine(&st);
@@ -494,18 +579,31 @@ Status LoadCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> handle, ffi::Result<f
   int dev = 0;
   SSD_CHECK_CUDA(cudaGetDevice(&dev));
 
-  // The handle lives on the device: read it (exact matching; costs a sync).
-  if (!t_handle_host) {
-    void* p = nullptr;
-    SSD_CHECK_CUDA(cudaHostAlloc(&p, 64, cudaHostAllocPortable));
-    t_handle_host = static_cast<uint32_t*>(p);
+  // Predict the handle (verified on the device below), else read it (a sync).
+  uint32_t h[2];
+  uint64_t left = 0;
+  bool predicted = false;
+  {
+    Lock lk(eng->mu);
+    SSD_RETURN_IF_ERROR(Module(*eng)->TakeMismatch());
+    predicted = !eng->config().exact_loads &&
+                eng->PredictLoad(site, run_id, dev, nbytes, h, &left);
   }
-  auto t0 = Clock::now();
-  SSD_CHECK_CUDA(cudaMemcpyAsync(t_handle_host, handle.typed_data(), 2 * sizeof(uint32_t),
-                                 cudaMemcpyDeviceToHost, stream));
-  SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
-  const uint32_t h[2] = {t_handle_host[0], t_handle_host[1]};
-  double sync_s = Since(t0);
+  double sync_s = 0;
+  if (!predicted) {
+    if (!t_handle_host) {
+      void* p = nullptr;
+      SSD_CHECK_CUDA(cudaHostAlloc(&p, 64, cudaHostAllocPortable));
+      t_handle_host = static_cast<uint32_t*>(p);
+    }
+    auto t0 = Clock::now();
+    SSD_CHECK_CUDA(cudaMemcpyAsync(t_handle_host, handle.typed_data(), 2 * sizeof(uint32_t),
+                                   cudaMemcpyDeviceToHost, stream));
+    SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
+    h[0] = t_handle_host[0];
+    h[1] = t_handle_host[1];
+    sync_s = Since(t0);
+  }
 
   Lock lk(eng->mu);
   eng->stats.handle_sync_seconds += sync_s;
@@ -566,20 +664,40 @@ Status LoadCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> handle, ffi::Result<f
     eng->ReleaseHost(lk, &ref);
     SSD_RETURN_IF_ERROR(s);
   }
+  if (predicted) {
+    eng->stats.speculative_loads++;
+    MismatchSlot* slots = nullptr;
+    SSD_RETURN_IF_ERROR(mod->MismatchSlots(&slots));
+    VerifyHandleKernel<<<256, 256, 0, stream>>>(
+        handle.typed_data(), h[0], h[1], reinterpret_cast<unsigned char*>(dst), nbytes,
+        slots + (static_cast<uint64_t>(run_id) % kMismatchSlots),
+        static_cast<unsigned long long>(run_id));
+    SSD_CHECK_CUDA(cudaGetLastError());
+  }
   eng->SchedulePrefetch(lk);
-  return mod->StagePrefetch(ds);
+  SSD_RETURN_IF_ERROR(mod->StagePrefetch(ds));
+  if (predicted && left == 0) {
+    // The execution's last load on this device: its checks must fail this step.
+    lk.unlock();
+    auto t0 = Clock::now();
+    SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
+    lk.lock();
+    eng->stats.handle_sync_seconds += Since(t0);
+    SSD_RETURN_IF_ERROR(mod->TakeMismatch());
+  }
+  return Status::Ok();
 }
 
-ffi::Error StoreCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
+ffi::Error StoreCudaImpl(cudaStream_t stream, ffi::RunId run, ffi::AnyBuffer x,
                          ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
                          std::string_view name) {
-  return Guarded([&] { return StoreCuda(stream, x, handle, site, tier, name); });
+  return Guarded([&] { return StoreCuda(stream, run.run_id, x, handle, site, tier, name); });
 }
 
-ffi::Error LoadCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U32> handle,
+ffi::Error LoadCudaImpl(cudaStream_t stream, ffi::RunId run, ffi::Buffer<ffi::U32> handle,
                         ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
                         std::string_view name) {
-  return Guarded([&] { return LoadCuda(stream, handle, out, site, tier, name); });
+  return Guarded([&] { return LoadCuda(stream, run.run_id, handle, out, site, tier, name); });
 }
 
 }  // namespace
@@ -592,6 +710,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainStoreCuda, ssdtrain::StoreCudaImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // compute stream of the call
+        .Ctx<ffi::RunId>()                         // XLA execution (load prediction)
         .Arg<ffi::AnyBuffer>()                     // x: the activation to store (device)
         .Ret<ffi::Buffer<ffi::U32>>()              // handle: uint32[2] = {id, check word}
         .Attr<int64_t>("site")                     // tag site id (shared by store and load)
@@ -602,6 +721,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCuda, ssdtrain::LoadCudaImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // compute stream of the call
+        .Ctx<ffi::RunId>()                         // XLA execution (load prediction)
         .Arg<ffi::Buffer<ffi::U32>>()              // handle: from the matching store (device)
         .Ret<ffi::AnyBuffer>()                     // out: receives the stored bytes (device)
         .Attr<int64_t>("site")                     // tag site id (must match the store)

@@ -43,6 +43,7 @@ struct Config {
   bool forwarding = true;
   int on_full = 0;      // store full: 0 error, 1 keep the tensor in the host tier
   bool verify = false;  // crc32c of every tensor written, checked after every disk read
+  bool exact_loads = false;  // device loads read the handle first (a sync) instead of predicting
 
   static Config Defaults();
   // Parses "key=value" lines on top of the defaults. EINVAL on bad input.
@@ -133,6 +134,8 @@ struct Entry {
   bool released = false;
   bool freed = false;
   int loads = 0;
+  int64_t run_id = -1;  // XLA execution of the store (device path), for load prediction
+  int device = -1;
   // Host copy (cache arena for tier 0, host-tier arena for tier 1).
   int host_arena = -1;  // 0 cache, 1 host tier, -1 none
   uint64_t host_off = 0;
@@ -181,6 +184,8 @@ struct Stats {
   uint64_t write_skipped_bytes = 0, write_skipped_tensors = 0;
   uint64_t forwarded_tensors = 0, forwarded_bytes = 0;
   uint64_t staging_forwarded_tensors = 0;
+  uint64_t speculative_loads = 0;  // loads that predicted their handle (verified on device)
+  uint64_t handle_mismatches = 0;
   uint64_t staging_waits = 0;  // staging reuses ordered after a still-running user (GPU side)
   uint64_t prefetch_hits = 0, prefetch_misses = 0, prefetch_issued = 0;
   uint64_t bounce_writes = 0, bounce_reads = 0;
@@ -239,6 +244,12 @@ class Engine {
                       const std::function<Status(void*, uint64_t, uint64_t)>& fill);
   void AbortStore(const EntryPtr& e);
   void MakeHandle(const Entry& e, uint32_t h[2]) const;
+  // Lock held. The handle a load at `site` in execution `run_id` on `device` most likely
+  // carries: the newest entry of that execution, site, device and size not loaded yet (loads
+  // of one site come back in reverse store order). `*left`: unloaded entries of the execution
+  // besides it. False if there is none (the load must read its handle).
+  bool PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes, uint32_t h[2],
+                   uint64_t* left) const;
   uint32_t HandleCheck(uint32_t id) const;
 
   // Validates the handle and marks the entry loaded. Lock held.

@@ -162,7 +162,9 @@ def test_gpu_out_of_order_loads_fail_the_step(store):
   b = a + 10000.0
 
   def oldest_first(a, b, site):
-    ha, hb = _raw_store(a, site), _raw_store(b, site)
+    ha = _raw_store(a, site)
+    ha, b = jax.lax.optimization_barrier((ha, b))  # the second store after the first
+    hb = _raw_store(b, site)
     la = _raw_load(ha, a, site)
     hb, la = jax.lax.optimization_barrier((hb, la))  # the second load after the first
     return la, _raw_load(hb, b, site)

@@ -20,6 +20,8 @@ variable                    option                                   default
 ``SSDTRAIN_FORWARDING``     ``forwarding`` (on / off)                 on
 ``SSDTRAIN_ON_FULL``        ``on_full`` (error / keep)                error
 ``SSDTRAIN_VERIFY``         ``verify`` (crc32c checks, on / off)      off
+``SSDTRAIN_BANDWIDTH_CAP``  ``bandwidth_cap`` (bytes/s per direction  none
+                            of the file I/O, e.g. ``7GB/s``)
 =========================== ======================================== =====================
 
 Sizes accept suffixes (``512MiB``, ``4G``, ``1.5GB``). Host memory is taken lazily, as used.
@@ -61,6 +63,7 @@ class StoreConfig:
   forwarding: bool = True
   on_full: str = "error"
   verify: bool = False
+  bandwidth_cap: int | None = None  # bytes/s each way (emulates a slower array), None: no cap
 
 
 class UnknownOptionError(TypeError, ValueError):
@@ -82,6 +85,8 @@ _ENV = {  # option -> (variable, parser)
                                                                   auto=False)),
     "on_full": ("SSDTRAIN_ON_FULL", lambda v: v.lower()),
     "verify": ("SSDTRAIN_VERIFY", lambda v: _parse_switch(v, what="SSDTRAIN_VERIFY", auto=False)),
+    "bandwidth_cap": ("SSDTRAIN_BANDWIDTH_CAP",
+                      lambda v: parse_bandwidth(v, what="SSDTRAIN_BANDWIDTH_CAP")),
 }
 
 
@@ -120,6 +125,8 @@ def configure(directory: str | os.PathLike | Sequence[str | os.PathLike] | None 
                 "chunk_bytes", "prefetch_bytes"):
       if isinstance(changes.get(key), str):
         changes[key] = parse_size(changes[key], what=key)
+    if "bandwidth_cap" in changes:
+      changes["bandwidth_cap"] = parse_bandwidth(changes["bandwidth_cap"], what="bandwidth_cap")
     cfg = _validated(dataclasses.replace(base, **changes))
     _apply(cfg)
     return cfg
@@ -209,6 +216,26 @@ def parse_size(value: int | str, *, what: str) -> int:
   return int(float(number) * unit)
 
 
+def parse_bandwidth(value: int | float | str | None, *, what: str) -> int | None:
+  """``"7GB/s"``, ``"512MiB/s"``, ``7e9`` -> bytes/s; None, ``"off"``, ``"none"`` -> None (no cap)."""
+  if value is None or (isinstance(value, str) and value.strip().lower() in ("", "off", "none")):
+    return None
+  if isinstance(value, bool):
+    raise ValueError(f"{what}: expected a bandwidth in bytes/s (e.g. 7GB/s), got {value!r}")
+  try:
+    if isinstance(value, str):
+      rate = parse_size(re.sub(r"/s\s*$", "", value.strip(), flags=re.IGNORECASE), what=what)
+    else:
+      rate = int(value)
+  except (ValueError, TypeError, OverflowError):
+    raise ValueError(f"{what}: cannot read {value!r} as a bandwidth (e.g. 7GB/s, 512MiB/s, "
+                     f"7e9, or 'off')") from None
+  if rate <= 0:
+    raise ValueError(f"{what}: expected a positive bandwidth in bytes/s, got {value!r} "
+                     f"(None or 'off' for no cap)")
+  return rate
+
+
 # ---------------------------------------------------------------------------------------------
 # Implementation
 
@@ -266,7 +293,8 @@ def _engine_options(cfg: StoreConfig, directories: tuple[str, ...]) -> dict[str,
               staging_bytes=cfg.staging_bytes, io_threads=cfg.io_threads,
               chunk_bytes=cfg.chunk_bytes, prefetch_bytes=cfg.prefetch_bytes,
               o_direct=switch[cfg.o_direct], gds=switch[cfg.gds], forwarding=int(cfg.forwarding),
-              on_full=_ON_FULL[cfg.on_full], verify=int(cfg.verify))
+              on_full=_ON_FULL[cfg.on_full], verify=int(cfg.verify),
+              bandwidth_cap=cfg.bandwidth_cap or 0)
 
 
 _ON_FULL = {"error": 0, "keep": 1}
@@ -370,6 +398,11 @@ def _validated(cfg: StoreConfig) -> StoreConfig:
     raise ValueError(f"forwarding: expected a bool, got {cfg.forwarding!r}")
   if not isinstance(cfg.verify, bool):
     raise ValueError(f"verify: expected a bool, got {cfg.verify!r}")
+  if cfg.bandwidth_cap is not None and (isinstance(cfg.bandwidth_cap, bool) or
+                                        not isinstance(cfg.bandwidth_cap, int) or
+                                        cfg.bandwidth_cap <= 0):
+    raise ValueError(f"bandwidth_cap: expected a positive integer (bytes/s) or None, got "
+                     f"{cfg.bandwidth_cap!r}")
   if cfg.on_full not in _ON_FULL:
     raise ValueError(f"on_full: expected 'error' or 'keep', got {cfg.on_full!r}")
   ram = _physical_ram()

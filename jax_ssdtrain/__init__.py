@@ -20,7 +20,6 @@ from jax_ssdtrain._src.config import (
     current as current_config,
     defaults as default_config,
     flush,
-    parse_bandwidth,
     parse_size,
     release_all,
     reset_stats,
@@ -44,6 +43,6 @@ __version__ = "0.1.0"
 __all__ = [
     "HigherOrderOffloadError", "Location", "OffloadPolicy", "StoreConfig", "configure",
     "configured", "current_config", "default_config", "flush", "location_policy", "offload_policy",
-    "parse_bandwidth", "parse_size", "release_all", "reset_stats", "shutdown",
-    "ssd_offload_policy", "stats", "store_directories",
+    "parse_size", "release_all", "reset_stats", "shutdown", "ssd_offload_policy", "stats",
+    "store_directories",
 ]

@@ -13,6 +13,7 @@ import pytest
 import jax_ssdtrain as ssd
 from jax_ssdtrain import probe
 from jax_ssdtrain._src import native
+from jax_ssdtrain._src.config import parse_bandwidth
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +70,7 @@ def test_bandwidth_cap_is_honoured_both_ways(tmp_path, cap):
 
 
 def test_bandwidth_cap_values(tmp_path, monkeypatch):
-  parse = ssd.parse_bandwidth
+  parse = parse_bandwidth
   assert parse("7GB/s", what="x") == 7_000_000_000
   assert parse("512MiB/s", what="x") == 512 * MiB
   assert parse(14e9, what="x") == 14_000_000_000

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from jax_ssdtrain._src.config import GiB, MiB, parse_bandwidth, parse_size
 
@@ -512,8 +512,8 @@ def _report(results: Sequence[ProbeResult], rec: Recommendation, worn: Wear | No
       lines.append(f"  {worn.drive_writes_per_day:.2f} drive writes per day")
     if worn.rated_tbw is not None:
       days = worn.days_to_rated
-      lines.append(f"  rated endurance {worn.rated_tbw:,.0f} TBW reached in "
-                   f"{'never' if math.isinf(days) else f'{days:,.0f} days ({days / 365:.1f} years)'}")
+      when = "never" if math.isinf(days) else f"{days:,.0f} days ({days / 365:.1f} years)"
+      lines.append(f"  rated endurance {worn.rated_tbw:,.0f} TBW reached in {when}")
     else:
       lines.append("  (give --tbw, or --dwpd and --capacity, for days to rated endurance)")
   return "\n".join(lines)

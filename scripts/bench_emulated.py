@@ -11,7 +11,7 @@ that the store is really used), each in a process of its own through bench_rok's
 .json``, a table and a PNG to ``--out``. ``--budget-s`` skips the points left when the run
 has taken that long (default 330 s, so that the run ends within about 6 minutes).
 
-    python scripts/bench_emulated.py                  # 4096,2048,4,8; sweep 2,3,4; 7/14/28 GB/s + disk
+    python scripts/bench_emulated.py            # 4096,2048,4,8; sweep 2,3,4; 7/14/28 GB/s; disk
     python scripts/bench_emulated.py --caps 7,28 --points 2,4 --no-disk
     python scripts/bench_emulated.py --tiny --caps 0.02 --points 4 --no-disk --no-probe  # CPU smoke
     python scripts/bench_emulated.py --replot benchmarks/emulated_*.json
@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as common  # noqa: E402
-import bench_rok as rok  # noqa: E402
+import bench_rok as rok  # noqa: E402  (puts the checkout's jax_ssdtrain on sys.path)
 
 DEFAULT_SHAPE = (4096, 2048, 4, 8)
 DEFAULT_CAPS = (7.0, 14.0, 28.0)  # GB/s
@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     try:
         for d in {s["dir"] for s in stores}:
             os.makedirs(d, exist_ok=True)
+        check_space(args, shm_dir)
         for s in stores:
             s["probe"] = probe(args, s)
         base_args = rok_args(args, None)
@@ -113,6 +114,30 @@ def rok_args(args, cap_gbps: float | None):
     return rok.parse_args(argv)
 
 
+def check_space(args, shm_dir: str) -> None:
+    """The RAM store must hold a step's offload (slots are reused across steps) and the probe."""
+    from jax_ssdtrain._src.config import parse_size  # imports JAX; starts no backend
+    min_bytes = args.min_bytes if args.min_bytes is not None else (0 if args.tiny else 1 << 20)
+    step = max(rok.offload_bytes(rok.POLICIES[f"ssd_nvme_sweep_{k}"], *args.shape, min_bytes)
+               for k in args.points)
+    probe_bytes = 0 if args.no_probe else parse_size(args.probe_size, what="--probe-size")
+    need = int(1.25 * step) + probe_bytes
+    free = shutil.disk_usage(shm_dir).free
+    if free < need:
+        raise SystemExit(f"bench_emulated: {shm_dir} has {free / 2**30:.1f} GiB free, the RAM "
+                         f"store needs about {need / 2**30:.1f} GiB: give --shm-dir on a larger "
+                         f"tmpfs, or fewer --points")
+
+
+def _io_threads(args) -> int:
+    """The engine's I/O threads in the runs (--ssd io_threads=N, else the default 8)."""
+    for opt in args.ssd:
+        key, _, value = opt.partition("=")
+        if key.strip() == "io_threads" and value.strip().isdigit():
+            return int(value)
+    return 8
+
+
 def probe(args, store: dict) -> dict:
     """The store's bandwidth through the engine, with its cap (jax_ssdtrain.probe)."""
     if args.no_probe:
@@ -120,7 +145,8 @@ def probe(args, store: dict) -> dict:
     from jax_ssdtrain import probe as ssd_probe  # its worker is a child process
     cap = int(store["cap_GBps"] * 1e9) if store["cap_GBps"] else None
     try:
-        r = ssd_probe.measure(store["dir"], args.probe_size, threads=8, bandwidth_cap=cap,
+        r = ssd_probe.measure(store["dir"], args.probe_size, threads=_io_threads(args),
+                              bandwidth_cap=cap,
                               refresh=True)
     except (OSError, ValueError) as e:
         return {"note": f"probe failed: {e}"}

@@ -219,3 +219,43 @@ def test_cli_errors(tmp_path, cache_home):
   (tmp_path / "bad.json").write_text('{"step_ms": 5}')
   proc = _cli(tmp_path, "--size", "16MiB", "--plan", tmp_path / "bad.json")
   assert proc.returncode == 1 and "disk_bytes_written_per_step" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the cap under the CUDA handlers
+
+
+@pytest.mark.gpu
+def test_gpu_offload_through_a_capped_store(tmp_path):
+  import jax
+  import jax.numpy as jnp
+  from jax.ad_checkpoint import checkpoint_name
+
+  cap = 500e6
+  layers, width, batch = 4, 1024, 2048  # h: 8 MiB per layer, f32
+
+  def body(x, w):
+    h = checkpoint_name(jnp.tanh(x @ w), "h")
+    return checkpoint_name(h @ w.T, "out"), None
+
+  def step(policy):
+    f = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    return jax.jit(jax.grad(lambda w, x: jnp.mean(jax.lax.scan(f, x, w)[0] ** 2)))
+
+  k1, k2 = jax.random.split(jax.random.key(0))
+  w = jax.random.normal(k1, (layers, width, width)) / width ** 0.5
+  x = jax.random.normal(k2, (batch, width))
+  ref = step(jax.checkpoint_policies.save_only_these_names("h", "out"))(w, x)
+  with ssd.configured(tmp_path / "store", capacity_bytes="1GiB", host_cache_bytes="16MiB",
+                      forwarding=False, bandwidth_cap=cap):
+    ours = step(ssd.offload_policy(("h", "out"), min_bytes=0, location="nvme"))
+    jax.block_until_ready(ours(w, x))
+    ssd.reset_stats()
+    got = ours(w, x)
+    jax.block_until_ready(got)
+    ssd.flush()
+    s = ssd.stats()
+  assert float(jnp.max(jnp.abs(got - ref))) <= 1e-5 * float(jnp.max(jnp.abs(ref)))
+  assert s["bandwidth_cap"] == cap and s["disk_bytes_written"] >= layers * 8 * MiB
+  assert s["write_seconds"] >= 0.95 * s["disk_bytes_written"] / cap
+  assert s["read_seconds"] >= 0.95 * s["disk_bytes_read"] / cap

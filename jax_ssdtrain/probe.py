@@ -115,7 +115,7 @@ def measure(directory: str | os.PathLike, size: int | str = DEFAULT_SIZE, *, thr
   env = dict(os.environ)
   package_root = str(Path(__file__).resolve().parents[1])
   env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-  env.setdefault("JAX_PLATFORMS", "cpu")  # the worker never computes; keep it off the GPU
+  env["JAX_PLATFORMS"] = "cpu"  # the worker computes nothing: it must not take GPU memory
   cmd = [sys.executable, "-m", "jax_ssdtrain.probe", "--worker", json.dumps(request)]
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

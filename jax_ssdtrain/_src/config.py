@@ -22,6 +22,8 @@ variable                    option                                   default
 ``SSDTRAIN_VERIFY``         ``verify`` (crc32c checks, on / off)      off
 ``SSDTRAIN_EXACT_LOADS``    ``exact_loads`` (GPU loads read their     off
                             handle first instead of predicting it)
+``SSDTRAIN_BANDWIDTH_CAP``  ``bandwidth_cap`` (bytes/s per direction  none
+                            of the file I/O, e.g. ``7GB/s``)
 =========================== ======================================== =====================
 
 Sizes accept suffixes (``512MiB``, ``4G``, ``1.5GB``). Host memory is taken lazily, as used.
@@ -64,6 +66,7 @@ class StoreConfig:
   on_full: str = "error"
   verify: bool = False
   exact_loads: bool = False
+  bandwidth_cap: int | None = None  # bytes/s each way (emulates a slower array), None: no cap
 
 
 class UnknownOptionError(TypeError, ValueError):
@@ -87,6 +90,8 @@ _ENV = {  # option -> (variable, parser)
     "verify": ("SSDTRAIN_VERIFY", lambda v: _parse_switch(v, what="SSDTRAIN_VERIFY", auto=False)),
     "exact_loads": ("SSDTRAIN_EXACT_LOADS",
                     lambda v: _parse_switch(v, what="SSDTRAIN_EXACT_LOADS", auto=False)),
+    "bandwidth_cap": ("SSDTRAIN_BANDWIDTH_CAP",
+                      lambda v: parse_bandwidth(v, what="SSDTRAIN_BANDWIDTH_CAP")),
 }
 
 
@@ -125,6 +130,8 @@ def configure(directory: str | os.PathLike | Sequence[str | os.PathLike] | None 
                 "chunk_bytes", "prefetch_bytes"):
       if isinstance(changes.get(key), str):
         changes[key] = parse_size(changes[key], what=key)
+    if "bandwidth_cap" in changes:
+      changes["bandwidth_cap"] = parse_bandwidth(changes["bandwidth_cap"], what="bandwidth_cap")
     cfg = _validated(dataclasses.replace(base, **changes))
     _apply(cfg)
     return cfg
@@ -214,6 +221,26 @@ def parse_size(value: int | str, *, what: str) -> int:
   return int(float(number) * unit)
 
 
+def parse_bandwidth(value: int | float | str | None, *, what: str) -> int | None:
+  """``"7GB/s"``, ``"512MiB/s"``, ``7e9`` -> bytes/s; None, ``"off"``, ``"none"`` -> None (no cap)."""
+  if value is None or (isinstance(value, str) and value.strip().lower() in ("", "off", "none")):
+    return None
+  if isinstance(value, bool):
+    raise ValueError(f"{what}: expected a bandwidth in bytes/s (e.g. 7GB/s), got {value!r}")
+  try:
+    if isinstance(value, str):
+      rate = parse_size(re.sub(r"/s\s*$", "", value.strip(), flags=re.IGNORECASE), what=what)
+    else:
+      rate = int(value)
+  except (ValueError, TypeError, OverflowError):
+    raise ValueError(f"{what}: cannot read {value!r} as a bandwidth (e.g. 7GB/s, 512MiB/s, "
+                     f"7e9, or 'off')") from None
+  if rate <= 0:
+    raise ValueError(f"{what}: expected a positive bandwidth in bytes/s, got {value!r} "
+                     f"(None or 'off' for no cap)")
+  return rate
+
+
 # ---------------------------------------------------------------------------------------------
 # Implementation
 
@@ -272,7 +299,7 @@ def _engine_options(cfg: StoreConfig, directories: tuple[str, ...]) -> dict[str,
               chunk_bytes=cfg.chunk_bytes, prefetch_bytes=cfg.prefetch_bytes,
               o_direct=switch[cfg.o_direct], gds=switch[cfg.gds], forwarding=int(cfg.forwarding),
               on_full=_ON_FULL[cfg.on_full], verify=int(cfg.verify),
-              exact_loads=int(cfg.exact_loads))
+              exact_loads=int(cfg.exact_loads), bandwidth_cap=cfg.bandwidth_cap or 0)
 
 
 _ON_FULL = {"error": 0, "keep": 1}
@@ -375,6 +402,15 @@ def _validated(cfg: StoreConfig) -> StoreConfig:
   for key in ("forwarding", "verify", "exact_loads"):
     if not isinstance(getattr(cfg, key), bool):
       raise ValueError(f"{key}: expected a bool, got {getattr(cfg, key)!r}")
+  if not isinstance(cfg.forwarding, bool):
+    raise ValueError(f"forwarding: expected a bool, got {cfg.forwarding!r}")
+  if not isinstance(cfg.verify, bool):
+    raise ValueError(f"verify: expected a bool, got {cfg.verify!r}")
+  if cfg.bandwidth_cap is not None and (isinstance(cfg.bandwidth_cap, bool) or
+                                        not isinstance(cfg.bandwidth_cap, int) or
+                                        cfg.bandwidth_cap <= 0):
+    raise ValueError(f"bandwidth_cap: expected a positive integer (bytes/s) or None, got "
+                     f"{cfg.bandwidth_cap!r}")
   if cfg.on_full not in _ON_FULL:
     raise ValueError(f"on_full: expected 'error' or 'keep', got {cfg.on_full!r}")
   ram = _physical_ram()

@@ -38,6 +38,8 @@ __all__ = [
     "file_paths",
     "debug_truncate",
     "debug_corrupt",
+    "store_host",
+    "load_host",
 ]
 
 STORE_TARGET = "ssdtrain_store"
@@ -115,6 +117,11 @@ def lib() -> ctypes.CDLL:
             f = getattr(so, fn)
             f.argtypes = [ctypes.c_uint64, c_char_p, c_size_t]
             f.restype = c_int
+        so.ssdtrain_store_host.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64,
+                                           ctypes.POINTER(ctypes.c_uint32), c_char_p, c_size_t]
+        so.ssdtrain_load_host.argtypes = [ctypes.POINTER(ctypes.c_uint32), ctypes.c_void_p,
+                                          ctypes.c_uint64, ctypes.c_int64, c_char_p, c_size_t]
+        so.ssdtrain_store_host.restype = so.ssdtrain_load_host.restype = c_int
         so.ssdtrain_reset_stats.argtypes = []
         so.ssdtrain_reset_stats.restype = None
         _lib = so
@@ -275,6 +282,20 @@ def debug_truncate(size: int = 0) -> None:
 def debug_corrupt(offset: int) -> None:
     """Test hook: flips one byte of the store at logical (striped) offset ``offset``."""
     _call_err(lib().ssdtrain_debug_corrupt, int(offset))
+
+
+def store_host(address: int, nbytes: int, site: int) -> tuple[int, int]:
+    """Stores ``nbytes`` at host ``address`` in the NVMe tier, as the CPU store handler does;
+    returns the handle. The caller keeps the buffer alive for the call only."""
+    handle = (ctypes.c_uint32 * 2)()
+    _call_err(lib().ssdtrain_store_host, ctypes.c_void_p(address), int(nbytes), int(site), handle)
+    return handle[0], handle[1]
+
+
+def load_host(handle: tuple[int, int], address: int, nbytes: int, site: int) -> None:
+    """Loads a tensor stored by :func:`store_host` into ``nbytes`` at host ``address``."""
+    h = (ctypes.c_uint32 * 2)(*handle)
+    _call_err(lib().ssdtrain_load_host, h, ctypes.c_void_p(address), int(nbytes), int(site))
 
 
 def _atexit_shutdown() -> None:

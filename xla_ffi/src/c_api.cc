@@ -136,4 +136,24 @@ SSD_EXPORT int ssdtrain_debug_corrupt(uint64_t offset, char* err, size_t errlen)
   });
 }
 
+// Stores / loads a host buffer through the engine, as the CPU handlers do (the
+// probe drives the engine with these; handle is uint32[2]).
+SSD_EXPORT int ssdtrain_store_host(const void* src, uint64_t nbytes, int64_t site,
+                                   uint32_t* handle, char* err, size_t errlen) {
+  return Guard(err, errlen, [&]() -> Status {
+    auto e = ssdtrain::PeekEngine();
+    if (!e) return Status(EINVAL, "the store is not configured");
+    return e->StoreFromHost(src, nbytes, site, 0, "probe", handle);
+  });
+}
+
+SSD_EXPORT int ssdtrain_load_host(const uint32_t* handle, void* dst, uint64_t nbytes,
+                                  int64_t site, char* err, size_t errlen) {
+  return Guard(err, errlen, [&]() -> Status {
+    auto e = ssdtrain::PeekEngine();
+    if (!e) return Status(EINVAL, "the store is not configured");
+    return e->LoadToHost(handle, dst, nbytes, site, "probe");
+  });
+}
+
 }  // extern "C"

@@ -150,6 +150,7 @@ Status Config::Parse(std::string_view kv, Config* out) {
         {"prefetch_bytes", 0, INT64_MAX},   {"forwarding", 0, 1},
         {"on_full", 0, 1},                  {"verify", 0, 1},
         {"exact_loads", 0, 1},
+        {"bandwidth_cap", 0, INT64_MAX},
     };
     const IntKey* k = nullptr;
     for (const auto& cand : keys)
@@ -176,6 +177,7 @@ Status Config::Parse(std::string_view kv, Config* out) {
     else if (key == "on_full") c.on_full = static_cast<int>(x);
     else if (key == "verify") c.verify = x != 0;
     else if (key == "exact_loads") c.exact_loads = x != 0;
+    else if (key == "bandwidth_cap") c.bandwidth_cap = x;
   }
   if (c.chunk_bytes % kAlign != 0)
     return Status(EINVAL, "configure: invalid value for 'chunk_bytes': " +
@@ -388,6 +390,8 @@ Status Engine::Init(const Config& cfg) {
   }
 #endif
   if (!backend_) backend_ = MakePosixBackend(&files_, &fault_);
+  if (cfg.bandwidth_cap)
+    backend_ = MakeThrottledBackend(std::move(backend_), cfg.bandwidth_cap, &throttle_);
   pool_ = std::make_unique<ThreadPool>(cfg.io_threads);
   return Status::Ok();
 }
@@ -1265,6 +1269,8 @@ void Engine::ResetStats() {
   file_bytes_written_.assign(files_.size(), 0);
   file_bytes_read_.assign(files_.size(), 0);
   stats.staging_in_use = stats.staging_peak = staging_in_use;
+  throttle_.write_wait_ns = 0;
+  throttle_.read_wait_ns = 0;
   cache_.alloc.ResetPeak();
   tier_.alloc.ResetPeak();
   slots_.ResetPeak();
@@ -1329,6 +1335,9 @@ std::string Engine::StatsString() {
   u("on_full", cfg_.on_full);
   u("open_files", files_.size());
   u("chunk_bytes", cfg_.chunk_bytes);
+  u("bandwidth_cap", cfg_.bandwidth_cap);
+  d("throttle_write_seconds", throttle_.write_wait_ns.load() * 1e-9);
+  d("throttle_read_seconds", throttle_.read_wait_ns.load() * 1e-9);
   u("directories", files_.size());
   for (size_t i = 0; i < files_.size(); ++i) {
     std::string k = "file" + std::to_string(i);

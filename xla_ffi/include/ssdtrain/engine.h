@@ -44,6 +44,7 @@ struct Config {
   int on_full = 0;      // store full: 0 error, 1 keep the tensor in the host tier
   bool verify = false;  // crc32c of every tensor written, checked after every disk read
   bool exact_loads = false;  // device loads read the handle first (a sync) instead of predicting
+  uint64_t bandwidth_cap = 0;  // bytes/s per direction of the file I/O, 0 = none
 
   static Config Defaults();
   // Parses "key=value" lines on top of the defaults. EINVAL on bad input.
@@ -115,6 +116,13 @@ struct StoreFile {
 
 std::unique_ptr<IoBackend> MakePosixBackend(const std::vector<StoreFile>* files,
                                             FaultSpec* fault = nullptr);
+// Time the bandwidth cap held transfers back (beyond their real duration).
+struct ThrottleStats {
+  std::atomic<uint64_t> write_wait_ns{0}, read_wait_ns{0};
+};
+// Caps each direction of `inner` at `cap` bytes/s in aggregate (Config::bandwidth_cap).
+std::unique_ptr<IoBackend> MakeThrottledBackend(std::unique_ptr<IoBackend> inner, uint64_t cap,
+                                                ThrottleStats* stats);
 #ifdef SSDTRAIN_HAVE_KVIKIO
 // Returns nullptr (and a reason) when kvikio cannot be used; the caller falls
 // back to POSIX.
@@ -343,6 +351,7 @@ class Engine {
   bool o_direct_ = false;
   bool warned_full_ = false;
   FaultSpec fault_;
+  ThrottleStats throttle_;
   uint32_t salt_ = 0;
   uint32_t next_id_ = 1;
   uint64_t next_seq_ = 1;

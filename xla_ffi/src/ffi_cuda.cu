@@ -300,7 +300,8 @@ class CudaModule final : public DeviceHooks {
     const uint64_t budget =
         std::min<uint64_t>(eng_->config().prefetch_bytes, ds->staging_size);
     if (!budget) return;
-    for (const EntryPtr& e : eng_->PredictNext(budget)) {
+    // Only this device's entries: staging, streams and events belong to one device.
+    for (const EntryPtr& e : eng_->PredictNext(budget, ds->device)) {
       if (e->filling || e->reading || !e->host_ptr || !e->host_valid || e->nbytes == 0) continue;
       DevEntry* d = D(*e);
       if (!d) {
@@ -348,8 +349,18 @@ Status LaunchWriteHandle(cudaStream_t stream, uint32_t* dst, const uint32_t h[2]
   return Status::Ok();
 }
 
-Status StoreCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> handle,
-                 int64_t site, int32_t tier, std::string_view name) {
+// The calling thread's current device is made `dev` (XLA's device ordinal of the call): the
+// staging, streams and events created below belong to it.
+Status UseDevice(int dev) {
+  int cur = -1;
+  SSD_CHECK_CUDA(cudaGetDevice(&cur));
+  if (cur != dev) SSD_CHECK_CUDA(cudaSetDevice(dev));
+  return Status::Ok();
+}
+
+Status StoreCuda(int32_t dev, cudaStream_t stream, ffi::AnyBuffer x,
+                 ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
+                 std::string_view name) {
   SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
   Status st;
   auto eng = CurrentEngine(&st);
@@ -357,11 +368,10 @@ Status StoreCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<
   const uint64_t nbytes = x.size_bytes();
   const char* src = static_cast<const char*>(x.untyped_data());
   uint32_t* hdst = handle->typed_data();
-  int dev = 0;
-  SSD_CHECK_CUDA(cudaGetDevice(&dev));
+  SSD_RETURN_IF_ERROR(UseDevice(dev));
 
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(eng->BeginStore(site, tier, nbytes, name, &e));
+  SSD_RETURN_IF_ERROR(eng->BeginStore(site, tier, nbytes, name, &e, dev));
   uint32_t h[2];
   eng->MakeHandle(*e, h);
 
@@ -423,16 +433,16 @@ Status StoreCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<
 
 thread_local uint32_t* t_handle_host = nullptr;
 
-Status LoadCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out,
-                int64_t site, int32_t tier, std::string_view name) {
+Status LoadCuda(int32_t dev, cudaStream_t stream, ffi::Buffer<ffi::U32> handle,
+                ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
+                std::string_view name) {
   SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
   Status st;
   auto eng = CurrentEngine(&st);
   if (!eng) return st;
   const uint64_t nbytes = out->size_bytes();
   char* dst = static_cast<char*>(out->untyped_data());
-  int dev = 0;
-  SSD_CHECK_CUDA(cudaGetDevice(&dev));
+  SSD_RETURN_IF_ERROR(UseDevice(dev));
 
   // The handle lives on the device: read it (exact matching; costs a sync).
   if (!t_handle_host) {
@@ -451,7 +461,7 @@ Status LoadCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> handle, ffi::Result<f
   eng->stats.handle_sync_seconds += sync_s;
   SSD_RETURN_IF_ERROR(eng->TakePendingError());
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(eng->LookupForLoad(lk, h, nbytes, site, name, &e));
+  SSD_RETURN_IF_ERROR(eng->LookupForLoad(lk, h, nbytes, site, name, &e, dev));
   // A concurrent store at this site must not release the entry while it is being loaded
   // (the lock is dropped around the bounce copy below); the guard ends under the lock.
   e->loading++;
@@ -506,21 +516,21 @@ Status LoadCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> handle, ffi::Result<f
     eng->ReleaseHost(lk, &ref);
     SSD_RETURN_IF_ERROR(s);
   }
-  eng->SchedulePrefetch(lk);
+  eng->SchedulePrefetch(lk, dev);
   mod->StagePrefetch(ds);
   return Status::Ok();
 }
 
-ffi::Error StoreCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
+ffi::Error StoreCudaImpl(int32_t dev, cudaStream_t stream, ffi::AnyBuffer x,
                          ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
                          std::string_view name) {
-  return Guarded([&] { return StoreCuda(stream, x, handle, site, tier, name); });
+  return Guarded([&] { return StoreCuda(dev, stream, x, handle, site, tier, name); });
 }
 
-ffi::Error LoadCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U32> handle,
+ffi::Error LoadCudaImpl(int32_t dev, cudaStream_t stream, ffi::Buffer<ffi::U32> handle,
                         ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
                         std::string_view name) {
-  return Guarded([&] { return LoadCuda(stream, handle, out, site, tier, name); });
+  return Guarded([&] { return LoadCuda(dev, stream, handle, out, site, tier, name); });
 }
 
 }  // namespace
@@ -532,6 +542,7 @@ extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainLoadCuda(XLA_FFI_CallFrame* call_fr
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainStoreCuda, ssdtrain::StoreCudaImpl,
     ffi::Ffi::Bind()
+        .Ctx<ffi::DeviceOrdinal>()                 // GPU of the call
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // compute stream of the call
         .Arg<ffi::AnyBuffer>()                     // x: the activation to store (device)
         .Ret<ffi::Buffer<ffi::U32>>()              // handle: uint32[2] = {id, check word}
@@ -542,6 +553,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCuda, ssdtrain::LoadCudaImpl,
     ffi::Ffi::Bind()
+        .Ctx<ffi::DeviceOrdinal>()                 // GPU of the call (must be the store's)
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // compute stream of the call
         .Arg<ffi::Buffer<ffi::U32>>()              // handle: from the matching store (device)
         .Ret<ffi::AnyBuffer>()                     // out: receives the stored bytes (device)

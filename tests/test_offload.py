@@ -427,7 +427,7 @@ def test_directory_placeholders(tmp_path):
   from jax_ssdtrain._src import config as config_mod
   import jax
   expanded = config_mod._directories(str(tmp_path / "p{process}" / "d{device}"))
-  assert expanded == tuple(str(tmp_path / "p0" / f"d{d.id}") for d in jax.local_devices())
+  assert expanded == tuple(str(tmp_path / "p0" / f"d{i}") for i in range(len(jax.local_devices())))
   assert config_mod._directories(str(tmp_path / "a{{b}}")) == (str(tmp_path / "a{b}"),)
   with pytest.raises(ValueError, match=r"unknown placeholder \{host\}"):
     config_mod._directories(str(tmp_path / "{host}"))

@@ -175,7 +175,8 @@ def stats() -> dict[str, float]:
 
 def device_stats() -> dict[int, dict[str, int]]:
   """Per-device counters since :func:`reset_stats`: ``{device ordinal: {"bytes_written",
-  "tensors_written", "bytes_read", "tensors_read"}}`` (ordinals of this process's devices)."""
+  "tensors_written", "bytes_read", "tensors_read"}}``, keyed by the ordinal XLA hands the
+  custom call: the local CUDA ordinal on GPUs, the device id (``jax.Device.id``) on CPU."""
   ensure_configured()
   out: dict[int, dict[str, int]] = {}
   for key, value in native.stats().items():
@@ -416,7 +417,7 @@ def _directories(value) -> tuple[str, ...]:
 # Placeholders of a store directory -> their values (one directory per value).
 _PLACEHOLDERS = {
     "process": lambda: [str(_process_index())],
-    "device": lambda: [str(d.id) for d in _local_devices()],
+    "device": lambda: [str(i) for i in range(len(_local_devices()))],  # local index
 }
 
 

@@ -113,9 +113,16 @@ def shard_train_state(state: TrainState, parallelism, mesh):
 
 
 def shard_batch(tokens, parallelism, mesh):
-    """A global (B, L) batch from this process's rows (all of them on one process)."""
+    """The global (B, L) batch on ``mesh``; every process passes the whole batch and contributes
+    its own block of rows (process i: rows [i*B/n, (i+1)*B/n))."""
+    tokens = np.asarray(tokens)
+    n, i = jax.process_count(), jax.process_index()
+    if tokens.shape[0] % parallelism.data or tokens.shape[0] % n:
+        raise ValueError(f"batch {tokens.shape[0]} is not divisible by data={parallelism.data} "
+                         f"and by the {n} process(es)")
+    rows = tokens.shape[0] // n
     return jax.make_array_from_process_local_data(parallelism.batch_sharding(mesh),
-                                                  np.asarray(tokens))
+                                                  tokens[i * rows:(i + 1) * rows])
 
 
 # ----------------------------------------------------------------------------- checkpoints

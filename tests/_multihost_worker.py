@@ -44,9 +44,7 @@ def main():
     mesh = par.mesh()
     state, shardings = training.shard_train_state(state, par, mesh)
     step_fn = training.jit_train_step(shardings)
-    rows = BATCH // num_processes  # this process's rows of the global batch
-    batches = [training.shard_batch(b[process_id * rows:(process_id + 1) * rows], par, mesh)
-               for b in data]
+    batches = [training.shard_batch(b, par, mesh) for b in data]
   else:
     step_fn = training.jit_train_step()
     batches = list(data)

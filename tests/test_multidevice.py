@@ -57,3 +57,24 @@ def test_shard_map(result):
   # (32, 64) float32 batch over 4 devices: each stores its (8, 64) block.
   assert {d: s["bytes_written"] for d, s in r["device_stats"].items()} == \
       {str(d): 8 * 64 * 4 for d in range(4)}
+
+
+def test_parse_mesh_and_specs():
+  from models import parallel
+  assert parallel.parse_mesh("dp=2, tp=2, fsdp") == parallel.Parallelism(2, 2, True)
+  assert parallel.parse_mesh("dp=4") == parallel.Parallelism(data=4)
+  for bad, msg in [("dp=x", "integer"), ("pp=2", "unknown entry"), ("fsdp=1", "no value"),
+                   ("dp=0", "positive")]:
+    with pytest.raises(ValueError, match=msg):
+      parallel.parse_mesh(bad)
+  par = parallel.Parallelism(data=2, model=2, fsdp=True)
+  P = parallel.P
+  up = "['params']['decoder']['layers']['mlp']['up']['kernel']"
+  down = "['params']['decoder']['layers']['mlp']['down']['kernel']"
+  assert par.spec(up, (2, 64, 256)) == P(None, "data", "model")
+  assert par.spec(down, (2, 256, 64)) == P(None, "model", "data")
+  assert par.spec("['params']['embed']['tokens']['embedding']", (256, 64)) == P("data", None)
+  assert par.spec("['params']['decoder']['layers']['ln_mlp']['scale']", (2, 64)) == P(None, "data")
+  assert par.spec("['params']['decoder']['ln_final']['scale']", (64,)) == P(None)
+  with pytest.raises(ValueError, match="not divisible by model=2"):
+    par.spec(up, (2, 64, 255))

@@ -11,8 +11,12 @@ import os
 import re
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=4")
+# SSD_MD_DEVICES GPUs instead (tests/test_multidevice.py's gpu test): 2 by default there.
+GPU = os.environ.get("SSD_MD_PLATFORM", "cpu") == "gpu"
+N = int(os.environ.get("SSD_MD_DEVICES", "2" if GPU else "4"))
+if not GPU:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={N}")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
@@ -25,8 +29,10 @@ from models import parallel, training  # noqa: E402
 
 TAGS = ("layer_in", "qkv", "attn", "mlp_up")
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
-LAYOUTS = {"dp": parallel.Parallelism(data=4), "fsdp": parallel.Parallelism(data=4, fsdp=True),
-           "tp": parallel.Parallelism(data=2, model=2)}
+LAYOUTS = {"dp": parallel.Parallelism(data=N), "fsdp": parallel.Parallelism(data=N, fsdp=True),
+           "tp": parallel.Parallelism(data=N // 2, model=2)}
+if GPU:  # no TF32: grads compared with the single-device run
+  jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def collectives(hlo: str) -> dict[str, int]:
@@ -81,7 +87,7 @@ def shard_map_case():
   shard_map = getattr(jax, "shard_map", None)
   if shard_map is None:  # older JAX
     from jax.experimental.shard_map import shard_map
-  mesh = parallel.Parallelism(data=4).mesh()
+  mesh = parallel.Parallelism(data=N).mesh()
   policy = ssd.offload_policy(["h"], min_bytes=0)
 
   def local(w, x):  # per-device loss of the local batch shard
@@ -102,12 +108,13 @@ def shard_map_case():
   ssd.flush()
   ref = np.asarray(jax.jit(jax.grad(loss), static_argnums=2)(
       w, x, jax.checkpoint_policies.save_only_these_names("h")))
-  return {"diff": float(np.max(np.abs(g - ref))), "device_stats": ssd.device_stats()}
+  return {"diff": float(np.max(np.abs(g - ref))), "device_stats": ssd.device_stats(),
+          "expected_shard_bytes": 32 // N * 64 * 4}
 
 
 def main():
-  if len(jax.devices()) != 4:
-    raise SystemExit(f"expected 4 CPU devices, got {jax.devices()}")
+  if len(jax.devices()) < N:
+    raise SystemExit(f"expected {N} devices, got {jax.devices()}")
   tokens = np.random.RandomState(0).randint(0, 256, (8, 17)).astype(np.int32)
   device = {t: "device" for t in TAGS}
   result = {"layouts": {}}
@@ -128,6 +135,7 @@ def main():
   result["shard_map"] = shard_map_case()
   result["shard_map"]["device_stats"] = {str(k): v for k, v in
                                          result["shard_map"]["device_stats"].items()}
+  result["devices"] = [str(d.id) for d in jax.devices()[:N]]
   print(json.dumps(result))
 
 

@@ -13,14 +13,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-@pytest.fixture(scope="module")
-def result():
+def _run_worker(**env_vars):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             JAX_PLATFORMS="cpu")
+             **env_vars)
   proc = subprocess.run([sys.executable, os.path.join(HERE, "_multidevice_worker.py")],
                         capture_output=True, text=True, env=env, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def result():
+  return _run_worker(JAX_PLATFORMS="cpu")
 
 
 CASES = ("dp-nvme", "fsdp-nvme", "tp-nvme", "tp-host")
@@ -45,7 +49,7 @@ def test_no_collectives_added(result, case):
 def test_each_device_stores_its_shard(result, case):
   r = result["layouts"][case]
   stats = r["device_stats"]
-  assert sorted(stats) == ["0", "1", "2", "3"], stats
+  assert sorted(stats) == sorted(result["devices"]), stats
   for dev, s in stats.items():
     assert s["bytes_written"] == r["expected_shard_bytes"], (dev, s)
     assert s["bytes_read"] == r["expected_shard_bytes"], (dev, s)
@@ -55,8 +59,9 @@ def test_shard_map(result):
   r = result["shard_map"]
   assert r["diff"] == 0.0
   # (32, 64) float32 batch over 4 devices: each stores its (8, 64) block.
+  assert r["expected_shard_bytes"] == 8 * 64 * 4
   assert {d: s["bytes_written"] for d, s in r["device_stats"].items()} == \
-      {str(d): 8 * 64 * 4 for d in range(4)}
+      {d: 8 * 64 * 4 for d in result["devices"]}
 
 
 def test_parse_mesh_and_specs():
@@ -78,3 +83,28 @@ def test_parse_mesh_and_specs():
   assert par.spec("['params']['decoder']['ln_final']['scale']", (64,)) == P(None)
   with pytest.raises(ValueError, match="not divisible by model=2"):
     par.spec(up, (2, 64, 255))
+
+
+def _gpu_count() -> int:
+  import jax
+  try:
+    return len(jax.devices("gpu"))
+  except RuntimeError:
+    return 0
+
+
+@pytest.mark.gpu
+def test_two_gpus():
+  """The same checks on 2 GPUs (DP, FSDP over 2; TP 1x2), in a subprocess."""
+  if _gpu_count() < 2:
+    pytest.skip("needs 2 GPUs")
+  r = _run_worker(SSD_MD_PLATFORM="gpu", SSD_MD_DEVICES="2", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  for case, c in r["layouts"].items():
+    assert c["stores_in_hlo"] > 0, case
+    assert c["vs_single"] < 1e-4, (case, c["vs_single"])
+    assert c["vs_device_saving"] < 1e-6, (case, c["vs_device_saving"])
+    assert c["collectives"] == c["collectives_device_saving"], (case, c)
+    assert sorted(c["device_stats"]) == ["0", "1"], (case, c["device_stats"])
+    for s in c["device_stats"].values():
+      assert s["bytes_written"] == s["bytes_read"] == c["expected_shard_bytes"], (case, s)
+  assert r["shard_map"]["diff"] < 1e-6

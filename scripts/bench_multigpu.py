@@ -8,7 +8,8 @@ efficiency (tokens/s per GPU with N GPUs / with 1 GPU), plus the no-offload refe
 
 * ``offload``: ``--offload`` tags (default ``layer_in``) in the nvme store, the rest recomputed;
 * ``remat``:   the same tags saved on the device instead (full recompute from the layer input);
-* ``keep``:    no rematerialization at all.
+* ``keep``:    no rematerialization at all (DP only unless ``--fsdp-keep``: a reference, and
+  the run must stay under 6 minutes with its compilations).
 
 One child process per GPU count (``CUDA_VISIBLE_DEVICES``) runs its configurations one after
 the other; this process only orchestrates and writes ``multigpu_<device>_<date>.json`` + a table.
@@ -53,6 +54,7 @@ def _orchestrate(args, store_root: str) -> int:
     base = dict(preset=args.preset, seq=args.seq, batch_per_gpu=args.batch_per_gpu,
                 steps=args.steps, warmup=args.warmup, offload=args.offload,
                 policies=args.policies, layouts=args.layouts, cpu=args.cpu_smoke,
+                fsdp_keep=args.fsdp_keep,
                 host_cache=args.host_cache)
     results, t_start = {}, time.perf_counter()
     for n in (1, args.gpus):
@@ -101,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", default="layer_in", help="comma-separated tags sent to nvme")
     p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
     p.add_argument("--layouts", type=lambda s: s.split(","), default=list(LAYOUTS))
+    p.add_argument("--fsdp-keep", action="store_true", help="also the keep policy under FSDP")
     p.add_argument("--host-cache", default="4GiB", help="engine host cache per process")
     p.add_argument("--store-dir", default=None, help="root of the per-GPU store directories")
     p.add_argument("--out", default=str(common.REPO_ROOT / "benchmarks"))
@@ -165,7 +168,9 @@ def child(cfg: dict) -> int:
     for layout in cfg["layouts"]:
         par = parallel.Parallelism(data=n, fsdp=(layout == "fsdp"))
         mesh = par.mesh(devices)
-        for policy in cfg["policies"]:
+        policies = [p for p in cfg["policies"]
+                    if not (layout == "fsdp" and p == "keep" and not cfg["fsdp_keep"])]
+        for policy in policies:
             locations = {"offload": {t: "nvme" for t in tags},
                          "remat": {t: "device" for t in tags}, "keep": None}[policy]
             run = training.RunConfig(preset=preset, batch=batch * n, seq_len=seq,

@@ -15,6 +15,13 @@ several devices, the store and load lowerings go through ``custom_partitioning``
   engine handing out bytes of another layout.
 
 Inside ``shard_map`` (every mesh axis manual) and on one device the calls lower directly.
+
+The recorded sharding is that of the latest compiled store of the site: a forward and a
+backward pass compiled as two programs (``jax.vjp`` across jits) pair up as long as nothing
+recompiles that store with another sharding in between; compiling one site with different
+shardings from several threads at once is not supported. Under GSPMD
+(``jax_use_shardy_partitioner=False``) the same callbacks partition the calls; the load's
+sharding is then guessed before partitioning and XLA may reshard around it.
 """
 from __future__ import annotations
 
@@ -85,8 +92,13 @@ def _store_fn(store_p, site, tier, name):
       _store_shardings[site] = x_sharding
     return mesh, local_store, _replicated(mesh, x_sharding), (x_sharding,)
 
+  def infer(mesh, arg_shapes, result_shape):  # GSPMD (jax_use_shardy_partitioner=False)
+    del result_shape
+    return _replicated(mesh, arg_shapes[0].sharding)
+
   fn = custom_partitioning(local_store)
-  fn.def_partition(partition=partition, sharding_rule=rule)
+  fn.def_partition(partition=partition, sharding_rule=rule, infer_sharding_from_operands=infer,
+                   propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding)
   return fn
 
 
@@ -115,7 +127,16 @@ def _load_fn(load_p, aval, site, tier, name):
 
     return mesh, lower_fn, out_sharding, (_replicated(mesh, arg_shapes[0].sharding),)
 
+  def infer(mesh, arg_shapes, result_shape):
+    # GSPMD asks before any partition callback ran: the store's sharding of an earlier
+    # compilation if any, else replicated (the partition callback still loads the shard).
+    del result_shape
+    with _lock:
+      stored = _store_shardings.get(site)
+    return stored if stored is not None else _replicated(mesh, arg_shapes[0].sharding)
+
   fn = custom_partitioning(local_load)
-  fn.def_partition(partition=partition, sharding_rule=rule)
+  fn.def_partition(partition=partition, sharding_rule=rule, infer_sharding_from_operands=infer,
+                   propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding)
   return fn
 

@@ -112,6 +112,29 @@ def shard_map_case():
           "expected_shard_bytes": 32 // N * 64 * 4}
 
 
+def wrong_device_case():
+  """A handle moved to another device (ppermute) must be refused by the engine, naming both."""
+  from jax._src import core as jax_core
+  from jax_ssdtrain._src.primitives import load_p, store_p
+  shard_map = getattr(jax, "shard_map", None)
+  if shard_map is None:
+    from jax.experimental.shard_map import shard_map
+  mesh = parallel.Parallelism(data=N).mesh()
+
+  def local(x):
+    y, handle = store_p.bind(x, site=10**9, tier=0, name="moved")
+    handle = jax.lax.ppermute(handle, parallel.DATA, [(i, (i + 1) % N) for i in range(N)])
+    return load_p.bind(handle, aval=jax_core.ShapedArray(x.shape, x.dtype), site=10**9,
+                       tier=0, name="moved") + y
+
+  f = jax.jit(shard_map(local, mesh=mesh, in_specs=P(parallel.DATA), out_specs=P(parallel.DATA)))
+  try:
+    jax.block_until_ready(f(jnp.ones((N * 8, 8), jnp.float32)))
+  except Exception as e:  # noqa: BLE001 - the message is what the test checks
+    return {"error": str(e)}
+  return {"error": None}
+
+
 def main():
   if len(jax.devices()) < N:
     raise SystemExit(f"expected {N} devices, got {jax.devices()}")
@@ -135,6 +158,7 @@ def main():
   result["shard_map"] = shard_map_case()
   result["shard_map"]["device_stats"] = {str(k): v for k, v in
                                          result["shard_map"]["device_stats"].items()}
+  result["wrong_device"] = wrong_device_case()
   result["devices"] = [str(d.id) for d in jax.devices()[:N]]
   print(json.dumps(result))
 

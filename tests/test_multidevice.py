@@ -64,6 +64,12 @@ def test_shard_map(result):
       {d: 8 * 64 * 4 for d in result["devices"]}
 
 
+def test_handle_on_another_device_is_refused(result):
+  msg = result["wrong_device"]["error"]
+  assert msg and "stored by device" in msg and "used by a load on device" in msg, msg
+  assert "'moved'" in msg
+
+
 def test_parse_mesh_and_specs():
   from models import parallel
   assert parallel.parse_mesh("dp=2, tp=2, fsdp") == parallel.Parallelism(2, 2, True)

@@ -95,8 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dp=N[,tp=M][,fsdp]: data parallel over N devices, tensor parallel MLP "
                         "over M, parameters/optimizer state sharded over the data axis (fsdp)")
     p.add_argument("--distributed", action="store_true",
-                   help="jax.distributed.initialize() first (cluster auto-detection or "
-                        "JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)")
+                   help="jax.distributed.initialize() first (SLURM/MPI/... auto-detection, or "
+                        "the three options below)")
+    p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (--distributed)")
+    p.add_argument("--num-processes", type=_positive(int), default=None)
+    p.add_argument("--process-id", type=_non_negative_int, default=None)
     p.add_argument("--log-every", type=_positive(int), default=1, help="steps between metric fetches")
     return p
 
@@ -132,8 +135,8 @@ def main(argv=None) -> dict:
     locations = run.resolved_locations()
     offloading = bool(locations) and any(v in ("host", "nvme") for v in locations.values())
     import jax_ssdtrain as ssd
-    if args.distributed:
-        jax.distributed.initialize()
+    if args.distributed or args.coordinator:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     if args.mesh and args.mesh.size != jax.device_count():
         parser.error(f"--mesh needs {args.mesh.size} devices, there are {jax.device_count()}")
     if args.mesh and run.batch % args.mesh.data:
@@ -222,7 +225,7 @@ def main(argv=None) -> dict:
     if hasattr(batches, "close"):
         batches.close()
     st = ssd.stats()
-    mem = jax.devices()[0].memory_stats() or {}  # None on CPU
+    mem = jax.local_devices()[0].memory_stats() or {}  # None on CPU
     summary = dict(final_loss=loss, tokens_per_s=tokens_done / dt if dt > 0 else 0.0,
                    gb_written=st.get("bytes_written", 0) / 1e9, gb_read=st.get("bytes_read", 0) / 1e9,
                    peak_device_gb=mem.get("peak_bytes_in_use", 0) / 1e9,

@@ -19,6 +19,7 @@ from jax_ssdtrain._src.config import (
     configured,
     current as current_config,
     defaults as default_config,
+    device_stats,
     flush,
     parse_size,
     release_all,
@@ -42,7 +43,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HigherOrderOffloadError", "Location", "OffloadPolicy", "StoreConfig", "configure",
-    "configured", "current_config", "default_config", "flush", "location_policy", "offload_policy",
+    "configured", "current_config", "default_config", "device_stats", "flush", "location_policy", "offload_policy",
     "parse_size", "release_all", "reset_stats", "shutdown", "ssd_offload_policy", "stats",
     "store_directories",
 ]

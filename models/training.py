@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.training import train_state
 
@@ -92,8 +93,36 @@ def train_step(state: TrainState, tokens: jax.Array, rng: jax.Array):
     return state.apply_gradients(grads=grads), metrics
 
 
-def jit_train_step():
-    return jax.jit(train_step, donate_argnums=0)
+def jit_train_step(state_shardings=None):
+    """The jitted step; with ``state_shardings`` (see :func:`shard_train_state`) the new state
+    keeps the sharding of the old one."""
+    if state_shardings is None:
+        return jax.jit(train_step, donate_argnums=0)
+    return jax.jit(train_step, donate_argnums=0, out_shardings=(state_shardings, None))
+
+
+def shard_train_state(state: TrainState, parallelism, mesh):
+    """Places ``state`` on ``mesh`` (params and optimizer state per ``parallelism``, see
+    models.parallel); returns (state, its shardings)."""
+    shardings = parallelism.shardings(state, mesh)
+    host = jax.tree.map(np.asarray, state)  # from the one device it was created on
+    # Every process holds the whole state: each device takes its slice (works across hosts).
+    placed = jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]), host, shardings)
+    return placed, shardings
+
+
+def shard_batch(tokens, parallelism, mesh):
+    """The global (B, L) batch on ``mesh``; every process passes the whole batch and contributes
+    its own block of rows (process i: rows [i*B/n, (i+1)*B/n))."""
+    tokens = np.asarray(tokens)
+    n, i = jax.process_count(), jax.process_index()
+    if tokens.shape[0] % parallelism.data or tokens.shape[0] % n:
+        raise ValueError(f"batch {tokens.shape[0]} is not divisible by data={parallelism.data} "
+                         f"and by the {n} process(es)")
+    rows = tokens.shape[0] // n
+    return jax.make_array_from_process_local_data(parallelism.batch_sharding(mesh),
+                                                  tokens[i * rows:(i + 1) * rows])
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -53,6 +53,14 @@ def _locations(s):
         raise argparse.ArgumentTypeError(str(e))
 
 
+def _mesh(s):
+    from models import parallel
+    try:
+        return parallel.parse_mesh(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(models.MODELS), default="gpt")
@@ -83,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="metrics.csv, TensorBoard events and checkpoints")
     p.add_argument("--checkpoint-every", type=_non_negative_int, default=0, help="0: only at the end (with --workdir)")
     p.add_argument("--restore", action="store_true", help="resume from the latest checkpoint in --workdir")
+    p.add_argument("--mesh", type=_mesh, default=None,
+                   help="dp=N[,tp=M][,fsdp]: data parallel over N devices, tensor parallel MLP "
+                        "over M, parameters/optimizer state sharded over the data axis (fsdp)")
+    p.add_argument("--distributed", action="store_true",
+                   help="jax.distributed.initialize() first (SLURM/MPI/... auto-detection, or "
+                        "the three options below)")
+    p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (--distributed)")
+    p.add_argument("--num-processes", type=_positive(int), default=None)
+    p.add_argument("--process-id", type=_non_negative_int, default=None)
     p.add_argument("--log-every", type=_positive(int), default=1, help="steps between metric fetches")
     return p
 
@@ -118,8 +135,13 @@ def main(argv=None) -> dict:
     locations = run.resolved_locations()
     offloading = bool(locations) and any(v in ("host", "nvme") for v in locations.values())
     import jax_ssdtrain as ssd
-    if args.store_dir:
-        os.makedirs(args.store_dir, exist_ok=True)
+    if args.distributed or args.coordinator:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    if args.mesh and args.mesh.size != jax.device_count():
+        parser.error(f"--mesh needs {args.mesh.size} devices, there are {jax.device_count()}")
+    if args.mesh and run.batch % args.mesh.data:
+        parser.error(f"--batch {run.batch} is not divisible by dp={args.mesh.data}")
+    if args.store_dir:  # may hold {process} / {device} (see jax_ssdtrain.configure)
         ssd.configure(directory=args.store_dir)
     try:
         batches = data_lib.make_batches(args.data, args.loader, run.batch, run.example_length(cfg),
@@ -140,7 +162,13 @@ def main(argv=None) -> dict:
     print(f"{args.model}/{args.preset}: {n_params / 1e6:.2f}M params, dtype {cfg.dtype}, "
           f"batch {run.batch}x{run.example_length(cfg)}, locations {locations or 'keep'}", flush=True)
 
-    step_fn = training.jit_train_step()
+    mesh = None
+    if args.mesh:
+        mesh = args.mesh.mesh()
+        state, shardings = training.shard_train_state(state, args.mesh, mesh)
+        step_fn = training.jit_train_step(shardings)
+    else:
+        step_fn = training.jit_train_step()
     rng = jax.random.key(run.seed + 1)
     writer = csv_file = tb = None
     if args.workdir:
@@ -163,6 +191,8 @@ def main(argv=None) -> dict:
             tokens = next(batches)
         except data_lib.DataError as e:
             parser.error(str(e))
+        if mesh is not None:
+            tokens = training.shard_batch(tokens, args.mesh, mesh)
         state, metrics = step_fn(state, tokens, rng)
         if t0 is None:  # exclude compilation from throughput
             jax.block_until_ready(metrics)
@@ -195,7 +225,7 @@ def main(argv=None) -> dict:
     if hasattr(batches, "close"):
         batches.close()
     st = ssd.stats()
-    mem = jax.devices()[0].memory_stats() or {}  # None on CPU
+    mem = jax.local_devices()[0].memory_stats() or {}  # None on CPU
     summary = dict(final_loss=loss, tokens_per_s=tokens_done / dt if dt > 0 else 0.0,
                    gb_written=st.get("bytes_written", 0) / 1e9, gb_read=st.get("bytes_read", 0) / 1e9,
                    peak_device_gb=mem.get("peak_bytes_in_use", 0) / 1e9,

@@ -41,3 +41,29 @@ def test_bench_rok_tiny(tmp_path):
   assert ssd["check_steps"] == 20 and ssd["check_identical_repeats"] is True
   assert ssd["check_max_rel_diff_vs_selective"] <= 1e-2 and ssd["check_ok"] is True
   assert "ssd_nvme_named" in proc.stdout and "x sel" in proc.stdout  # the table
+
+
+MULTIGPU = SCRIPT.parent / "bench_multigpu.py"
+
+
+@pytest.mark.timeout(150)
+def test_bench_multigpu_cpu_smoke(tmp_path):
+  """1 vs 2 CPU devices, FSDP, offload only: the script runs end to end and writes its rows."""
+  cmd = [sys.executable, str(MULTIGPU), "--cpu-smoke", "--steps", "2", "--warmup", "1",
+         "--policies", "offload", "--layouts", "fsdp", "--host-cache", "64MiB",
+         "--out", str(tmp_path), "--store-dir", str(tmp_path / "store")]
+  proc = subprocess.run(cmd, capture_output=True, text=True,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=140)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  (path,) = tmp_path.glob("multigpu_cpu_*.json")
+  doc = json.loads(path.read_text())
+  (row,) = doc["rows"]
+  assert (row["layout"], row["policy"], row["gpus"]) == ("fsdp", "offload", 2)
+  assert row["efficiency"] > 0 and row["step_ms_1"] > 0 and row["step_ms_n"] > 0
+  (run2,) = doc["runs"]["2"]["rows"]
+  # Both devices stored the same (their own) shards; the stores are one directory per device.
+  stats = run2["device_stats"]
+  assert len(stats) == 2 and len({s["bytes_written"] for s in stats.values()}) == 1
+  assert doc["runs"]["2"]["store_directories"] == [str(tmp_path / "store" / "n2" / f"gpu{i}")
+                                                   for i in range(2)]
+  assert "weak-scaling" in proc.stdout

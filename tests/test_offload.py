@@ -417,3 +417,22 @@ def test_base_policy_decides_untagged_equations(store):
   grad = lambda pol: jax.jit(jax.grad(make_loss(pol)))(w, x)
   assert_trees_equal(grad(ours), grad(reference))
   assert ssd.stats()["tensors_written"] == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Store directory placeholders
+
+
+def test_directory_placeholders(tmp_path):
+  from jax_ssdtrain._src import config as config_mod
+  import jax
+  expanded = config_mod._directories(str(tmp_path / "p{process}" / "d{device}"))
+  assert expanded == tuple(str(tmp_path / "p0" / f"d{i}") for i in range(len(jax.local_devices())))
+  assert config_mod._directories(str(tmp_path / "a{{b}}")) == (str(tmp_path / "a{b}"),)
+  with pytest.raises(ValueError, match=r"unknown placeholder \{host\}"):
+    config_mod._directories(str(tmp_path / "{host}"))
+  with pytest.raises(ValueError, match="malformed placeholder"):
+    config_mod._directories(str(tmp_path / "{process"))
+  with ssd.configured(directory=str(tmp_path / "store-{process}")) as cfg:
+    assert cfg.directories == (str(tmp_path / "store-0"),)
+    assert os.path.isdir(tmp_path / "store-0")

@@ -27,6 +27,11 @@ variable                    option                                   default
 =========================== ======================================== =====================
 
 Sizes accept suffixes (``512MiB``, ``4G``, ``1.5GB``). Host memory is taken lazily, as used.
+
+A directory may contain ``{process}`` (this process's index, ``jax.process_index()``: one
+store per process of a multi-host job) and ``{device}`` (expanded to one directory per local
+device, e.g. one NVMe drive per GPU; the process's store stripes over them). Configure after
+``jax.distributed.initialize()`` when using them.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ import dataclasses
 import os
 import re
 import shutil
+import string
 import tempfile
 import threading
 import warnings
@@ -74,7 +80,7 @@ class UnknownOptionError(TypeError, ValueError):
 
 
 _ENV = {  # option -> (variable, parser)
-    "directories": ("SSDTRAIN_DIR", lambda v: tuple(p for p in v.split(":") if p)),
+    "directories": ("SSDTRAIN_DIR", lambda v: _directories([p for p in v.split(":") if p])),
     "capacity_bytes": ("SSDTRAIN_CAPACITY", lambda v: parse_size(v, what="SSDTRAIN_CAPACITY")),
     "host_cache_bytes": ("SSDTRAIN_HOST_CACHE", lambda v: parse_size(v, what="SSDTRAIN_HOST_CACHE")),
     "host_tier_bytes": ("SSDTRAIN_HOST_TIER", lambda v: parse_size(v, what="SSDTRAIN_HOST_TIER")),
@@ -177,6 +183,19 @@ def stats() -> dict[str, float]:
   s["write_GBps"] = s["disk_bytes_written"] / s["write_seconds"] / 1e9 if s.get("write_seconds") else 0.0
   s["read_GBps"] = s["disk_bytes_read"] / s["read_seconds"] / 1e9 if s.get("read_seconds") else 0.0
   return s
+
+
+def device_stats() -> dict[int, dict[str, int]]:
+  """Per-device counters since :func:`reset_stats`: ``{device ordinal: {"bytes_written",
+  "tensors_written", "bytes_read", "tensors_read"}}``, keyed by the ordinal XLA hands the
+  custom call: the local CUDA ordinal on GPUs, the device id (``jax.Device.id``) on CPU."""
+  ensure_configured()
+  out: dict[int, dict[str, int]] = {}
+  for key, value in native.stats().items():
+    m = re.fullmatch(r"device(\d+)_(\w+)", key)
+    if m:
+      out.setdefault(int(m.group(1)), {})[m.group(2)] = int(value)
+  return out
 
 
 def flush() -> None:
@@ -423,7 +442,7 @@ def _validated(cfg: StoreConfig) -> StoreConfig:
     if both > ram:
       raise ValueError(f"host_tier_bytes + host_cache_bytes = {both} ({both / GiB:.2f} GiB) is "
                        f"beyond the physical memory of this machine ({ram / GiB:.2f} GiB)")
-  return dataclasses.replace(cfg, directories=_directories(cfg.directories))
+  return dataclasses.replace(cfg, directories=_checked_paths(cfg.directories))
 
 
 def _directories(value) -> tuple[str, ...]:
@@ -432,7 +451,53 @@ def _directories(value) -> tuple[str, ...]:
   for item in items:
     if not isinstance(item, (str, os.PathLike)) or not os.fspath(item):
       raise ValueError(f"directory: expected a path or a list of paths, got {item!r}")
-    path = os.path.abspath(os.fspath(item))
+    out.extend(_expand_template(os.fspath(item)))
+  return _checked_paths(out)
+
+
+# Placeholders of a store directory -> their values (one directory per value).
+_PLACEHOLDERS = {
+    "process": lambda: [str(_process_index())],
+    "device": lambda: [str(i) for i in range(len(_local_devices()))],  # local index
+}
+
+
+def _expand_template(path: str) -> list[str]:
+  """``{process}`` / ``{device}`` in a directory -> the directories they stand for."""
+  if "{" not in path and "}" not in path:
+    return [path]
+  try:
+    parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(path)
+              if f is not None]
+  except ValueError as e:
+    raise ValueError(f"directory: malformed placeholder in {path!r} ({e}); use {{process}} or "
+                     f"{{device}}, and {{{{ }}}} for literal braces") from None
+  for field, spec, conv in parsed:
+    if field not in _PLACEHOLDERS or spec or conv:
+      raise ValueError(f"directory: unknown placeholder {{{field}}} in {path!r}; known: "
+                       f"{', '.join('{' + k + '}' for k in _PLACEHOLDERS)}")
+  values = {name: _PLACEHOLDERS[name]() for name in sorted({f for f, _, _ in parsed})}
+  out = [path]
+  for name, choices in values.items():
+    out = [p.replace("{" + name + "}", v) for p in out for v in choices]
+  return [p.replace("{{", "{").replace("}}", "}") for p in out]
+
+
+def _process_index() -> int:
+  # The distributed client's id: set by jax.distributed.initialize(), without starting backends.
+  from jax._src import distributed
+  return int(distributed.global_state.process_id)
+
+
+def _local_devices():
+  import jax
+  return jax.local_devices()
+
+
+def _checked_paths(paths) -> tuple[str, ...]:
+  out = []
+  for raw in paths:
+    path = os.path.abspath(raw)
     if ":" in path:
       raise ValueError(f"directory: a path may not contain ':', got {path!r}")
     out.append(path)

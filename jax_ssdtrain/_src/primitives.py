@@ -8,6 +8,8 @@ Each primitive's rules are registered right after it.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,8 @@ from jax._src.interpreters import batching
 from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src import dispatch
+
+from jax_ssdtrain._src import sharded
 
 from jax_ssdtrain._src.policies import Location, name_p
 
@@ -57,6 +61,11 @@ store_p.def_impl(lambda x, **params: dispatch.apply_primitive(store_p, x, **para
 
 def _store_lowering(ctx, x, *, site, tier, name):
   _ensure_engine()
+  if sharded.needs_partitioning(ctx):  # each device stores its own shard
+    lowered = mlir.lower_fun(functools.partial(sharded.store_handle, store_p=store_p, site=site,
+                                               tier=tier, name=name), multiple_results=False)
+    handle, = lowered(ctx.replace(avals_out=[HANDLE_AVAL]), x)
+    return [x, handle]
   call = jax.ffi.ffi_lowering(STORE_TARGET, has_side_effect=True)
   handle, = call(ctx.replace(avals_out=[HANDLE_AVAL]), x,
                  site=np.int64(site), tier=np.int32(tier), name=name)
@@ -65,6 +74,8 @@ def _store_lowering(ctx, x, *, site, tier, name):
 
 
 mlir.register_lowering(store_p, _store_lowering)
+# The partitioned lowering (custom_partitioning) needs the device assignment.
+dispatch.prim_requires_devices_during_lowering.add(store_p)
 
 
 def _store_jvp(primals, tangents, **params):
@@ -120,13 +131,16 @@ load_p.def_impl(lambda h, **params: dispatch.apply_primitive(load_p, h, **params
 
 
 def _load_lowering(ctx, handle, *, aval, site, tier, name):
-  del aval
   _ensure_engine()
+  if sharded.needs_partitioning(ctx):  # each device loads its own shard
+    return mlir.lower_fun(functools.partial(sharded.load, load_p=load_p, aval=aval, site=site,
+                                            tier=tier, name=name), multiple_results=False)(ctx, handle)
   call = jax.ffi.ffi_lowering(LOAD_TARGET, has_side_effect=True)
   return call(ctx, handle, site=np.int64(site), tier=np.int32(tier), name=name)
 
 
 mlir.register_lowering(load_p, _load_lowering)
+dispatch.prim_requires_devices_during_lowering.add(load_p)
 
 
 def _load_batch(args, dims, *, aval, site, tier, name):

@@ -615,8 +615,8 @@ void Engine::MakeHandle(const Entry& e, uint32_t h[2]) const {
   h[1] = HandleCheck(e.id);
 }
 
-void Engine::ReleaseLoadedOfSite(int64_t site) {
-  auto it = by_site_.find(site);
+void Engine::ReleaseLoadedOfSite(int device, int64_t site) {
+  auto it = by_site_.find({device, site});
   if (it == by_site_.end()) return;
   std::vector<EntryPtr> victims;
   for (uint32_t id : it->second) {
@@ -632,7 +632,7 @@ void Engine::Release(const EntryPtr& e) {
   if (e->released) return;
   e->released = true;
   entries_.erase(e->id);
-  auto s = by_site_.find(e->site);
+  auto s = by_site_.find({e->device, e->site});
   if (s != by_site_.end()) {
     s->second.erase(e->id);
     if (s->second.empty()) by_site_.erase(s);
@@ -852,17 +852,19 @@ Status Engine::SyncIo(bool write, char* buf, uint64_t loff, uint64_t len) {
 // Store
 // ---------------------------------------------------------------------------
 Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_view name,
-                          EntryPtr* out) {
+                          EntryPtr* out, int device) {
   if (tier != 0 && tier != 1)
     return Status(EINVAL, "store of tag '" + std::string(name) + "': invalid tier " +
                               std::to_string(tier) + " (0 = nvme, 1 = host)");
   Lock lk(mu);
   SSD_RETURN_IF_ERROR(TakePendingError());
-  ReleaseLoadedOfSite(site);
+  // Each device runs the program on its own: its entries of a site are released by its stores.
+  ReleaseLoadedOfSite(device, site);
   auto e = std::make_shared<Entry>();
   e->id = next_id_++;
   if (next_id_ == 0) next_id_ = 1;
   e->site = site;
+  e->device = device;
   e->tier = tier;
   e->nbytes = nbytes;
   e->padded = RoundUp(nbytes, kAlign);
@@ -931,10 +933,13 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
     }
   }
   entries_[e->id] = e;
-  by_site_[site].insert(e->id);
+  by_site_[{device, site}].insert(e->id);
   unloaded_[e->seq] = e;  // every tier: the LIFO read-ahead into device staging uses it
   stats.bytes_written += nbytes;
   stats.tensors_written++;
+  DeviceStats& ds = device_stats_[device];
+  ds.bytes_written += nbytes;
+  ds.tensors_written++;
   *out = e;
   return Status::Ok();
 }
@@ -1002,9 +1007,9 @@ void Engine::AbortStore(const EntryPtr& e) {
 }
 
 Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int tier,
-                             std::string_view name, uint32_t handle[2]) {
+                             std::string_view name, uint32_t handle[2], int device) {
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(BeginStore(site, tier, nbytes, name, &e));
+  SSD_RETURN_IF_ERROR(BeginStore(site, tier, nbytes, name, &e, device));
   MakeHandle(*e, handle);
   if (nbytes == 0 || e->host_ptr) {
     if (nbytes) {
@@ -1027,7 +1032,7 @@ Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int
 // Load
 // ---------------------------------------------------------------------------
 Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int64_t site,
-                             std::string_view name, EntryPtr* out) {
+                             std::string_view name, EntryPtr* out, int device) {
   if (h[0] == 0 || HandleCheck(h[0]) != h[1])
     return Status(EINVAL, "invalid or stale ssdtrain handle {" + std::to_string(h[0]) + ", " +
                               std::to_string(h[1]) + "} for tag '" + std::string(name) +
@@ -1044,6 +1049,11 @@ Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int
     return Status(EINVAL, "ssdtrain handle of " + Describe(e->name, e->site, e->id) +
                               " used by a load of tag '" + std::string(name) + "' at site " +
                               std::to_string(site));
+  if (e->device != device)
+    return Status(EINVAL, "ssdtrain handle of " + Describe(e->name, e->site, e->id) +
+                              " stored by device " + std::to_string(e->device) +
+                              " used by a load on device " + std::to_string(device) +
+                              " (a handle never leaves the device that stored it)");
   if (e->nbytes != nbytes)
     return Status(EINVAL, "load of " + Describe(name, site, e->id) + ": output has " +
                               std::to_string(nbytes) + " bytes but " + std::to_string(e->nbytes) +
@@ -1062,6 +1072,9 @@ Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int
   }
   stats.bytes_read += nbytes;
   stats.tensors_read++;
+  DeviceStats& ds = device_stats_[device];
+  ds.bytes_read += nbytes;
+  ds.tensors_read++;
   *out = e;
   return Status::Ok();
 }
@@ -1164,7 +1177,7 @@ void Engine::ReleaseHost(Lock& lk, HostRef* ref) {
 
 bool Engine::PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes,
                          uint32_t h[2], uint64_t* left) const {
-  auto ids = by_site_.find(site);
+  auto ids = by_site_.find({device, site});
   if (ids == by_site_.end()) return false;
   const Entry* best = nullptr;
   for (uint32_t id : ids->second) {
@@ -1183,10 +1196,11 @@ bool Engine::PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbyt
   return true;
 }
 
-std::vector<EntryPtr> Engine::PredictNext(uint64_t budget) {
+std::vector<EntryPtr> Engine::PredictNext(uint64_t budget, int device) {
   std::vector<EntryPtr> out;
   for (auto it = unloaded_.rbegin(); it != unloaded_.rend(); ++it) {
     const EntryPtr& e = it->second;
+    if (device >= 0 && e->device != device) continue;
     if (e->padded > budget) break;
     budget -= e->padded;
     out.push_back(e);
@@ -1194,9 +1208,9 @@ std::vector<EntryPtr> Engine::PredictNext(uint64_t budget) {
   return out;
 }
 
-void Engine::SchedulePrefetch(Lock& lk) {
+void Engine::SchedulePrefetch(Lock& lk, int device) {
   if (cfg_.prefetch_bytes == 0) return;
-  for (const EntryPtr& e : PredictNext(cfg_.prefetch_bytes)) {
+  for (const EntryPtr& e : PredictNext(cfg_.prefetch_bytes, device)) {
     if (e->host_ptr || e->reading || e->filling || e->w != WState::kDone) continue;
     if (e->padded > cache_.size) continue;
     uint64_t off;
@@ -1218,11 +1232,11 @@ void Engine::SchedulePrefetch(Lock& lk) {
 }
 
 Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
-                          std::string_view name) {
+                          std::string_view name, int device) {
   Lock lk(mu);
   SSD_RETURN_IF_ERROR(TakePendingError());
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(LookupForLoad(lk, handle, nbytes, site, name, &e));
+  SSD_RETURN_IF_ERROR(LookupForLoad(lk, handle, nbytes, site, name, &e, device));
   e->loading++;
   HostRef ref;
   Status s = AcquireHost(lk, e, &ref);
@@ -1239,7 +1253,7 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
   }
   e->loading--;
   ReleaseHost(lk, &ref);
-  SchedulePrefetch(lk);
+  SchedulePrefetch(lk, device);
   return s;
 }
 
@@ -1266,6 +1280,7 @@ void Engine::ResetStats() {
   Lock lk(mu);
   uint64_t staging_in_use = stats.staging_in_use;
   stats = Stats();
+  device_stats_.clear();
   file_bytes_written_.assign(files_.size(), 0);
   file_bytes_read_.assign(files_.size(), 0);
   stats.staging_in_use = stats.staging_peak = staging_in_use;
@@ -1343,6 +1358,13 @@ std::string Engine::StatsString() {
     std::string k = "file" + std::to_string(i);
     u((k + "_bytes_written").c_str(), i < file_bytes_written_.size() ? file_bytes_written_[i] : 0);
     u((k + "_bytes_read").c_str(), i < file_bytes_read_.size() ? file_bytes_read_[i] : 0);
+  }
+  for (const auto& [dev, ds] : device_stats_) {
+    std::string k = "device" + std::to_string(dev);
+    u((k + "_bytes_written").c_str(), ds.bytes_written);
+    u((k + "_tensors_written").c_str(), ds.tensors_written);
+    u((k + "_bytes_read").c_str(), ds.bytes_read);
+    u((k + "_tensors_read").c_str(), ds.tensors_read);
   }
   o << "backend=" << (backend_ ? backend_->name() : "none") << '\n';
   return o.str();

@@ -6,27 +6,29 @@ namespace ffi = xla::ffi;
 namespace ssdtrain {
 namespace {
 
-ffi::Error StoreCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> handle,
-                        int64_t site, int32_t tier, std::string_view name) {
+ffi::Error StoreCpuImpl(int32_t device, ffi::AnyBuffer x,
+                        ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
+                        std::string_view name) {
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
     return engine->StoreFromHost(x.untyped_data(), x.size_bytes(), site, tier, name,
-                                 handle->typed_data());
+                                 handle->typed_data(), device);
   });
 }
 
-ffi::Error LoadCpuImpl(ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out,
-                       int64_t site, int32_t tier, std::string_view name) {
+ffi::Error LoadCpuImpl(int32_t device, ffi::Buffer<ffi::U32> handle,
+                       ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
+                       std::string_view name) {
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
     return engine->LoadToHost(handle.typed_data(), out->untyped_data(), out->size_bytes(), site,
-                              name);
+                              name, device);
   });
 }
 
@@ -40,6 +42,7 @@ extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainLoadCpu(XLA_FFI_CallFrame* call_fra
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainStoreCpu, ssdtrain::StoreCpuImpl,
     ffi::Ffi::Bind()
+        .Ctx<ffi::DeviceOrdinal>()            // device of the call (per-device sites, stats)
         .Arg<ffi::AnyBuffer>()                // x: the activation to store
         .Ret<ffi::Buffer<ffi::U32>>()         // handle: uint32[2] = {id, check word}
         .Attr<int64_t>("site")                // tag site id (shared by store and load)
@@ -49,6 +52,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCpu, ssdtrain::LoadCpuImpl,
     ffi::Ffi::Bind()
+        .Ctx<ffi::DeviceOrdinal>()            // device of the call (must be the store's)
         .Arg<ffi::Buffer<ffi::U32>>()         // handle: from the matching store
         .Ret<ffi::AnyBuffer>()                // out: receives the stored bytes
         .Attr<int64_t>("site")                // tag site id (must match the store)

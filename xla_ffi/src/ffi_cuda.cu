@@ -429,7 +429,8 @@ class CudaModule final : public DeviceHooks {
     const uint64_t budget =
         std::min<uint64_t>(eng_->config().prefetch_bytes, ds->staging_size);
     if (!budget) return Status::Ok();
-    for (const EntryPtr& e : eng_->PredictNext(budget)) {
+    // Only this device's entries: staging, streams and events belong to one device.
+    for (const EntryPtr& e : eng_->PredictNext(budget, ds->device)) {
       if (e->filling || e->reading || !e->host_ptr || !e->host_valid || e->nbytes == 0) continue;
       DevEntry* d = D(*e);
       if (!d) {
@@ -482,7 +483,16 @@ Status LaunchWriteHandle(cudaStream_t stream, uint32_t* dst, const uint32_t h[2]
   return Status::Ok();
 }
 
-Status StoreCuda(cudaStream_t stream, int64_t run_id, ffi::AnyBuffer x,
+// The calling thread's current device is made `dev` (XLA's device ordinal of the call): the
+// staging, streams and events created below belong to it.
+Status UseDevice(int dev) {
+  int cur = -1;
+  SSD_CHECK_CUDA(cudaGetDevice(&cur));
+  if (cur != dev) SSD_CHECK_CUDA(cudaSetDevice(dev));
+  return Status::Ok();
+}
+
+Status StoreCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::AnyBuffer x,
                  ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
                  std::string_view name) {
   SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
@@ -492,11 +502,10 @@ Status StoreCuda(cudaStream_t stream, int64_t run_id, ffi::AnyBuffer x,
   const uint64_t nbytes = x.size_bytes();
   const char* src = static_cast<const char*>(x.untyped_data());
   uint32_t* hdst = handle->typed_data();
-  int dev = 0;
-  SSD_CHECK_CUDA(cudaGetDevice(&dev));
+  SSD_RETURN_IF_ERROR(UseDevice(dev));
 
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(eng->BeginStore(site, tier, nbytes, name, &e));
+  SSD_RETURN_IF_ERROR(eng->BeginStore(site, tier, nbytes, name, &e, dev));
   uint32_t h[2];
   eng->MakeHandle(*e, h);
 
@@ -567,7 +576,7 @@ Status StoreCuda(cudaStream_t stream, int64_t run_id, ffi::AnyBuffer x,
 
 thread_local uint32_t* t_handle_host = nullptr;
 
-Status LoadCuda(cudaStream_t stream, int64_t run_id, ffi::Buffer<ffi::U32> handle,
+Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ffi::U32> handle,
                 ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
                 std::string_view name) {
   SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
@@ -576,8 +585,7 @@ Status LoadCuda(cudaStream_t stream, int64_t run_id, ffi::Buffer<ffi::U32> handl
   if (!eng) return st;
   const uint64_t nbytes = out->size_bytes();
   char* dst = static_cast<char*>(out->untyped_data());
-  int dev = 0;
-  SSD_CHECK_CUDA(cudaGetDevice(&dev));
+  SSD_RETURN_IF_ERROR(UseDevice(dev));
 
   // Predict the handle (verified on the device below), else read it (a sync).
   uint32_t h[2];
@@ -609,7 +617,7 @@ Status LoadCuda(cudaStream_t stream, int64_t run_id, ffi::Buffer<ffi::U32> handl
   eng->stats.handle_sync_seconds += sync_s;
   SSD_RETURN_IF_ERROR(eng->TakePendingError());
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(eng->LookupForLoad(lk, h, nbytes, site, name, &e));
+  SSD_RETURN_IF_ERROR(eng->LookupForLoad(lk, h, nbytes, site, name, &e, dev));
   // A concurrent store at this site must not release the entry while it is being loaded
   // (the lock is dropped around the bounce copy below); the guard ends under the lock.
   e->loading++;
@@ -674,7 +682,7 @@ Status LoadCuda(cudaStream_t stream, int64_t run_id, ffi::Buffer<ffi::U32> handl
         static_cast<unsigned long long>(run_id));
     SSD_CHECK_CUDA(cudaGetLastError());
   }
-  eng->SchedulePrefetch(lk);
+  eng->SchedulePrefetch(lk, dev);
   SSD_RETURN_IF_ERROR(mod->StagePrefetch(ds));
   if (predicted && left == 0) {
     // The execution's last load on this device: its checks must fail this step.
@@ -688,16 +696,16 @@ Status LoadCuda(cudaStream_t stream, int64_t run_id, ffi::Buffer<ffi::U32> handl
   return Status::Ok();
 }
 
-ffi::Error StoreCudaImpl(cudaStream_t stream, ffi::RunId run, ffi::AnyBuffer x,
+ffi::Error StoreCudaImpl(int32_t dev, cudaStream_t stream, ffi::RunId run, ffi::AnyBuffer x,
                          ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
                          std::string_view name) {
-  return Guarded([&] { return StoreCuda(stream, run.run_id, x, handle, site, tier, name); });
+  return Guarded([&] { return StoreCuda(dev, stream, run.run_id, x, handle, site, tier, name); });
 }
 
-ffi::Error LoadCudaImpl(cudaStream_t stream, ffi::RunId run, ffi::Buffer<ffi::U32> handle,
-                        ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
-                        std::string_view name) {
-  return Guarded([&] { return LoadCuda(stream, run.run_id, handle, out, site, tier, name); });
+ffi::Error LoadCudaImpl(int32_t dev, cudaStream_t stream, ffi::RunId run,
+                        ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out,
+                        int64_t site, int32_t tier, std::string_view name) {
+  return Guarded([&] { return LoadCuda(dev, stream, run.run_id, handle, out, site, tier, name); });
 }
 
 }  // namespace
@@ -709,6 +717,7 @@ extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainLoadCuda(XLA_FFI_CallFrame* call_fr
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainStoreCuda, ssdtrain::StoreCudaImpl,
     ffi::Ffi::Bind()
+        .Ctx<ffi::DeviceOrdinal>()                 // GPU of the call
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // compute stream of the call
         .Ctx<ffi::RunId>()                         // XLA execution (load prediction)
         .Arg<ffi::AnyBuffer>()                     // x: the activation to store (device)
@@ -720,6 +729,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCuda, ssdtrain::LoadCudaImpl,
     ffi::Ffi::Bind()
+        .Ctx<ffi::DeviceOrdinal>()                 // GPU of the call (must be the store's)
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // compute stream of the call
         .Ctx<ffi::RunId>()                         // XLA execution (load prediction)
         .Arg<ffi::Buffer<ffi::U32>>()              // handle: from the matching store (device)

@@ -135,6 +135,7 @@ enum class WState { kNone, kQueued, kRunning, kDone, kCancelled, kFailed };
 struct Entry {
   uint32_t id = 0;
   int64_t site = 0;
+  int device = 0;  // XLA device ordinal of the store; only that device may load it
   int tier = 0;  // 0 nvme (through host cache), 1 host tier
   uint64_t nbytes = 0, padded = 0, seq = 0;
   std::string name;
@@ -143,7 +144,6 @@ struct Entry {
   bool freed = false;
   int loads = 0;
   int64_t run_id = -1;  // XLA execution of the store (device path), for load prediction
-  int device = -1;
   // Host copy (cache arena for tier 0, host-tier arena for tier 1).
   int host_arena = -1;  // 0 cache, 1 host tier, -1 none
   uint64_t host_off = 0;
@@ -204,6 +204,11 @@ struct Stats {
   uint64_t checksum_failures = 0;
 };
 
+// Per-device counters (device = the XLA device ordinal the handler ran on).
+struct DeviceStats {
+  uint64_t bytes_written = 0, tensors_written = 0, bytes_read = 0, tensors_read = 0;
+};
+
 class ThreadPool {
  public:
   explicit ThreadPool(int n);
@@ -232,17 +237,18 @@ class Engine {
   const Config& config() const { return cfg_; }
 
   // ---- CPU handlers -------------------------------------------------------
+  // `device`: the XLA device ordinal of the call (per-device sites and statistics).
   Status StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int tier,
-                       std::string_view name, uint32_t handle[2]);
+                       std::string_view name, uint32_t handle[2], int device = 0);
   Status LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
-                    std::string_view name);
+                    std::string_view name, int device = 0);
 
   // ---- building blocks (device module) -----------------------------------
   // Registers a new entry (releasing loaded entries of `site`) and reserves its
   // host buffer and file slot. e->host_ptr == nullptr means "no host buffer":
   // use WriteThrough.
   Status BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_view name,
-                    EntryPtr* out);
+                    EntryPtr* out, int device = 0);
   // The bytes are (or, for the device path, will be once WaitHostReady
   // returns) in e->host_ptr: start the write-behind.
   Status CommitStore(const EntryPtr& e);
@@ -262,7 +268,7 @@ class Engine {
 
   // Validates the handle and marks the entry loaded. Lock held.
   Status LookupForLoad(Lock& lk, const uint32_t handle[2], uint64_t nbytes, int64_t site,
-                       std::string_view name, EntryPtr* out);
+                       std::string_view name, EntryPtr* out, int device = 0);
   struct HostRef {
     EntryPtr e;
     const char* ptr = nullptr;
@@ -275,7 +281,8 @@ class Engine {
   Status AcquireHost(Lock& lk, const EntryPtr& e, HostRef* ref);
   void ReleaseHost(Lock& lk, HostRef* ref);
   // Schedules read-ahead of the next predicted entries. Lock held.
-  void SchedulePrefetch(Lock& lk);
+  // Read-ahead of `device`'s next predicted entries (-1: every device's). Lock held.
+  void SchedulePrefetch(Lock& lk, int device = -1);
   // Returns (and clears) a recorded asynchronous error. Lock held.
   Status TakePendingError();
 
@@ -299,7 +306,8 @@ class Engine {
   HostArena& cache_arena() { return cache_; }
   HostArena& tier_arena() { return tier_; }
   // Predicted next loads (newest first) within the read-ahead budget. Lock held.
-  std::vector<EntryPtr> PredictNext(uint64_t budget);
+  // Only entries stored by `device` unless it is -1.
+  std::vector<EntryPtr> PredictNext(uint64_t budget, int device = -1);
   void AddStall(double s) { stats.stall_seconds += s; }
   std::atomic<bool> gds_active{false};
 
@@ -336,7 +344,7 @@ class Engine {
   Status CheckCrc(const Entry& e, const char* buf);
   void Release(const EntryPtr& e);
   void MaybeFree(const EntryPtr& e);
-  void ReleaseLoadedOfSite(int64_t site);
+  void ReleaseLoadedOfSite(int device, int64_t site);
   void BusyBegin(bool write);
   void BusyEnd(bool write);
   void CountFileIo(bool write, size_t file, uint64_t len);
@@ -356,7 +364,8 @@ class Engine {
   uint32_t next_id_ = 1;
   uint64_t next_seq_ = 1;
   std::unordered_map<uint32_t, EntryPtr> entries_;               // live entries
-  std::unordered_map<int64_t, std::set<uint32_t>> by_site_;      // live ids per site
+  std::map<std::pair<int, int64_t>, std::set<uint32_t>> by_site_;  // live ids per (device, site)
+  std::map<int, DeviceStats> device_stats_;
   std::map<uint64_t, EntryPtr> unloaded_;                        // tier-0, by store seq
   int writes_inflight_ = 0, reads_inflight_ = 0, pending_free_ = 0;
   Status pending_error_;

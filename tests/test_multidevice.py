@@ -1,0 +1,116 @@
+"""Offload under jax.sharding on 4 CPU devices (a subprocess: the flag that makes them must be
+set before JAX starts). DP, FSDP and TP on the MLP: grads equal the single-device grads, the
+offloading program has the same collectives as the one saving on the device, every device
+stores exactly its shards."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _run_worker(**env_vars):
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             **env_vars)
+  proc = subprocess.run([sys.executable, os.path.join(HERE, "_multidevice_worker.py")],
+                        capture_output=True, text=True, env=env, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def result():
+  return _run_worker(JAX_PLATFORMS="cpu")
+
+
+CASES = ("dp-nvme", "fsdp-nvme", "tp-nvme", "tp-host")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_grads_match_single_device(result, case):
+  r = result["layouts"][case]
+  assert r["stores_in_hlo"] > 0
+  assert r["vs_single"] < 1e-6, r
+  # The same sharded program saving on the device: identical arithmetic.
+  assert r["vs_device_saving"] == 0.0, r
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_collectives_added(result, case):
+  r = result["layouts"][case]
+  assert r["collectives"] == r["collectives_device_saving"], r
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_device_stores_its_shard(result, case):
+  r = result["layouts"][case]
+  stats = r["device_stats"]
+  assert sorted(stats) == sorted(result["devices"]), stats
+  for dev, s in stats.items():
+    assert s["bytes_written"] == r["expected_shard_bytes"], (dev, s)
+    assert s["bytes_read"] == r["expected_shard_bytes"], (dev, s)
+
+
+def test_shard_map(result):
+  r = result["shard_map"]
+  assert r["diff"] == 0.0
+  # (32, 64) float32 batch over 4 devices: each stores its (8, 64) block.
+  assert r["expected_shard_bytes"] == 8 * 64 * 4
+  assert {d: s["bytes_written"] for d, s in r["device_stats"].items()} == \
+      {d: 8 * 64 * 4 for d in result["devices"]}
+
+
+def test_handle_on_another_device_is_refused(result):
+  msg = result["wrong_device"]["error"]
+  assert msg and "stored by device" in msg and "used by a load on device" in msg, msg
+  assert "'moved'" in msg
+
+
+def test_parse_mesh_and_specs():
+  from models import parallel
+  assert parallel.parse_mesh("dp=2, tp=2, fsdp") == parallel.Parallelism(2, 2, True)
+  assert parallel.parse_mesh("dp=4") == parallel.Parallelism(data=4)
+  for bad, msg in [("dp=x", "integer"), ("pp=2", "unknown entry"), ("fsdp=1", "no value"),
+                   ("dp=0", "positive")]:
+    with pytest.raises(ValueError, match=msg):
+      parallel.parse_mesh(bad)
+  par = parallel.Parallelism(data=2, model=2, fsdp=True)
+  P = parallel.P
+  up = "['params']['decoder']['layers']['mlp']['up']['kernel']"
+  down = "['params']['decoder']['layers']['mlp']['down']['kernel']"
+  assert par.spec(up, (2, 64, 256)) == P(None, "data", "model")
+  assert par.spec(down, (2, 256, 64)) == P(None, "model", "data")
+  assert par.spec("['params']['embed']['tokens']['embedding']", (256, 64)) == P("data", None)
+  assert par.spec("['params']['decoder']['layers']['ln_mlp']['scale']", (2, 64)) == P(None, "data")
+  assert par.spec("['params']['decoder']['ln_final']['scale']", (64,)) == P(None)
+  with pytest.raises(ValueError, match="not divisible by model=2"):
+    par.spec(up, (2, 64, 255))
+
+
+def _gpu_count() -> int:
+  import jax
+  try:
+    return len(jax.devices("gpu"))
+  except RuntimeError:
+    return 0
+
+
+@pytest.mark.gpu
+def test_two_gpus():
+  """The same checks on 2 GPUs (DP, FSDP over 2; TP 1x2), in a subprocess."""
+  if _gpu_count() < 2:
+    pytest.skip("needs 2 GPUs")
+  r = _run_worker(SSD_MD_PLATFORM="gpu", SSD_MD_DEVICES="2", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  for case, c in r["layouts"].items():
+    assert c["stores_in_hlo"] > 0, case
+    assert c["vs_single"] < 1e-4, (case, c["vs_single"])
+    assert c["vs_device_saving"] < 1e-6, (case, c["vs_device_saving"])
+    assert c["collectives"] == c["collectives_device_saving"], (case, c)
+    assert sorted(c["device_stats"]) == ["0", "1"], (case, c["device_stats"])
+    for s in c["device_stats"].values():
+      assert s["bytes_written"] == s["bytes_read"] == c["expected_shard_bytes"], (case, s)
+  assert r["shard_map"]["diff"] < 1e-6

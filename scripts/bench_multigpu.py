@@ -54,7 +54,7 @@ def _orchestrate(args, store_root: str) -> int:
     base = dict(preset=args.preset, seq=args.seq, batch_per_gpu=args.batch_per_gpu,
                 steps=args.steps, warmup=args.warmup, offload=args.offload,
                 policies=args.policies, layouts=args.layouts, cpu=args.cpu_smoke,
-                fsdp_keep=args.fsdp_keep,
+                fsdp_keep=args.fsdp_keep, attention=args.attention,
                 host_cache=args.host_cache)
     results, t_start = {}, time.perf_counter()
     for n in (1, args.gpus):
@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
     p.add_argument("--layouts", type=lambda s: s.split(","), default=list(LAYOUTS))
     p.add_argument("--fsdp-keep", action="store_true", help="also the keep policy under FSDP")
+    p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
+                   help="dot_product_attention implementation (models' ModelConfig.attention)")
     p.add_argument("--host-cache", default="4GiB", help="engine host cache per process")
     p.add_argument("--store-dir", default=None, help="root of the per-GPU store directories")
     p.add_argument("--out", default=str(common.REPO_ROOT / "benchmarks"))
@@ -176,7 +178,8 @@ def child(cfg: dict) -> int:
             run = training.RunConfig(preset=preset, batch=batch * n, seq_len=seq,
                                      steps=cfg["warmup"] + cfg["steps"], locations=locations,
                                      remat_policy="keep" if locations is None else None,
-                                     min_bytes=0)
+                                     min_bytes=0,
+                                     model_overrides={"attention": cfg["attention"]})
             state, _, _ = training.create_train_state(run)
             state, shardings = training.shard_train_state(state, par, mesh)
             step_fn = training.jit_train_step(shardings)

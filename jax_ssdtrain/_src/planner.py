@@ -13,10 +13,11 @@ as SSDTrain does, because their backward comes first and leaves no time to read 
   ops between the previous tag and this one).
 - nvme: one disk queue, FIFO, ``write_gbps`` for writes and ``read_gbps`` for reads. The
   tensors of layer ``i`` are ready at the end of its forward. Writes wait in the host cache
-  (``host_cache_bytes``); when the backlog exceeds it, the forward stalls. Tensors whose write
-  has not started when the backward begins are forwarded from the cache: never written, never
-  read. Reads run after the last write, last layer first; layer ``i``'s reads must finish before
-  its backward starts, else the backward stalls (the stall is what the plan must avoid).
+  (``host_cache_bytes``); when the unwritten backlog exceeds it, the forward stalls. A tensor
+  whose write has not started when its backward comes is forwarded from the cache: never
+  written, never read. The cache keeps the last ``host_cache_bytes`` stored, so those are not
+  read from the disk either. Disk reads run after the writes, last layer first; layer ``i``'s
+  reads must finish before its backward starts, else the backward stalls.
 - host: the same with the PCIe link (``host_gbps`` each way, full duplex: device-to-host in the
   forward, host-to-device read-ahead in the backward), no cache limit.
 - device memory of the plan's residuals: per layer, the bytes of tags on the device (all
@@ -351,11 +352,11 @@ def simulate(profile: Profile, offload_layers: int,
     if i >= k:
       continue
     if nv:
-      # unwritten bytes must fit in the host cache, else the store (and the forward) waits
-      t = max(t, disk_free - (p.host_cache_bytes - nv) / w)
       start = max(t, disk_free)
-      if start < load_at[i] + stall:
+      if start < load_at[i] + t - (i + 1) * p.forward_s:
         disk_free = write_end[i] = start + nv / w
+        # unwritten bytes must fit in the host cache, else the store (and the forward) waits
+        t = max(t, disk_free - p.host_cache_bytes / w)
     if hb:
       link_down = host_done[i] = max(t, link_down) + hb / h
   stall += t - L * p.forward_s

@@ -169,10 +169,16 @@ def run_preset(args, preset: str, bandwidth) -> dict:
 
     prof = training.profile_run(run, bandwidth=bandwidth, repeats=args.steps,
                                 host_cache_bytes=ssd.current_config().host_cache_bytes)
-    one_layer, _ = measure(dataclasses.replace(run, model_overrides={"num_layers": 1}))
-    prof = dataclasses.replace(prof, other_s=max(0.0, one_layer - prof.forward_s - prof.backward_s))
+    # outside the layers' forward/backward: embedding, head, loss, and the optimizer, whose
+    # work grows with the layers: T(1 layer) + (L - 1) (T(2) - T(1)) - L (F + B)
+    t1, _ = measure(dataclasses.replace(run, model_overrides={"num_layers": 1}))
+    t2, _ = measure(dataclasses.replace(run, model_overrides={"num_layers": 2}))
+    L = cfg.num_layers
+    other = t1 + (L - 1) * (t2 - t1) - L * (prof.forward_s + prof.backward_s)
+    prof = dataclasses.replace(prof, other_s=max(0.0, other))
     plan = ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=args.min_bytes)
     doc = {"kind": "preset", "preset": preset, "batch": run.batch, "seq_len": run.seq_len,
+           "one_layer_step_ms": t1 * 1e3, "two_layer_step_ms": t2 * 1e3,
            "profile": dataclasses.asdict(prof), "plans": {"auto": plan_doc(plan)}, "rows": []}
     keep_pred = cfg.num_layers * (prof.forward_s + prof.backward_s) + prof.other_s
     for name, r, predicted in (("keep", run, keep_pred),
@@ -196,7 +202,9 @@ def run_cap(args, shape, bandwidth) -> dict:
     layer = rok.make_layer(H // rok.HEAD_DIM, impl)
     staging = ssd.current_config().staging_bytes if jax.default_backend() == "gpu" else 0
     batches = sorted(args.cap_batches, reverse=True)
-    inputs = {b: rok.init(H, S, b, L) for b in batches}
+    params, _ = rok.init(H, S, 1, L)
+    inputs = {b: (params, jax.random.normal(jax.random.key(b), (b, S, H), jax.numpy.bfloat16))
+              for b in batches}  # x (b,S,H)
     cp = jax.checkpoint_policies
     jax_policies = {"keep": None, "recompute": cp.nothing_saveable,
                     "selective": cp.save_only_these_names(*rok.NAMES)}
@@ -350,6 +358,7 @@ def parse_args(argv=None):
                    help="H,S,B,L of the bench_rok stack (default: 4096,2048,4,8 and 8192,2048,2,4)")
     p.add_argument("--presets", default="gpt-1.3b", help="models' GPT presets, comma-separated")
     p.add_argument("--no-presets", action="store_true")
+    p.add_argument("--no-stack", action="store_true", help="skip the bench_rok stack shapes")
     p.add_argument("--preset-batch", type=int, default=8)
     p.add_argument("--preset-seq", type=int, default=1024)
     p.add_argument("--cap-gb", type=float, default=12.0, help="device memory cap (GB)")
@@ -392,7 +401,8 @@ def main(argv=None) -> int:
     bandwidth = args.bandwidth or ssd.measured_bandwidth(store_dir, nbytes=1 << 30)
     source = "--bandwidth" if args.bandwidth else f"measured_bandwidth({store_dir!r}, 1 GiB)"
     print(f"store bandwidth: write {bandwidth[0]:.2f} GB/s, read {bandwidth[1]:.2f} GB/s", flush=True)
-    jobs = [(f"stack {s}", lambda s=s: run_stack(args, s, bandwidth)) for s in args.shapes]
+    jobs = [(f"stack {s}", lambda s=s: run_stack(args, s, bandwidth))
+            for s in ([] if args.no_stack else args.shapes)]
     jobs += [(f"preset {p}", lambda p=p: run_preset(args, p, bandwidth)) for p in args.preset_list]
     if not args.no_cap:
         jobs.append(("cap", lambda: run_cap(args, args.cap_shape, bandwidth)))

@@ -258,7 +258,8 @@ class Stack(nn.Module):
     """``num_layers`` blocks as ``nn.scan(nn.remat(Block))`` (remat only with a policy) + final norm.
 
     With a :class:`SplitPolicy`, the stacked ``layers`` parameters are applied by two scans, one
-    per policy (same parameters, same layout)."""
+    per policy (same parameters, same layout). Gradients equal the single scan's, except that
+    a cross-attending stack sums the encoder output's cotangent in two parts (bf16 rounding)."""
 
     cfg: ModelConfig
     policy: Any = None

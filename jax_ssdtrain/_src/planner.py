@@ -31,6 +31,7 @@ device memory (``memory_fn``, e.g. XLA's ``compiled.memory_analysis()``) fits a 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -273,7 +274,10 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
 def tagged(layer_fn: Callable, params: Any, x: Any) -> tuple[dict[str, int], dict[str, float]]:
   """``({tag: bytes per layer}, {tag: forward FLOPs since the previous tag})`` from the jaxpr."""
   import jax
-  closed = jax.make_jaxpr(layer_fn)(params, x)
+  from jax._src import config as jax_config
+  remat3 = getattr(jax_config, "remat3", None)  # under jax_remat3 tags are not name_p eqns
+  with remat3(False) if remat3 is not None else contextlib.nullcontext():
+    closed = jax.make_jaxpr(layer_fn)(params, x)
   sizes: dict[str, int] = {}
   flops: dict[str, float] = {}
   acc = 0.0

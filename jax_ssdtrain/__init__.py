@@ -35,6 +35,16 @@ from jax_ssdtrain._src.policies import (
     offload_policy,
     ssd_offload_policy,
 )
+from jax_ssdtrain._src.planner import (
+    Plan,
+    Profile,
+    TagProfile,
+    frontier,
+    measured_bandwidth,
+    plan,
+    plan_for_budget,
+    profile,
+)
 from jax_ssdtrain._src.primitives import HigherOrderOffloadError
 
 _remat.install()
@@ -43,7 +53,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HigherOrderOffloadError", "Location", "OffloadPolicy", "StoreConfig", "configure",
-    "configured", "current_config", "default_config", "device_stats", "flush", "location_policy", "offload_policy",
-    "parse_size", "release_all", "reset_stats", "shutdown", "ssd_offload_policy", "stats",
-    "store_directories",
+    "configured", "current_config", "default_config", "device_stats", "flush", "frontier",
+    "location_policy", "measured_bandwidth", "offload_policy", "parse_size", "Plan", "plan",
+    "plan_for_budget", "Profile", "profile", "release_all", "reset_stats", "shutdown",
+    "ssd_offload_policy", "stats", "store_directories", "TagProfile",
 ]

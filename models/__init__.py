@@ -1,6 +1,6 @@
 """Flax transformer models (GPT, BERT, T5) with activation tags for jax_ssdtrain policies."""
 from .common import (ATTN, CROSS_KV, CROSS_Q, LAYER_IN, LOCATIONS, MLP_UP, PRESETS, QKV,
-                     REMAT_SHORTCUTS, TAGS, ModelConfig, get_config, make_remat_policy,
+                     REMAT_SHORTCUTS, TAGS, ModelConfig, SplitPolicy, get_config, make_remat_policy,
                      parse_locations, resolve_locations)
 from .bert import BERT
 from .gpt import GPT

@@ -240,8 +240,26 @@ class Block(nn.Module):
         return x, None  # (carry, per-layer output) for nn.scan
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitPolicy:
+    """The first ``split`` layers of a stack use ``first``, the others ``rest`` (jax.checkpoint
+    policies; None: no remat). The parameter layout does not depend on the split."""
+
+    first: Any
+    rest: Any
+    split: int
+
+    def __post_init__(self):
+        if isinstance(self.split, bool) or not isinstance(self.split, int) or self.split < 0:
+            raise ValueError(f"split: expected an integer >= 0, got {self.split!r}")
+
+
 class Stack(nn.Module):
-    """``num_layers`` blocks as ``nn.scan(nn.remat(Block))`` (remat only with a policy) + final norm."""
+    """``num_layers`` blocks as ``nn.scan(nn.remat(Block))`` (remat only with a policy) + final norm.
+
+    With a :class:`SplitPolicy`, the stacked ``layers`` parameters are applied by two scans, one
+    per policy (same parameters, same layout). Gradients equal the single scan's, except that
+    a cross-attending stack sums the encoder output's cotangent in two parts (bf16 rounding)."""
 
     cfg: ModelConfig
     policy: Any = None
@@ -250,11 +268,33 @@ class Stack(nn.Module):
 
     @nn.compact
     def __call__(self, x, enc=None, bias=None):
-        block = Block if self.policy is None else nn.remat(Block, policy=self.policy, prevent_cse=False)
+        policy, L = self.policy, self.cfg.num_layers
+        if isinstance(policy, SplitPolicy):
+            if policy.split > L:
+                raise ValueError(f"split: {policy.split} layers > num_layers {L}")
+            if 0 < policy.split < L and not self.is_initializing():
+                x = self._split_layers(policy, x, enc, bias)
+                return Norm(self.cfg, "ln_final")(x)
+            policy = policy.rest if policy.split == 0 else policy.first  # one segment, or init
+        block = Block if policy is None else nn.remat(Block, policy=policy, prevent_cse=False)
         layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast, nn.broadcast), length=self.cfg.num_layers)
+                         in_axes=(nn.broadcast, nn.broadcast), length=L)
         x, _ = layers(self.cfg, self.causal, self.cross, name="layers")(x, enc, bias)
         return Norm(self.cfg, "ln_final")(x)
+
+    def _split_layers(self, policy: SplitPolicy, x, enc, bias):
+        params = self.variables["params"]["layers"]  # every leaf (L, ...)
+        block = Block(self.cfg, self.causal, self.cross)
+
+        def segment(pol, seg_params, x):
+            body = lambda h, p: (block.apply({"params": p}, h, enc, bias)[0], None)  # noqa: E731
+            if pol is not None:
+                body = jax.checkpoint(body, policy=pol, prevent_cse=False)
+            return jax.lax.scan(body, x, seg_params)[0]
+
+        k = policy.split
+        x = segment(policy.first, jax.tree.map(lambda a: a[:k], params), x)
+        return segment(policy.rest, jax.tree.map(lambda a: a[k:], params), x)
 
 
 class Embedding(nn.Module):

@@ -12,7 +12,7 @@ import optax
 from flax.training import train_state
 
 from . import build_model, get_config, make_remat_policy, resolve_locations
-from .common import ModelConfig
+from .common import Block, ModelConfig, SplitPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,9 @@ class RunConfig:
     remat_policy: str | None = None  # keep | remat | offload (shortcut, see models.common)
     locations: Mapping[str, str] | str | None = None  # {tag: remat|device|host|nvme} overrides
     min_bytes: int = 1 << 20
+    # Split scan: the first offload_layers layers use ``locations``, the others the same with
+    # host/nvme tags kept on the device (None: every layer uses ``locations``).
+    offload_layers: int | None = None
     dtype: str | None = None  # override ModelConfig.dtype
     model_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -43,6 +46,17 @@ class RunConfig:
 
     def resolved_locations(self):
         return resolve_locations(self.remat_policy, self.locations)
+
+    def remat_policy_object(self):
+        """The jax.checkpoint policy of the run: one policy, or a SplitPolicy."""
+        locations = self.resolved_locations()
+        first = make_remat_policy(locations, self.min_bytes)
+        if self.offload_layers is None:
+            return first
+        if locations is None:
+            raise ValueError(f"offload_layers={self.offload_layers} needs locations to offload")
+        kept = {t: "device" if loc in ("host", "nvme") else loc for t, loc in locations.items()}
+        return SplitPolicy(first, make_remat_policy(kept, self.min_bytes), self.offload_layers)
 
     def example_length(self, cfg: ModelConfig) -> int:
         """Tokens per example drawn from the data (GPT needs one more for the shifted target)."""
@@ -69,7 +83,7 @@ def create_train_state(run: RunConfig, policy=None):
     """Returns (state, model, schedule). ``policy`` defaults to the run's locations."""
     cfg = run.model_config()
     if policy is None:
-        policy = make_remat_policy(run.resolved_locations(), run.min_bytes)
+        policy = run.remat_policy_object()
     model = build_model(run.model, cfg, policy)
     tokens = jnp.zeros((run.batch, run.example_length(cfg)), jnp.int32)
     init_rng, loss_rng = jax.random.split(jax.random.key(run.seed))
@@ -123,6 +137,52 @@ def shard_batch(tokens, parallelism, mesh):
     rows = tokens.shape[0] // n
     return jax.make_array_from_process_local_data(parallelism.batch_sharding(mesh),
                                                   tokens[i * rows:(i + 1) * rows])
+
+
+# ----------------------------------------------------------------------------- planner
+def step_memory_bytes(run: RunConfig, policy=None) -> int:
+    """Device bytes of one compiled train step (XLA's memory analysis; compiles, runs nothing):
+    arguments + outputs + temporaries - donated (aliased) bytes."""
+    cfg = run.model_config()
+    model = build_model(run.model, cfg, run.remat_policy_object() if policy is None else policy)
+    tokens = jax.ShapeDtypeStruct((run.batch, run.example_length(cfg)), jnp.int32)
+
+    def init_state(rng):
+        params = model.init(rng, jnp.zeros(tokens.shape, tokens.dtype), rng, method="loss")["params"]
+        state = TrainState.create(apply_fn=model.apply, params=params, tx=make_optimizer(run)[0])
+        return state.replace(step=jnp.zeros((), jnp.int32))
+
+    key = jax.random.key(0)
+    state = jax.eval_shape(init_state, key)
+    ma = jit_train_step().lower(state, tokens, key).compile().memory_analysis()
+    if ma is None:
+        raise RuntimeError("this backend gives no memory analysis of compiled programs")
+    return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+               - ma.alias_size_in_bytes)
+
+
+def profile_run(run: RunConfig, *, directory=None, bandwidth=None, repeats: int = 5, **options):
+    """The planner's profile of one block of the run's model at the run's batch and length."""
+    import jax_ssdtrain as ssd
+
+    cfg = run.model_config()
+    if run.model != "gpt":
+        raise ValueError(f"model: the planner profiles 'gpt' stacks, got {run.model!r}")
+    seq = run.seq_len or cfg.max_len
+    block = Block(cfg, causal=True)
+    x = jax.random.normal(jax.random.key(0), (run.batch, seq, cfg.hidden), cfg.compute_dtype)  # (B,S,H)
+    params = jax.jit(block.init)(jax.random.key(1), x)["params"]
+    layer = lambda p, h: block.apply({"params": p}, h)[0]  # noqa: E731
+    return ssd.profile(layer, params, x, num_layers=cfg.num_layers, directory=directory,
+                       bandwidth=bandwidth, batch=run.batch, repeats=repeats, **options)
+
+
+def apply_plan(run: RunConfig, plan) -> RunConfig:
+    """``run`` with the plan's locations, split and batch."""
+    return dataclasses.replace(
+        run, remat_policy=None, locations={n: loc.value for n, loc in plan.locations},
+        offload_layers=plan.offload_layers, min_bytes=plan.min_bytes,
+        batch=plan.profile.batch or run.batch)
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -110,7 +110,8 @@ def offload_bytes(spec: Spec, H, S, B, L, min_bytes) -> int:
 # Child: one policy, one shape, one JSON line
 
 
-def make_step(policy, heads: int, attention_impl):
+def make_layer(heads: int, attention_impl):
+    """One block of the stack: ``layer(x, p) -> x`` with x (B, S, H) and p one layer's weights."""
     import jax
     import jax.numpy as jnp
     from jax.ad_checkpoint import checkpoint_name
@@ -130,6 +131,14 @@ def make_step(policy, heads: int, attention_impl):
         u = checkpoint_name(rms(x) @ p["w1"], "mlp_up")
         return x + jax.nn.gelu(u) @ p["w2"]
 
+    return layer
+
+
+def make_step(policy, heads: int, attention_impl):
+    import jax
+    import jax.numpy as jnp
+
+    layer = make_layer(heads, attention_impl)
     body = lambda x, p: (layer(x, p), None)  # noqa: E731
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)

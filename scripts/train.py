@@ -3,6 +3,7 @@
 
     python scripts/train.py --model gpt --preset tiny --steps 30 \
         --locations layer_in=nvme,qkv=nvme,attn=nvme,mlp_up=nvme
+    python scripts/train.py --model gpt --preset gpt-1.3b --policy auto --memory-budget 20GB
 
 Tags and locations are documented in models/common.py.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import sys
 import time
@@ -61,6 +63,27 @@ def _mesh(s):
         raise argparse.ArgumentTypeError(str(e))
 
 
+def _size(s):
+    import jax_ssdtrain as ssd
+    try:
+        v = ssd.parse_size(s, what="--memory-budget")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+    return v
+
+
+def _bandwidth(s):
+    try:
+        w, r = (float(v) for v in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WRITE,READ in GB/s, got {s!r}")
+    if w < 0 or r < 0:
+        raise argparse.ArgumentTypeError(f"bandwidths must be >= 0, got {s!r}")
+    return w, r
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(models.MODELS), default="gpt")
@@ -82,6 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--locations", type=_locations, default=None,
                    help=f"TAG=LOC,... with TAG in {{{','.join(models.TAGS)}}}, "
                         f"LOC in {{{','.join(models.LOCATIONS)}}}; overrides --remat-policy")
+    p.add_argument("--policy", choices=("auto",), default=None,
+                   help="auto: profile one layer, plan locations and the offloaded layer count "
+                        "(jax_ssdtrain.plan); overrides --remat-policy/--locations")
+    p.add_argument("--memory-budget", type=_size, default=None,
+                   help="with --policy auto: device memory cap (e.g. 20GB); picks the batch "
+                        "(powers of two up to --batch) and plan with the most tokens/s")
+    p.add_argument("--bandwidth", type=_bandwidth, default=None,
+                   help="store WRITE,READ GB/s for --policy auto (default: measured)")
+    p.add_argument("--max-slowdown", type=float, default=0.02,
+                   help="--policy auto: allowed predicted step time over all-on-device")
     p.add_argument("--min-bytes", type=_non_negative_int, default=None,
                    help="tensors smaller than this stay on device (default: 0 for tiny, 1 MiB else)")
     p.add_argument("--store-dir", default=None, help="directory of the activation store file "
@@ -113,6 +146,29 @@ def _tb_writer(workdir):
     return None
 
 
+def auto_plan(run: training.RunConfig, args) -> training.RunConfig:
+    """--policy auto: profile one block, plan (and pick the batch under --memory-budget)."""
+    import jax_ssdtrain as ssd
+    bandwidth = args.bandwidth
+    directory = None if bandwidth else ssd.store_directories()[0]
+    prof = training.profile_run(run, directory=directory, bandwidth=bandwidth,
+                                host_cache_bytes=ssd.current_config().host_cache_bytes)
+    if args.memory_budget is None:
+        plan = ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=run.min_bytes)
+    else:
+        batches = sorted({min(1 << i, run.batch) for i in range(run.batch.bit_length() + 1)})
+        staging = ssd.current_config().staging_bytes if jax.default_backend() == "gpu" else 0
+
+        def memory(batch, plan):
+            cand = training.apply_plan(dataclasses.replace(run, batch=batch), plan)
+            return training.step_memory_bytes(cand) + (staging if plan.offloaded_bytes else 0)
+
+        plan = ssd.plan_for_budget(args.memory_budget, batches, prof.scaled, memory,
+                                   min_bytes=run.min_bytes)
+    print(plan.table(), flush=True)
+    return training.apply_plan(run, plan)
+
+
 def main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -131,9 +187,11 @@ def main(argv=None) -> dict:
     cfg = run.model_config()
     if cfg.positions == "learned" and (args.seq_len or 0) > cfg.max_len:
         parser.error(f"--seq-len {args.seq_len} exceeds the preset's max_len {cfg.max_len}")
+    if args.memory_budget and args.policy != "auto":
+        parser.error("--memory-budget needs --policy auto")
+    if args.max_slowdown < 0:
+        parser.error(f"--max-slowdown must be >= 0, got {args.max_slowdown}")
 
-    locations = run.resolved_locations()
-    offloading = bool(locations) and any(v in ("host", "nvme") for v in locations.values())
     import jax_ssdtrain as ssd
     if args.distributed or args.coordinator:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -143,6 +201,13 @@ def main(argv=None) -> dict:
         parser.error(f"--batch {run.batch} is not divisible by dp={args.mesh.data}")
     if args.store_dir:  # may hold {process} / {device} (see jax_ssdtrain.configure)
         ssd.configure(directory=args.store_dir)
+    if args.policy == "auto":
+        try:
+            run = auto_plan(run, args)
+        except ValueError as e:
+            parser.error(str(e))
+    locations = run.resolved_locations()
+    offloading = bool(locations) and any(v in ("host", "nvme") for v in locations.values())
     try:
         batches = data_lib.make_batches(args.data, args.loader, run.batch, run.example_length(cfg),
                                         cfg.vocab_size, run.seed)
@@ -160,7 +225,9 @@ def main(argv=None) -> dict:
         batches = data_lib.make_batches(args.data, args.loader, run.batch, run.example_length(cfg),
                                         cfg.vocab_size, run.seed, start_step=int(state.step))
     print(f"{args.model}/{args.preset}: {n_params / 1e6:.2f}M params, dtype {cfg.dtype}, "
-          f"batch {run.batch}x{run.example_length(cfg)}, locations {locations or 'keep'}", flush=True)
+          f"batch {run.batch}x{run.example_length(cfg)}, locations {locations or 'keep'}"
+          + (f", first {run.offload_layers} layers offload" if run.offload_layers is not None else ""),
+          flush=True)
 
     mesh = None
     if args.mesh:

@@ -1,0 +1,510 @@
+"""Offload planner: where each tagged tensor of a scan over L layers lives, from a profile.
+
+    prof = ssd.profile(layer_fn, layer_params, x, num_layers=L, directory="/nvme/st")
+    p = ssd.plan(prof)              # p.offload_layers, p.locations, print(p)
+
+Timing model (per training step; F, B: one layer's forward and backward time; the first
+``k`` layers send their host/nvme tags to the store, the last ``L - k`` keep them on the device,
+as SSDTrain does, because their backward comes first and leaves no time to read them back):
+
+- compute: forward ``L*F``, then ``other_s`` (head, loss), then the backward, layer by layer
+  from the last; each layer's backward is ``B`` plus the forward time of every tag it
+  recomputes (``recompute_s`` of the tag: the layer's forward time times the FLOP share of the
+  ops between the previous tag and this one).
+- nvme: one disk queue, FIFO, ``write_gbps`` for writes and ``read_gbps`` for reads. The
+  tensors of layer ``i`` are ready at the end of its forward. Writes wait in the host cache
+  (``host_cache_bytes``); when the unwritten backlog exceeds it, the forward stalls. A tensor
+  whose write has not started when its backward comes is forwarded from the cache: never
+  written, never read. The cache keeps the last ``host_cache_bytes`` stored, so those are not
+  read from the disk either. Disk reads run after the writes, last layer first; layer ``i``'s
+  reads must finish before its backward starts, else the backward stalls.
+- host: the same with the PCIe link (``host_gbps`` each way, full duplex: device-to-host in the
+  forward, host-to-device read-ahead in the backward), no cache limit.
+- device memory of the plan's residuals: per layer, the bytes of tags on the device (all
+  host/nvme tags in the kept layers) plus the layer input when some tag is recomputed.
+
+``plan`` enumerates every assignment of ``device | remat | host | nvme`` to the tags and every
+split ``k``, and returns the one with the least residual device memory whose predicted step is
+at most ``1 + max_slowdown`` times the all-on-device step (ties: faster, then fewer bytes
+moved). ``plan_for_budget`` picks the micro-batch and plan with the most tokens/s whose exact
+device memory (``memory_fn``, e.g. XLA's ``compiled.memory_analysis()``) fits a budget.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, Location, location_policy, name_p
+
+DEFAULT_HOST_GBPS = 40.0  # pinned host <-> H100 over PCIe, measured 41-55 GB/s (DESIGN.md §3)
+DEFAULT_HOST_CACHE_BYTES = 1 << 30  # StoreConfig.host_cache_bytes default
+OFFLOADED = (Location.HOST, Location.NVME)
+
+
+@dataclasses.dataclass(frozen=True)
+class TagProfile:
+  """One tag name of a layer: bytes per layer (all its occurrences) and recompute time."""
+  name: str
+  bytes: int
+  recompute_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """What the planner needs about one layer of the scan, the stack and the store."""
+  num_layers: int
+  forward_s: float
+  backward_s: float
+  tags: tuple[TagProfile, ...]
+  write_gbps: float
+  read_gbps: float
+  host_gbps: float = DEFAULT_HOST_GBPS
+  host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES
+  input_bytes: int = 0  # the layer input: saved when the layer recomputes anything
+  other_s: float = 0.0  # per step, outside the layers (embedding, head, optimizer)
+  batch: int | None = None
+
+  def __post_init__(self):
+    _check_int("num_layers", self.num_layers, low=1)
+    for key in ("forward_s", "backward_s", "write_gbps", "read_gbps", "host_gbps", "other_s"):
+      _check_number(key, getattr(self, key))
+    _check_int("host_cache_bytes", self.host_cache_bytes)
+    _check_int("input_bytes", self.input_bytes)
+    names = [t.name for t in self.tags]
+    if len(set(names)) != len(names):
+      raise ValueError(f"tags: duplicate tag names in {names}")
+    for t in self.tags:
+      _check_int(f"tags[{t.name!r}].bytes", t.bytes)
+      _check_number(f"tags[{t.name!r}].recompute_s", t.recompute_s)
+
+  def scaled(self, batch: int) -> Profile:
+    """This profile at another batch size: times and bytes proportional to the batch."""
+    if self.batch is None:
+      raise ValueError("scaled: this profile has no batch size")
+    _check_int("batch", batch, low=1)
+    f = batch / self.batch
+    return dataclasses.replace(
+        self, forward_s=self.forward_s * f, backward_s=self.backward_s * f,
+        other_s=self.other_s * f, input_bytes=int(self.input_bytes * f), batch=batch,
+        tags=tuple(dataclasses.replace(t, bytes=int(t.bytes * f), recompute_s=t.recompute_s * f)
+                   for t in self.tags))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """An offload plan: the split and each tag's location in the offloaded layers.
+
+  offload_layers: the first ``offload_layers`` layers send their host/nvme tags to the store;
+    the others keep those tags on the device. remat tags are recomputed in every layer.
+  locations: sorted ``(tag, Location)`` pairs.
+  """
+  profile: Profile
+  offload_layers: int
+  locations: tuple[tuple[str, Location], ...]
+  compute_s: float        # predicted step without I/O stalls
+  stall_s: float          # predicted I/O stalls per step
+  baseline_s: float       # predicted step with every tag on the device
+  device_bytes: int       # residual bytes on the device, all layers
+  nvme_bytes: int         # per step, to the store files (before forwarding)
+  host_bytes: int         # per step, to the host tier
+  min_bytes: int = DEFAULT_MIN_BYTES
+  measured_device_bytes: int | None = None  # the whole step's, from XLA (plan_for_budget)
+
+  @property
+  def step_s(self) -> float:
+    return self.compute_s + self.stall_s
+
+  @property
+  def offloaded_bytes(self) -> int:
+    return self.nvme_bytes + self.host_bytes
+
+  @property
+  def allowed_nvme_bytes(self) -> float:
+    """What the disk can take per step: write bandwidth x the all-on-device step."""
+    return self.profile.write_gbps * 1e9 * self.baseline_s
+
+  def location_map(self) -> dict[str, Location]:
+    return dict(self.locations)
+
+  def kept_location_map(self) -> dict[str, Location]:
+    """Locations in the kept (last) layers: host/nvme tags stay on the device."""
+    return {n: Location.DEVICE if loc in OFFLOADED else loc for n, loc in self.locations}
+
+  def policies(self) -> tuple[Any, Any]:
+    """``(policy of the offloaded layers, policy of the kept layers)`` for jax.checkpoint."""
+    return (location_policy(self.location_map(), min_bytes=self.min_bytes),
+            location_policy(self.kept_location_map(), min_bytes=self.min_bytes))
+
+  def table(self) -> str:
+    p, L, k = self.profile, self.profile.num_layers, self.offload_layers
+    rows = [("tensor", "bytes/layer", "location", "layers", "raw I/O s/step", "compute window s")]
+    window = p.forward_s * L + p.other_s + p.backward_s * L
+    for t in p.tags:
+      loc = self.location_map()[t.name]
+      n = k if loc in OFFLOADED else L
+      bw = {Location.NVME: min(p.write_gbps, p.read_gbps), Location.HOST: p.host_gbps}.get(loc)
+      io = f"{2 * t.bytes * k / (bw * 1e9):.4f}" if bw else "-"
+      rows.append((t.name, f"{t.bytes:,}", loc.value, f"{n}/{L}", io, f"{window:.4f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append(f"split: layers 0..{k - 1} offload, {k}..{L - 1} keep" if 0 < k < L else
+                 f"split: all {L} layers {'offload' if k == L else 'keep'}")
+    lines.append(f"predicted step {self.step_s * 1e3:.2f} ms (compute {self.compute_s * 1e3:.2f} "
+                 f"+ stall {self.stall_s * 1e3:.2f}; all on device {self.baseline_s * 1e3:.2f})")
+    lines.append(f"residual device memory {self.device_bytes / 1e9:.3f} GB; per step to nvme "
+                 f"{self.nvme_bytes / 1e9:.3f} GB (disk allows {self.allowed_nvme_bytes / 1e9:.3f}"
+                 f" GB), to host {self.host_bytes / 1e9:.3f} GB"
+                 + (f"; batch {p.batch}" if p.batch else ""))
+    if self.measured_device_bytes is not None:
+      lines.append(f"device memory of the step (XLA): {self.measured_device_bytes / 1e9:.3f} GB")
+    return "\n".join(lines)
+
+  __str__ = table
+
+
+def plan(profile: Profile, *, max_slowdown: float = 0.02,
+         allowed: Iterable[str | Location] = tuple(Location),
+         fixed: Mapping[str, str | Location] | None = None,
+         min_bytes: int = DEFAULT_MIN_BYTES) -> Plan:
+  """The plan with the least residual device memory within ``max_slowdown`` of all-on-device.
+
+  allowed: locations the planner may use; fixed: tags whose location is given.
+  Tags smaller than ``min_bytes`` are never offloaded (the policy keeps them on the device).
+  """
+  return min(_feasible(profile, max_slowdown, allowed, fixed, min_bytes), key=_rank)
+
+
+def frontier(profile: Profile, *, allowed: Iterable[str | Location] = tuple(Location),
+             fixed: Mapping[str, str | Location] | None = None,
+             min_bytes: int = DEFAULT_MIN_BYTES) -> list[Plan]:
+  """Pareto front of (predicted step, device memory): fastest first, each smaller than the last."""
+  plans = sorted(_candidates(profile, allowed, fixed, min_bytes),
+                 key=lambda p: (p.step_s, p.device_bytes, p.offloaded_bytes))
+  out = []
+  for p in plans:
+    if not out or p.device_bytes < out[-1].device_bytes:
+      out.append(p)
+  return out
+
+
+def plan_for_budget(budget_bytes: int, batches: Sequence[int],
+                    profile_fn: Callable[[int], Profile],
+                    memory_fn: Callable[[int, Plan], int], *, max_compiles: int = 3, **plan_options) -> Plan:
+  """The batch and plan with the most tokens/s whose device memory fits ``budget_bytes``.
+
+  profile_fn(batch) -> Profile (e.g. ``base.scaled``); memory_fn(batch, plan) -> exact device
+  bytes of the whole step (compile only). For each batch, the Pareto-front plans are tried from
+  the fastest; the estimated residual bytes skip the ones that cannot fit, and at most
+  ``max_compiles`` candidates per batch are measured. Raises ValueError when nothing fits.
+  """
+  _check_int("budget_bytes", budget_bytes, low=1)
+  if not batches:
+    raise ValueError("batches: expected at least one batch size, got an empty sequence")
+  for b in batches:
+    _check_int("batches[]", b, low=1)
+  best, best_batch, tried = None, 0, []
+  for batch in sorted(set(batches), reverse=True):
+    front = frontier(profile_fn(batch), **plan_options)
+    for _ in range(max_compiles):
+      # a smaller batch must beat the best tokens/s found so far
+      if not front or (best is not None and
+                       batch / front[0].step_s <= best_batch / best.step_s):
+        break
+      cand = front.pop(0)
+      used = int(memory_fn(batch, cand))
+      tried.append((batch, cand.offload_layers, used))
+      if used <= budget_bytes:
+        best = dataclasses.replace(cand, measured_device_bytes=used,
+                                   profile=dataclasses.replace(cand.profile, batch=batch))
+        best_batch = batch
+        break
+      # only plans whose residual savings can close the gap are worth a compile
+      gap = used - budget_bytes
+      front = [p for p in front if cand.device_bytes - p.device_bytes >= gap]
+  if best is None:
+    raise ValueError(f"budget_bytes={budget_bytes} ({budget_bytes / 1e9:.2f} GB): no batch in "
+                     f"{sorted(set(batches))} fits; measured (batch, offload_layers, bytes): {tried}")
+  return best
+
+
+def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
+            directory: str | os.PathLike | None = None,
+            bandwidth: tuple[float, float] | None = None, host_gbps: float = DEFAULT_HOST_GBPS,
+            host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES, other_s: float = 0.0,
+            batch: int | None = None, repeats: int = 10, warmup: int = 2) -> Profile:
+  """Times one layer ``layer_fn(params, x) -> y`` (forward with residuals, and its backward),
+  reads the tagged bytes from its jaxpr, and takes the store bandwidth (``bandwidth`` as
+  (write, read) GB/s, else ``measured_bandwidth(directory)``)."""
+  import jax
+  _check_int("num_layers", num_layers, low=1)
+  _check_int("repeats", repeats, low=1)
+  _check_int("warmup", warmup)
+  if bandwidth is None:
+    if directory is None:
+      raise ValueError("profile: give directory= (measured) or bandwidth=(write, read) GB/s")
+    bandwidth = measured_bandwidth(directory)
+  write_gbps, read_gbps = bandwidth
+  tags, flops = tagged(layer_fn, params, x)
+  fwd = jax.jit(lambda p, v: jax.vjp(layer_fn, p, v))
+  y, pullback = fwd(params, x)
+  bwd = jax.jit(lambda pb, g: pb(g))
+  g = jax.tree.map(lambda a: np.ones(a.shape, a.dtype), y)
+  forward_s = _median_time(lambda: fwd(params, x), repeats, warmup)
+  backward_s = _median_time(lambda: bwd(pullback, g), repeats, warmup)
+  total = sum(flops.values()) or 1.0
+  return Profile(
+      num_layers=num_layers, forward_s=forward_s, backward_s=backward_s,
+      tags=tuple(TagProfile(n, b, forward_s * flops[n] / total) for n, b in tags.items()),
+      write_gbps=float(write_gbps), read_gbps=float(read_gbps), host_gbps=float(host_gbps),
+      host_cache_bytes=int(host_cache_bytes), input_bytes=_nbytes_tree(x), other_s=other_s,
+      batch=batch)
+
+
+def tagged(layer_fn: Callable, params: Any, x: Any) -> tuple[dict[str, int], dict[str, float]]:
+  """``({tag: bytes per layer}, {tag: forward FLOPs since the previous tag})`` from the jaxpr."""
+  import jax
+  from jax._src import config as jax_config
+  remat3 = getattr(jax_config, "remat3", None)  # under jax_remat3 tags are not name_p eqns
+  with remat3(False) if remat3 is not None else contextlib.nullcontext():
+    closed = jax.make_jaxpr(layer_fn)(params, x)
+  sizes: dict[str, int] = {}
+  flops: dict[str, float] = {}
+  acc = 0.0
+  for eqn in _walk(closed.jaxpr):
+    if eqn.primitive is name_p:
+      name = eqn.params["name"]
+      sizes[name] = sizes.get(name, 0) + _nbytes(eqn.invars[0].aval)
+      flops[name] = flops.get(name, 0.0) + acc
+      acc = 0.0
+    else:
+      acc += _flops(eqn)
+  return sizes, flops
+
+
+@functools.lru_cache(maxsize=None)
+def _bandwidth_cached(directory: str, nbytes: int) -> tuple[float, float]:
+  block = np.random.default_rng(0).integers(0, 255, size=8 << 20, dtype=np.uint8).tobytes()
+  fd, path = tempfile.mkstemp(prefix=".ssdtrain-bw-", dir=directory)
+  try:
+    t0 = time.perf_counter()
+    for _ in range(max(1, nbytes // len(block))):
+      os.write(fd, block)
+    os.fsync(fd)
+    write_s = time.perf_counter() - t0
+    written = max(1, nbytes // len(block)) * len(block)
+    if hasattr(os, "posix_fadvise"):
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read from the disk, not the cache
+    os.lseek(fd, 0, os.SEEK_SET)
+    t0 = time.perf_counter()
+    while os.read(fd, len(block)):
+      pass
+    read_s = time.perf_counter() - t0
+  finally:
+    os.close(fd)
+    os.unlink(path)
+  return written / write_s / 1e9, written / read_s / 1e9
+
+
+def measured_bandwidth(directory: str | os.PathLike, nbytes: int = 256 << 20) -> tuple[float, float]:
+  """(write GB/s, read GB/s) of ``directory``, measured once per directory and cached."""
+  path = os.path.realpath(os.fspath(directory))
+  if not os.path.isdir(path):
+    raise ValueError(f"directory: {directory!r} is not a directory")
+  _check_int("nbytes", nbytes, low=1)
+  try:
+    return _bandwidth_cached(path, int(nbytes))
+  except OSError as e:
+    raise OSError(e.errno, f"measuring the bandwidth of {directory!r}: {e.strerror}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementation
+
+
+def simulate(profile: Profile, offload_layers: int,
+             locations: Mapping[str, Location]) -> tuple[float, float]:
+  """``(compute_s, stall_s)`` per step under the timing model of the module docstring."""
+  p, L, k = profile, profile.num_layers, offload_layers
+  recompute = sum(t.recompute_s for t in p.tags if locations[t.name] is Location.REMAT)
+  compute = L * (p.forward_s + p.backward_s + recompute) + p.other_s
+  per_layer = {loc: sum(t.bytes for t in p.tags if locations[t.name] is loc) for loc in OFFLOADED}
+  if k == 0 or not any(per_layer.values()):
+    return compute, 0.0
+  nv, hb = per_layer[Location.NVME], per_layer[Location.HOST]
+  w, r, h = p.write_gbps * 1e9, p.read_gbps * 1e9, p.host_gbps * 1e9
+  if (nv and (w <= 0 or r <= 0)) or (hb and h <= 0):
+    return compute, math.inf
+  back = p.backward_s + recompute
+  # when layer i's backward would start without stalls: tensors not being written by then are
+  # forwarded from the host cache and never written
+  load_at = [L * p.forward_s + p.other_s + (L - 1 - i) * back for i in range(L)]
+  stall = t = disk_free = link_down = 0.0
+  write_end, host_done = {}, {}
+  for i in range(L):
+    t += p.forward_s
+    if i >= k:
+      continue
+    if nv:
+      start = max(t, disk_free)
+      if start < load_at[i] + t - (i + 1) * p.forward_s:
+        disk_free = write_end[i] = start + nv / w
+        # unwritten bytes must fit in the host cache, else the store (and the forward) waits
+        t = max(t, disk_free - p.host_cache_bytes / w)
+    if hb:
+      link_down = host_done[i] = max(t, link_down) + hb / h
+  stall += t - L * p.forward_s
+  t += p.other_s
+  link_up = t
+  for i in reversed(range(L)):
+    if i < k:
+      ready = t
+      # the cache keeps the last host_cache_bytes stored; older tensors come from the disk
+      if nv and i in write_end and (k - i) * nv > p.host_cache_bytes:
+        disk_free = max(disk_free, write_end[i]) + nv / r
+        ready = max(ready, disk_free)
+      if hb:
+        link_up = max(link_up, host_done[i]) + hb / h
+        ready = max(ready, link_up)
+      stall += ready - t
+      t = ready
+    t += back
+  return compute, stall
+
+
+def _device_bytes(profile: Profile, k: int, locations: Mapping[str, Location]) -> int:
+  L = profile.num_layers
+  total = 0
+  for t in profile.tags:
+    loc = locations[t.name]
+    if loc is Location.DEVICE:
+      total += t.bytes * L
+    elif loc in OFFLOADED:
+      total += t.bytes * (L - k)
+  if any(loc is Location.REMAT for loc in locations.values()):
+    total += profile.input_bytes * L
+  return total
+
+
+def _evaluate(profile: Profile, k: int, locations: Mapping[str, Location], baseline: float,
+              min_bytes: int) -> Plan:
+  compute, stall = simulate(profile, k, locations)
+  moved = {loc: sum(t.bytes for t in profile.tags if locations[t.name] is loc) * k
+           for loc in OFFLOADED}
+  return Plan(profile, k, tuple(sorted(locations.items())), compute, stall, baseline,
+              _device_bytes(profile, k, locations), moved[Location.NVME], moved[Location.HOST],
+              min_bytes)
+
+
+def _candidates(profile: Profile, allowed, fixed, min_bytes) -> Iterable[Plan]:
+  _check_int("min_bytes", min_bytes)
+  allowed = tuple(dict.fromkeys(Location.parse(a, what="allowed") for a in allowed))
+  if not allowed:
+    raise ValueError("allowed: expected at least one location, got none")
+  fixed = {} if fixed is None else dict(fixed)
+  names = [t.name for t in profile.tags]
+  for name in fixed:
+    if name not in names:
+      raise ValueError(f"fixed: unknown tag {name!r}; the profile has {names}")
+  fixed = {n: Location.parse(v, what=f"fixed[{n!r}]") for n, v in fixed.items()}
+  choices = []
+  for t in profile.tags:
+    opts = (fixed[t.name],) if t.name in fixed else allowed
+    if t.bytes < min_bytes:  # the policy keeps small tags on the device
+      opts = tuple(dict.fromkeys(Location.DEVICE if o in OFFLOADED else o for o in opts))
+    choices.append(opts)
+  everything_on_device = {n: Location.DEVICE for n in names}
+  baseline = simulate(profile, 0, everything_on_device)[0]
+  for combo in itertools.product(*choices):
+    locations = dict(zip(names, combo))
+    offloads = any(loc in OFFLOADED for loc in combo)
+    for k in range(profile.num_layers + 1) if offloads else (0,):
+      yield _evaluate(profile, k, locations, baseline, min_bytes)
+
+
+def _feasible(profile, max_slowdown, allowed, fixed, min_bytes) -> list[Plan]:
+  _check_number("max_slowdown", max_slowdown)
+  out = [p for p in _candidates(profile, allowed, fixed, min_bytes)
+         if p.step_s <= p.baseline_s * (1 + max_slowdown) * (1 + 1e-12)]
+  if not out:
+    raise ValueError(f"max_slowdown={max_slowdown}: no plan within it with allowed locations; "
+                     "allow 'device'")
+  return out
+
+
+def _rank(p: Plan):
+  return (p.device_bytes, p.step_s, p.offloaded_bytes, p.offload_layers)
+
+
+def _walk(jaxpr) -> Iterable[Any]:
+  """Equations in program order, descending into sub-jaxprs (pjit, custom_vjp, scan, ...)."""
+  for eqn in jaxpr.eqns:
+    subs = [v for v in eqn.params.values() if _is_jaxpr(v)]
+    subs += [s for v in eqn.params.values() if isinstance(v, (tuple, list)) for s in v
+             if _is_jaxpr(s)]
+    if subs and eqn.primitive is not name_p:
+      for sub in subs[:1]:  # branches/fwd-bwd pairs: the first one is the forward
+        yield from _walk(getattr(sub, "jaxpr", sub))
+    else:
+      yield eqn
+
+
+def _is_jaxpr(v) -> bool:
+  return hasattr(v, "eqns") or (hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"))
+
+
+def _flops(eqn) -> float:
+  name = eqn.primitive.name
+  if name == "dot_general":
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    contract = int(np.prod([lhs[d] for d in lc], dtype=np.int64))
+    return 2.0 * contract * int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64))
+  if "attention" in name or "cudnn" in name:  # fused attention: QK^T and PV, (B,T,N,D)x(B,S,N,D)
+    q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    if len(q) == 4 and len(k) == 4:
+      return 4.0 * q[0] * q[1] * k[1] * q[2] * q[3]
+  return 0.0
+
+
+def _nbytes(aval) -> int:
+  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _nbytes_tree(tree) -> int:
+  import jax
+  return sum(int(np.prod(np.shape(a), dtype=np.int64)) * np.dtype(a.dtype).itemsize
+             for a in jax.tree.leaves(tree))
+
+
+def _median_time(fn, repeats: int, warmup: int) -> float:
+  import jax
+  for _ in range(warmup + 1):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _check_int(what: str, value, low: int = 0) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    raise ValueError(f"{what}: expected an integer >= {low}, got {value!r}")
+
+
+def _check_number(what: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+      or math.isnan(value) or value < 0:
+    raise ValueError(f"{what}: expected a number >= 0, got {value!r}")

@@ -1,0 +1,435 @@
+#!/usr/bin/env python
+"""Is the planner's model honest? Predicted vs measured step time, and a device-memory cap.
+
+For the GPT-like stack of ``bench_rok.py`` (its layer and weights, reused) and the models'
+GPT presets: profile one layer (``jax_ssdtrain.profile``), plan (``auto``: every location;
+``auto_nvme``: device / remat / nvme only), and measure side by side in one process:
+``keep`` (no remat), ``selective`` (every tag saved on the device), ``auto``, ``auto_nvme``.
+Reports predicted vs measured step ms, step over keep, and the share of the disk's allowance
+(write GB/s x the all-on-device step) that ``auto_nvme`` offloads.
+
+Memory cap (``--cap-gb``, one ``--cap-shape``): for JAX's policies (keep, selective,
+recompute) the largest batch in ``--cap-batches`` whose compiled step (XLA memory analysis:
+arguments + outputs + temporaries - aliased) fits, and ``auto`` from
+``jax_ssdtrain.plan_for_budget`` (plus the engine's staging arena when it offloads); then
+tokens/s of each at that batch.
+
+Writes ``planner_<device>_<date>.json``, a markdown table (``.md``) and a plot (``.png``).
+
+    python scripts/bench_planner.py --store-dir /var/tmp/plan          # everything (~8 min H100)
+    python scripts/bench_planner.py --shape 4096,2048,4,8 --no-presets --no-cap
+    python scripts/bench_planner.py --tiny --steps 2 --warmup 1 --out /tmp/p   # CPU smoke
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as common  # noqa: E402
+import bench_rok as rok  # noqa: E402
+
+sys.path.append(str(common.REPO_ROOT))  # jax_ssdtrain and models/ from the checkout
+
+TINY_SHAPES = ((256, 128, 2, 2),)
+
+
+def split_step(layer, policies, split: int):
+    """value_and_grad of the stack with layers [0, split) under policies[0], the rest under
+    policies[1] (None: no remat); the weights are the same stacked arrays either way."""
+    import jax
+    import jax.numpy as jnp
+
+    def body(policy):
+        f = lambda x, p: (layer(x, p), None)  # noqa: E731
+        return f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=False)
+
+    def loss(params, x):
+        L = jax.tree.leaves(params)[0].shape[0]
+        for policy, lo, hi in ((policies[0], 0, split), (policies[1], split, L)):
+            if hi > lo:
+                x, _ = jax.lax.scan(body(policy), x, jax.tree.map(lambda a: a[lo:hi], params))
+        return jnp.mean(x.astype(jnp.float32) ** 2)
+
+    return jax.jit(jax.value_and_grad(loss))
+
+
+def device_bytes(compiled) -> int:
+    ma = compiled.memory_analysis()
+    return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+               - ma.alias_size_in_bytes)
+
+
+def time_steps(fn, args, steps: int, warmup: int) -> list[float]:
+    import jax
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def stack_policies(plan, min_bytes: int) -> dict:
+    """Measured policies of one shape: name -> ((first, rest) policies, split, predicted s)."""
+    import jax_ssdtrain as ssd
+    all_device = ssd.location_policy({n: "device" for n, _ in plan["auto"].locations},
+                                     min_bytes=min_bytes)
+    out = {"keep": ((None, None), 0, plan["auto"].profile.num_layers *
+                    (plan["auto"].profile.forward_s + plan["auto"].profile.backward_s)),
+           "selective": ((all_device, all_device), 0, plan["auto"].baseline_s)}
+    for name in ("auto", "auto_nvme"):
+        out[name] = (plan[name].policies(), plan[name].offload_layers, plan[name].step_s)
+    return out
+
+
+def run_stack(args, shape, bandwidth) -> dict:
+    """Profile, plan and measure one bench_rok shape."""
+    import jax
+    import jax_ssdtrain as ssd
+    H, S, B, L = shape
+    impl = "cudnn" if jax.default_backend() == "gpu" else None
+    layer = rok.make_layer(H // rok.HEAD_DIM, impl)
+    params, x = rok.init(*shape)
+    one = jax.tree.map(lambda a: a[0], params)
+    t0 = time.perf_counter()
+    prof = ssd.profile(lambda p, v: layer(v, p), one, x, num_layers=L, bandwidth=bandwidth,
+                       host_cache_bytes=ssd.current_config().host_cache_bytes, batch=B,
+                       repeats=args.steps, warmup=args.warmup)
+    plans = {"auto": ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=args.min_bytes),
+             "auto_nvme": ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=args.min_bytes,
+                                   allowed=("device", "remat", "nvme"))}
+    doc = {"kind": "stack", "shape": list(shape), "profile": dataclasses.asdict(prof),
+           "profile_s": time.perf_counter() - t0,
+           "plans": {k: plan_doc(p) for k, p in plans.items()}, "rows": []}
+    for name, (pols, split, predicted) in stack_policies(plans, args.min_bytes).items():
+        compiled = split_step(layer, pols, split).lower(params, x).compile()
+        ssd.reset_stats()
+        times = time_steps(compiled, (params, x), args.steps, args.warmup)
+        st = ssd.stats()
+        ms = statistics.median(times) * 1e3
+        doc["rows"].append({
+            "policy": name, "split": split, "predicted_ms": predicted * 1e3, "step_ms": ms,
+            "step_ms_all": [t * 1e3 for t in times], "device_GB": device_bytes(compiled) / 1e9,
+            "model_tflops": rok.model_flops(*shape) / ms / 1e9,
+            "offload_GB_per_step": st.get("bytes_written", 0) / 1e9 / (args.steps + args.warmup),
+            "disk_MB_written_per_step": st.get("disk_bytes_written", 0) / 1e6 / (args.steps + args.warmup),
+            "stall_ms_per_step": st.get("stall_seconds", 0) * 1e3 / (args.steps + args.warmup)})
+        del compiled
+        print(f"[{','.join(map(str, shape))}] {name}: predicted {predicted * 1e3:.1f} ms, "
+              f"measured {ms:.1f} ms", flush=True)
+    return doc
+
+
+def plan_doc(plan) -> dict:
+    return {"offload_layers": plan.offload_layers,
+            "locations": {n: loc.value for n, loc in plan.locations},
+            "predicted_ms": plan.step_s * 1e3, "stall_ms": plan.stall_s * 1e3,
+            "residual_GB": plan.device_bytes / 1e9, "nvme_GB": plan.nvme_bytes / 1e9,
+            "host_GB": plan.host_bytes / 1e9, "allowed_nvme_GB": plan.allowed_nvme_bytes / 1e9,
+            "nvme_fraction_of_allowed": (plan.nvme_bytes / plan.allowed_nvme_bytes
+                                         if plan.allowed_nvme_bytes else None),
+            "table": plan.table()}
+
+
+def run_preset(args, preset: str, bandwidth) -> dict:
+    """A models/ GPT preset through models.training: keep vs auto, predicted vs measured.
+    Time outside the layers (embedding, head, optimizer) comes from a 1-layer model's step."""
+    import jax
+    import jax_ssdtrain as ssd
+    from models import data as data_lib
+    from models import training
+    run = training.RunConfig(model="gpt", preset=preset, batch=args.preset_batch,
+                             seq_len=args.preset_seq, min_bytes=args.min_bytes)
+    cfg = run.model_config()
+    tokens = next(data_lib.make_batches("synthetic", "memmap", run.batch, run.example_length(cfg),
+                                        cfg.vocab_size, 0))
+    rng = jax.random.key(1)
+
+    def measure(r):
+        state, _, _ = training.create_train_state(r)
+        step = training.jit_train_step().lower(state, tokens, rng).compile()
+        mem = device_bytes(step)
+        times = []
+        for i in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            state, metrics = step(state, tokens, rng)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[args.warmup:]), mem
+
+    prof = training.profile_run(run, bandwidth=bandwidth, repeats=args.steps,
+                                host_cache_bytes=ssd.current_config().host_cache_bytes)
+    # outside the layers' forward/backward: embedding, head, loss, and the optimizer, whose
+    # work grows with the layers: T(1 layer) + (L - 1) (T(2) - T(1)) - L (F + B)
+    t1, _ = measure(dataclasses.replace(run, model_overrides={"num_layers": 1}))
+    t2, _ = measure(dataclasses.replace(run, model_overrides={"num_layers": 2}))
+    L = cfg.num_layers
+    other = t1 + (L - 1) * (t2 - t1) - L * (prof.forward_s + prof.backward_s)
+    prof = dataclasses.replace(prof, other_s=max(0.0, other))
+    plan = ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=args.min_bytes)
+    doc = {"kind": "preset", "preset": preset, "batch": run.batch, "seq_len": run.seq_len,
+           "one_layer_step_ms": t1 * 1e3, "two_layer_step_ms": t2 * 1e3,
+           "profile": dataclasses.asdict(prof), "plans": {"auto": plan_doc(plan)}, "rows": []}
+    keep_pred = cfg.num_layers * (prof.forward_s + prof.backward_s) + prof.other_s
+    for name, r, predicted in (("keep", run, keep_pred),
+                               ("auto", training.apply_plan(run, plan), plan.step_s)):
+        s, mem = measure(r)
+        doc["rows"].append({"policy": name, "split": r.offload_layers, "predicted_ms": predicted * 1e3,
+                            "step_ms": s * 1e3, "device_GB": mem / 1e9,
+                            "tokens_per_s": run.batch * run.seq_len / s})
+        print(f"[{preset}] {name}: predicted {predicted * 1e3:.1f} ms, measured {s * 1e3:.1f} ms",
+              flush=True)
+    return doc
+
+
+def run_cap(args, shape, bandwidth) -> dict:
+    """Policy x batch x tokens/s under a device-memory cap (bench_rok stack at --cap-shape)."""
+    import jax
+    import jax_ssdtrain as ssd
+    H, S, _, L = shape
+    cap = int(args.cap_gb * 1e9)
+    impl = "cudnn" if jax.default_backend() == "gpu" else None
+    layer = rok.make_layer(H // rok.HEAD_DIM, impl)
+    staging = ssd.current_config().staging_bytes if jax.default_backend() == "gpu" else 0
+    batches = sorted(args.cap_batches, reverse=True)
+    params, _ = rok.init(H, S, 1, L)
+    inputs = {b: (params, jax.random.normal(jax.random.key(b), (b, S, H), jax.numpy.bfloat16))
+              for b in batches}  # x (b,S,H)
+    cp = jax.checkpoint_policies
+    jax_policies = {"keep": None, "recompute": cp.nothing_saveable,
+                    "selective": cp.save_only_these_names(*rok.NAMES)}
+    rows, tried = [], []
+
+    def fits(pols, split, batch, extra=0):
+        compiled = split_step(layer, pols, split).lower(*inputs[batch]).compile()
+        used = device_bytes(compiled) + extra
+        tried.append({"split": split, "batch": batch, "device_GB": used / 1e9})
+        return compiled, used
+
+    def measure(name, compiled, batch, used, **extra):
+        ms = statistics.median(time_steps(compiled, inputs[batch], args.steps, args.warmup)) * 1e3
+        rows.append({"policy": name, "batch": batch, "device_GB": used / 1e9, "step_ms": ms,
+                     "tokens_per_s": batch * S / ms * 1e3, **extra})
+        print(f"[cap {args.cap_gb:g} GB] {name}: batch {batch}, {used / 1e9:.2f} GB, "
+              f"{batch * S / ms * 1e3:,.0f} tokens/s", flush=True)
+
+    for name, pol in jax_policies.items():
+        for b in batches:
+            compiled, used = fits((pol, pol), 0, b)
+            if used <= cap:
+                measure(name, compiled, b, used)
+                break
+        else:
+            rows.append({"policy": name, "batch": None, "note": "no batch fits"})
+    one = jax.tree.map(lambda a: a[0], inputs[min(batches)][0])
+    prof = ssd.profile(lambda p, v: layer(v, p), one, inputs[min(batches)][1], num_layers=L,
+                       bandwidth=bandwidth, batch=min(batches), repeats=args.steps,
+                       warmup=args.warmup,
+                       host_cache_bytes=ssd.current_config().host_cache_bytes)
+    memo = {}
+
+    def memory(batch, plan):
+        compiled, used = fits(plan.policies(), plan.offload_layers, batch,
+                              staging if plan.offloaded_bytes else 0)
+        memo[(batch, plan.offload_layers, plan.locations)] = compiled
+        return used
+
+    try:
+        plan = ssd.plan_for_budget(cap, batches, prof.scaled, memory, min_bytes=args.min_bytes)
+        b = plan.profile.batch
+        measure("auto", memo[(b, plan.offload_layers, plan.locations)], b,
+                plan.measured_device_bytes, predicted_ms=plan.step_s * 1e3,
+                plan=plan_doc(plan))
+    except ValueError as e:
+        rows.append({"policy": "auto", "batch": None, "note": str(e)})
+    best_jax = max((r["tokens_per_s"] for r in rows if r["policy"] != "auto" and r.get("batch")),
+                   default=None)
+    for r in rows:
+        if r.get("batch") and best_jax:
+            r["x_best_jax"] = r["tokens_per_s"] / best_jax
+    return {"kind": "cap", "shape": [H, S, L], "cap_GB": args.cap_gb, "rows": rows,
+            "compiles": tried}
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def table(doc: dict) -> str:
+    out = [f"store bandwidth (GB/s): write {doc['bandwidth'][0]:.2f}, read {doc['bandwidth'][1]:.2f}"
+           f" ({doc['bandwidth_source']})", "",
+           "| model | policy | split | predicted ms | measured ms | pred/meas | x keep | device GB |",
+           "|---|---|---|---|---|---|---|---|"]
+    for part in doc["parts"]:
+        if part["kind"] == "cap" or "error" in part:
+            continue
+        label = part.get("preset") or ",".join(map(str, part["shape"]))
+        keep = next((r["step_ms"] for r in part["rows"] if r["policy"] == "keep"), None)
+        for r in part["rows"]:
+            out.append(f"| {label} | {r['policy']} | {r['split']} | {r['predicted_ms']:.1f} | "
+                       f"{r['step_ms']:.1f} | {r['predicted_ms'] / r['step_ms']:.3f} | "
+                       f"{r['step_ms'] / keep:.3f} | {r['device_GB']:.2f} |")
+    for part in doc["parts"]:
+        if part["kind"] == "stack" and "error" not in part:
+            p = part["plans"]["auto_nvme"]
+            frac = p["nvme_fraction_of_allowed"]
+            out.append(f"\n{','.join(map(str, part['shape']))} auto_nvme: {p['nvme_GB']:.3f} GB/step"
+                       f" to nvme of {p['allowed_nvme_GB']:.3f} GB allowed"
+                       + (f" ({frac:.0%})" if frac is not None else ""))
+    for part in doc["parts"]:
+        if part["kind"] != "cap" or "error" in part:
+            continue
+        out += ["", f"cap {part['cap_GB']:g} GB, H,S,L = {','.join(map(str, part['shape']))}:", "",
+                "| policy | batch | device GB | step ms | tokens/s | x best JAX |", "|---|---|---|---|---|---|"]
+        for r in part["rows"]:
+            if not r.get("batch"):
+                out.append(f"| {r['policy']} | - | - | - | - | {r.get('note', '')} |")
+                continue
+            out.append(f"| {r['policy']} | {r['batch']} | {r['device_GB']:.2f} | {r['step_ms']:.1f} | "
+                       f"{r['tokens_per_s']:,.0f} | {r.get('x_best_jax', 0):.3f} |")
+    for part in doc["parts"]:
+        if "error" in part:
+            out.append(f"\nERROR {part.get('what')}: {part['error']}")
+    return "\n".join(out)
+
+
+def plot(doc: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"no plot: {e}"
+    rows = [(part.get("preset") or ",".join(map(str, part["shape"])), r)
+            for part in doc["parts"] if part["kind"] != "cap" and "error" not in part
+            for r in part["rows"]]
+    if not rows:
+        return "no plot: no rows"
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    for label, r in rows:
+        ax.scatter(r["step_ms"], r["predicted_ms"], s=40)
+        ax.annotate(f"{label} {r['policy']}", (r["step_ms"], r["predicted_ms"]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+    hi = max(max(r["step_ms"], r["predicted_ms"]) for _, r in rows) * 1.1
+    ax.plot([0, hi], [0, hi], "k-", lw=0.7, label="exact")
+    ax.fill_between([0, hi], [0, hi * 0.9], [0, hi * 1.1], alpha=0.15, label="±10%")
+    ax.set(xlabel="measured step ms", ylabel="predicted step ms", xlim=(0, hi), ylim=(0, hi),
+           title=f"planner model, {doc['env'].get('device_kind')}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def _bandwidth(text):
+    try:
+        w, r = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WRITE,READ GB/s, got {text!r}")
+    return w, r
+
+
+def _batches(text):
+    try:
+        out = [int(v) for v in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected batch sizes >= 1, got {text!r}")
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", type=rok._shape, action="append",
+                   help="H,S,B,L of the bench_rok stack (default: 4096,2048,4,8 and 8192,2048,2,4)")
+    p.add_argument("--presets", default="gpt-1.3b", help="models' GPT presets, comma-separated")
+    p.add_argument("--no-presets", action="store_true")
+    p.add_argument("--no-stack", action="store_true", help="skip the bench_rok stack shapes")
+    p.add_argument("--preset-batch", type=int, default=8)
+    p.add_argument("--preset-seq", type=int, default=1024)
+    p.add_argument("--cap-gb", type=float, default=12.0, help="device memory cap (GB)")
+    p.add_argument("--cap-shape", type=rok._shape, default=(4096, 2048, 4, 8),
+                   help="H,S,_,L of the cap experiment (the batch comes from --cap-batches)")
+    p.add_argument("--cap-batches", type=_batches, default=[1, 2, 4, 8])
+    p.add_argument("--no-cap", action="store_true")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--max-slowdown", type=float, default=0.02)
+    p.add_argument("--min-bytes", type=int, default=None,
+                   help="smaller tags stay on the device (default 1 MiB; --tiny: 0)")
+    p.add_argument("--bandwidth", type=_bandwidth, default=None,
+                   help="store WRITE,READ GB/s (default: jax_ssdtrain.measured_bandwidth of --store-dir)")
+    p.add_argument("--store-dir", default=None, help="default: $SSDTRAIN_DIR or a temp dir")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke: tiny shapes, preset tiny")
+    p.add_argument("--out", type=Path, default=common.REPO_ROOT / "benchmarks")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1")
+    args.shapes = args.shape or (TINY_SHAPES if args.tiny else rok.DEFAULT_SHAPES)
+    args.preset_list = [] if args.no_presets else [s for s in args.presets.split(",") if s]
+    if args.min_bytes is None:
+        args.min_bytes = 0 if args.tiny else 1 << 20
+    if args.tiny:
+        args.preset_list = [] if args.no_presets else ["tiny"]
+        args.preset_batch, args.preset_seq = 2, 32
+        args.cap_shape, args.cap_batches = (256, 128, 2, 2), [1, 2, 4]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+    import jax_ssdtrain as ssd
+    store_dir = args.store_dir or os.environ.get("SSDTRAIN_DIR", "").split(":")[0] or \
+        tempfile.mkdtemp(prefix="bench_planner-", dir="/tmp")
+    os.makedirs(store_dir, exist_ok=True)
+    ssd.configure(directory=store_dir)
+    bandwidth = args.bandwidth or ssd.measured_bandwidth(store_dir, nbytes=1 << 30)
+    source = "--bandwidth" if args.bandwidth else f"measured_bandwidth({store_dir!r}, 1 GiB)"
+    print(f"store bandwidth: write {bandwidth[0]:.2f} GB/s, read {bandwidth[1]:.2f} GB/s", flush=True)
+    jobs = [(f"stack {s}", lambda s=s: run_stack(args, s, bandwidth))
+            for s in ([] if args.no_stack else args.shapes)]
+    jobs += [(f"preset {p}", lambda p=p: run_preset(args, p, bandwidth)) for p in args.preset_list]
+    if not args.no_cap:
+        jobs.append(("cap", lambda: run_cap(args, args.cap_shape, bandwidth)))
+    parts = []
+    t0 = time.perf_counter()
+    for what, job in jobs:
+        try:
+            parts.append(job() | {"wall_s": time.perf_counter() - t0})
+        except Exception as e:  # a failed part is reported, the others still run
+            import traceback
+            traceback.print_exc()
+            parts.append({"kind": what.split()[0], "what": what, "error": repr(e)})
+    device = jax.devices()[0].device_kind
+    doc = {"date": common.today(), "env": common.host_env() | {"device_kind": device,
+                                                               "jax": jax.__version__},
+           "bandwidth": list(bandwidth), "bandwidth_source": source,
+           "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+           "parts": parts, "wall_s": time.perf_counter() - t0}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"planner_{common.slug(device)}_{doc['date']}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    text = table(doc)
+    path.with_suffix(".md").write_text(text + "\n")
+    print(text)
+    print(plot(doc, path.with_suffix(".png")) or f"wrote {path} (.md, .png)")
+    return 1 if any("error" in p for p in parts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Smoke test of scripts/bench_planner.py: tiny stack on CPU, plans that offload, a memory cap."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_planner.py"
+
+
+@pytest.mark.timeout(240)  # about 40 s on 2 CPU cores
+def test_bench_planner_tiny(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, str(SCRIPT), "--tiny", "--no-presets", "--steps", "2", "--warmup", "1",
+         "--bandwidth", "100,100", "--cap-gb", "1", "--out", str(tmp_path),
+         "--store-dir", str(tmp_path / "store")]
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=230)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  (path,) = tmp_path.glob("planner_cpu_*.json")
+  assert path.with_suffix(".png").stat().st_size > 0
+  assert "| auto_nvme |" in path.with_suffix(".md").read_text()
+  doc = json.loads(path.read_text())
+  assert doc["bandwidth"] == [100.0, 100.0]
+  stack, cap = doc["parts"]
+  rows = {r["policy"]: r for r in stack["rows"]}
+  assert set(rows) == {"keep", "selective", "auto", "auto_nvme"}
+  for r in rows.values():
+    assert r["step_ms"] > 0 and r["predicted_ms"] > 0 and r["device_GB"] > 0
+  plan = stack["plans"]["auto_nvme"]
+  assert plan["offload_layers"] == 2 and plan["nvme_GB"] > 0  # fast disk: every layer offloads
+  assert rows["auto_nvme"]["offload_GB_per_step"] == pytest.approx(plan["nvme_GB"])
+  assert rows["auto_nvme"]["device_GB"] < rows["keep"]["device_GB"]
+  caps = {r["policy"]: r for r in cap["rows"]}
+  assert set(caps) == {"keep", "recompute", "selective", "auto"}
+  assert all(r["batch"] == 4 and r["device_GB"] <= 1 for r in caps.values())

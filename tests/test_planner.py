@@ -1,0 +1,264 @@
+"""Offload planner: profile, timing model, plan, memory-budget mode, split-scan models, CLI."""
+import dataclasses
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import jax_ssdtrain as ssd
+from jax_ssdtrain import Location
+from jax_ssdtrain._src.planner import simulate
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+T = ssd.TagProfile
+GB = 10**9
+
+
+def one_tag(read_gbps, write_gbps=1.0, cache=GB, layers=4):
+  """A layer of 1 s forward, 1 s backward and one 1 GB tag."""
+  return ssd.Profile(num_layers=layers, forward_s=1.0, backward_s=1.0, tags=(T("a", GB),),
+                     write_gbps=write_gbps, read_gbps=read_gbps, host_cache_bytes=cache)
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def _layer(p, x):  # x (B,S,H)
+  x = checkpoint_name(x, "layer_in")
+  h = checkpoint_name(x @ p["w1"], "up")           # (B,S,F)
+  y = checkpoint_name(jnp.tanh(h) @ p["w2"], "down")  # (B,S,H)
+  z = checkpoint_name(y * 2.0, "down2")
+  return x + z + checkpoint_name(y[..., :3], "down2").sum()  # a name used twice: bytes add
+
+
+def test_profile_bytes_are_the_tags_avals():
+  B, S, H, F = 2, 8, 16, 64
+  k = jax.random.split(jax.random.key(0), 3)
+  p = {"w1": jax.random.normal(k[0], (H, F), jnp.float32),
+       "w2": jax.random.normal(k[1], (F, H), jnp.bfloat16).astype(jnp.float32)}
+  x = jax.random.normal(k[2], (B, S, H), jnp.float32)
+  prof = ssd.profile(_layer, p, x, num_layers=3, bandwidth=(2.0, 1.5), repeats=2, warmup=1, batch=B)
+  got = {t.name: t.bytes for t in prof.tags}
+  assert got == {"layer_in": B * S * H * 4, "up": B * S * F * 4, "down": B * S * H * 4,
+                 "down2": B * S * H * 4 + B * S * 3 * 4}
+  assert [t.name for t in prof.tags] == ["layer_in", "up", "down", "down2"]  # program order
+  assert prof.input_bytes == B * S * H * 4 and prof.num_layers == 3 and prof.batch == B
+  assert (prof.write_gbps, prof.read_gbps) == (2.0, 1.5)
+  assert prof.forward_s > 0 and prof.backward_s > 0
+  rec = {t.name: t.recompute_s for t in prof.tags}
+  assert rec["layer_in"] == 0 and rec["up"] > 0 and rec["down"] > 0  # FLOP shares of matmuls
+  assert math.isclose(sum(rec.values()), prof.forward_s)
+  half = prof.scaled(1)
+  assert {t.name: t.bytes for t in half.tags}["up"] == B * S * F * 4 // 2
+
+
+def test_profile_measures_bandwidth_once_per_directory(tmp_path):
+  w, r = ssd.measured_bandwidth(tmp_path, nbytes=8 << 20)
+  assert w > 0 and r > 0
+  assert ssd.measured_bandwidth(str(tmp_path) + "/", nbytes=8 << 20) == (w, r)  # cached
+  assert os.listdir(tmp_path) == []
+  with pytest.raises(ValueError, match="nope"):
+    ssd.measured_bandwidth(tmp_path / "nope")
+
+
+# --------------------------------------------------------------------------- timing model, plan
+
+
+@pytest.mark.parametrize("read_gbps,split", [(1.0, 4), (0.5, 2), (0.2, 1), (0.0, 0)])
+def test_plan_split_fits_the_read_window(read_gbps, split):
+  # Worked by hand (module docstring model): forward ends at 4 s, layer i's backward starts at
+  # 4 + (3 - i) s; the cache serves the last stored tensor; disk reads start after the writes.
+  p = ssd.plan(one_tag(read_gbps), max_slowdown=0.0, allowed=["device", "nvme"])
+  assert p.offload_layers == split
+  assert p.location_map() == {"a": Location.NVME if split else Location.DEVICE} or split == 0
+  assert p.stall_s == 0 and p.device_bytes == (4 - split) * GB
+
+
+def test_one_more_layer_stalls():
+  prof = one_tag(0.5)
+  compute, stall = simulate(prof, 3, {"a": Location.NVME})
+  assert compute == 8.0 and stall == pytest.approx(1.0)  # layer 0's read ends at 8 s, not 7 s
+
+
+def test_zero_and_infinite_bandwidth():
+  tags = (T("layer_in", GB), T("qkv", 3 * GB, 0.1), T("mlp_up", 4 * GB, 0.1))
+  base = ssd.Profile(num_layers=6, forward_s=1.0, backward_s=2.0, tags=tags, write_gbps=0.0,
+                     read_gbps=0.0, host_gbps=0.0, input_bytes=GB)
+  p = ssd.plan(base, allowed=["device", "host", "nvme"])
+  assert p.offloaded_bytes == 0 and p.device_bytes == 8 * 6 * GB
+  assert all(loc is Location.DEVICE for _, loc in p.locations)
+  inf = dataclasses.replace(base, write_gbps=math.inf, read_gbps=math.inf, host_gbps=math.inf,
+                            host_cache_bytes=0)
+  p = ssd.plan(inf, allowed=["device", "nvme"])
+  assert p.offload_layers == 6 and p.device_bytes == 0 and p.stall_s == 0
+  assert p.nvme_bytes == 8 * 6 * GB and all(loc is Location.NVME for _, loc in p.locations)
+  text = str(p)
+  for word in ("layer_in", "qkv", "mlp_up", "nvme", "predicted step", "6/6"):
+    assert word in text
+
+
+def test_recompute_only_when_it_fits_the_slowdown():
+  prof = ssd.Profile(num_layers=2, forward_s=1.0, backward_s=2.0,
+                     tags=(T("cheap", GB, 0.01), T("dear", GB, 1.0)), write_gbps=0, read_gbps=0,
+                     input_bytes=GB // 2)
+  p = ssd.plan(prof, max_slowdown=0.02, allowed=["device", "remat"])
+  assert p.location_map() == {"cheap": Location.REMAT, "dear": Location.DEVICE}
+  assert p.compute_s == pytest.approx(6.02) and p.device_bytes == 2 * GB + 2 * (GB // 2)
+  p = ssd.plan(prof, max_slowdown=1.0, allowed=["device", "remat"])
+  assert p.location_map() == {"cheap": Location.REMAT, "dear": Location.REMAT}
+
+
+@pytest.mark.parametrize("host_gbps,split", [(1.0, 3), (0.5, 1)])
+def test_host_tier_is_pcie_bound(host_gbps, split):
+  # by hand: device-to-host of layer i ends at max(i + 1, previous) + 1/host_gbps; the
+  # host-to-device read of layer i starts after that and after the later layers' reads
+  prof = ssd.Profile(num_layers=4, forward_s=1.0, backward_s=1.0, tags=(T("a", GB, 1.0),),
+                     write_gbps=0, read_gbps=0, host_gbps=host_gbps)
+  p = ssd.plan(prof, max_slowdown=0.0)
+  assert p.location_map() == {"a": Location.HOST} and p.offload_layers == split
+  assert p.host_bytes == split * GB and p.nvme_bytes == 0
+  assert simulate(prof, split + 1, {"a": Location.HOST})[1] > 0
+
+
+def test_policies_follow_the_plan():
+  p = ssd.plan(one_tag(0.5), max_slowdown=0.0, allowed=["device", "nvme"])
+  first, rest = p.policies()
+  assert dict(first.locations) == {"a": Location.NVME}
+  assert dict(rest.locations) == {"a": Location.DEVICE}
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: ssd.plan(one_tag(1.0), max_slowdown=-0.1), "max_slowdown.*-0.1"),
+    (lambda: ssd.plan(one_tag(1.0), fixed={"nope": "nvme"}), "unknown tag 'nope'"),
+    (lambda: ssd.plan(one_tag(1.0), fixed={"a": "disk"}), "unknown location 'disk'"),
+    (lambda: ssd.plan(one_tag(1.0), allowed=["ssd"]), "unknown location 'ssd'"),
+    (lambda: ssd.plan(one_tag(1.0), allowed=["nvme"], fixed={"a": "nvme"}, min_bytes=2 * GB),
+     None),
+    (lambda: one_tag(-1.0), "read_gbps.*-1.0"),
+    (lambda: one_tag(1.0, layers=0), "num_layers.*0"),
+    (lambda: one_tag(1.0, cache=-5), "host_cache_bytes.*-5"),
+    (lambda: ssd.plan_for_budget(-3, [1], lambda b: one_tag(1.0), lambda b, p: 0),
+     "budget_bytes.*-3"),
+    (lambda: ssd.plan_for_budget(GB, [0], lambda b: one_tag(1.0), lambda b, p: 0), "batches.*0"),
+    (lambda: one_tag(1.0).scaled(2), "no batch size"),
+])
+def test_bad_inputs_raise_value_error(call, match):
+  if match is None:  # a tag below min_bytes cannot be offloaded: it stays on the device
+    assert call().location_map() == {"a": Location.DEVICE}
+    return
+  with pytest.raises(ValueError, match=match):
+    call()
+
+
+# --------------------------------------------------------------------------- memory budget
+
+
+def test_memory_budget_picks_the_fastest_batch_that_fits():
+  base = ssd.Profile(num_layers=4, forward_s=1.0, backward_s=1.0, batch=4,
+                     tags=(T("a", GB, 0.5), T("b", 2 * GB, 0.1)), write_gbps=1.0, read_gbps=0.5,
+                     host_gbps=0.0, host_cache_bytes=GB, input_bytes=GB // 4)
+  calls = []
+
+  def memory(batch, plan):  # fake XLA: 1 GB of parameters + the plan's residuals
+    calls.append(batch)
+    return GB + plan.device_bytes
+
+  def brute_force(budget):
+    fits = [(b / p.step_s, b, p) for b in (1, 2, 4, 8) for p in ssd.frontier(base.scaled(b))
+            if GB + p.device_bytes <= budget]
+    return max(fits, key=lambda t: t[:2])
+
+  picked = []
+  for budget in (40 * GB, 20 * GB, 8 * GB, 5 * GB):
+    calls.clear()
+    p = ssd.plan_for_budget(budget, [1, 2, 4, 8], base.scaled, memory, max_compiles=100)
+    tps, batch, want = brute_force(budget)
+    assert p.profile.batch == batch and p.step_s == want.step_s
+    assert p.measured_device_bytes == GB + p.device_bytes <= budget
+    assert min(calls) == batch  # smaller batches are not compiled
+    picked.append(batch)
+  assert picked == [8, 4, 2, 1]
+  assert ssd.plan_for_budget(200 * GB, [1, 2, 8], base.scaled, memory).profile.batch == 8
+  with pytest.raises(ValueError, match="no batch"):
+    ssd.plan_for_budget(GB // 2, [1, 2], base.scaled, memory)
+
+
+def test_memory_budget_with_real_compiles():
+  from models import training
+  run = training.RunConfig(preset="tiny", batch=4, min_bytes=0)
+  prof = training.profile_run(run, bandwidth=(math.inf, math.inf), repeats=1)
+
+  def memory(batch, plan):
+    return training.step_memory_bytes(training.apply_plan(dataclasses.replace(run, batch=batch), plan))
+
+  sizes = {b: memory(b, ssd.plan(prof.scaled(b), min_bytes=0)) for b in (2, 4)}
+  assert sizes[2] < sizes[4]
+  budget = (sizes[2] + sizes[4]) // 2
+  p = ssd.plan_for_budget(budget, [1, 2, 4], prof.scaled, memory, min_bytes=0)
+  assert p.profile.batch == 2 and p.measured_device_bytes == sizes[2]
+
+
+# --------------------------------------------------------------------------- split-scan models
+
+
+def test_split_scan_identical_to_unsplit():
+  import models
+  from models import training
+  run = training.RunConfig(preset="tiny", batch=2, min_bytes=0, model_overrides={"num_layers": 4},
+                           locations={"layer_in": "nvme", "qkv": "device", "attn": "remat",
+                                      "mlp_up": "host"})
+  policy = run.remat_policy_object()
+  cfg = run.model_config()
+  whole = models.build_model("gpt", cfg, policy)
+  tok = jax.random.randint(jax.random.key(0), (2, 33), 0, cfg.vocab_size)
+  params = whole.init(jax.random.key(1), tok, method="loss")["params"]
+  grads = lambda m: jax.jit(jax.value_and_grad(  # noqa: E731
+      lambda p: m.apply({"params": p}, tok, method="loss")[0]))(params)
+  ref = grads(whole)
+  for k in (1, 3):
+    split = models.build_model("gpt", cfg, models.SplitPolicy(policy, policy, k))
+    split_params = split.init(jax.random.key(1), tok, method="loss")["params"]
+    assert jax.tree.structure(split_params) == jax.tree.structure(params)  # same layout
+    got = grads(split)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # a run with a split: first layers offload, the rest keep those tags on the device
+  two = dataclasses.replace(run, offload_layers=2).remat_policy_object()
+  assert two.split == 2
+  assert dict(two.first.locations)["mlp_up"] is Location.HOST
+  assert dict(two.rest.locations)["mlp_up"] is Location.DEVICE
+  with pytest.raises(ValueError, match="split.*-1"):
+    models.SplitPolicy(policy, policy, -1)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_train_policy_auto(tmp_path, capsys):
+  import train
+  out = train.main(["--preset", "tiny", "--batch", "4", "--steps", "3", "--policy", "auto",
+                    "--bandwidth", "100,100", "--store-dir", str(tmp_path / "st"),
+                    "--memory-budget", "1GB"])
+  text = capsys.readouterr().out
+  assert "predicted step" in text and "device memory of the step (XLA)" in text
+  assert out["steps"] == 3 and np.isfinite(out["final_loss"])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--memory-budget", "-1GB"], "memory-budget"),
+    (["--memory-budget", "1GB"], "needs --policy auto"),
+    (["--policy", "auto", "--bandwidth", "1"], "WRITE,READ"),
+    (["--policy", "auto", "--max-slowdown", "-1"], "max-slowdown"),
+])
+def test_train_policy_auto_errors(flags, message, capsys):
+  import train
+  with pytest.raises(SystemExit):
+    train.main(["--steps", "1"] + flags)
+  assert message in capsys.readouterr().err

@@ -59,7 +59,10 @@ def test_profile_bytes_are_the_tags_avals():
   assert {t.name: t.bytes for t in half.tags}["up"] == B * S * F * 4 // 2
 
 
-def test_profile_measures_bandwidth_once_per_directory(tmp_path):
+def test_profile_measures_bandwidth_once_per_directory(tmp_path, monkeypatch):
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  (tmp_path / "store").mkdir()
+  tmp_path = tmp_path / "store"
   w, r = ssd.measured_bandwidth(tmp_path, nbytes=8 << 20)
   assert w > 0 and r > 0
   assert ssd.measured_bandwidth(str(tmp_path) + "/", nbytes=8 << 20) == (w, r)  # cached

@@ -33,12 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import math
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -292,40 +290,21 @@ def tagged(layer_fn: Callable, params: Any, x: Any) -> tuple[dict[str, int], dic
   return sizes, flops
 
 
-@functools.lru_cache(maxsize=None)
-def _bandwidth_cached(directory: str, nbytes: int) -> tuple[float, float]:
-  block = np.random.default_rng(0).integers(0, 255, size=8 << 20, dtype=np.uint8).tobytes()
-  fd, path = tempfile.mkstemp(prefix=".ssdtrain-bw-", dir=directory)
-  try:
-    t0 = time.perf_counter()
-    for _ in range(max(1, nbytes // len(block))):
-      os.write(fd, block)
-    os.fsync(fd)
-    write_s = time.perf_counter() - t0
-    written = max(1, nbytes // len(block)) * len(block)
-    if hasattr(os, "posix_fadvise"):
-      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read from the disk, not the cache
-    os.lseek(fd, 0, os.SEEK_SET)
-    t0 = time.perf_counter()
-    while os.read(fd, len(block)):
-      pass
-    read_s = time.perf_counter() - t0
-  finally:
-    os.close(fd)
-    os.unlink(path)
-  return written / write_s / 1e9, written / read_s / 1e9
 
 
 def measured_bandwidth(directory: str | os.PathLike, nbytes: int = 256 << 20) -> tuple[float, float]:
-  """(write GB/s, read GB/s) of ``directory``, measured once per directory and cached."""
+  """(write GB/s, read GB/s) of ``directory`` through the engine (``jax_ssdtrain.probe``).
+
+  Measured once per directory and size, then cached on disk (``probe.measure``'s cache).
+  """
   path = os.path.realpath(os.fspath(directory))
   if not os.path.isdir(path):
     raise ValueError(f"directory: {directory!r} is not a directory")
-  _check_int("nbytes", nbytes, low=1)
-  try:
-    return _bandwidth_cached(path, int(nbytes))
-  except OSError as e:
-    raise OSError(e.errno, f"measuring the bandwidth of {directory!r}: {e.strerror}") from e
+  _check_int("nbytes", nbytes, low=4096)
+  from jax_ssdtrain import probe
+  size = nbytes // 4096 * 4096
+  result = probe.measure(path, size=size, tensor_bytes=min(size, 64 << 20))
+  return result.write_gbps, result.read_gbps
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import flax.linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
+from .parallel import constrain_batch  # activations stay split by batch under a mesh
+
 # ----------------------------------------------------------------------------- tags
 LAYER_IN = "layer_in"
 QKV = "qkv"
@@ -200,7 +202,7 @@ class Attention(nn.Module):
     def __call__(self, x, kv=None, bias=None):
         cfg, n, d = self.cfg, self.cfg.num_heads, self.cfg.head_dim
         if kv is None:
-            qkv = checkpoint_name(_dense(cfg, (3, n, d), name="qkv")(x), QKV)  # (B,S,3,N,D)
+            qkv = checkpoint_name(constrain_batch(_dense(cfg, (3, n, d), name="qkv")(x)), QKV)  # (B,S,3,N,D)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (B,S,N,D)
         else:
             q = checkpoint_name(_dense(cfg, (n, d), name="q")(x), CROSS_Q)  # (B,T,N,D)
@@ -210,7 +212,7 @@ class Attention(nn.Module):
             bias = bias.astype(q.dtype)  # (1,N,T,S)
         out = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=self.causal,
                                            implementation=cfg.attention_impl())
-        out = checkpoint_name(out, ATTN)  # (B,T,N,D)
+        out = checkpoint_name(constrain_batch(out), ATTN)  # (B,T,N,D)
         return _dense(cfg, cfg.hidden, axis=(-2, -1), name="out")(out)  # (B,T,H)
 
 
@@ -219,7 +221,7 @@ class Mlp(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        h = checkpoint_name(_dense(self.cfg, self.cfg.mlp_dim, name="up")(x), MLP_UP)
+        h = checkpoint_name(constrain_batch(_dense(self.cfg, self.cfg.mlp_dim, name="up")(x)), MLP_UP)
         return _dense(self.cfg, self.cfg.hidden, name="down")(nn.gelu(h))
 
 
@@ -232,11 +234,13 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, enc=None, bias=None):
-        x = checkpoint_name(x, LAYER_IN)
-        x = x + Attention(self.cfg, self.causal, name="attn")(Norm(self.cfg, "ln_attn")(x), bias=bias)
+        x = checkpoint_name(constrain_batch(x), LAYER_IN)
+        x = constrain_batch(x + Attention(self.cfg, self.causal, name="attn")(
+            Norm(self.cfg, "ln_attn")(x), bias=bias))
         if self.cross:
-            x = x + Attention(self.cfg, name="cross")(Norm(self.cfg, "ln_cross")(x), kv=enc)
-        x = x + Mlp(self.cfg, name="mlp")(Norm(self.cfg, "ln_mlp")(x))
+            x = constrain_batch(x + Attention(self.cfg, name="cross")(
+                Norm(self.cfg, "ln_cross")(x), kv=enc))
+        x = constrain_batch(x + Mlp(self.cfg, name="mlp")(Norm(self.cfg, "ln_mlp")(x)))
         return x, None  # (carry, per-layer output) for nn.scan
 
 

@@ -12,6 +12,8 @@ Offloaded activations follow: every device stores and loads only its own shard.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -74,6 +76,34 @@ class Parallelism:
             if free:
                 axes[max(free, key=lambda d: (shape[d], -d))] = DATA
         return P(*axes)
+
+
+@contextlib.contextmanager
+def batch_sharded_activations(mesh: Mesh):
+    """While tracing inside this context, :func:`constrain_batch` pins activations to the batch
+    split over ``data``. Without it, FSDP's sharded weights let the partitioner split
+    activations along the hidden dimension instead (partial sums all-reduced in every layer)
+    where gathering the weights is what FSDP means."""
+    token = _ACTIVATION_SHARDING.set(mesh)
+    try:
+        yield
+    finally:
+        _ACTIVATION_SHARDING.reset(token)
+
+
+def constrain_batch(x):
+    """``x`` (B, ...) split over ``data`` on its first axis inside
+    :func:`batch_sharded_activations` (the other axes left to the partitioner, e.g. ``model``
+    for tensor parallelism); unchanged elsewhere."""
+    mesh = _ACTIVATION_SHARDING.get()
+    if mesh is None:
+        return x
+    spec = P(DATA, *[P.UNCONSTRAINED] * (x.ndim - 1))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+_ACTIVATION_SHARDING: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
+    "activation_mesh", default=None)
 
 
 def parse_mesh(spec: str) -> Parallelism:

@@ -112,7 +112,14 @@ def jit_train_step(state_shardings=None):
     keeps the sharding of the old one."""
     if state_shardings is None:
         return jax.jit(train_step, donate_argnums=0)
-    return jax.jit(train_step, donate_argnums=0, out_shardings=(state_shardings, None))
+    from .parallel import batch_sharded_activations
+    mesh = jax.tree.leaves(state_shardings)[0].mesh
+
+    def sharded_step(state, tokens, rng):
+        with batch_sharded_activations(mesh):
+            return train_step(state, tokens, rng)
+
+    return jax.jit(sharded_step, donate_argnums=0, out_shardings=(state_shardings, None))
 
 
 def shard_train_state(state: TrainState, parallelism, mesh):

@@ -112,6 +112,41 @@ def shard_map_case():
           "expected_shard_bytes": 32 // N * 64 * 4}
 
 
+def per_device_directories_case():
+  """``{device}`` store directories: each device's tensors land in its own directory only."""
+  import tempfile
+  shard_map = getattr(jax, "shard_map", None)
+  if shard_map is None:
+    from jax.experimental.shard_map import shard_map
+  mesh = parallel.Parallelism(data=N).mesh()
+  root = tempfile.mkdtemp(prefix="ssd-md-")
+  cfg = ssd.configure(directory=os.path.join(root, "d{device}"), capacity_bytes=64 << 20,
+                      forwarding=False, host_cache_bytes=1 << 20)
+
+  def local(x):  # (16, 64) float32 per device: 4096 bytes, one file block
+    h = jax.ad_checkpoint.checkpoint_name(jnp.sin(x) + 1.0, "h")
+    return jnp.sum(h * h)[None]
+
+  def loss(x):
+    f = jax.checkpoint(local, policy=ssd.offload_policy(["h"], min_bytes=0))
+    return jnp.sum(shard_map(f, mesh=mesh, in_specs=P(parallel.DATA),
+                             out_specs=P(parallel.DATA))(x))
+
+  x = jax.device_put(jnp.linspace(-1, 1, N * 16 * 64, dtype=jnp.float32).reshape(N * 16, 64),
+                     NamedSharding(mesh, P(parallel.DATA)))
+  ssd.reset_stats()
+  jax.block_until_ready(jax.jit(jax.grad(loss))(x))
+  ssd.flush()
+  s, per_device = ssd.stats(), ssd.device_stats()
+  ssd.configure(directory=os.path.join(root, "after"))  # release the {device} store
+  # Local device index i -> directory i (the order {device} expands in).
+  return {"device_groups": cfg.device_groups, "directories": len(cfg.directories),
+          "file_bytes_written": [s[f"file{i}_bytes_written"] for i in range(N)],
+          "file_bytes_read": [s[f"file{i}_bytes_read"] for i in range(N)],
+          "device_bytes_written": [per_device[d.id]["bytes_written"]
+                                   for d in jax.local_devices()[:N]]}
+
+
 def wrong_device_case():
   """A handle moved to another device (ppermute) must be refused by the engine, naming both."""
   from jax._src import core as jax_core
@@ -159,6 +194,7 @@ def main():
   result["shard_map"]["device_stats"] = {str(k): v for k, v in
                                          result["shard_map"]["device_stats"].items()}
   result["wrong_device"] = wrong_device_case()
+  result["per_device_dirs"] = per_device_directories_case()
   result["devices"] = [str(d.id) for d in jax.devices()[:N]]
   print(json.dumps(result))
 

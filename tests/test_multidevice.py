@@ -64,6 +64,16 @@ def test_shard_map(result):
       {d: 8 * 64 * 4 for d in result["devices"]}
 
 
+def test_device_placeholder_gives_each_device_its_own_files(result):
+  r = result["per_device_dirs"]
+  n = r["directories"]
+  assert r["device_groups"] == n == len(result["devices"]), r
+  # Device i's tensor (4096 bytes) is written to and read from directory i only.
+  assert r["device_bytes_written"] == [4096] * n, r
+  assert r["file_bytes_written"] == [4096] * n, r
+  assert r["file_bytes_read"] == [4096] * n, r
+
+
 def test_handle_on_another_device_is_refused(result):
   msg = result["wrong_device"]["error"]
   assert msg and "stored by device" in msg and "used by a load on device" in msg, msg

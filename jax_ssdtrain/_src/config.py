@@ -30,7 +30,8 @@ Sizes accept suffixes (``512MiB``, ``4G``, ``1.5GB``). Host memory is taken lazi
 
 A directory may contain ``{process}`` (this process's index, ``jax.process_index()``: one
 store per process of a multi-host job) and ``{device}`` (expanded to one directory per local
-device, e.g. one NVMe drive per GPU; the process's store stripes over them). Configure after
+device, e.g. one NVMe drive per GPU: each device's tensors go to its own directory only, and
+``capacity_bytes`` is split evenly; ``device_groups`` records it). Configure after
 ``jax.distributed.initialize()`` when using them.
 """
 from __future__ import annotations
@@ -73,6 +74,9 @@ class StoreConfig:
   verify: bool = False
   exact_loads: bool = False
   bandwidth_cap: int | None = None  # bytes/s each way (emulates a slower array), None: no cap
+  # Set by a ``{device}`` directory: directory i holds only local device i % device_groups's
+  # tensors (its own files; capacity split evenly). 0: every tensor striped over all of them.
+  device_groups: int = 0
 
 
 class UnknownOptionError(TypeError, ValueError):
@@ -81,6 +85,7 @@ class UnknownOptionError(TypeError, ValueError):
 
 _ENV = {  # option -> (variable, parser)
     "directories": ("SSDTRAIN_DIR", lambda v: _directories([p for p in v.split(":") if p])),
+    "device_groups": ("SSDTRAIN_DIR", lambda v: _device_groups([p for p in v.split(":") if p])),
     "capacity_bytes": ("SSDTRAIN_CAPACITY", lambda v: parse_size(v, what="SSDTRAIN_CAPACITY")),
     "host_cache_bytes": ("SSDTRAIN_HOST_CACHE", lambda v: parse_size(v, what="SSDTRAIN_HOST_CACHE")),
     "host_tier_bytes": ("SSDTRAIN_HOST_TIER", lambda v: parse_size(v, what="SSDTRAIN_HOST_TIER")),
@@ -130,6 +135,7 @@ def configure(directory: str | os.PathLike | Sequence[str | os.PathLike] | None 
     changes = dict(options)
     if directory is not None:
       changes["directories"] = _directories(directory)
+      changes["device_groups"] = _device_groups(directory)
     if capacity_bytes is not None:
       changes["capacity_bytes"] = capacity_bytes
     for key in ("capacity_bytes", "host_cache_bytes", "host_tier_bytes", "staging_bytes",
@@ -318,7 +324,8 @@ def _engine_options(cfg: StoreConfig, directories: tuple[str, ...]) -> dict[str,
               chunk_bytes=cfg.chunk_bytes, prefetch_bytes=cfg.prefetch_bytes,
               o_direct=switch[cfg.o_direct], gds=switch[cfg.gds], forwarding=int(cfg.forwarding),
               on_full=_ON_FULL[cfg.on_full], verify=int(cfg.verify),
-              exact_loads=int(cfg.exact_loads), bandwidth_cap=cfg.bandwidth_cap or 0)
+              exact_loads=int(cfg.exact_loads), bandwidth_cap=cfg.bandwidth_cap or 0,
+              device_groups=cfg.device_groups if cfg.directories else 0)
 
 
 _ON_FULL = {"error": 0, "keep": 1}
@@ -432,6 +439,12 @@ def _validated(cfg: StoreConfig) -> StoreConfig:
                      f"{cfg.bandwidth_cap!r}")
   if cfg.on_full not in _ON_FULL:
     raise ValueError(f"on_full: expected 'error' or 'keep', got {cfg.on_full!r}")
+  groups = cfg.device_groups
+  if isinstance(groups, bool) or not isinstance(groups, int) or groups < 0:
+    raise ValueError(f"device_groups: expected an integer >= 0, got {groups!r}")
+  if groups and len(cfg.directories) % groups:
+    raise ValueError(f"device_groups={groups} does not divide the {len(cfg.directories)} store "
+                     f"directories {list(cfg.directories)}")
   ram = _physical_ram()
   if ram:
     for key in ("host_tier_bytes", "host_cache_bytes"):
@@ -443,6 +456,18 @@ def _validated(cfg: StoreConfig) -> StoreConfig:
       raise ValueError(f"host_tier_bytes + host_cache_bytes = {both} ({both / GiB:.2f} GiB) is "
                        f"beyond the physical memory of this machine ({ram / GiB:.2f} GiB)")
   return dataclasses.replace(cfg, directories=_checked_paths(cfg.directories))
+
+
+def _device_groups(value) -> int:
+  """The number of local devices when every directory has ``{device}``; 0 when none has."""
+  items = [value] if isinstance(value, (str, os.PathLike)) else list(value)
+  per_device = ["{device}" in os.fspath(item) for item in items]
+  if not any(per_device):
+    return 0
+  if not all(per_device):
+    raise ValueError(f"directory: {{device}} must be in every store directory or in none, got "
+                     f"{[os.fspath(i) for i in items]}")
+  return len(_local_devices())
 
 
 def _directories(value) -> tuple[str, ...]:

@@ -150,7 +150,7 @@ Status Config::Parse(std::string_view kv, Config* out) {
         {"prefetch_bytes", 0, INT64_MAX},   {"forwarding", 0, 1},
         {"on_full", 0, 1},                  {"verify", 0, 1},
         {"exact_loads", 0, 1},
-        {"bandwidth_cap", 0, INT64_MAX},
+        {"bandwidth_cap", 0, INT64_MAX},    {"device_groups", 0, 4096},
     };
     const IntKey* k = nullptr;
     for (const auto& cand : keys)
@@ -178,6 +178,7 @@ Status Config::Parse(std::string_view kv, Config* out) {
     else if (key == "verify") c.verify = x != 0;
     else if (key == "exact_loads") c.exact_loads = x != 0;
     else if (key == "bandwidth_cap") c.bandwidth_cap = x;
+    else if (key == "device_groups") c.device_groups = static_cast<int>(x);
   }
   if (c.chunk_bytes % kAlign != 0)
     return Status(EINVAL, "configure: invalid value for 'chunk_bytes': " +
@@ -375,7 +376,17 @@ Status Engine::Init(const Config& cfg) {
   next_id_ = 1 + (rd() % 1024);
   SSD_RETURN_IF_ERROR(cache_.Init(cfg.host_cache_bytes, "host_cache_bytes"));
   SSD_RETURN_IF_ERROR(tier_.Init(cfg.host_tier_bytes, "host_tier_bytes"));
-  slots_.Reset(cfg.capacity_bytes, kAlign);
+  {
+    const size_t groups = std::max(1, cfg.device_groups);
+    if (cfg.device_groups > 0 && (cfg.directories.empty() || cfg.directories.size() % groups))
+      return Status(EINVAL, "configure: device_groups=" + std::to_string(groups) +
+                                " does not divide the " + std::to_string(cfg.directories.size()) +
+                                " store directories");
+    const uint64_t per_group = std::max<uint64_t>(cfg.capacity_bytes / groups, kAlign);
+    group_span_ = RoundUp(per_group, cfg.chunk_bytes);
+    slots_.assign(groups, RangeAllocator());
+    for (auto& a : slots_) a.Reset(per_group, kAlign);
+  }
   SSD_RETURN_IF_ERROR(FaultSpec::Parse(getenv("SSDTRAIN_FAULT"), &fault_));
   SSD_RETURN_IF_ERROR(OpenFiles());
 #ifdef SSDTRAIN_HAVE_KVIKIO
@@ -397,8 +408,8 @@ Status Engine::Init(const Config& cfg) {
 }
 
 Status Engine::OpenFiles() {
-  const size_t n = cfg_.directories.size();
-  uint64_t stripes = (slots_.capacity() + cfg_.chunk_bytes - 1) / cfg_.chunk_bytes;
+  const size_t n = cfg_.directories.size() / slots_.size();  // files per device group
+  uint64_t stripes = group_span_ / cfg_.chunk_bytes;
   uint64_t per_file = (stripes + n - 1) / n * cfg_.chunk_bytes;
   bool want_direct = cfg_.o_direct != 0;
   bool direct_ok = want_direct;
@@ -487,16 +498,51 @@ Engine::~Engine() {
 // ---------------------------------------------------------------------------
 // File space
 // ---------------------------------------------------------------------------
+size_t Engine::GroupOf(int device) const {
+  return device > 0 ? static_cast<size_t>(device) % slots_.size() : 0;
+}
+
+bool Engine::SlotAlloc(int device, uint64_t len, uint64_t* off) {
+  const size_t g = GroupOf(device);
+  if (!slots_[g].Alloc(len, off)) return false;
+  *off += g * group_span_;
+  return true;
+}
+
+void Engine::SlotFree(uint64_t off, uint64_t len) {
+  slots_[off / group_span_].Free(off % group_span_, len);
+}
+
+RangeAllocator& Engine::SlotGroup(int device) {
+  return slots_[GroupOf(device)];
+}
+
+uint64_t Engine::SlotsInUse() const {
+  uint64_t n = 0;
+  for (const auto& a : slots_) n += a.in_use();
+  return n;
+}
+
+uint64_t Engine::SlotsPeak() const {
+  uint64_t n = 0;
+  for (const auto& a : slots_) n += a.peak();
+  return n;
+}
+
+// A logical extent (inside one device group) -> pieces of that group's files: chunks striped
+// round-robin; the group's files are directories g, g + G, g + 2G, ...
 template <typename F>
 void Engine::ForEachPiece(uint64_t loff, uint64_t len, F&& f) const {
   const uint64_t chunk = cfg_.chunk_bytes;
-  const uint64_t n = files_.size();
+  const uint64_t groups = slots_.size();
+  const uint64_t n = files_.size() / groups;
+  const uint64_t g = loff / group_span_;
   uint64_t done = 0;
   while (done < len) {
-    uint64_t l = loff + done;
+    uint64_t l = loff % group_span_ + done;
     uint64_t stripe = l / chunk, within = l % chunk;
     uint64_t plen = std::min(len - done, chunk - within);
-    f(static_cast<size_t>(stripe % n), (stripe / n) * chunk + within, done, plen);
+    f(static_cast<size_t>(g + groups * (stripe % n)), (stripe / n) * chunk + within, done, plen);
     done += plen;
   }
 }
@@ -654,7 +700,7 @@ void Engine::MaybeFree(const EntryPtr& e) {
     return;
   FreeHostBuffer(*e);
   if (e->has_slot) {
-    slots_.Free(e->file_off, e->padded);
+    SlotFree(e->file_off, e->padded);
     e->has_slot = false;
   }
   if (hooks_ && e->dev) hooks_->OnEntryFree(*e);
@@ -735,7 +781,7 @@ void Engine::FinishWrite(const EntryPtr& e) {
     if (pending_error_.ok()) pending_error_ = e->error;
     FreeHostBuffer(*e);
     if (e->has_slot) {
-      slots_.Free(e->file_off, e->padded);
+      SlotFree(e->file_off, e->padded);
       e->has_slot = false;
     }
   } else {
@@ -886,16 +932,19 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
   } else {
     uint64_t off;
     Status full;
-    if (!slots_.Alloc(e->padded, &off)) {
+    if (!SlotAlloc(e->device, e->padded, &off)) {
+      const RangeAllocator& group = SlotGroup(e->device);
       full = Status(ENOSPC, "No space left in the ssdtrain store for tag '" + e->name +
                                 "': " + std::to_string(e->padded) + " bytes requested, " +
-                                std::to_string(slots_.free_bytes()) + " free (largest extent " +
-                                std::to_string(slots_.largest_free()) + ", capacity_bytes=" +
-                                std::to_string(cfg_.capacity_bytes) + ")");
+                                std::to_string(group.free_bytes()) + " free (largest extent " +
+                                std::to_string(group.largest_free()) + ", capacity_bytes=" +
+                                std::to_string(cfg_.capacity_bytes) +
+                                (slots_.size() > 1 ? ", split over " +
+                                     std::to_string(slots_.size()) + " devices" : "") + ")");
     } else {
       Status s = EnsureFileSpace(off, e->padded);
       if (!s.ok()) {
-        slots_.Free(off, e->padded);
+        SlotFree(off, e->padded);
         full = s.With("storing tag '" + e->name + "'");
       }
     }
@@ -904,7 +953,7 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
       e->file_off = off;
       Status a = AcquireCacheBuffer(lk, *e, true);
       if (!a.ok()) {
-        slots_.Free(off, e->padded);
+        SlotFree(off, e->padded);
         return a;
       }
     } else {
@@ -1288,7 +1337,7 @@ void Engine::ResetStats() {
   throttle_.read_wait_ns = 0;
   cache_.alloc.ResetPeak();
   tier_.alloc.ResetPeak();
-  slots_.ResetPeak();
+  for (auto& a : slots_) a.ResetPeak();
 }
 
 std::string Engine::StatsString() {
@@ -1335,8 +1384,8 @@ std::string Engine::StatsString() {
   u("host_cache_bytes_peak", cache_.alloc.peak());
   u("staging_bytes_in_use", s.staging_in_use);
   u("staging_bytes_peak", s.staging_peak);
-  u("file_bytes_in_use", slots_.in_use());
-  u("file_bytes_peak", slots_.peak());
+  u("file_bytes_in_use", SlotsInUse());
+  u("file_bytes_peak", SlotsPeak());
   uint64_t file_size = 0;
   for (auto& f : files_) file_size += f.size;
   u("file_bytes_allocated", file_size);

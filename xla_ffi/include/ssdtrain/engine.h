@@ -45,6 +45,9 @@ struct Config {
   bool verify = false;  // crc32c of every tensor written, checked after every disk read
   bool exact_loads = false;  // device loads read the handle first (a sync) instead of predicting
   uint64_t bandwidth_cap = 0;  // bytes/s per direction of the file I/O, 0 = none
+  // > 0: directory i serves only device (i % device_groups): each device's tensors go to its
+  // own files, with capacity_bytes split evenly. 0: every tensor striped over all directories.
+  int device_groups = 0;
 
   static Config Defaults();
   // Parses "key=value" lines on top of the defaults. EINVAL on bad input.
@@ -355,7 +358,16 @@ class Engine {
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<DeviceHooks> hooks_;
   HostArena cache_, tier_;
-  RangeAllocator slots_;
+  // File space: one allocator per device group (one in all without device_groups). Group g
+  // owns the logical offsets [g * group_span_, (g + 1) * group_span_).
+  std::vector<RangeAllocator> slots_;
+  uint64_t group_span_ = 0;
+  size_t GroupOf(int device) const;
+  bool SlotAlloc(int device, uint64_t len, uint64_t* off);
+  void SlotFree(uint64_t off, uint64_t len);
+  RangeAllocator& SlotGroup(int device);
+  uint64_t SlotsInUse() const;
+  uint64_t SlotsPeak() const;
   bool o_direct_ = false;
   bool warned_full_ = false;
   FaultSpec fault_;

@@ -118,16 +118,36 @@ def test_recompute_only_when_it_fits_the_slowdown():
   assert p.location_map() == {"cheap": Location.REMAT, "dear": Location.REMAT}
 
 
-@pytest.mark.parametrize("host_gbps,split", [(1.0, 3), (0.5, 1)])
+@pytest.mark.parametrize("host_gbps,split", [(1.0, 4), (0.5, 1)])
 def test_host_tier_is_pcie_bound(host_gbps, split):
-  # by hand: device-to-host of layer i ends at max(i + 1, previous) + 1/host_gbps; the
-  # host-to-device read of layer i starts after that and after the later layers' reads
+  # by hand, 1 GB per layer, F = B = 1 s, 1 GB of staging: the device-to-host copy of layer i
+  # ends at max(i + 1, previous) + 1/host_gbps and a store waits while more than 1 GB is not
+  # copied yet. At 1 GB/s the copies keep pace (all 4 layers offload); at 0.5 GB/s the second
+  # layer's store waits, so only the first offloads (its load comes from staging).
   prof = ssd.Profile(num_layers=4, forward_s=1.0, backward_s=1.0, tags=(T("a", GB, 1.0),),
-                     write_gbps=0, read_gbps=0, host_gbps=host_gbps)
+                     write_gbps=0, read_gbps=0, host_gbps=host_gbps, staging_bytes=GB)
   p = ssd.plan(prof, max_slowdown=0.0)
   assert p.location_map() == {"a": Location.HOST} and p.offload_layers == split
   assert p.host_bytes == split * GB and p.nvme_bytes == 0
-  assert simulate(prof, split + 1, {"a": Location.HOST})[1] > 0
+  assert simulate(prof, split, {"a": Location.HOST})[1] == 0
+  if split < prof.num_layers:
+    assert simulate(prof, split + 1, {"a": Location.HOST})[1] > 0
+
+
+def test_host_tier_staging_absorbs_the_backlog_and_serves_the_last_layers():
+  # by hand, 2 layers of 1 GB at 1 GB/s, F = B = 1 s. Without staging: each store waits for its
+  # device-to-host copy (forward ends at 4 instead of 2) and each backward for its
+  # host-to-device copy (+1 s). With 1 GB of staging: the copy of layer 0 runs during layer 1,
+  # layer 1 is loaded from staging, layer 0's read runs during layer 1's backward: no stall.
+  def stall(staging):
+    prof = ssd.Profile(num_layers=2, forward_s=1.0, backward_s=1.0, tags=(T("a", GB, 1.0),),
+                       write_gbps=0, read_gbps=0, host_gbps=1.0, staging_bytes=staging)
+    return simulate(prof, 2, {"a": Location.HOST})[1]
+  assert stall(0) == pytest.approx(3.0)
+  assert stall(GB) == pytest.approx(0.0)
+  with pytest.raises(ValueError, match="staging_bytes"):
+    ssd.Profile(num_layers=2, forward_s=1.0, backward_s=1.0, tags=(), write_gbps=0,
+                read_gbps=0, staging_bytes=-1)
 
 
 def test_policies_follow_the_plan():

@@ -19,7 +19,9 @@ as SSDTrain does, because their backward comes first and leaves no time to read 
   read from the disk either. Disk reads run after the writes, last layer first; layer ``i``'s
   reads must finish before its backward starts, else the backward stalls.
 - host: the same with the PCIe link (``host_gbps`` each way, full duplex: device-to-host in the
-  forward, host-to-device read-ahead in the backward), no cache limit.
+  forward, host-to-device read-ahead in the backward) and the device staging arena
+  (``staging_bytes``) in the role of the cache: a store waits while the bytes not yet copied
+  to the host exceed it, and the last ``staging_bytes`` stored are loaded from it (no copy).
 - device memory of the plan's residuals: per layer, the bytes of tags on the device (all
   host/nvme tags in the kept layers) plus the layer input when some tag is recomputed.
 
@@ -45,8 +47,10 @@ import numpy as np
 
 from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, Location, location_policy, name_p
 
-DEFAULT_HOST_GBPS = 40.0  # pinned host <-> H100 over PCIe, measured 41-55 GB/s (DESIGN.md §3)
+DEFAULT_HOST_GBPS = 50.0  # pinned host <-> H100 over PCIe: 41-55 GB/s measured (DESIGN.md §3); 50 fits
+# the host-tier steps measured with 1 and 2.5 GiB of staging (BENCHMARKS.md §2, §4)
 DEFAULT_HOST_CACHE_BYTES = 1 << 30  # StoreConfig.host_cache_bytes default
+DEFAULT_STAGING_BYTES = 1 << 30  # StoreConfig.staging_bytes default
 OFFLOADED = (Location.HOST, Location.NVME)
 
 
@@ -69,6 +73,7 @@ class Profile:
   read_gbps: float
   host_gbps: float = DEFAULT_HOST_GBPS
   host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES
+  staging_bytes: int = DEFAULT_STAGING_BYTES
   input_bytes: int = 0  # the layer input: saved when the layer recomputes anything
   other_s: float = 0.0  # per step, outside the layers (embedding, head, optimizer)
   batch: int | None = None
@@ -78,6 +83,7 @@ class Profile:
     for key in ("forward_s", "backward_s", "write_gbps", "read_gbps", "host_gbps", "other_s"):
       _check_number(key, getattr(self, key))
     _check_int("host_cache_bytes", self.host_cache_bytes)
+    _check_int("staging_bytes", self.staging_bytes)
     _check_int("input_bytes", self.input_bytes)
     names = [t.name for t in self.tags]
     if len(set(names)) != len(names):
@@ -239,7 +245,8 @@ def plan_for_budget(budget_bytes: int, batches: Sequence[int],
 def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
             directory: str | os.PathLike | None = None,
             bandwidth: tuple[float, float] | None = None, host_gbps: float = DEFAULT_HOST_GBPS,
-            host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES, other_s: float = 0.0,
+            host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
+            staging_bytes: int = DEFAULT_STAGING_BYTES, other_s: float = 0.0,
             batch: int | None = None, repeats: int = 10, warmup: int = 2) -> Profile:
   """Times one layer ``layer_fn(params, x) -> y`` (forward with residuals, and its backward),
   reads the tagged bytes from its jaxpr, and takes the store bandwidth (``bandwidth`` as
@@ -265,7 +272,8 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
       num_layers=num_layers, forward_s=forward_s, backward_s=backward_s,
       tags=tuple(TagProfile(n, b, forward_s * flops[n] / total) for n, b in tags.items()),
       write_gbps=float(write_gbps), read_gbps=float(read_gbps), host_gbps=float(host_gbps),
-      host_cache_bytes=int(host_cache_bytes), input_bytes=_nbytes_tree(x), other_s=other_s,
+      host_cache_bytes=int(host_cache_bytes), staging_bytes=int(staging_bytes),
+      input_bytes=_nbytes_tree(x), other_s=other_s,
       batch=batch)
 
 
@@ -342,6 +350,8 @@ def simulate(profile: Profile, offload_layers: int,
         t = max(t, disk_free - p.host_cache_bytes / w)
     if hb:
       link_down = host_done[i] = max(t, link_down) + hb / h
+      # bytes not yet copied to the host must fit in the device staging arena
+      t = max(t, link_down - p.staging_bytes / h)
   stall += t - L * p.forward_s
   t += p.other_s
   link_up = t
@@ -352,7 +362,8 @@ def simulate(profile: Profile, offload_layers: int,
       if nv and i in write_end and (k - i) * nv > p.host_cache_bytes:
         disk_free = max(disk_free, write_end[i]) + nv / r
         ready = max(ready, disk_free)
-      if hb:
+      # the staging arena keeps the last staging_bytes stored; older tensors come over PCIe
+      if hb and (k - i) * hb > p.staging_bytes:
         link_up = max(link_up, host_done[i]) + hb / h
         ready = max(ready, link_up)
       stall += ready - t

@@ -436,3 +436,18 @@ def test_directory_placeholders(tmp_path):
   with ssd.configured(directory=str(tmp_path / "store-{process}")) as cfg:
     assert cfg.directories == (str(tmp_path / "store-0"),)
     assert os.path.isdir(tmp_path / "store-0")
+
+
+def test_device_placeholder_sets_device_groups(tmp_path):
+  import jax
+  n = len(jax.local_devices())
+  with ssd.configured(directory=[str(tmp_path / "a{device}"), str(tmp_path / "b{device}")]) as cfg:
+    assert cfg.device_groups == n and len(cfg.directories) == 2 * n
+  with ssd.configured(directory=str(tmp_path / "plain")) as cfg:  # no {device}: striped
+    assert cfg.device_groups == 0
+  with pytest.raises(ValueError, match=r"\{device\} must be in every store directory"):
+    ssd.configure(directory=[str(tmp_path / "a{device}"), str(tmp_path / "b")])
+  with pytest.raises(ValueError, match="device_groups=3 does not divide the 2 store"):
+    ssd.configure(directory=[str(tmp_path / "x"), str(tmp_path / "y")], device_groups=3)
+  with pytest.raises(ValueError, match="device_groups: expected an integer >= 0, got -1"):
+    ssd.configure(directory=str(tmp_path / "x"), device_groups=-1)

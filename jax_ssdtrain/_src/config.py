@@ -135,7 +135,8 @@ def configure(directory: str | os.PathLike | Sequence[str | os.PathLike] | None 
     changes = dict(options)
     if directory is not None:
       changes["directories"] = _directories(directory)
-      changes["device_groups"] = _device_groups(directory)
+      if "device_groups" not in options:  # else given explicitly: directory i -> device i % it
+        changes["device_groups"] = _device_groups(directory)
     if capacity_bytes is not None:
       changes["capacity_bytes"] = capacity_bytes
     for key in ("capacity_bytes", "host_cache_bytes", "host_tier_bytes", "staging_bytes",

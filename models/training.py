@@ -184,6 +184,17 @@ def profile_run(run: RunConfig, *, directory=None, bandwidth=None, repeats: int 
                        bandwidth=bandwidth, batch=run.batch, repeats=repeats, **options)
 
 
+def parse_bandwidth(text: str) -> tuple[float, float]:
+    """``"W,R"`` (GB/s) -> (write, read), both >= 0 (the ``--bandwidth`` flag of the scripts)."""
+    try:
+        w, r = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected WRITE,READ in GB/s, got {text!r}") from None
+    if w < 0 or r < 0:
+        raise ValueError(f"bandwidths must be >= 0, got {text!r}")
+    return w, r
+
+
 def apply_plan(run: RunConfig, plan) -> RunConfig:
     """``run`` with the plan's locations, split and batch."""
     return dataclasses.replace(

@@ -334,11 +334,11 @@ def plot(doc: dict, path: Path) -> str | None:
 
 
 def _bandwidth(text):
+    from models import training
     try:
-        w, r = (float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected WRITE,READ GB/s, got {text!r}")
-    return w, r
+        return training.parse_bandwidth(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
 
 
 def _batches(text):

@@ -76,12 +76,9 @@ def _size(s):
 
 def _bandwidth(s):
     try:
-        w, r = (float(v) for v in s.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected WRITE,READ in GB/s, got {s!r}")
-    if w < 0 or r < 0:
-        raise argparse.ArgumentTypeError(f"bandwidths must be >= 0, got {s!r}")
-    return w, r
+        return training.parse_bandwidth(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
 
 
 def build_parser() -> argparse.ArgumentParser:

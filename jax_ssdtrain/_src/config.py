@@ -459,9 +459,14 @@ def _validated(cfg: StoreConfig) -> StoreConfig:
   return dataclasses.replace(cfg, directories=_checked_paths(cfg.directories))
 
 
+def _as_list(value) -> list:
+  """``directory=``: one path or a list of paths."""
+  return [value] if isinstance(value, (str, os.PathLike)) else list(value)
+
+
 def _device_groups(value) -> int:
   """The number of local devices when every directory has ``{device}``; 0 when none has."""
-  items = [value] if isinstance(value, (str, os.PathLike)) else list(value)
+  items = _as_list(value)
   per_device = ["{device}" in os.fspath(item) for item in items]
   if not any(per_device):
     return 0
@@ -472,7 +477,7 @@ def _device_groups(value) -> int:
 
 
 def _directories(value) -> tuple[str, ...]:
-  items = [value] if isinstance(value, (str, os.PathLike)) else list(value)
+  items = _as_list(value)
   out = []
   for item in items:
     if not isinstance(item, (str, os.PathLike)) or not os.fspath(item):

@@ -1233,7 +1233,7 @@ bool Engine::PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbyt
     auto it = entries_.find(id);
     if (it == entries_.end()) continue;
     const Entry* e = it->second.get();
-    if (e->loads || e->run_id != run_id || e->device != device || e->nbytes != nbytes) continue;
+    if (e->loads || e->run_id != run_id || e->nbytes != nbytes) continue;  // (device: by key)
     if (!best || e->seq > best->seq) best = e;
   }
   if (!best) return false;

@@ -137,18 +137,22 @@ class CudaModule final : public DeviceHooks {
     cudaGetLastError();
   }
 
-  // Lock held. Mapped host slots the verify kernel writes on a mismatch.
+  // Lock held. Mapped host slots the verify kernel writes on a mismatch (allocated once;
+  // portable and mapped: one device address for every GPU).
   Status MismatchSlots(MismatchSlot** dev_ptr) {
     if (!mismatch_) {
       void* p = nullptr;
       SSD_CHECK_CUDA(cudaHostAlloc(&p, kMismatchSlots * sizeof(MismatchSlot),
                                    cudaHostAllocMapped | cudaHostAllocPortable));
       memset(p, 0, kMismatchSlots * sizeof(MismatchSlot));
+      void* d = nullptr;
+      cudaError_t err = cudaHostGetDevicePointer(&d, p, 0);
+      if (err != cudaSuccess) cudaFreeHost(p);
+      SSD_CHECK_CUDA(err);
       mismatch_ = static_cast<MismatchSlot*>(p);
+      mismatch_dev_ = static_cast<MismatchSlot*>(d);
     }
-    void* d = nullptr;
-    SSD_CHECK_CUDA(cudaHostGetDevicePointer(&d, mismatch_, 0));
-    *dev_ptr = static_cast<MismatchSlot*>(d);
+    *dev_ptr = mismatch_dev_;
     return Status::Ok();
   }
 
@@ -468,6 +472,7 @@ class CudaModule final : public DeviceHooks {
   bool host_registered_ = false;
   uint64_t staged_prefetches_ = 0;
   MismatchSlot* mismatch_ = nullptr;
+  MismatchSlot* mismatch_dev_ = nullptr;
   unsigned int reported_[kMismatchSlots] = {};
 };
 
@@ -516,7 +521,6 @@ Status StoreCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::AnyBuffe
     DeviceState* ds = nullptr;
     SSD_RETURN_IF_ERROR(mod->Device(dev, &ds));
     e->run_id = run_id;
-    e->device = dev;
     auto* d = new DevEntry();
     d->device = dev;
     e->dev = d;

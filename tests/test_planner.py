@@ -74,10 +74,13 @@ def test_profile_measures_bandwidth_once_per_directory(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- timing model, plan
 
 
-@pytest.mark.parametrize("read_gbps,split", [(1.0, 4), (0.5, 2), (0.2, 1), (0.0, 0)])
+@pytest.mark.parametrize("read_gbps,split", [(1.0, 3), (0.5, 2), (0.2, 1), (0.0, 0)])
 def test_plan_split_fits_the_read_window(read_gbps, split):
-  # Worked by hand (module docstring model): forward ends at 4 s, layer i's backward starts at
-  # 4 + (3 - i) s; the cache serves the last stored tensor; disk reads start after the writes.
+  # Worked by hand (module docstring model): layer i's write runs from i + 1 to i + 2 s, the
+  # forward ends at 4 s, layer i's backward starts at 4 + (3 - i) s; the cache serves the last
+  # stored tensor; disk reads start after the writes. 1 GB/s, split 3: writes end at 4, layer 1
+  # reads 4..5 (backward at 6), layer 0 5..6 (backward at 7); split 4 would read layer 2 from
+  # 5 to 6 for a backward at 5.
   p = ssd.plan(one_tag(read_gbps), max_slowdown=0.0, allowed=["device", "nvme"])
   assert p.offload_layers == split
   assert p.location_map() == {"a": Location.NVME if split else Location.DEVICE} or split == 0
@@ -88,6 +91,18 @@ def test_one_more_layer_stalls():
   prof = one_tag(0.5)
   compute, stall = simulate(prof, 3, {"a": Location.NVME})
   assert compute == 8.0 and stall == pytest.approx(1.0)  # layer 0's read ends at 8 s, not 7 s
+
+
+def test_disk_traffic_of_a_step_fits_in_the_step():
+  # 8 layers of 0.1 + 0.1 s (1.6 s per step), 1 GB per layer at 1 GB/s, a cache that holds
+  # everything (no reads): k layers write k GB per step, so from k = 2 the step waits k - 1.6 s.
+  prof = ssd.Profile(num_layers=8, forward_s=0.1, backward_s=0.1, tags=(T("a", GB),),
+                     write_gbps=1.0, read_gbps=100.0, host_cache_bytes=100 * GB)
+  assert simulate(prof, 1, {"a": Location.NVME}) == (pytest.approx(1.6), 0.0)
+  assert simulate(prof, 2, {"a": Location.NVME})[1] == pytest.approx(0.4)
+  assert simulate(prof, 8, {"a": Location.NVME})[1] == pytest.approx(6.4)
+  p = ssd.plan(prof, max_slowdown=0.0, allowed=["device", "nvme"])
+  assert p.offload_layers == 1 and p.nvme_bytes <= p.allowed_nvme_bytes
 
 
 def test_zero_and_infinite_bandwidth():
@@ -148,6 +163,21 @@ def test_host_tier_staging_absorbs_the_backlog_and_serves_the_last_layers():
   with pytest.raises(ValueError, match="staging_bytes"):
     ssd.Profile(num_layers=2, forward_s=1.0, backward_s=1.0, tags=(), write_gbps=0,
                 read_gbps=0, staging_bytes=-1)
+
+
+def test_host_tensors_of_a_step_fit_the_host_tier():
+  # 1 GB per layer to the host tier, PCIe fast enough for all 8 layers; a 3 GB host tier holds
+  # 3 layers' tensors (the engine keeps them until their loads), so the plan stops at 3.
+  prof = ssd.Profile(num_layers=8, forward_s=1.0, backward_s=1.0, tags=(T("a", GB, 1.0),),
+                     write_gbps=0, read_gbps=0, host_gbps=100.0, host_tier_bytes=3 * GB)
+  p = ssd.plan(prof, max_slowdown=0.0, allowed=("device", "host"))
+  assert p.location_map() == {"a": Location.HOST} and p.offload_layers == 3
+  assert p.host_bytes == 3 * GB
+  roomy = ssd.plan(dataclasses.replace(prof, host_tier_bytes=8 * GB), max_slowdown=0.0,
+                   allowed=("device", "host"))
+  assert roomy.offload_layers == 8
+  with pytest.raises(ValueError, match="host_tier_bytes"):
+    dataclasses.replace(prof, host_tier_bytes=-1)
 
 
 def test_policies_follow_the_plan():

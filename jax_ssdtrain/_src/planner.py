@@ -12,12 +12,15 @@ as SSDTrain does, because their backward comes first and leaves no time to read 
   recomputes (``recompute_s`` of the tag: the layer's forward time times the FLOP share of the
   ops between the previous tag and this one).
 - nvme: one disk queue, FIFO, ``write_gbps`` for writes and ``read_gbps`` for reads. The
-  tensors of layer ``i`` are ready at the end of its forward. Writes wait in the host cache
-  (``host_cache_bytes``); when the unwritten backlog exceeds it, the forward stalls. A tensor
-  whose write has not started when its backward comes is forwarded from the cache: never
-  written, never read. The cache keeps the last ``host_cache_bytes`` stored, so those are not
-  read from the disk either. Disk reads run after the writes, last layer first; layer ``i``'s
-  reads must finish before its backward starts, else the backward stalls.
+  tensors of layer ``i`` are ready at the end of its forward and every one is written (the
+  engine does cancel writes that have not started when their load comes, but XLA's host thread
+  runs ahead of the GPU, so which ones depends on host-side timing: on the H100 it wrote from
+  12% to 100% of the bytes of plans that this credit would have called free; the planner takes
+  no credit). Writes wait in the host cache (``host_cache_bytes``); when the unwritten backlog
+  exceeds it, the forward stalls. The cache keeps the last ``host_cache_bytes`` stored, so those
+  are not read back. Disk reads run after the writes, last layer first; layer ``i``'s reads
+  must finish before its backward starts, else the backward stalls. In steady state the disk's
+  writes and reads of one step must also fit in the step, else the step waits for them.
 - host: the same with the PCIe link (``host_gbps`` each way, full duplex: device-to-host in the
   forward, host-to-device read-ahead in the backward) and the device staging arena
   (``staging_bytes``) in the role of the cache: a store waits while the bytes not yet copied
@@ -51,6 +54,7 @@ DEFAULT_HOST_GBPS = 50.0  # pinned host <-> H100 over PCIe: 41-55 GB/s measured 
 # the host-tier steps measured with 1 and 2.5 GiB of staging (BENCHMARKS.md §2, §4)
 DEFAULT_HOST_CACHE_BYTES = 1 << 30  # StoreConfig.host_cache_bytes default
 DEFAULT_STAGING_BYTES = 1 << 30  # StoreConfig.staging_bytes default
+DEFAULT_HOST_TIER_BYTES = 8 << 30  # StoreConfig.host_tier_bytes default
 OFFLOADED = (Location.HOST, Location.NVME)
 
 
@@ -74,6 +78,7 @@ class Profile:
   host_gbps: float = DEFAULT_HOST_GBPS
   host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES
   staging_bytes: int = DEFAULT_STAGING_BYTES
+  host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES  # a step's host tensors must fit in it
   input_bytes: int = 0  # the layer input: saved when the layer recomputes anything
   other_s: float = 0.0  # per step, outside the layers (embedding, head, optimizer)
   batch: int | None = None
@@ -84,6 +89,7 @@ class Profile:
       _check_number(key, getattr(self, key))
     _check_int("host_cache_bytes", self.host_cache_bytes)
     _check_int("staging_bytes", self.staging_bytes)
+    _check_int("host_tier_bytes", self.host_tier_bytes)
     _check_int("input_bytes", self.input_bytes)
     names = [t.name for t in self.tags]
     if len(set(names)) != len(names):
@@ -245,12 +251,17 @@ def plan_for_budget(budget_bytes: int, batches: Sequence[int],
 def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
             directory: str | os.PathLike | None = None,
             bandwidth: tuple[float, float] | None = None, host_gbps: float = DEFAULT_HOST_GBPS,
-            host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
-            staging_bytes: int = DEFAULT_STAGING_BYTES, other_s: float = 0.0,
+            host_cache_bytes: int | None = None, staging_bytes: int | None = None,
+            host_tier_bytes: int | None = None, other_s: float = 0.0,
             batch: int | None = None, repeats: int = 10, warmup: int = 2) -> Profile:
-  """Times one layer ``layer_fn(params, x) -> y`` (forward with residuals, and its backward),
-  reads the tagged bytes from its jaxpr, and takes the store bandwidth (``bandwidth`` as
-  (write, read) GB/s, else ``measured_bandwidth(directory)``)."""
+  """Times one layer ``layer_fn(params, x) -> y`` (``y`` shaped like ``x``: a scan body) as the
+  training step runs it, reads the tagged bytes from its jaxpr, and takes the store bandwidth
+  (``bandwidth`` as (write, read) GB/s, else ``measured_bandwidth(directory)``).
+
+  Forward and backward times are per layer of a ``lax.scan`` with every tag saved on the device
+  (the plan's all-on-device baseline): the difference between scans of 3 and 1 layers, halved,
+  so that launch and transfer costs outside the layers cancel. ``host_cache_bytes``,
+  ``staging_bytes`` and ``host_tier_bytes`` default to the current store configuration's."""
   import jax
   _check_int("num_layers", num_layers, low=1)
   _check_int("repeats", repeats, low=1)
@@ -260,20 +271,19 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
       raise ValueError("profile: give directory= (measured) or bandwidth=(write, read) GB/s")
     bandwidth = measured_bandwidth(directory)
   write_gbps, read_gbps = bandwidth
+  from jax_ssdtrain._src import config
+  cfg = config.current() or config.defaults()  # defaults: SSDTRAIN_* environment
+  sizes = {k: getattr(cfg, k) if v is None else v for k, v in (
+      ("host_cache_bytes", host_cache_bytes), ("staging_bytes", staging_bytes),
+      ("host_tier_bytes", host_tier_bytes))}
   tags, flops = tagged(layer_fn, params, x)
-  fwd = jax.jit(lambda p, v: jax.vjp(layer_fn, p, v))
-  y, pullback = fwd(params, x)
-  bwd = jax.jit(lambda pb, g: pb(g))
-  g = jax.tree.map(lambda a: np.ones(a.shape, a.dtype), y)
-  forward_s = _median_time(lambda: fwd(params, x), repeats, warmup)
-  backward_s = _median_time(lambda: bwd(pullback, g), repeats, warmup)
+  forward_s, backward_s = _layer_times(layer_fn, params, x, tuple(tags), repeats, warmup)
   total = sum(flops.values()) or 1.0
   return Profile(
       num_layers=num_layers, forward_s=forward_s, backward_s=backward_s,
       tags=tuple(TagProfile(n, b, forward_s * flops[n] / total) for n, b in tags.items()),
       write_gbps=float(write_gbps), read_gbps=float(read_gbps), host_gbps=float(host_gbps),
-      host_cache_bytes=int(host_cache_bytes), staging_bytes=int(staging_bytes),
-      input_bytes=_nbytes_tree(x), other_s=other_s,
+      **{k: int(v) for k, v in sizes.items()}, input_bytes=_nbytes_tree(x), other_s=other_s,
       batch=batch)
 
 
@@ -333,34 +343,32 @@ def simulate(profile: Profile, offload_layers: int,
   if (nv and (w <= 0 or r <= 0)) or (hb and h <= 0):
     return compute, math.inf
   back = p.backward_s + recompute
-  # when layer i's backward would start without stalls: tensors not being written by then are
-  # forwarded from the host cache and never written
-  load_at = [L * p.forward_s + p.other_s + (L - 1 - i) * back for i in range(L)]
-  stall = t = disk_free = link_down = 0.0
+  stall = t = disk_free = link_down = disk_busy = 0.0
   write_end, host_done = {}, {}
   for i in range(L):
     t += p.forward_s
     if i >= k:
       continue
     if nv:
-      start = max(t, disk_free)
-      if start < load_at[i] + t - (i + 1) * p.forward_s:
-        disk_free = write_end[i] = start + nv / w
-        # unwritten bytes must fit in the host cache, else the store (and the forward) waits
-        t = max(t, disk_free - p.host_cache_bytes / w)
+      # every write starts (no credit for writes the engine cancels: see the module docstring)
+      disk_free = write_end[i] = max(t, disk_free) + nv / w
+      disk_busy += nv / w
+      # unwritten bytes must fit in the host cache, else the store (and the forward) waits
+      t = max(t, disk_free - p.host_cache_bytes / w)
     if hb:
       link_down = host_done[i] = max(t, link_down) + hb / h
       # bytes not yet copied to the host must fit in the device staging arena
       t = max(t, link_down - p.staging_bytes / h)
-  stall += t - L * p.forward_s
+  stall += max(0.0, t - L * p.forward_s)
   t += p.other_s
   link_up = t
   for i in reversed(range(L)):
     if i < k:
       ready = t
       # the cache keeps the last host_cache_bytes stored; older tensors come from the disk
-      if nv and i in write_end and (k - i) * nv > p.host_cache_bytes:
+      if nv and (k - i) * nv > p.host_cache_bytes:
         disk_free = max(disk_free, write_end[i]) + nv / r
+        disk_busy += nv / r
         ready = max(ready, disk_free)
       # the staging arena keeps the last staging_bytes stored; older tensors come over PCIe
       if hb and (k - i) * hb > p.staging_bytes:
@@ -369,7 +377,8 @@ def simulate(profile: Profile, offload_layers: int,
       stall += ready - t
       t = ready
     t += back
-  return compute, stall
+  # steady state: the disk cannot move more per step than its bandwidth allows in one step
+  return compute, stall + max(0.0, disk_busy - (compute + stall))
 
 
 def _device_bytes(profile: Profile, k: int, locations: Mapping[str, Location]) -> int:
@@ -418,7 +427,10 @@ def _candidates(profile: Profile, allowed, fixed, min_bytes) -> Iterable[Plan]:
   for combo in itertools.product(*choices):
     locations = dict(zip(names, combo))
     offloads = any(loc in OFFLOADED for loc in combo)
+    host_per_layer = sum(t.bytes for t, loc in zip(profile.tags, combo) if loc is Location.HOST)
     for k in range(profile.num_layers + 1) if offloads else (0,):
+      if k * host_per_layer > profile.host_tier_bytes:  # the engine refuses the store
+        break
       yield _evaluate(profile, k, locations, baseline, min_bytes)
 
 
@@ -475,6 +487,35 @@ def _nbytes_tree(tree) -> int:
   import jax
   return sum(int(np.prod(np.shape(a), dtype=np.int64)) * np.dtype(a.dtype).itemsize
              for a in jax.tree.leaves(tree))
+
+
+def _layer_times(layer_fn, params, x, names, repeats: int, warmup: int) -> tuple[float, float]:
+  """(forward, backward) seconds of one layer inside a scan, every tag saved on the device."""
+  import jax
+  import jax.numpy as jnp
+  body = jax.checkpoint(layer_fn, policy=location_policy(
+      {n: Location.DEVICE for n in names}, min_bytes=0))
+
+  def stack(ps, v):
+    return jax.lax.scan(lambda h, p: (body(p, h), None), v, ps)[0]
+
+  def train(ps, v):  # forward with residuals, then the backward of a ones cotangent
+    y, pullback = jax.vjp(stack, ps, v)
+    return pullback(jnp.ones_like(y))
+
+  fwd, fwd_bwd = jax.jit(stack), jax.jit(train)
+  times = {}
+  for n in (1, 3):
+    ps = jax.tree.map(lambda a: jnp.stack([jnp.asarray(a)] * n), params)  # (n, ...) per leaf
+    v = jnp.asarray(x)
+    times[n] = (_median_time(lambda: fwd(ps, v), repeats, warmup),
+                _median_time(lambda: fwd_bwd(ps, v), repeats, warmup))
+    del ps
+  # per layer: (T(3) - T(1)) / 2; where timing noise makes it <= 0 (tiny layers), T(3) / 3
+  f, t = ((times[3][i] - times[1][i]) / 2 for i in (0, 1))
+  if f <= 0 or t <= f:
+    f, t = times[3][0] / 3, times[3][1] / 3
+  return f, (t - f if t > f else t / 2)
 
 
 def _median_time(fn, repeats: int, warmup: int) -> float:

@@ -262,7 +262,6 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
   (the plan's all-on-device baseline): the difference between scans of 3 and 1 layers, halved,
   so that launch and transfer costs outside the layers cancel. ``host_cache_bytes``,
   ``staging_bytes`` and ``host_tier_bytes`` default to the current store configuration's."""
-  import jax
   _check_int("num_layers", num_layers, low=1)
   _check_int("repeats", repeats, low=1)
   _check_int("warmup", warmup)

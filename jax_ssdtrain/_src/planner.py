@@ -13,10 +13,10 @@ as SSDTrain does, because their backward comes first and leaves no time to read 
   ops between the previous tag and this one).
 - nvme: one disk queue, FIFO, ``write_gbps`` for writes and ``read_gbps`` for reads. The
   tensors of layer ``i`` are ready at the end of its forward and every one is written (the
-  engine does cancel writes that have not started when their load comes, but XLA's host thread
-  runs ahead of the GPU, so which ones depends on host-side timing: on the H100 it wrote from
-  12% to 100% of the bytes of plans that this credit would have called free; the planner takes
-  no credit). Writes wait in the host cache (``host_cache_bytes``); when the unwritten backlog
+  engine cancels a write that has not started when the host thread issues its load, but how
+  many that is depends on host-side timing and on the host cache's free room, which entries
+  of other programs can hold: on the H100 such plans wrote from 12% to 100% of their bytes;
+  the planner takes no credit). Writes wait in the host cache (``host_cache_bytes``); when the unwritten backlog
   exceeds it, the forward stalls. The cache keeps the last ``host_cache_bytes`` stored, so those
   are not read back. Disk reads run after the writes, last layer first; layer ``i``'s reads
   must finish before its backward starts, else the backward stalls. In steady state the disk's

@@ -429,10 +429,6 @@ def _validated(cfg: StoreConfig) -> StoreConfig:
   for key in ("forwarding", "verify", "exact_loads"):
     if not isinstance(getattr(cfg, key), bool):
       raise ValueError(f"{key}: expected a bool, got {getattr(cfg, key)!r}")
-  if not isinstance(cfg.forwarding, bool):
-    raise ValueError(f"forwarding: expected a bool, got {cfg.forwarding!r}")
-  if not isinstance(cfg.verify, bool):
-    raise ValueError(f"verify: expected a bool, got {cfg.verify!r}")
   if cfg.bandwidth_cap is not None and (isinstance(cfg.bandwidth_cap, bool) or
                                         not isinstance(cfg.bandwidth_cap, int) or
                                         cfg.bandwidth_cap <= 0):

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from .parallel import constrain_batch  # activations stay split by batch under a mesh
+from .parallel import constrain_batch, gather_weight  # batch-split activations under a mesh
 
 # ----------------------------------------------------------------------------- tags
 LAYER_IN = "layer_in"
@@ -314,16 +314,22 @@ class Embedding(nn.Module):
             self.pos = nn.Embed(self.cfg.max_len, self.cfg.hidden, dtype=self.cfg.compute_dtype,
                                 embedding_init=init)
 
+    def _table(self):
+        # As nn.Embed: the table in the compute dtype. Under FSDP its vocab-split parameter is
+        # gathered once (in bf16) for the lookup and the tied head, instead of the partitioner
+        # all-reducing looked-up rows and exchanging logits.
+        return gather_weight(self.tokens.embedding.astype(self.cfg.compute_dtype))
+
     def __call__(self, ids):  # (B,S) -> (B,S,H)
-        x = self.tokens(ids)
+        x = jnp.take(self._table(), ids, axis=0)
         if self.cfg.positions == "learned":
             if ids.shape[1] > self.cfg.max_len:
                 raise ValueError(f"sequence length {ids.shape[1]} > max_len {self.cfg.max_len}")
             x = x + self.pos(jnp.arange(ids.shape[1]))[None]
-        return x
+        return constrain_batch(x)
 
-    def attend(self, x):
-        return self.tokens.attend(x)
+    def attend(self, x):  # (B,S,H) -> (B,S,V), as nn.Embed.attend
+        return jnp.dot(x.astype(self.cfg.compute_dtype), self._table().T)
 
 
 class LMHead(nn.Module):
@@ -337,7 +343,8 @@ class LMHead(nn.Module):
             logits = embed.attend(x)
         else:
             logits = _dense(self.cfg, self.cfg.vocab_size, name="logits")(x)
-        return logits.astype(jnp.float32)
+        # Batch-split logits: under FSDP the (vocab-split) table is gathered, not the logits.
+        return constrain_batch(logits).astype(jnp.float32)
 
 
 def relative_buckets(rel, bidirectional: bool, num_buckets: int, max_distance: int):

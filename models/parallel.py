@@ -102,6 +102,15 @@ def constrain_batch(x):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def gather_weight(w):
+    """``w`` replicated on every device inside :func:`batch_sharded_activations` (one
+    all-gather of an FSDP-split weight, reused by every use in the step); unchanged elsewhere."""
+    mesh = _ACTIVATION_SHARDING.get()
+    if mesh is None:
+        return w
+    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P()))
+
+
 _ACTIVATION_SHARDING: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
     "activation_mesh", default=None)
 

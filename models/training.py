@@ -70,8 +70,9 @@ class TrainState(train_state.TrainState):
 
 def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW, linear warm-up then cosine decay to lr/10, global-norm gradient clipping."""
-    warmup = run.steps // 10 if run.warmup is None else run.warmup
-    schedule = optax.warmup_cosine_decay_schedule(0.0, run.lr, max(warmup, 1), max(run.steps, warmup + 1),
+    warmup = max(run.steps // 10 if run.warmup is None else run.warmup, 1)
+    # optax needs at least one decay step after the warm-up (runs of 1 step included).
+    schedule = optax.warmup_cosine_decay_schedule(0.0, run.lr, warmup, max(run.steps, warmup + 1),
                                                   end_value=run.lr / 10)
     mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms/biases
     tx = optax.chain(optax.clip_by_global_norm(run.clip_norm),

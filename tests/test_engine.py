@@ -185,6 +185,33 @@ def test_eviction_and_disk_reads(tmp_path, prefetch):
     assert s["write_seconds"] > 0 and s["read_seconds"] > 0
 
 
+def test_forwarded_entries_written_back_for_another_program(tmp_path):
+    # Program A stores 4 x 64 KiB and loads them at once: with one throttled I/O thread the
+    # first write is running and the other three are still queued, so forwarding skips them
+    # and the 256 KiB cache holds A's only copies. Program B (other sites) must still get the
+    # cache: those three are written after all, evicted, and A's later loads read the file.
+    cfg(tmp_path, host_cache_bytes=256 * 1024, chunk_bytes=64 * 1024, io_threads=1,
+        prefetch_bytes=0, bandwidth_cap=512 * 1024)
+    native.reset_stats()
+    xa = [rand((64 * 1024,), np.uint8, seed=10 + i) for i in range(4)]
+    xb = [rand((64 * 1024,), np.uint8, seed=20 + i) for i in range(4)]
+    ha = [store(x, site=700 + i, name="a") for i, x in enumerate(xa)]
+    for i in reversed(range(4)):
+        same(load(ha[i], xa[i], site=700 + i, name="a"), xa[i])
+    assert native.stats()["write_skipped_tensors"] >= 1  # forwarded: the premise of the test
+    hb = [store(x, site=800 + i, name="b") for i, x in enumerate(xb)]
+    jax.block_until_ready(hb)
+    s = wait_writes()
+    assert s["write_skipped_tensors"] == 0 and s["write_skipped_bytes"] == 0
+    assert s["disk_tensors_written"] == 8 and s["bounce_writes"] == 0
+    assert s["host_cache_bytes_peak"] <= 256 * 1024
+    for i in reversed(range(4)):  # A again (a second pullback): from the file where evicted
+        same(load(ha[i], xa[i], site=700 + i, name="a"), xa[i])
+        same(load(hb[i], xb[i], site=800 + i, name="b"), xb[i])
+    s = drain()
+    assert s["disk_tensors_read"] >= 3 and s["live_entries"] == 0
+
+
 def test_tensor_larger_than_host_cache(tmp_path):
     cfg(tmp_path, host_cache_bytes=64 * 1024, chunk_bytes=64 * 1024)
     x = rand((3 * MiB + 13,), np.uint8, seed=5)

@@ -613,6 +613,23 @@ bool Engine::EvictOne(const Entry* exclude, uint64_t prefetch_seq) {
   return true;
 }
 
+bool Engine::WriteBackOne(const Entry* exclude) {
+  EntryPtr best;
+  for (auto& [id, ep] : entries_) {
+    const Entry* e = ep.get();
+    if (e == exclude || e->tier != 0 || e->host_arena != 0 || !e->host_valid) continue;
+    // kCancelled in the table means a load cancelled it; its old pieces must have drained.
+    if (e->w != WState::kCancelled || e->w_pending > 0 || !e->has_slot) continue;
+    if (e->pins > 0 || e->loading > 0 || e->reading || e->filling) continue;
+    if (!best || e->seq < best->seq) best = ep;
+  }
+  if (!best) return false;
+  stats.write_skipped_bytes -= best->nbytes;  // written after all
+  stats.write_skipped_tensors--;
+  EnqueueWrite(best);
+  return true;
+}
+
 Status Engine::AcquireCacheBuffer(Lock& lk, Entry& e, bool may_block) {
   if (e.padded > cache_.size) return Status::Ok();  // too large: bounce
   auto t0 = Clock::now();
@@ -627,7 +644,10 @@ Status Engine::AcquireCacheBuffer(Lock& lk, Entry& e, bool may_block) {
       break;
     }
     if (EvictOne(&e, 0)) continue;
-    if (may_block && (writes_inflight_ > 0 || reads_inflight_ > 0)) {
+    // Loaded entries whose write forwarding skipped are only evictable once written: without
+    // this, the entries of a program that does not run again hold the cache for good.
+    const bool wrote_back = may_block && WriteBackOne(&e);
+    if (may_block && (wrote_back || writes_inflight_ > 0 || reads_inflight_ > 0)) {
       stalled = true;
       cv.wait(lk);
       continue;

@@ -333,6 +333,10 @@ class Engine {
   // Evicts one clean cached entry. For read-ahead (`prefetch_seq` != 0) only
   // entries already loaded or older than prefetch_seq are considered.
   bool EvictOne(const Entry* exclude, uint64_t prefetch_seq);
+  // Queues the write that forwarding skipped for the oldest loaded entry still holding the
+  // only copy in the cache, so that it becomes evictable (a later load reads the file).
+  // False when there is none.
+  bool WriteBackOne(const Entry* exclude);
   Status AcquireCacheBuffer(Lock& lk, Entry& e, bool may_block);
   void EnqueueWrite(const EntryPtr& e);
   void WritePiece(const EntryPtr& e, size_t file, uint64_t foff, uint64_t buf_off,

@@ -169,8 +169,10 @@ def step_memory_bytes(run: RunConfig, policy=None) -> int:
                - ma.alias_size_in_bytes)
 
 
-def profile_run(run: RunConfig, *, directory=None, bandwidth=None, repeats: int = 5, **options):
-    """The planner's profile of one block of the run's model at the run's batch and length."""
+def profile_run(run: RunConfig, *, directory=None, bandwidth=None, repeats: int = 5,
+                outside_layers: bool = True, **options):
+    """The planner's profile of one block of the run's model at the run's batch and length;
+    with ``outside_layers``, also the step's time outside the layers (``other_s``)."""
     import jax_ssdtrain as ssd
 
     cfg = run.model_config()
@@ -181,8 +183,52 @@ def profile_run(run: RunConfig, *, directory=None, bandwidth=None, repeats: int 
     x = jax.random.normal(jax.random.key(0), (run.batch, seq, cfg.hidden), cfg.compute_dtype)  # (B,S,H)
     params = jax.jit(block.init)(jax.random.key(1), x)["params"]
     layer = lambda p, h: block.apply({"params": p}, h)[0]  # noqa: E731
-    return ssd.profile(layer, params, x, num_layers=cfg.num_layers, directory=directory,
+    prof = ssd.profile(layer, params, x, num_layers=cfg.num_layers, directory=directory,
                        bandwidth=bandwidth, batch=run.batch, repeats=repeats, **options)
+    if outside_layers:
+        prof = dataclasses.replace(prof, other_s=outside_layers_seconds(run, prof, repeats))
+    return prof
+
+
+def outside_layers_seconds(run: RunConfig, prof, repeats: int = 5) -> float:
+    """Step time outside the layer stack (embedding, head, loss, optimizer): the step of the
+    model cut to one layer (every tag on the device, as the profile) minus that layer's
+    forward and backward, with the optimizer update of one layer's parameters replaced by
+    that of all ``num_layers`` (the update is the only per-layer work outside the stack)."""
+    cfg = run.model_config()
+    tags = {t.name: "device" for t in prof.tags}
+    one = dataclasses.replace(run, locations=tags or None, remat_policy=None if tags else "keep",
+                              offload_layers=None,
+                              model_overrides={**run.model_overrides, "num_layers": 1})
+    tokens = jnp.zeros((run.batch, run.example_length(one.model_config())), jnp.int32)
+    state, _, _ = create_train_state(one)
+    step = jax.jit(train_step).lower(state, tokens, jax.random.key(0)).compile()  # no donation
+    step_s = _median_seconds(lambda: step(state, tokens, jax.random.key(0))[1], repeats)
+    del step
+    update_1 = _update_seconds(state, repeats)
+    del state
+    full, _, _ = create_train_state(dataclasses.replace(run, locations=tags or None))
+    update_l = _update_seconds(full, repeats) if cfg.num_layers > 1 else update_1
+    return max(0.0, step_s - prof.forward_s - prof.backward_s + update_l - update_1)
+
+
+def _update_seconds(state: TrainState, repeats: int) -> float:
+    """The optimizer update of ``state`` (its parameters standing in for gradients)."""
+    update = jax.jit(lambda s: s.apply_gradients(grads=s.params).params)
+    return _median_seconds(lambda: update(state), repeats)
+
+
+def _median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+    import statistics
+    import time
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def parse_bandwidth(text: str) -> tuple[float, float]:

@@ -171,18 +171,12 @@ def run_preset(args, preset: str, bandwidth) -> dict:
             times.append(time.perf_counter() - t0)
         return statistics.median(times[args.warmup:]), mem
 
+    # other_s (embedding, head, loss, optimizer) measured by profile_run: the one-layer step
+    # minus its layer, with the optimizer of all layers (models.training.outside_layers_seconds)
     prof = training.profile_run(run, bandwidth=bandwidth, repeats=args.steps,
                                 host_cache_bytes=ssd.current_config().host_cache_bytes)
-    # outside the layers' forward/backward: embedding, head, loss, and the optimizer, whose
-    # work grows with the layers: T(1 layer) + (L - 1) (T(2) - T(1)) - L (F + B)
-    t1, _ = measure(dataclasses.replace(run, model_overrides={"num_layers": 1}))
-    t2, _ = measure(dataclasses.replace(run, model_overrides={"num_layers": 2}))
-    L = cfg.num_layers
-    other = t1 + (L - 1) * (t2 - t1) - L * (prof.forward_s + prof.backward_s)
-    prof = dataclasses.replace(prof, other_s=max(0.0, other))
     plan = ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=args.min_bytes)
     doc = {"kind": "preset", "preset": preset, "batch": run.batch, "seq_len": run.seq_len,
-           "one_layer_step_ms": t1 * 1e3, "two_layer_step_ms": t2 * 1e3,
            "profile": dataclasses.asdict(prof), "plans": {"auto": plan_doc(plan)}, "rows": []}
     keep_pred = cfg.num_layers * (prof.forward_s + prof.backward_s) + prof.other_s
     for name, r, predicted in (("keep", run, keep_pred),

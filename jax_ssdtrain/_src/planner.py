@@ -492,8 +492,9 @@ def _layer_times(layer_fn, params, x, names, repeats: int, warmup: int) -> tuple
   """(forward, backward) seconds of one layer inside a scan, every tag saved on the device."""
   import jax
   import jax.numpy as jnp
+  # prevent_cse=False as the models' and benchmarks' scanned layers (barriers cost time)
   body = jax.checkpoint(layer_fn, policy=location_policy(
-      {n: Location.DEVICE for n in names}, min_bytes=0))
+      {n: Location.DEVICE for n in names}, min_bytes=0), prevent_cse=False)
 
   def stack(ps, v):
     return jax.lax.scan(lambda h, p: (body(p, h), None), v, ps)[0]

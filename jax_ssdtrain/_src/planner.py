@@ -259,7 +259,7 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
   (``bandwidth`` as (write, read) GB/s, else ``measured_bandwidth(directory)``).
 
   Forward and backward times are per layer of a ``lax.scan`` with every tag saved on the device
-  (the plan's all-on-device baseline): the difference between scans of 3 and 1 layers, halved,
+  (the plan's all-on-device baseline): the difference between scans of 4 and 2 layers, halved,
   so that launch and transfer costs outside the layers cancel. ``host_cache_bytes``,
   ``staging_bytes`` and ``host_tier_bytes`` default to the current store configuration's."""
   _check_int("num_layers", num_layers, low=1)
@@ -505,16 +505,19 @@ def _layer_times(layer_fn, params, x, names, repeats: int, warmup: int) -> tuple
 
   fwd, fwd_bwd = jax.jit(stack), jax.jit(train)
   times = {}
-  for n in (1, 3):
+  # Two and four layers: a scan of one is no loop at all (XLA removes it, and with it the
+  # per-layer slicing and stacking of residuals), so a difference against it overstates a layer.
+  lo, hi = 2, 4
+  for n in (lo, hi):
     ps = jax.tree.map(lambda a: jnp.stack([jnp.asarray(a)] * n), params)  # (n, ...) per leaf
     v = jnp.asarray(x)
     times[n] = (_median_time(lambda: fwd(ps, v), repeats, warmup),
                 _median_time(lambda: fwd_bwd(ps, v), repeats, warmup))
     del ps
-  # per layer: (T(3) - T(1)) / 2; where timing noise makes it <= 0 (tiny layers), T(3) / 3
-  f, t = ((times[3][i] - times[1][i]) / 2 for i in (0, 1))
+  # per layer: (T(4) - T(2)) / 2; where timing noise makes it <= 0 (tiny layers), T(4) / 4
+  f, t = ((times[hi][i] - times[lo][i]) / (hi - lo) for i in (0, 1))
   if f <= 0 or t <= f:
-    f, t = times[3][0] / 3, times[3][1] / 3
+    f, t = times[hi][0] / hi, times[hi][1] / hi
   return f, (t - f if t > f else t / 2)
 
 

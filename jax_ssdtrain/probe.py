@@ -67,6 +67,7 @@ class ProbeResult:
   raw_o_direct: bool | None = None
   measured_at: float = 0.0  # time.time()
   cached: bool = False
+  stripes: int = 1  # files the engine striped the bytes over (subdirectories stripe<i>)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +96,17 @@ class Wear:
 
 def measure(directory: str | os.PathLike, size: int | str = DEFAULT_SIZE, *, threads: int = 8,
             tensor_bytes: int | str = DEFAULT_TENSOR, bandwidth_cap: int | str | None = None,
-            raw: bool = False, refresh: bool = False, timeout: float = 900) -> ProbeResult:
+            raw: bool = False, refresh: bool = False, timeout: float = 900,
+            stripes: int = 1) -> ProbeResult:
   """Write and read bandwidth of ``directory`` through the engine (cached; see the module doc).
 
   ``raw=True`` also measures plain O_DIRECT pwrite/pread. ``bandwidth_cap`` emulates a slower
-  array (bytes/s or e.g. ``"7GB/s"``); None measures the device as it is.
+  array (bytes/s or e.g. ``"7GB/s"``); None measures the device as it is. ``stripes`` > 1
+  stripes the engine's bytes over that many files (subdirectories ``stripe<i>`` of
+  ``directory``), as a store configured with several directories does: on tmpfs, writes to one
+  file are serialised by its inode lock, so a RAM store needs several to go past one copy loop.
   """
-  key = _Request.make(directory, size, threads, tensor_bytes, bandwidth_cap)
+  key = _Request.make(directory, size, threads, tensor_bytes, bandwidth_cap, stripes)
   if not refresh:
     hit = _cache_get(key, raw)
     if hit is not None:
@@ -227,7 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       bytes_per_step = bytes_per_step if bytes_per_step is not None else plan_bytes
       step_ms = step_ms if step_ms is not None else plan_ms
     results = [measure(args.directory, args.size, threads=t, tensor_bytes=args.tensor_size,
-                       bandwidth_cap=args.bandwidth_cap, raw=args.raw, refresh=args.refresh)
+                       bandwidth_cap=args.bandwidth_cap, raw=args.raw, refresh=args.refresh,
+                       stripes=args.stripes)
                for t in args.threads]
     rec = recommend(results, step_ms=step_ms, bytes_per_step=bytes_per_step)
     worn = None
@@ -260,9 +266,11 @@ class _Request:
   threads: int
   tensor_bytes: int
   bandwidth_cap: int | None
+  stripes: int = 1
 
   @classmethod
-  def make(cls, directory, size, threads, tensor_bytes, bandwidth_cap) -> "_Request":
+  def make(cls, directory, size, threads, tensor_bytes, bandwidth_cap,
+           stripes: int = 1) -> "_Request":
     if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
       raise ValueError(f"directory: expected a path, got {directory!r}")
     path = os.path.realpath(os.fspath(directory))
@@ -283,12 +291,15 @@ class _Request:
       raise ValueError(f"size: expected at least tensor_bytes ({tensor_b}), got {size!r}")
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 256:
       raise ValueError(f"threads: expected an integer in [1, 256], got {threads!r}")
+    if isinstance(stripes, bool) or not isinstance(stripes, int) or not 1 <= stripes <= 64:
+      raise ValueError(f"stripes: expected an integer in [1, 64], got {stripes!r}")
     return cls(path, os.stat(path).st_dev, size_b, threads, tensor_b,
-               parse_bandwidth(bandwidth_cap, what="bandwidth_cap"))
+               parse_bandwidth(bandwidth_cap, what="bandwidth_cap"), stripes)
 
   def cache_key(self) -> str:
     return (f"{self.directory}|dev={self.device}|size={self.size}|threads={self.threads}|"
-            f"tensor={self.tensor_bytes}|cap={self.bandwidth_cap or 0}")
+            f"tensor={self.tensor_bytes}|cap={self.bandwidth_cap or 0}" +
+            (f"|stripes={self.stripes}" if self.stripes > 1 else ""))
 
 
 def _cache_path() -> Path:
@@ -340,9 +351,15 @@ def _work(req: dict) -> dict:
   size, tensor, threads = req["size"], req["tensor_bytes"], req["threads"]
   n = size // tensor
   cache = min(1 * GiB, max(4 * tensor, size // 4))
+  stripes = req.get("stripes", 1)
+  dirs = [req["directory"]] if stripes == 1 else [
+      os.path.join(req["directory"], f"stripe{i}") for i in range(stripes)]
+  made = [d for d in dirs if not os.path.isdir(d)]
+  for d in made:
+    os.makedirs(d)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", RuntimeWarning)  # no O_DIRECT on tmpfs: recorded below
-    ssd.configure(req["directory"], capacity_bytes=n * tensor + 16 * MiB, io_threads=threads,
+    ssd.configure(dirs, capacity_bytes=n * tensor + 16 * MiB * stripes, io_threads=threads,
                   host_cache_bytes=cache, prefetch_bytes=cache // 2, host_tier_bytes=0,
                   forwarding=False, on_full="error", verify=False,
                   bandwidth_cap=req["bandwidth_cap"])
@@ -372,7 +389,13 @@ def _work(req: dict) -> dict:
                     f"read from the store file")
   finally:
     ssd.shutdown()
+    for d in made:
+      try:
+        os.rmdir(d)
+      except OSError:
+        pass
   out = dict(directory=req["directory"], device=req["device"], size=n * tensor, threads=threads,
+             stripes=stripes,
              tensor_bytes=tensor, bandwidth_cap=req["bandwidth_cap"],
              write_gbps=n * tensor / t_write / 1e9, read_gbps=n * tensor / t_read / 1e9,
              engine_write_gbps=s["write_GBps"], engine_read_gbps=s["read_GBps"],
@@ -564,6 +587,8 @@ def _parse_args(argv):
                  help="measure the store capped at this rate (e.g. 7GB/s: emulation)")
   p.add_argument("--raw", action=argparse.BooleanOptionalAction, default=True,
                  help="also measure raw O_DIRECT pwrite/pread (default on)")
+  p.add_argument("--stripes", type=int, default=1,
+                 help="stripe the engine's bytes over N files in DIR/stripe<i> (RAM stores)")
   p.add_argument("--refresh", action="store_true", help="measure again (ignore the cache)")
   p.add_argument("--step-ms", type=_number, help="training step time, ms")
   p.add_argument("--bytes-per-step", type=_arg(parse_size, "--bytes-per-step"),

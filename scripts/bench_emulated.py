@@ -52,9 +52,10 @@ def main(argv=None) -> int:
         made.append(disk_dir)
     if not args.shm_dir:
         made.append(shm_dir)
-    stores = [{"store": f"shm_{cap:g}GBps", "dir": shm_dir, "cap_GBps": cap} for cap in args.caps]
+    stores = [{"store": f"shm_{cap:g}GBps", "dir": shm_dir, "cap_GBps": cap,
+               "stripes": args.stripes} for cap in args.caps]
     if not args.no_disk:
-        stores.append({"store": "disk", "dir": disk_dir, "cap_GBps": None})
+        stores.append({"store": "disk", "dir": disk_dir, "cap_GBps": None, "stripes": 1})
     rows = []
     try:
         for d in {s["dir"] for s in stores}:
@@ -72,7 +73,8 @@ def main(argv=None) -> int:
                     rows.append(row_of({"policy": name, "error": f"skipped: --budget-s "
                                         f"{args.budget_s:g} s spent"}, s, args.shape))
                     continue
-                rows.append(row_of(rok.run_policy(run_args, name, args.shape, s["dir"], rows), s))
+                rows.append(row_of(rok.run_policy(run_args, name, args.shape, store_dirs(s),
+                                                  rows), s))
     finally:
         for d in made:
             shutil.rmtree(d, ignore_errors=True)
@@ -92,6 +94,19 @@ def main(argv=None) -> int:
     for line in bad:
         print(f"FAIL {line}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def store_dirs(store: dict) -> str | list[str]:
+    """The store's directories: ``stripes`` subdirectories (one engine file each) of a RAM
+    store, since tmpfs serialises the writes to one file (its inode lock); the probe measures
+    the same layout."""
+    n = store.get("stripes", 1)
+    if n <= 1:
+        return store["dir"]
+    dirs = [os.path.join(store["dir"], f"stripe{i}") for i in range(n)]
+    for d in dirs:
+        os.makedirs(d, exist_ok=True)
+    return dirs
 
 
 def rok_args(args, cap_gbps: float | None):
@@ -146,7 +161,7 @@ def probe(args, store: dict) -> dict:
     cap = int(store["cap_GBps"] * 1e9) if store["cap_GBps"] else None
     try:
         r = ssd_probe.measure(store["dir"], args.probe_size, threads=_io_threads(args),
-                              bandwidth_cap=cap,
+                              bandwidth_cap=cap, stripes=store.get("stripes", 1),
                               refresh=True)
     except (OSError, ValueError) as e:
         return {"note": f"probe failed: {e}"}
@@ -298,6 +313,8 @@ def parse_args(argv=None):
     p.add_argument("--points", type=_points, default=DEFAULT_POINTS,
                    help="ssd_nvme_sweep_K points (default 2,3,4): " + "; ".join(
                        f"{k}: {'+'.join(s)}" for k, s in enumerate(rok.SWEEP, 1)))
+    p.add_argument("--stripes", type=int, default=8,
+                   help="files (subdirectories) the RAM store is striped over (default 8)")
     p.add_argument("--shm-dir", default=None,
                    help="RAM-backed store directory (default: a new dir under /dev/shm)")
     p.add_argument("--disk-dir", default=None,

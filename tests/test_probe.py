@@ -115,6 +115,19 @@ def test_measure_through_the_engine_is_cached_per_directory(tmp_path, cache_home
   assert not fresh.cached and fresh.measured_at > r.measured_at
 
 
+def test_measure_striped_over_files(tmp_path, cache_home):
+  store = tmp_path / "store"
+  store.mkdir()
+  r = probe.measure(store, "16MiB", threads=2, tensor_bytes="1MiB", stripes=3)
+  assert r.stripes == 3 and r.size == 16 * MiB and r.write_gbps > 0 and r.read_gbps > 0
+  assert os.listdir(store) == []  # the stripe<i> subdirectories it made are gone
+  one = probe.measure(store, "16MiB", threads=2, tensor_bytes="1MiB")  # another cache key
+  assert one.stripes == 1 and not one.cached
+  assert probe.measure(store, "16MiB", threads=2, tensor_bytes="1MiB", stripes=3).cached
+  with pytest.raises(ValueError, match="stripes.*0"):
+    probe.measure(store, "16MiB", tensor_bytes="1MiB", stripes=0)
+
+
 def test_measure_errors_name_the_bad_value(tmp_path, cache_home):
   with pytest.raises(FileNotFoundError, match="nowhere"):
     probe.measure(tmp_path / "nowhere")

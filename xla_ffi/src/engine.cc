@@ -392,7 +392,7 @@ Status Engine::Init(const Config& cfg) {
 #ifdef SSDTRAIN_HAVE_KVIKIO
   if (cfg.gds != 0) {
     std::string why;
-    backend_ = MakeKvikioBackend(&files_, cfg.gds, o_direct_, &why);
+    backend_ = MakeKvikioBackend(&files_, cfg.gds, o_direct_, cfg.io_threads, &why);
     if (backend_) {
       gds_active = backend_->gds();
     } else if (cfg.gds == 1) {

@@ -6,7 +6,9 @@
 // for host pointers); otherwise the engine keeps its own POSIX backend.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <exception>
+#include <kvikio/defaults.hpp>
 #include <kvikio/file_handle.hpp>
 #include <memory>
 #include <string>
@@ -64,7 +66,8 @@ class KvikioBackend final : public IoBackend {
 }  // namespace
 
 std::unique_ptr<IoBackend> MakeKvikioBackend(const std::vector<StoreFile>* files, int gds,
-                                             bool o_direct, std::string* why_not) {
+                                             bool o_direct, int io_threads,
+                                             std::string* why_not) {
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
@@ -74,6 +77,11 @@ std::unique_ptr<IoBackend> MakeKvikioBackend(const std::vector<StoreFile>* files
     return nullptr;
   }
   try {
+    // Each engine I/O thread hands kvikio one whole piece, which runs on kvikio's own pool:
+    // one thread unless KVIKIO_NTHREADS says otherwise, and then every piece waits for it.
+    if (std::getenv("KVIKIO_NTHREADS") == nullptr && io_threads > 0 &&
+        kvikio::defaults::thread_pool_nthreads() < static_cast<unsigned>(io_threads))
+      kvikio::defaults::set_thread_pool_nthreads(static_cast<unsigned>(io_threads));
     auto mode = gds == 1 ? kvikio::CompatMode::OFF : kvikio::CompatMode::AUTO;
     std::vector<std::unique_ptr<kvikio::FileHandle>> handles;
     bool all_gds = true;

@@ -128,9 +128,10 @@ std::unique_ptr<IoBackend> MakeThrottledBackend(std::unique_ptr<IoBackend> inner
                                                 ThrottleStats* stats);
 #ifdef SSDTRAIN_HAVE_KVIKIO
 // Returns nullptr (and a reason) when kvikio cannot be used; the caller falls
-// back to POSIX.
+// back to POSIX. `io_threads`: the engine's I/O threads, the least size of kvikio's pool.
 std::unique_ptr<IoBackend> MakeKvikioBackend(const std::vector<StoreFile>* files, int gds,
-                                             bool o_direct, std::string* why_not);
+                                             bool o_direct, int io_threads,
+                                             std::string* why_not);
 #endif
 
 enum class WState { kNone, kQueued, kRunning, kDone, kCancelled, kFailed };

@@ -1,9 +1,10 @@
 // Optional kvikio backend (built when find_package(kvikio) succeeds). Uses
 // kvikio::FileHandle on the engine's (unlinked) store files, reopened through
 // /proc/self/fd. With GDS usable (gds=1/2 and cuFile not in compat mode) kvikio
-// talks to cuFile; otherwise it runs its POSIX compat path on the pinned host
-// buffers. Only used when a CUDA device is present (kvikio needs libcuda even
-// for host pointers); otherwise the engine keeps its own POSIX backend.
+// talks to cuFile; otherwise it would run its POSIX compat path on the pinned
+// host buffers, which the engine (gds=2) drops for its own POSIX backend. Only
+// used when a CUDA device is present (kvikio needs libcuda even for host
+// pointers).
 #include <cuda_runtime.h>
 
 #include <cstdlib>

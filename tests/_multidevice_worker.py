@@ -59,7 +59,12 @@ def grads_of(locations, tokens, par=None):
   else:
     mesh = par.mesh()
     state, shardings = training.shard_train_state(state, par, mesh)
-    jitted = jax.jit(fn, out_shardings=shardings.params)
+
+    def sharded(params, tokens):  # as models.training.jit_train_step: batch-split activations
+      with parallel.batch_sharded_activations(mesh):
+        return fn(params, tokens)
+
+    jitted = jax.jit(sharded, out_shardings=shardings.params)
     args = (state.params, training.shard_batch(tokens, par, mesh))
   compiled = jitted.lower(*args).compile()
   ssd.flush()

@@ -45,6 +45,17 @@ def test_no_collectives_added(result, case):
   assert r["collectives"] == r["collectives_device_saving"], r
 
 
+def test_fsdp_gathers_weights_not_activations(result):
+  # Under FSDP (inside the training step's batch_sharded_activations) only weights are
+  # gathered: no all-to-all of logits, and no more all-reduces than data parallelism's
+  # gradient reductions (a vocab-split table made the partitioner exchange logits and
+  # all-reduce looked-up rows).
+  fsdp, dp = result["layouts"]["fsdp-nvme"]["collectives"], result["layouts"]["dp-nvme"]["collectives"]
+  assert fsdp["all-to-all"] == 0, fsdp
+  assert fsdp["all-reduce"] <= dp["all-reduce"], (fsdp, dp)
+  assert fsdp["all-gather"] > 0, fsdp  # the sharded weights
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_each_device_stores_its_shard(result, case):
   r = result["layouts"][case]

@@ -619,17 +619,23 @@ bool Engine::EvictOne(const Entry* exclude, uint64_t prefetch_seq) {
 
 bool Engine::WriteBackOne(const Entry* exclude) {
   EntryPtr best;
+  bool draining = false;
   for (auto& [id, ep] : entries_) {
     const Entry* e = ep.get();
     if (e == exclude || e->tier != 0 || e->host_arena != 0 || !e->host_valid) continue;
-    // kCancelled in the table means a load cancelled it; its old pieces must have drained.
-    if (e->w != WState::kCancelled || e->w_pending > 0 || !e->has_slot) continue;
+    // kCancelled in the table means a load cancelled it.
+    if (e->w != WState::kCancelled || !e->has_slot) continue;
     if (e->pins > 0 || e->loading > 0 || e->reading || e->filling) continue;
+    if (e->w_pending > 0) {  // its cancelled pieces are still queued: eligible once they drain
+      draining = true;
+      continue;
+    }
     if (!best || e->seq < best->seq) best = ep;
   }
-  if (!best) return false;
-  stats.write_skipped_bytes -= best->nbytes;  // written after all
-  stats.write_skipped_tensors--;
+  if (!best) return draining;
+  // Written after all (saturating: the skip may predate a reset_stats()).
+  stats.write_skipped_bytes -= std::min<uint64_t>(stats.write_skipped_bytes, best->nbytes);
+  if (stats.write_skipped_tensors) stats.write_skipped_tensors--;
   EnqueueWrite(best);
   return true;
 }
@@ -650,8 +656,8 @@ Status Engine::AcquireCacheBuffer(Lock& lk, Entry& e, bool may_block) {
     if (EvictOne(&e, 0)) continue;
     // Loaded entries whose write forwarding skipped are only evictable once written: without
     // this, the entries of a program that does not run again hold the cache for good.
-    const bool wrote_back = may_block && WriteBackOne(&e);
-    if (may_block && (wrote_back || writes_inflight_ > 0 || reads_inflight_ > 0)) {
+    const bool write_back = may_block && WriteBackOne(&e);
+    if (may_block && (write_back || writes_inflight_ > 0 || reads_inflight_ > 0)) {
       stalled = true;
       cv.wait(lk);
       continue;
@@ -776,7 +782,7 @@ void Engine::WritePiece(const EntryPtr& e, size_t file, uint64_t foff, uint64_t 
   {
     Lock lk(mu);
     if (e->w == WState::kCancelled) {
-      e->w_pending--;
+      if (--e->w_pending == 0) cv.notify_all();  // WriteBackOne may wait for this
       return;
     }
     if (e->w == WState::kQueued) e->w = WState::kRunning;

@@ -336,7 +336,8 @@ class Engine {
   bool EvictOne(const Entry* exclude, uint64_t prefetch_seq);
   // Queues the write that forwarding skipped for the oldest loaded entry still holding the
   // only copy in the cache, so that it becomes evictable (a later load reads the file).
-  // False when there is none.
+  // True when one was queued or will be eligible once its cancelled pieces drain (the
+  // caller waits), false when there is none.
   bool WriteBackOne(const Entry* exclude);
   Status AcquireCacheBuffer(Lock& lk, Entry& e, bool may_block);
   void EnqueueWrite(const EntryPtr& e);

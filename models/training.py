@@ -172,7 +172,7 @@ def step_memory_bytes(run: RunConfig, policy=None) -> int:
 def profile_run(run: RunConfig, *, directory=None, bandwidth=None, repeats: int = 5,
                 outside_layers: bool = True, **options):
     """The planner's profile of one block of the run's model at the run's batch and length;
-    with ``outside_layers``, also the step's time outside the layers (``other_s``)."""
+    with ``outside_layers``, also the step's time outside the layers (``other_s``, ``update_s``)."""
     import jax_ssdtrain as ssd
 
     cfg = run.model_config()
@@ -186,15 +186,16 @@ def profile_run(run: RunConfig, *, directory=None, bandwidth=None, repeats: int 
     prof = ssd.profile(layer, params, x, num_layers=cfg.num_layers, directory=directory,
                        bandwidth=bandwidth, batch=run.batch, repeats=repeats, **options)
     if outside_layers:
-        prof = dataclasses.replace(prof, other_s=outside_layers_seconds(run, prof, repeats))
+        other_s, update_s = outside_layers_seconds(run, prof, repeats)
+        prof = dataclasses.replace(prof, other_s=other_s, update_s=update_s)
     return prof
 
 
-def outside_layers_seconds(run: RunConfig, prof, repeats: int = 5) -> float:
-    """Step time outside the layer stack (embedding, head, loss, optimizer): the step of the
-    model cut to one layer (every tag on the device, as the profile) minus that layer's
-    forward and backward, with the optimizer update of one layer's parameters replaced by
-    that of all ``num_layers`` (the update is the only per-layer work outside the stack)."""
+def outside_layers_seconds(run: RunConfig, prof, repeats: int = 5) -> tuple[float, float]:
+    """``(other_s, update_s)``: the step's time outside the layer stack that grows with the
+    batch (embedding, head, loss), and the optimizer update of all ``num_layers``. The first is
+    the step of the model cut to one layer (every tag on the device, as the profile) minus that
+    layer's forward and backward and minus its optimizer update."""
     cfg = run.model_config()
     tags = {t.name: "device" for t in prof.tags}
     one = dataclasses.replace(run, locations=tags or None, remat_policy=None if tags else "keep",
@@ -209,7 +210,7 @@ def outside_layers_seconds(run: RunConfig, prof, repeats: int = 5) -> float:
     del state
     full, _, _ = create_train_state(dataclasses.replace(run, locations=tags or None))
     update_l = _update_seconds(full, repeats) if cfg.num_layers > 1 else update_1
-    return max(0.0, step_s - prof.forward_s - prof.backward_s + update_l - update_1)
+    return max(0.0, step_s - prof.forward_s - prof.backward_s - update_1), update_l
 
 
 def _update_seconds(state: TrainState, repeats: int) -> float:

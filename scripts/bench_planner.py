@@ -171,14 +171,14 @@ def run_preset(args, preset: str, bandwidth) -> dict:
             times.append(time.perf_counter() - t0)
         return statistics.median(times[args.warmup:]), mem
 
-    # other_s (embedding, head, loss, optimizer) measured by profile_run: the one-layer step
-    # minus its layer, with the optimizer of all layers (models.training.outside_layers_seconds)
+    # other_s (embedding, head, loss) and update_s (optimizer of all layers) measured by
+    # profile_run from the one-layer step (models.training.outside_layers_seconds)
     prof = training.profile_run(run, bandwidth=bandwidth, repeats=args.steps,
                                 host_cache_bytes=ssd.current_config().host_cache_bytes)
     plan = ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=args.min_bytes)
     doc = {"kind": "preset", "preset": preset, "batch": run.batch, "seq_len": run.seq_len,
            "profile": dataclasses.asdict(prof), "plans": {"auto": plan_doc(plan)}, "rows": []}
-    keep_pred = cfg.num_layers * (prof.forward_s + prof.backward_s) + prof.other_s
+    keep_pred = cfg.num_layers * (prof.forward_s + prof.backward_s) + prof.other_s + prof.update_s
     for name, r, predicted in (("keep", run, keep_pred),
                                ("auto", training.apply_plan(run, plan), plan.step_s)):
         s, mem = measure(r)

@@ -133,6 +133,17 @@ def test_recompute_only_when_it_fits_the_slowdown():
   assert p.location_map() == {"cheap": Location.REMAT, "dear": Location.REMAT}
 
 
+def test_outside_time_scales_with_the_batch_but_the_update_does_not():
+  prof = ssd.Profile(num_layers=2, forward_s=1.0, backward_s=2.0, tags=(T("a", GB, 0.5),),
+                     write_gbps=0, read_gbps=0, other_s=0.5, update_s=0.25, batch=4)
+  assert ssd.plan(prof, allowed=["device"]).step_s == pytest.approx(6.75)
+  half = prof.scaled(2)
+  assert (half.other_s, half.update_s) == (pytest.approx(0.25), 0.25)
+  assert ssd.plan(half, allowed=["device"]).step_s == pytest.approx(3.5)
+  with pytest.raises(ValueError, match="update_s"):
+    dataclasses.replace(prof, update_s=-1.0)
+
+
 @pytest.mark.parametrize("host_gbps,split", [(1.0, 4), (0.5, 1)])
 def test_host_tier_is_pcie_bound(host_gbps, split):
   # by hand, 1 GB per layer, F = B = 1 s, 1 GB of staging: the device-to-host copy of layer i

@@ -8,9 +8,9 @@ Timing model (per training step; F, B: one layer's forward and backward time; th
 as SSDTrain does, because their backward comes first and leaves no time to read them back):
 
 - compute: forward ``L*F``, then ``other_s`` (head, loss), then the backward, layer by layer
-  from the last; each layer's backward is ``B`` plus the forward time of every tag it
-  recomputes (``recompute_s`` of the tag: the layer's forward time times the FLOP share of the
-  ops between the previous tag and this one).
+  from the last, then ``update_s`` (the optimizer); each layer's backward is ``B`` plus the
+  forward time of every tag it recomputes (``recompute_s`` of the tag: the layer's forward time
+  times the FLOP share of the ops between the previous tag and this one).
 - nvme: one disk queue, FIFO, ``write_gbps`` for writes and ``read_gbps`` for reads. The
   tensors of layer ``i`` are ready at the end of its forward and every one is written (the
   engine cancels a write that has not started when the host thread issues its load, but how
@@ -80,12 +80,14 @@ class Profile:
   staging_bytes: int = DEFAULT_STAGING_BYTES
   host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES  # a step's host tensors must fit in it
   input_bytes: int = 0  # the layer input: saved when the layer recomputes anything
-  other_s: float = 0.0  # per step, outside the layers (embedding, head, optimizer)
+  other_s: float = 0.0  # per step, outside the layers, proportional to the batch (embedding, head)
+  update_s: float = 0.0  # per step, after the backward, whatever the batch (optimizer update)
   batch: int | None = None
 
   def __post_init__(self):
     _check_int("num_layers", self.num_layers, low=1)
-    for key in ("forward_s", "backward_s", "write_gbps", "read_gbps", "host_gbps", "other_s"):
+    for key in ("forward_s", "backward_s", "write_gbps", "read_gbps", "host_gbps", "other_s",
+                "update_s"):
       _check_number(key, getattr(self, key))
     _check_int("host_cache_bytes", self.host_cache_bytes)
     _check_int("staging_bytes", self.staging_bytes)
@@ -99,7 +101,8 @@ class Profile:
       _check_number(f"tags[{t.name!r}].recompute_s", t.recompute_s)
 
   def scaled(self, batch: int) -> Profile:
-    """This profile at another batch size: times and bytes proportional to the batch."""
+    """This profile at another batch size: times and bytes proportional to the batch (all but
+    ``update_s``)."""
     if self.batch is None:
       raise ValueError("scaled: this profile has no batch size")
     _check_int("batch", batch, low=1)
@@ -252,7 +255,7 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
             directory: str | os.PathLike | None = None,
             bandwidth: tuple[float, float] | None = None, host_gbps: float = DEFAULT_HOST_GBPS,
             host_cache_bytes: int | None = None, staging_bytes: int | None = None,
-            host_tier_bytes: int | None = None, other_s: float = 0.0,
+            host_tier_bytes: int | None = None, other_s: float = 0.0, update_s: float = 0.0,
             batch: int | None = None, repeats: int = 10, warmup: int = 2) -> Profile:
   """Times one layer ``layer_fn(params, x) -> y`` (``y`` shaped like ``x``: a scan body) as the
   training step runs it, reads the tagged bytes from its jaxpr, and takes the store bandwidth
@@ -283,7 +286,7 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
       tags=tuple(TagProfile(n, b, forward_s * flops[n] / total) for n, b in tags.items()),
       write_gbps=float(write_gbps), read_gbps=float(read_gbps), host_gbps=float(host_gbps),
       **{k: int(v) for k, v in sizes.items()}, input_bytes=_nbytes_tree(x), other_s=other_s,
-      batch=batch)
+      update_s=update_s, batch=batch)
 
 
 def tagged(layer_fn: Callable, params: Any, x: Any) -> tuple[dict[str, int], dict[str, float]]:
@@ -333,7 +336,7 @@ def simulate(profile: Profile, offload_layers: int,
   """``(compute_s, stall_s)`` per step under the timing model of the module docstring."""
   p, L, k = profile, profile.num_layers, offload_layers
   recompute = sum(t.recompute_s for t in p.tags if locations[t.name] is Location.REMAT)
-  compute = L * (p.forward_s + p.backward_s + recompute) + p.other_s
+  compute = L * (p.forward_s + p.backward_s + recompute) + p.other_s + p.update_s
   per_layer = {loc: sum(t.bytes for t in p.tags if locations[t.name] is loc) for loc in OFFLOADED}
   if k == 0 or not any(per_layer.values()):
     return compute, 0.0

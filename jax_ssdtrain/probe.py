@@ -135,6 +135,14 @@ def measure(directory: str | os.PathLike, size: int | str = DEFAULT_SIZE, *, thr
   return result
 
 
+def stripe_directories(directory: str | os.PathLike, stripes: int) -> list[str]:
+  """The store directories of ``directory`` striped over ``stripes`` files: the directory
+  itself for one, else its subdirectories ``stripe0`` ... (the layout :func:`measure` probes)."""
+  if stripes <= 1:
+    return [os.fspath(directory)]
+  return [os.path.join(directory, f"stripe{i}") for i in range(stripes)]
+
+
 def recommend(results: Sequence[ProbeResult], *, step_ms: float | None = None,
               bytes_per_step: int | None = None) -> Recommendation:
   """Settings from probe results at one or more thread counts.
@@ -352,8 +360,7 @@ def _work(req: dict) -> dict:
   n = size // tensor
   cache = min(1 * GiB, max(4 * tensor, size // 4))
   stripes = req.get("stripes", 1)
-  dirs = [req["directory"]] if stripes == 1 else [
-      os.path.join(req["directory"], f"stripe{i}") for i in range(stripes)]
+  dirs = stripe_directories(req["directory"], stripes)
   made = [d for d in dirs if not os.path.isdir(d)]
   for d in made:
     os.makedirs(d)

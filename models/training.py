@@ -196,6 +196,8 @@ def outside_layers_seconds(run: RunConfig, prof, repeats: int = 5) -> tuple[floa
     batch (embedding, head, loss), and the optimizer update of all ``num_layers``. The first is
     the step of the model cut to one layer (every tag on the device, as the profile) minus that
     layer's forward and backward and minus its optimizer update."""
+    from jax_ssdtrain._src.planner import _median_time  # the profile's own timer
+
     cfg = run.model_config()
     tags = {t.name: "device" for t in prof.tags}
     one = dataclasses.replace(run, locations=tags or None, remat_policy=None if tags else "keep",
@@ -204,32 +206,23 @@ def outside_layers_seconds(run: RunConfig, prof, repeats: int = 5) -> tuple[floa
     tokens = jnp.zeros((run.batch, run.example_length(one.model_config())), jnp.int32)
     state, _, _ = create_train_state(one)
     step = jax.jit(train_step).lower(state, tokens, jax.random.key(0)).compile()  # no donation
-    step_s = _median_seconds(lambda: step(state, tokens, jax.random.key(0))[1], repeats)
+    step_s = _median_time(lambda: step(state, tokens, jax.random.key(0))[1], repeats, warmup=1)
     del step
     update_1 = _update_seconds(state, repeats)
     del state
-    full, _, _ = create_train_state(dataclasses.replace(run, locations=tags or None))
-    update_l = _update_seconds(full, repeats) if cfg.num_layers > 1 else update_1
+    update_l = update_1
+    if cfg.num_layers > 1:  # the whole model's parameters and optimizer state
+        full, _, _ = create_train_state(dataclasses.replace(run, locations=tags or None))
+        update_l = _update_seconds(full, repeats)
     return max(0.0, step_s - prof.forward_s - prof.backward_s - update_1), update_l
 
 
 def _update_seconds(state: TrainState, repeats: int) -> float:
     """The optimizer update of ``state`` (its parameters standing in for gradients)."""
+    from jax_ssdtrain._src.planner import _median_time
+
     update = jax.jit(lambda s: s.apply_gradients(grads=s.params).params)
-    return _median_seconds(lambda: update(state), repeats)
-
-
-def _median_seconds(fn, repeats: int, warmup: int = 2) -> float:
-    import statistics
-    import time
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(max(repeats, 1)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return _median_time(lambda: update(state), repeats, warmup=1)
 
 
 def parse_bandwidth(text: str) -> tuple[float, float]:

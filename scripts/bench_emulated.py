@@ -96,14 +96,12 @@ def main(argv=None) -> int:
     return 1 if bad else 0
 
 
-def store_dirs(store: dict) -> str | list[str]:
+def store_dirs(store: dict) -> list[str]:
     """The store's directories: ``stripes`` subdirectories (one engine file each) of a RAM
     store, since tmpfs serialises the writes to one file (its inode lock); the probe measures
-    the same layout."""
-    n = store.get("stripes", 1)
-    if n <= 1:
-        return store["dir"]
-    dirs = [os.path.join(store["dir"], f"stripe{i}") for i in range(n)]
+    the same layout (``jax_ssdtrain.probe.stripe_directories``)."""
+    from jax_ssdtrain.probe import stripe_directories
+    dirs = stripe_directories(store["dir"], store.get("stripes", 1))
     for d in dirs:
         os.makedirs(d, exist_ok=True)
     return dirs

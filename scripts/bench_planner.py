@@ -8,13 +8,15 @@ GPT presets: profile one layer (``jax_ssdtrain.profile``), plan (``auto``: every
 Reports predicted vs measured step ms, step over keep, and the share of the disk's allowance
 (write GB/s x the all-on-device step) that ``auto_nvme`` offloads.
 
-Memory cap (``--cap-gb``, one ``--cap-shape``): for JAX's policies (keep, selective,
-recompute) the largest batch in ``--cap-batches`` whose compiled step (XLA memory analysis:
-arguments + outputs + temporaries - aliased) fits, and ``auto`` from
-``jax_ssdtrain.plan_for_budget`` (plus the engine's staging arena when it offloads); then
-tokens/s of each at that batch.
+Memory cap (``--cap-gb``, one ``--cap-shape``): a policy x batch x tokens/s grid of JAX's
+policies (keep, recompute, selective, JAX's pinned-host offload of the layer input and of the 4
+names) and two of ours (host tier: layer input, 4 names), each compiled step's device memory
+from XLA's memory analysis (arguments + outputs + temporaries - aliased, plus the engine's
+staging arena for ours); then, under each cap, every policy's best fitting batch, and ``auto``
+and ``auto_nvme`` from ``jax_ssdtrain.plan_for_budget`` measured beside them.
 
-Writes ``planner_<device>_<date>.json``, a markdown table (``.md``) and a plot (``.png``).
+Writes ``planner_<device>_<date>.json``, a markdown table (``.md``) and plots (``.png``,
+``_cap.png``).
 
     python scripts/bench_planner.py --store-dir /var/tmp/plan          # everything (~8 min H100)
     python scripts/bench_planner.py --shape 4096,2048,4,8 --no-presets --no-cap
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -190,74 +193,122 @@ def run_preset(args, preset: str, bandwidth) -> dict:
     return doc
 
 
+CAP_JAX_POLICIES = ("keep", "recompute", "selective", "jax_host_layer_in", "jax_host_named")
+CAP_SSD_POLICIES = ("ssd_host_layer_in", "ssd_host_named")
+
+
 def run_cap(args, shape, bandwidth) -> dict:
-    """Policy x batch x tokens/s under a device-memory cap (bench_rok stack at --cap-shape)."""
+    """Policy x batch x tokens/s, then the best of each under every cap in ``--cap-gb``.
+
+    Grid: every fixed policy (JAX's and two of ours, ``bench_rok.POLICIES``) at every batch of
+    ``--cap-batches`` whose compiled step fits the largest cap of ``--cap-gb`` (device bytes from XLA's memory
+    analysis, plus the engine's staging arena for ours). Under each cap: each policy's best
+    fitting batch, and ``auto`` / ``auto_nvme`` from ``plan_for_budget`` with a profile taken
+    at each batch (small batches run below the GPU's peak; a profile scaled from one batch
+    would not see it). ``--cap-at P`` adds the caps where policy P just fits each batch."""
     import jax
     import jax_ssdtrain as ssd
     H, S, _, L = shape
-    cap = int(args.cap_gb * 1e9)
+    caps = sorted(args.cap_gb)
+    ceiling = int(caps[-1] * 1e9)
     impl = "cudnn" if jax.default_backend() == "gpu" else None
     layer = rok.make_layer(H // rok.HEAD_DIM, impl)
     staging = ssd.current_config().staging_bytes if jax.default_backend() == "gpu" else 0
-    batches = sorted(args.cap_batches, reverse=True)
+    batches = sorted(set(args.cap_batches))
     params, _ = rok.init(H, S, 1, L)
     inputs = {b: (params, jax.random.normal(jax.random.key(b), (b, S, H), jax.numpy.bfloat16))
               for b in batches}  # x (b,S,H)
-    cp = jax.checkpoint_policies
-    jax_policies = {"keep": None, "recompute": cp.nothing_saveable,
-                    "selective": cp.save_only_these_names(*rok.NAMES)}
-    rows, tried = [], []
+    compiled_memo, timed = {}, {}
 
-    def fits(pols, split, batch, extra=0):
-        compiled = split_step(layer, pols, split).lower(*inputs[batch]).compile()
-        used = device_bytes(compiled) + extra
-        tried.append({"split": split, "batch": batch, "device_GB": used / 1e9})
-        return compiled, used
+    def compiled(key, pols, split, batch, offloads):
+        if key not in compiled_memo:
+            step = split_step(layer, pols, split).lower(*inputs[batch]).compile()
+            compiled_memo[key] = (step, device_bytes(step) + (staging if offloads else 0))
+        return compiled_memo[key]
 
-    def measure(name, compiled, batch, used, **extra):
-        ssd.release_all()  # as in run_stack
-        ms = statistics.median(time_steps(compiled, inputs[batch], args.steps, args.warmup)) * 1e3
-        rows.append({"policy": name, "batch": batch, "device_GB": used / 1e9, "step_ms": ms,
-                     "tokens_per_s": batch * S / ms * 1e3, **extra})
-        print(f"[cap {args.cap_gb:g} GB] {name}: batch {batch}, {used / 1e9:.2f} GB, "
-              f"{batch * S / ms * 1e3:,.0f} tokens/s", flush=True)
+    def step_ms(key, step, batch):
+        if key not in timed:
+            ssd.release_all()  # as in run_stack
+            timed[key] = statistics.median(time_steps(step, inputs[batch], args.steps,
+                                                      args.warmup)) * 1e3
+        return timed[key]
 
-    for name, pol in jax_policies.items():
-        for b in batches:
-            compiled, used = fits((pol, pol), 0, b)
-            if used <= cap:
-                measure(name, compiled, b, used)
+    grid = []
+    for name in args.cap_policies:
+        spec = rok.POLICIES[name]
+        pol = spec.policy(args.min_bytes)
+        for b in batches:  # ascending: once a batch exceeds the largest cap, larger ones do too
+            step, used = compiled((name, b), (pol, pol), 0, b, spec.ssd)
+            row = {"policy": name, "jax": not spec.ssd, "batch": b, "device_GB": used / 1e9}
+            if used > ceiling:
+                grid.append(row | {"note": f"exceeds {caps[-1]:g} GB"})
                 break
-        else:
-            rows.append({"policy": name, "batch": None, "note": "no batch fits"})
-    one = jax.tree.map(lambda a: a[0], inputs[min(batches)][0])
-    prof = ssd.profile(lambda p, v: layer(v, p), one, inputs[min(batches)][1], num_layers=L,
-                       bandwidth=bandwidth, batch=min(batches), repeats=args.steps,
-                       warmup=args.warmup,
-                       host_cache_bytes=ssd.current_config().host_cache_bytes)
-    memo = {}
+            try:
+                ms = step_ms((name, b), step, b)
+            except Exception as e:  # e.g. the host tier is full: reported, larger batches skipped
+                grid.append(row | {"note": f"failed: {e!r}"[:300]})
+                break
+            grid.append(row | {"step_ms": ms, "tokens_per_s": b * S / ms * 1e3})
+            print(f"[cap grid {H},{S},{L}] {name} batch {b}: {used / 1e9:.2f} GB, {ms:.1f} ms, "
+                  f"{b * S / ms * 1e3:,.0f} tokens/s", flush=True)
+
+    if args.cap_at:  # caps where that policy just fits each of its batches (10 MB steps)
+        caps = sorted(set(caps) | {math.ceil(r["device_GB"] * 100) / 100 for r in grid
+                                   if r["policy"] == args.cap_at and "step_ms" in r})
+    one = jax.tree.map(lambda a: a[0], params)
+    profiles = {}
+
+    def profile_at(batch):
+        if batch not in profiles:
+            profiles[batch] = ssd.profile(
+                lambda p, v: layer(v, p), one, inputs[batch][1], num_layers=L,
+                bandwidth=bandwidth, batch=batch, repeats=args.steps, warmup=args.warmup,
+                host_cache_bytes=ssd.current_config().host_cache_bytes)
+        return profiles[batch]
+
+    def plan_step(batch, plan):
+        return compiled((batch, plan.offload_layers, plan.locations), plan.policies(),
+                        plan.offload_layers, batch, plan.offloaded_bytes > 0)
 
     def memory(batch, plan):
-        compiled, used = fits(plan.policies(), plan.offload_layers, batch,
-                              staging if plan.offloaded_bytes else 0)
-        memo[(batch, plan.offload_layers, plan.locations)] = compiled
-        return used
+        return plan_step(batch, plan)[1]
 
-    try:
-        plan = ssd.plan_for_budget(cap, batches, prof.scaled, memory, min_bytes=args.min_bytes)
-        b = plan.profile.batch
-        measure("auto", memo[(b, plan.offload_layers, plan.locations)], b,
-                plan.measured_device_bytes, predicted_ms=plan.step_s * 1e3,
-                plan=plan_doc(plan))
-    except ValueError as e:
-        rows.append({"policy": "auto", "batch": None, "note": str(e)})
-    best_jax = max((r["tokens_per_s"] for r in rows if r["policy"] != "auto" and r.get("batch")),
-                   default=None)
-    for r in rows:
-        if r.get("batch") and best_jax:
-            r["x_best_jax"] = r["tokens_per_s"] / best_jax
-    return {"kind": "cap", "shape": [H, S, L], "cap_GB": args.cap_gb, "rows": rows,
-            "compiles": tried}
+    results = []
+    for cap_gb in caps:
+        cap = int(cap_gb * 1e9)
+        best = {}
+        for r in grid:
+            if "step_ms" in r and r["device_GB"] * 1e9 <= cap and \
+                    r["tokens_per_s"] > best.get(r["policy"], {}).get("tokens_per_s", 0):
+                best[r["policy"]] = r
+        rows = [best.get(n, {"policy": n, "jax": not rok.POLICIES[n].ssd, "batch": None,
+                             "note": "no batch fits"}) for n in args.cap_policies]
+        for name, allowed in (("auto", tuple(ssd.Location)),
+                              ("auto_nvme", ("device", "remat", "nvme"))):
+            try:
+                plan = ssd.plan_for_budget(cap, batches, profile_at, memory, allowed=allowed,
+                                           min_bytes=args.min_bytes)
+            except ValueError as e:
+                rows.append({"policy": name, "jax": False, "batch": None, "note": str(e)})
+                continue
+            b = plan.profile.batch
+            step, used = plan_step(b, plan)
+            ms = step_ms((b, plan.offload_layers, plan.locations), step, b)
+            rows.append({"policy": name, "jax": False, "batch": b, "device_GB": used / 1e9,
+                         "step_ms": ms, "tokens_per_s": b * S / ms * 1e3,
+                         "predicted_ms": plan.step_s * 1e3, "plan": plan_doc(plan)})
+        best_jax = max((r["tokens_per_s"] for r in rows if r["jax"] and r.get("batch")),
+                       default=None)
+        for r in rows:
+            if r.get("batch") and best_jax:
+                r["x_best_jax"] = r["tokens_per_s"] / best_jax
+            if r.get("batch"):
+                print(f"[cap {cap_gb:g} GB] {r['policy']}: batch {r['batch']}, "
+                      f"{r['device_GB']:.2f} GB, {r['tokens_per_s']:,.0f} tokens/s"
+                      + (f", {r['x_best_jax']:.3f}x best JAX" if best_jax else ""), flush=True)
+        results.append({"cap_GB": cap_gb, "rows": rows})
+    return {"kind": "cap", "shape": [H, S, L], "staging_GB": staging / 1e9, "grid": grid,
+            "caps": results, "profiles": {b: dataclasses.asdict(p) for b, p in profiles.items()}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,12 +317,12 @@ def run_cap(args, shape, bandwidth) -> dict:
 
 def table(doc: dict) -> str:
     out = [f"store bandwidth (GB/s): write {doc['bandwidth'][0]:.2f}, read {doc['bandwidth'][1]:.2f}"
-           f" ({doc['bandwidth_source']})", "",
-           "| model | policy | split | predicted ms | measured ms | pred/meas | x keep | device GB |",
-           "|---|---|---|---|---|---|---|---|"]
-    for part in doc["parts"]:
-        if part["kind"] == "cap" or "error" in part:
-            continue
+           f" ({doc['bandwidth_source']})"]
+    modelled = [part for part in doc["parts"] if part["kind"] != "cap" and "error" not in part]
+    if modelled:
+        out += ["", "| model | policy | split | predicted ms | measured ms | pred/meas | x keep | device GB |",
+                "|---|---|---|---|---|---|---|---|"]
+    for part in modelled:
         label = part.get("preset") or ",".join(map(str, part["shape"]))
         keep = next((r["step_ms"] for r in part["rows"] if r["policy"] == "keep"), None)
         for r in part["rows"]:
@@ -286,20 +337,69 @@ def table(doc: dict) -> str:
                        f" to nvme of {p['allowed_nvme_GB']:.3f} GB allowed"
                        + (f" ({frac:.0%})" if frac is not None else ""))
     for part in doc["parts"]:
-        if part["kind"] != "cap" or "error" in part:
-            continue
-        out += ["", f"cap {part['cap_GB']:g} GB, H,S,L = {','.join(map(str, part['shape']))}:", "",
-                "| policy | batch | device GB | step ms | tokens/s | x best JAX |", "|---|---|---|---|---|---|"]
-        for r in part["rows"]:
-            if not r.get("batch"):
-                out.append(f"| {r['policy']} | - | - | - | - | {r.get('note', '')} |")
-                continue
-            out.append(f"| {r['policy']} | {r['batch']} | {r['device_GB']:.2f} | {r['step_ms']:.1f} | "
-                       f"{r['tokens_per_s']:,.0f} | {r.get('x_best_jax', 0):.3f} |")
+        if part["kind"] == "cap" and "error" not in part:
+            out += ["", cap_table(part)]
     for part in doc["parts"]:
         if "error" in part:
             out.append(f"\nERROR {part.get('what')}: {part['error']}")
     return "\n".join(out)
+
+
+def cap_table(part: dict) -> str:
+    shape = ",".join(map(str, part["shape"]))
+    out = [f"policy x batch, H,S,L = {shape} (ours: XLA + {part['staging_GB']:.2f} GB staging):",
+           "", "| policy | batch | device GB | step ms | tokens/s |", "|---|---|---|---|---|"]
+    for r in part["grid"]:
+        if "step_ms" in r:
+            out.append(f"| {r['policy']} | {r['batch']} | {r['device_GB']:.2f} | {r['step_ms']:.1f} | "
+                       f"{r['tokens_per_s']:,.0f} |")
+        else:
+            out.append(f"| {r['policy']} | {r['batch']} | {r['device_GB']:.2f} | - | {r['note']} |")
+    for c in part["caps"]:
+        out += ["", f"cap {c['cap_GB']:g} GB, H,S,L = {shape}: each policy's best batch", "",
+                "| policy | batch | device GB | step ms | predicted ms | tokens/s | x best JAX |",
+                "|---|---|---|---|---|---|---|"]
+        for r in c["rows"]:
+            if not r.get("batch"):
+                out.append(f"| {r['policy']} | - | - | - | - | - | {r.get('note', '')} |")
+                continue
+            pred = f"{r['predicted_ms']:.1f}" if "predicted_ms" in r else "-"
+            out.append(f"| {r['policy']} | {r['batch']} | {r['device_GB']:.2f} | {r['step_ms']:.1f} | "
+                       f"{pred} | {r['tokens_per_s']:,.0f} | {r.get('x_best_jax', 0):.3f} |")
+        for r in c["rows"]:
+            if "plan" in r:
+                out += ["", f"{r['policy']} plan at {c['cap_GB']:g} GB:", "```", r["plan"]["table"], "```"]
+    return "\n".join(out)
+
+
+def plot_cap(part: dict, path: Path) -> None:
+    """tokens/s against device memory: one line per fixed policy over the batches, the caps,
+    and the planner's picks."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for name in dict.fromkeys(r["policy"] for r in part["grid"]):
+        pts = [(r["device_GB"], r["tokens_per_s"], r["batch"]) for r in part["grid"]
+               if r["policy"] == name and "step_ms" in r]
+        if pts:
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if "ssd" not in name
+                            else "s--", ms=4, label=name)
+            for x, y, b in pts:
+                ax.annotate(str(b), (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points",
+                            color=line.get_color())
+    for c in part["caps"]:
+        ax.axvline(c["cap_GB"], color="grey", lw=0.7, ls=":")
+        for r in c["rows"]:
+            if r["policy"].startswith("auto") and r.get("batch"):
+                ax.scatter(r["device_GB"], r["tokens_per_s"], marker="*", s=120, zorder=5,
+                           color="black" if r["policy"] == "auto" else "red",
+                           label=f"{r['policy']} @ {c['cap_GB']:g} GB ({r.get('x_best_jax', 0):.2f}x JAX)")
+    ax.set(xlabel="device memory GB (XLA + staging)", ylabel="tokens/s",
+           title=f"H,S,L = {','.join(map(str, part['shape']))}: batch labels on the points")
+    ax.legend(fontsize=6, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(doc: dict, path: Path) -> str | None:
@@ -309,11 +409,14 @@ def plot(doc: dict, path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         return f"no plot: {e}"
+    for part in doc["parts"]:
+        if part["kind"] == "cap" and "error" not in part:
+            plot_cap(part, path.with_name(path.stem + "_cap.png"))
     rows = [(part.get("preset") or ",".join(map(str, part["shape"])), r)
             for part in doc["parts"] if part["kind"] != "cap" and "error" not in part
             for r in part["rows"]]
     if not rows:
-        return "no plot: no rows"
+        return None
     fig, ax = plt.subplots(figsize=(6.5, 6))
     for label, r in rows:
         ax.scatter(r["step_ms"], r["predicted_ms"], s=40)
@@ -340,13 +443,25 @@ def _bandwidth(text):
         raise argparse.ArgumentTypeError(str(e))
 
 
-def _batches(text):
-    try:
-        out = [int(v) for v in text.split(",")]
-    except ValueError:
-        out = []
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected batch sizes >= 1, got {text!r}")
+def _numbers(kind):
+    def parse(text):
+        try:
+            out = [kind(v) for v in text.split(",")]
+        except ValueError:
+            out = []
+        if not out or min(out) <= 0:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}s > 0, comma-separated, "
+                                             f"got {text!r}")
+        return out
+    return parse
+
+
+def _cap_policies(text):
+    out = [v for v in text.split(",") if v]
+    unknown = [v for v in out if v not in rok.POLICIES]
+    if not out or unknown:
+        raise argparse.ArgumentTypeError(f"unknown policies {unknown} in {text!r}; known: "
+                                         f"{sorted(rok.POLICIES)}")
     return out
 
 
@@ -360,10 +475,17 @@ def parse_args(argv=None):
     p.add_argument("--no-stack", action="store_true", help="skip the bench_rok stack shapes")
     p.add_argument("--preset-batch", type=int, default=8)
     p.add_argument("--preset-seq", type=int, default=1024)
-    p.add_argument("--cap-gb", type=float, default=12.0, help="device memory cap (GB)")
+    p.add_argument("--cap-gb", type=_numbers(float), default=[12.0],
+                   help="device memory caps (GB), comma-separated")
     p.add_argument("--cap-shape", type=rok._shape, default=(4096, 2048, 4, 8),
                    help="H,S,_,L of the cap experiment (the batch comes from --cap-batches)")
-    p.add_argument("--cap-batches", type=_batches, default=[1, 2, 4, 8])
+    p.add_argument("--cap-batches", type=_numbers(int), default=[1, 2, 4, 8])
+    p.add_argument("--cap-at", default=None, metavar="POLICY",
+                   help="also cap at the device memory of POLICY (one of --cap-policies) at each "
+                        "of its batches that fit --cap-gb: where it just fits that batch")
+    p.add_argument("--cap-policies", type=_cap_policies,
+                   default=list(CAP_JAX_POLICIES + CAP_SSD_POLICIES),
+                   help="fixed policies of the cap grid (bench_rok names), comma-separated")
     p.add_argument("--no-cap", action="store_true")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -380,6 +502,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be >= 1")
+    if args.cap_at is not None and args.cap_at not in args.cap_policies:
+        p.error(f"--cap-at {args.cap_at!r} is not one of --cap-policies {args.cap_policies}")
     args.shapes = args.shape or (TINY_SHAPES if args.tiny else rok.DEFAULT_SHAPES)
     args.preset_list = [] if args.no_presets else [s for s in args.presets.split(",") if s]
     if args.min_bytes is None:

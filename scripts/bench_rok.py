@@ -17,7 +17,7 @@ only orchestrates, probes the store directory's raw bandwidth, and writes
 
 Policies: keep, recompute, selective (save the 4 tags), jax_host_layer_in, jax_host_named
 (JAX ``save_and_offload_only_these_names`` to pinned_host), ssd_host_named, ssd_nvme_named,
-ssd_nvme_layer_in (the rest recomputed), ssd_nvme_sweep_1..4 (host cache of
+ssd_host_layer_in and ssd_nvme_layer_in (the rest recomputed), ssd_nvme_sweep_1..4 (host cache of
 ``--sweep-host-cache`` so that the disk is really used).
 """
 from __future__ import annotations
@@ -88,6 +88,7 @@ POLICIES = {
     "jax_host_layer_in": Spec(offloaded=("layer_in",)),
     "jax_host_named": Spec(offloaded=NAMES),
     "ssd_host_named": Spec(offloaded=NAMES, via="host"),
+    "ssd_host_layer_in": Spec(offloaded=("layer_in",), via="host"),
     "ssd_nvme_named": Spec(offloaded=NAMES, via="nvme"),
     "ssd_nvme_layer_in": Spec(offloaded=("layer_in",), via="nvme"),
     **{f"ssd_nvme_sweep_{k}": Spec(offloaded=s, saved=_rest(s), via="nvme", small_cache=True)

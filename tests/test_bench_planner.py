@@ -14,7 +14,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_planner.py"
 def test_bench_planner_tiny(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   cmd = [sys.executable, str(SCRIPT), "--tiny", "--no-presets", "--steps", "2", "--warmup", "1",
-         "--bandwidth", "100,100", "--cap-gb", "1", "--out", str(tmp_path),
+         "--bandwidth", "100,100", "--cap-gb", "1",
+         "--cap-policies", "keep,recompute,selective,ssd_host_named", "--out", str(tmp_path),
          "--store-dir", str(tmp_path / "store")]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=230)
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -32,6 +33,16 @@ def test_bench_planner_tiny(tmp_path):
   assert plan["offload_layers"] == 2 and plan["nvme_GB"] > 0  # fast disk: every layer offloads
   assert rows["auto_nvme"]["offload_GB_per_step"] == pytest.approx(plan["nvme_GB"])
   assert rows["auto_nvme"]["device_GB"] < rows["keep"]["device_GB"]
-  caps = {r["policy"]: r for r in cap["rows"]}
-  assert set(caps) == {"keep", "recompute", "selective", "auto"}
-  assert all(r["batch"] == 4 and r["device_GB"] <= 1 for r in caps.values())
+  assert {(r["policy"], r["batch"]) for r in cap["grid"]} == {
+      (n, b) for n in ("keep", "recompute", "selective", "ssd_host_named") for b in (1, 2, 4)}
+  assert all(r["tokens_per_s"] > 0 for r in cap["grid"])
+  ((under,),) = [cap["caps"]]
+  rows = {r["policy"]: r for r in under["rows"]}
+  assert set(rows) == {"keep", "recompute", "selective", "ssd_host_named", "auto", "auto_nvme"}
+  assert all(r["batch"] and r["device_GB"] <= 1 for r in rows.values())
+  best_jax = max(r["tokens_per_s"] for n, r in rows.items() if n in ("keep", "recompute", "selective"))
+  for r in rows.values():
+    assert r["x_best_jax"] == pytest.approx(r["tokens_per_s"] / best_jax)
+  assert rows["auto"]["plan"]["offload_layers"] == 2  # fast disk, tiny stack: offload everything
+  assert path.with_name(path.stem + "_cap.png").stat().st_size > 0
+  assert "| ssd_host_named | 4 |" in path.with_suffix(".md").read_text()

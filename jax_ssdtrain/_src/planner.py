@@ -9,8 +9,8 @@ as SSDTrain does, because their backward comes first and leaves no time to read 
 
 - compute: forward ``L*F``, then ``other_s`` (head, loss), then the backward, layer by layer
   from the last, then ``update_s`` (the optimizer); each layer's backward is ``B`` plus the
-  forward time of every tag it recomputes (``recompute_s`` of the tag: the layer's forward time
-  times the FLOP share of the ops between the previous tag and this one).
+  time of every tag it recomputes (``recompute_s`` of the tag: the measured cost of recomputing
+  the whole layer times the FLOP share of the ops between the previous tag and this one).
 - nvme: one disk queue, FIFO, ``write_gbps`` for writes and ``read_gbps`` for reads. The
   tensors of layer ``i`` are ready at the end of its forward and every one is written (the
   engine cancels a write that has not started when the host thread issues its load, but how
@@ -26,7 +26,9 @@ as SSDTrain does, because their backward comes first and leaves no time to read 
   (``staging_bytes``) in the role of the cache: a store waits while the bytes not yet copied
   to the host exceed it, and the last ``staging_bytes`` stored are loaded from it (no copy).
 - device memory of the plan's residuals: per layer, the bytes of tags on the device (all
-  host/nvme tags in the kept layers) plus the layer input when some tag is recomputed.
+  host/nvme tags in the kept layers) plus the layer input when some tag is recomputed, unless
+  the input is itself a tag (``input_tag``) sent to the store: recomputation then starts from
+  the loaded copy.
 
 ``plan`` enumerates every assignment of ``device | remat | host | nvme`` to the tags and every
 split ``k``, and returns the one with the least residual device memory whose predicted step is
@@ -80,6 +82,7 @@ class Profile:
   staging_bytes: int = DEFAULT_STAGING_BYTES
   host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES  # a step's host tensors must fit in it
   input_bytes: int = 0  # the layer input: saved when the layer recomputes anything
+  input_tag: str | None = None  # the tag on the layer input itself, if any
   other_s: float = 0.0  # per step, outside the layers, proportional to the batch (embedding, head)
   update_s: float = 0.0  # per step, after the backward, whatever the batch (optimizer update)
   batch: int | None = None
@@ -96,6 +99,8 @@ class Profile:
     names = [t.name for t in self.tags]
     if len(set(names)) != len(names):
       raise ValueError(f"tags: duplicate tag names in {names}")
+    if self.input_tag is not None and self.input_tag not in names:
+      raise ValueError(f"input_tag: {self.input_tag!r} is not one of the tags {names}")
     for t in self.tags:
       _check_int(f"tags[{t.name!r}].bytes", t.bytes)
       _check_number(f"tags[{t.name!r}].recompute_s", t.recompute_s)
@@ -263,7 +268,9 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
 
   Forward and backward times are per layer of a ``lax.scan`` with every tag saved on the device
   (the plan's all-on-device baseline): the difference between scans of 4 and 2 layers, halved,
-  so that launch and transfer costs outside the layers cancel. ``host_cache_bytes``,
+  so that launch and transfer costs outside the layers cancel. The same scans with nothing
+  saved give the cost of recomputing a layer (XLA fuses recomputed element-wise work into the
+  backward, so it is often far below the forward time), which the tags share by FLOPs. ``host_cache_bytes``,
   ``staging_bytes`` and ``host_tier_bytes`` default to the current store configuration's."""
   _check_int("num_layers", num_layers, low=1)
   _check_int("repeats", repeats, low=1)
@@ -278,36 +285,46 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
   sizes = {k: getattr(cfg, k) if v is None else v for k, v in (
       ("host_cache_bytes", host_cache_bytes), ("staging_bytes", staging_bytes),
       ("host_tier_bytes", host_tier_bytes))}
-  tags, flops = tagged(layer_fn, params, x)
-  forward_s, backward_s = _layer_times(layer_fn, params, x, tuple(tags), repeats, warmup)
+  tags, flops, input_tag = _tagged(layer_fn, params, x)
+  forward_s, backward_s, recompute_s = _layer_times(layer_fn, params, x, tuple(tags), repeats,
+                                                    warmup)
   total = sum(flops.values()) or 1.0
   return Profile(
       num_layers=num_layers, forward_s=forward_s, backward_s=backward_s,
-      tags=tuple(TagProfile(n, b, forward_s * flops[n] / total) for n, b in tags.items()),
+      tags=tuple(TagProfile(n, b, recompute_s * flops[n] / total) for n, b in tags.items()),
       write_gbps=float(write_gbps), read_gbps=float(read_gbps), host_gbps=float(host_gbps),
-      **{k: int(v) for k, v in sizes.items()}, input_bytes=_nbytes_tree(x), other_s=other_s,
-      update_s=update_s, batch=batch)
+      **{k: int(v) for k, v in sizes.items()}, input_bytes=_nbytes_tree(x), input_tag=input_tag,
+      other_s=other_s, update_s=update_s, batch=batch)
 
 
-def tagged(layer_fn: Callable, params: Any, x: Any) -> tuple[dict[str, int], dict[str, float]]:
-  """``({tag: bytes per layer}, {tag: forward FLOPs since the previous tag})`` from the jaxpr."""
+def _tagged(layer_fn: Callable, params: Any, x: Any
+            ) -> tuple[dict[str, int], dict[str, float], str | None]:
+  """``({tag: bytes per layer}, {tag: forward FLOPs since the previous tag}, input tag)`` from
+  the jaxpr; the input tag names the layer input ``x`` itself (a single array), else None."""
   import jax
   from jax._src import config as jax_config
   remat3 = getattr(jax_config, "remat3", None)  # under jax_remat3 tags are not name_p eqns
   with remat3(False) if remat3 is not None else contextlib.nullcontext():
     closed = jax.make_jaxpr(layer_fn)(params, x)
+  n_x = len(jax.tree.leaves(x))
+  inputs = set(closed.jaxpr.invars[-n_x:]) if n_x == 1 else set()
   sizes: dict[str, int] = {}
   flops: dict[str, float] = {}
+  input_tags: set[str] = set()
   acc = 0.0
-  for eqn in _walk(closed.jaxpr):
+  for eqn, aliases in _walk(closed.jaxpr, inputs):
     if eqn.primitive is name_p:
       name = eqn.params["name"]
       sizes[name] = sizes.get(name, 0) + _nbytes(eqn.invars[0].aval)
       flops[name] = flops.get(name, 0.0) + acc
       acc = 0.0
+      if eqn.invars[0] in aliases:
+        input_tags.add(name)
     else:
       acc += _flops(eqn)
-  return sizes, flops
+  # a name that also tags other values does not free the input when it is offloaded
+  input_tag = next((n for n in input_tags if sizes[n] == _nbytes_tree(x)), None)
+  return sizes, flops, input_tag
 
 
 
@@ -393,7 +410,11 @@ def _device_bytes(profile: Profile, k: int, locations: Mapping[str, Location]) -
     elif loc in OFFLOADED:
       total += t.bytes * (L - k)
   if any(loc is Location.REMAT for loc in locations.values()):
-    total += profile.input_bytes * L
+    # recomputation needs the layer input; a tagged input is already counted where it lives
+    # (device: every layer; host/nvme: the kept layers), else it is saved on the device
+    tagged_input = profile.input_tag is not None and \
+        locations[profile.input_tag] is not Location.REMAT
+    total += 0 if tagged_input else profile.input_bytes * L
   return total
 
 
@@ -450,17 +471,29 @@ def _rank(p: Plan):
   return (p.device_bytes, p.step_s, p.offloaded_bytes, p.offload_layers)
 
 
-def _walk(jaxpr) -> Iterable[Any]:
-  """Equations in program order, descending into sub-jaxprs (pjit, custom_vjp, scan, ...)."""
+def _walk(jaxpr, aliases: frozenset | set = frozenset()) -> Iterable[tuple[Any, set]]:
+  """``(equation, variables holding the traced input)`` in program order, descending into
+  sub-jaxprs (pjit, custom_vjp, scan, ...); ``aliases`` follow the input into a sub-jaxpr
+  whose inputs are its equation's operands (pjit, closed_call: same count)."""
   for eqn in jaxpr.eqns:
     subs = [v for v in eqn.params.values() if _is_jaxpr(v)]
     subs += [s for v in eqn.params.values() if isinstance(v, (tuple, list)) for s in v
              if _is_jaxpr(s)]
     if subs and eqn.primitive is not name_p:
-      for sub in subs[:1]:  # branches/fwd-bwd pairs: the first one is the forward
-        yield from _walk(getattr(sub, "jaxpr", sub))
+      sub = getattr(subs[0], "jaxpr", subs[0])  # branches/fwd-bwd pairs: the first is the forward
+      inner = set()
+      if len(sub.invars) == len(eqn.invars):
+        inner = {v for v, outer in zip(sub.invars, eqn.invars) if _in(outer, aliases)}
+      yield from _walk(sub, inner)
     else:
-      yield eqn
+      yield eqn, aliases
+
+
+def _in(var, aliases) -> bool:
+  try:
+    return var in aliases
+  except TypeError:  # literals are not hashable
+    return False
 
 
 def _is_jaxpr(v) -> bool:
@@ -491,22 +524,27 @@ def _nbytes_tree(tree) -> int:
              for a in jax.tree.leaves(tree))
 
 
-def _layer_times(layer_fn, params, x, names, repeats: int, warmup: int) -> tuple[float, float]:
-  """(forward, backward) seconds of one layer inside a scan, every tag saved on the device."""
+def _layer_times(layer_fn, params, x, names, repeats: int, warmup: int
+                 ) -> tuple[float, float, float]:
+  """(forward, backward, recompute) seconds of one layer inside a scan: forward and backward
+  with every tag saved on the device; recompute: what the backward adds when nothing is saved."""
   import jax
   import jax.numpy as jnp
-  # prevent_cse=False as the models' and benchmarks' scanned layers (barriers cost time)
-  body = jax.checkpoint(layer_fn, policy=location_policy(
-      {n: Location.DEVICE for n in names}, min_bytes=0), prevent_cse=False)
 
-  def stack(ps, v):
-    return jax.lax.scan(lambda h, p: (body(p, h), None), v, ps)[0]
+  def stack_of(policy):
+    # prevent_cse=False as the models' and benchmarks' scanned layers (barriers cost time)
+    body = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False)
+    return lambda ps, v: jax.lax.scan(lambda h, p: (body(p, h), None), v, ps)[0]
 
-  def train(ps, v):  # forward with residuals, then the backward of a ones cotangent
-    y, pullback = jax.vjp(stack, ps, v)
-    return pullback(jnp.ones_like(y))
+  def train_of(stack):  # forward with residuals, then the backward of a ones cotangent
+    def train(ps, v):
+      y, pullback = jax.vjp(stack, ps, v)
+      return pullback(jnp.ones_like(y))
+    return jax.jit(train)
 
-  fwd, fwd_bwd = jax.jit(stack), jax.jit(train)
+  saved = stack_of(location_policy({n: Location.DEVICE for n in names}, min_bytes=0))
+  fwd, fwd_bwd = jax.jit(saved), train_of(saved)
+  remat_bwd = train_of(stack_of(jax.checkpoint_policies.nothing_saveable))
   times = {}
   # Two and four layers: a scan of one is no loop at all (XLA removes it, and with it the
   # per-layer slicing and stacking of residuals), so a difference against it overstates a layer.
@@ -514,14 +552,15 @@ def _layer_times(layer_fn, params, x, names, repeats: int, warmup: int) -> tuple
   for n in (lo, hi):
     ps = jax.tree.map(lambda a: jnp.stack([jnp.asarray(a)] * n), params)  # (n, ...) per leaf
     v = jnp.asarray(x)
-    times[n] = (_median_time(lambda: fwd(ps, v), repeats, warmup),
-                _median_time(lambda: fwd_bwd(ps, v), repeats, warmup))
+    times[n] = tuple(_median_time(lambda f=f: f(ps, v), repeats, warmup)
+                     for f in (fwd, fwd_bwd, remat_bwd))
     del ps
   # per layer: (T(4) - T(2)) / 2; where timing noise makes it <= 0 (tiny layers), T(4) / 4
-  f, t = ((times[hi][i] - times[lo][i]) / (hi - lo) for i in (0, 1))
-  if f <= 0 or t <= f:
-    f, t = times[hi][0] / hi, times[hi][1] / hi
-  return f, (t - f if t > f else t / 2)
+  f, t, r = ((times[hi][i] - times[lo][i]) / (hi - lo) for i in range(3))
+  if f <= 0 or t <= f or r <= 0:
+    f, t, r = (v / hi for v in times[hi])
+  # recomputing costs at least nothing and at most a forward (timing noise either way)
+  return f, (t - f if t > f else t / 2), min(max(r - t, 0.0), f)
 
 
 def _median_time(fn, repeats: int, warmup: int) -> float:

@@ -270,8 +270,15 @@ def run_cap(args, shape, bandwidth) -> dict:
         return compiled((batch, plan.offload_layers, plan.locations), plan.policies(),
                         plan.offload_layers, batch, plan.offloaded_bytes > 0)
 
+    compiles = []  # what plan_for_budget measured, for each cap
+
     def memory(batch, plan):
-        return plan_step(batch, plan)[1]
+        used = plan_step(batch, plan)[1]
+        compiles.append({"cap_GB": cap_gb, "batch": batch, "offload_layers": plan.offload_layers,
+                         "locations": {n: loc.value for n, loc in plan.locations},
+                         "predicted_ms": plan.step_s * 1e3, "residual_GB": plan.device_bytes / 1e9,
+                         "device_GB": used / 1e9})
+        return used
 
     results = []
     for cap_gb in caps:
@@ -308,7 +315,7 @@ def run_cap(args, shape, bandwidth) -> dict:
                       + (f", {r['x_best_jax']:.3f}x best JAX" if best_jax else ""), flush=True)
         results.append({"cap_GB": cap_gb, "rows": rows})
     return {"kind": "cap", "shape": [H, S, L], "staging_GB": staging / 1e9, "grid": grid,
-            "caps": results, "profiles": {b: dataclasses.asdict(p) for b, p in profiles.items()}}
+            "caps": results, "compiles": compiles, "profiles": {b: dataclasses.asdict(p) for b, p in profiles.items()}}
 
 
 # ---------------------------------------------------------------------------------------------

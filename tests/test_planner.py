@@ -190,6 +190,38 @@ def test_offloaded_input_tag_frees_the_input_of_recomputing_layers():
     dataclasses.replace(prof, input_tag="nope")
 
 
+def test_each_offloaded_tag_costs_offload_s_per_layer():
+  prof = ssd.Profile(num_layers=4, forward_s=1.0, backward_s=2.0, write_gbps=0, read_gbps=0,
+                     tags=(T("x", GB), T("h", GB)), input_bytes=GB, input_tag="x",
+                     host_gbps=1e9, staging_bytes=8 * GB, offload_s=0.5)
+  host, device = Location.HOST, Location.DEVICE
+  assert simulate(prof, 2, {"x": host, "h": device}) == (pytest.approx(13.0), 0.0)
+  assert simulate(prof, 2, {"x": host, "h": host}) == (pytest.approx(14.0), 0.0)
+  assert simulate(prof, 0, {"x": host, "h": host}) == (pytest.approx(12.0), 0.0)
+  assert dataclasses.replace(prof, batch=1).scaled(4).offload_s == 0.5  # per call, not per byte
+
+
+def test_memory_budget_compiles_the_smallest_of_equally_fast_plans():
+  # a fast host link: every split of "a" to the host is predicted within 0.1% of the others
+  base = ssd.Profile(num_layers=8, forward_s=1.0, backward_s=2.0, batch=1,
+                     tags=(T("a", GB, 0.5),), write_gbps=0, read_gbps=0, host_gbps=1e6,
+                     staging_bytes=0, offload_s=1e-3)
+  first = []
+
+  def memory(batch, plan):
+    first.append(plan.offload_layers)
+    return plan.device_bytes
+
+  p = ssd.plan_for_budget(8 * GB, [1], lambda b: base, memory, allowed=["device", "host"])
+  assert first == [8] and p.offload_layers == 8 and p.device_bytes == 0  # least memory
+  first.clear()
+  p = ssd.plan_for_budget(8 * GB, [1], lambda b: base, memory, allowed=["device", "host"],
+                          tolerance=0.0)
+  assert first == [0] and p.offload_layers == 0  # the fastest: nothing offloaded
+  with pytest.raises(ValueError, match="tolerance"):
+    ssd.plan_for_budget(GB, [1], lambda b: base, memory, tolerance=-1)
+
+
 def test_outside_time_scales_with_the_batch_but_the_update_does_not():
   prof = ssd.Profile(num_layers=2, forward_s=1.0, backward_s=2.0, tags=(T("a", GB, 0.5),),
                      write_gbps=0, read_gbps=0, other_s=0.5, update_s=0.25, batch=4)
@@ -324,7 +356,7 @@ def test_memory_budget_with_real_compiles():
   assert sizes[2] < sizes[4]
   budget = (sizes[2] + sizes[4]) // 2
   p = ssd.plan_for_budget(budget, [1, 2, 4], prof.scaled, memory, min_bytes=0)
-  assert p.profile.batch == 2 and p.measured_device_bytes == sizes[2]
+  assert p.profile.batch == 2 and p.measured_device_bytes == memory(2, p) <= budget
 
 
 # --------------------------------------------------------------------------- split-scan models

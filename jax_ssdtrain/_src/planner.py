@@ -21,6 +21,8 @@ as SSDTrain does, because their backward comes first and leaves no time to read 
   are not read back. Disk reads run after the writes, last layer first; layer ``i``'s reads
   must finish before its backward starts, else the backward stalls. In steady state the disk's
   writes and reads of one step must also fit in the step, else the step waits for them.
+- every tag sent to the store also costs ``offload_s`` per layer (its store and load: host-side
+  work and launches, measured by ``profile``), half in the forward and half in the backward.
 - host: the same with the PCIe link (``host_gbps`` each way, full duplex: device-to-host in the
   forward, host-to-device read-ahead in the backward) and the device staging arena
   (``staging_bytes``) in the role of the cache: a store waits while the bytes not yet copied
@@ -83,14 +85,15 @@ class Profile:
   host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES  # a step's host tensors must fit in it
   input_bytes: int = 0  # the layer input: saved when the layer recomputes anything
   input_tag: str | None = None  # the tag on the layer input itself, if any
+  offload_s: float = 0.0  # per offloaded tag and layer: a store and its load, beyond the bytes
   other_s: float = 0.0  # per step, outside the layers, proportional to the batch (embedding, head)
   update_s: float = 0.0  # per step, after the backward, whatever the batch (optimizer update)
   batch: int | None = None
 
   def __post_init__(self):
     _check_int("num_layers", self.num_layers, low=1)
-    for key in ("forward_s", "backward_s", "write_gbps", "read_gbps", "host_gbps", "other_s",
-                "update_s"):
+    for key in ("forward_s", "backward_s", "write_gbps", "read_gbps", "host_gbps", "offload_s",
+                "other_s", "update_s"):
       _check_number(key, getattr(self, key))
     _check_int("host_cache_bytes", self.host_cache_bytes)
     _check_int("staging_bytes", self.staging_bytes)
@@ -107,7 +110,7 @@ class Profile:
 
   def scaled(self, batch: int) -> Profile:
     """This profile at another batch size: times and bytes proportional to the batch (all but
-    ``update_s``)."""
+    ``update_s`` and ``offload_s``)."""
     if self.batch is None:
       raise ValueError("scaled: this profile has no batch size")
     _check_int("batch", batch, low=1)
@@ -218,15 +221,19 @@ def frontier(profile: Profile, *, allowed: Iterable[str | Location] = tuple(Loca
 
 def plan_for_budget(budget_bytes: int, batches: Sequence[int],
                     profile_fn: Callable[[int], Profile],
-                    memory_fn: Callable[[int, Plan], int], *, max_compiles: int = 3, **plan_options) -> Plan:
+                    memory_fn: Callable[[int, Plan], int], *, max_compiles: int = 3,
+                    tolerance: float = 0.005, **plan_options) -> Plan:
   """The batch and plan with the most tokens/s whose device memory fits ``budget_bytes``.
 
   profile_fn(batch) -> Profile (e.g. ``base.scaled``); memory_fn(batch, plan) -> exact device
   bytes of the whole step (compile only). For each batch, the Pareto-front plans are tried from
-  the fastest; the estimated residual bytes skip the ones that cannot fit, and at most
-  ``max_compiles`` candidates per batch are measured. Raises ValueError when nothing fits.
+  the fastest (of the plans predicted within ``tolerance`` of the fastest, the smallest: the
+  model cannot tell them apart); the estimated residual bytes skip the ones that cannot fit,
+  and at most ``max_compiles`` candidates per batch are measured. Raises ValueError when
+  nothing fits.
   """
   _check_int("budget_bytes", budget_bytes, low=1)
+  _check_number("tolerance", tolerance)
   if not batches:
     raise ValueError("batches: expected at least one batch size, got an empty sequence")
   for b in batches:
@@ -239,7 +246,9 @@ def plan_for_budget(budget_bytes: int, batches: Sequence[int],
       if not front or (best is not None and
                        batch / front[0].step_s <= best_batch / best.step_s):
         break
-      cand = front.pop(0)
+      # the front is sorted by step, smallest last: the last plan within the tolerance
+      cand = front.pop(max(i for i, p in enumerate(front)
+                           if p.step_s <= front[0].step_s * (1 + tolerance)))
       used = int(memory_fn(batch, cand))
       tried.append((batch, cand.offload_layers, used))
       if used <= budget_bytes:
@@ -270,8 +279,11 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
   (the plan's all-on-device baseline): the difference between scans of 4 and 2 layers, halved,
   so that launch and transfer costs outside the layers cancel. The same scans with nothing
   saved give the cost of recomputing a layer (XLA fuses recomputed element-wise work into the
-  backward, so it is often far below the forward time), which the tags share by FLOPs. ``host_cache_bytes``,
-  ``staging_bytes`` and ``host_tier_bytes`` default to the current store configuration's."""
+  backward, so it is often far below the forward time), which the tags share by FLOPs; with
+  the input tag (else the smallest tag) in the host tier, the cost of one store and its load
+  (``offload_s``: it goes through the store, which is set up if it is not yet).
+  ``host_cache_bytes``, ``staging_bytes`` and ``host_tier_bytes`` default to the current store
+  configuration's."""
   _check_int("num_layers", num_layers, low=1)
   _check_int("repeats", repeats, low=1)
   _check_int("warmup", warmup)
@@ -286,15 +298,18 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
       ("host_cache_bytes", host_cache_bytes), ("staging_bytes", staging_bytes),
       ("host_tier_bytes", host_tier_bytes))}
   tags, flops, input_tag = _tagged(layer_fn, params, x)
-  forward_s, backward_s, recompute_s = _layer_times(layer_fn, params, x, tuple(tags), repeats,
-                                                    warmup)
+  # the offload cost is measured on the input tag, else the smallest tag the policies offload
+  big = [n for n in tags if tags[n] >= DEFAULT_MIN_BYTES] or list(tags)
+  probe_tag = input_tag or min(big, key=tags.get, default=None)
+  forward_s, backward_s, recompute_s, offload_s = _layer_times(
+      layer_fn, params, x, tuple(tags), probe_tag, repeats, warmup)
   total = sum(flops.values()) or 1.0
   return Profile(
       num_layers=num_layers, forward_s=forward_s, backward_s=backward_s,
       tags=tuple(TagProfile(n, b, recompute_s * flops[n] / total) for n, b in tags.items()),
       write_gbps=float(write_gbps), read_gbps=float(read_gbps), host_gbps=float(host_gbps),
       **{k: int(v) for k, v in sizes.items()}, input_bytes=_nbytes_tree(x), input_tag=input_tag,
-      other_s=other_s, update_s=update_s, batch=batch)
+      offload_s=offload_s, other_s=other_s, update_s=update_s, batch=batch)
 
 
 def _tagged(layer_fn: Callable, params: Any, x: Any
@@ -353,8 +368,11 @@ def simulate(profile: Profile, offload_layers: int,
   """``(compute_s, stall_s)`` per step under the timing model of the module docstring."""
   p, L, k = profile, profile.num_layers, offload_layers
   recompute = sum(t.recompute_s for t in p.tags if locations[t.name] is Location.REMAT)
-  compute = L * (p.forward_s + p.backward_s + recompute) + p.other_s + p.update_s
   per_layer = {loc: sum(t.bytes for t in p.tags if locations[t.name] is loc) for loc in OFFLOADED}
+  # host-side work of the offloaded layers' stores (forward) and loads (backward)
+  calls = p.offload_s / 2 * sum(locations[t.name] in OFFLOADED for t in p.tags) if k else 0.0
+  compute = (L * (p.forward_s + p.backward_s + recompute) + 2 * k * calls + p.other_s
+             + p.update_s)
   if k == 0 or not any(per_layer.values()):
     return compute, 0.0
   nv, hb = per_layer[Location.NVME], per_layer[Location.HOST]
@@ -368,6 +386,7 @@ def simulate(profile: Profile, offload_layers: int,
     t += p.forward_s
     if i >= k:
       continue
+    t += calls
     if nv:
       # every write starts (no credit for writes the engine cancels: see the module docstring)
       disk_free = write_end[i] = max(t, disk_free) + nv / w
@@ -378,7 +397,7 @@ def simulate(profile: Profile, offload_layers: int,
       link_down = host_done[i] = max(t, link_down) + hb / h
       # bytes not yet copied to the host must fit in the device staging arena
       t = max(t, link_down - p.staging_bytes / h)
-  stall += max(0.0, t - L * p.forward_s)
+  stall += max(0.0, t - L * p.forward_s - k * calls)
   t += p.other_s
   link_up = t
   for i in reversed(range(L)):
@@ -394,7 +413,7 @@ def simulate(profile: Profile, offload_layers: int,
         link_up = max(link_up, host_done[i]) + hb / h
         ready = max(ready, link_up)
       stall += ready - t
-      t = ready
+      t = ready + calls
     t += back
   # steady state: the disk cannot move more per step than its bandwidth allows in one step
   return compute, stall + max(0.0, disk_busy - (compute + stall))
@@ -524,10 +543,11 @@ def _nbytes_tree(tree) -> int:
              for a in jax.tree.leaves(tree))
 
 
-def _layer_times(layer_fn, params, x, names, repeats: int, warmup: int
-                 ) -> tuple[float, float, float]:
-  """(forward, backward, recompute) seconds of one layer inside a scan: forward and backward
-  with every tag saved on the device; recompute: what the backward adds when nothing is saved."""
+def _layer_times(layer_fn, params, x, names, probe_tag, repeats: int, warmup: int
+                 ) -> tuple[float, float, float, float]:
+  """(forward, backward, recompute, offload) seconds of one layer inside a scan: forward and
+  backward with every tag saved on the device; recompute: what the backward adds when nothing
+  is saved; offload: what the step adds when ``probe_tag`` goes to the host tier (0 if None)."""
   import jax
   import jax.numpy as jnp
 
@@ -542,9 +562,14 @@ def _layer_times(layer_fn, params, x, names, repeats: int, warmup: int
       return pullback(jnp.ones_like(y))
     return jax.jit(train)
 
-  saved = stack_of(location_policy({n: Location.DEVICE for n in names}, min_bytes=0))
+  on_device = {n: Location.DEVICE for n in names}
+  saved = stack_of(location_policy(on_device, min_bytes=0))
   fwd, fwd_bwd = jax.jit(saved), train_of(saved)
   remat_bwd = train_of(stack_of(jax.checkpoint_policies.nothing_saveable))
+  fns = [fwd, fwd_bwd, remat_bwd]
+  if probe_tag is not None:
+    fns.append(train_of(stack_of(location_policy(
+        {**on_device, probe_tag: Location.HOST}, min_bytes=0))))
   times = {}
   # Two and four layers: a scan of one is no loop at all (XLA removes it, and with it the
   # per-layer slicing and stacking of residuals), so a difference against it overstates a layer.
@@ -552,15 +577,16 @@ def _layer_times(layer_fn, params, x, names, repeats: int, warmup: int
   for n in (lo, hi):
     ps = jax.tree.map(lambda a: jnp.stack([jnp.asarray(a)] * n), params)  # (n, ...) per leaf
     v = jnp.asarray(x)
-    times[n] = tuple(_median_time(lambda f=f: f(ps, v), repeats, warmup)
-                     for f in (fwd, fwd_bwd, remat_bwd))
+    times[n] = tuple(_median_time(lambda f=f: f(ps, v), repeats, warmup) for f in fns)
     del ps
   # per layer: (T(4) - T(2)) / 2; where timing noise makes it <= 0 (tiny layers), T(4) / 4
-  f, t, r = ((times[hi][i] - times[lo][i]) / (hi - lo) for i in range(3))
-  if f <= 0 or t <= f or r <= 0:
-    f, t, r = (v / hi for v in times[hi])
+  f, t, r, o = ((times[hi][i] - times[lo][i]) / (hi - lo) if i < len(fns) else 0.0
+                for i in range(4))
+  if f <= 0 or t <= f or r <= 0 or (o <= 0 and len(fns) == 4):
+    f, t, r, o = (times[hi][i] / hi if i < len(fns) else 0.0 for i in range(4))
   # recomputing costs at least nothing and at most a forward (timing noise either way)
-  return f, (t - f if t > f else t / 2), min(max(r - t, 0.0), f)
+  return (f, (t - f if t > f else t / 2), min(max(r - t, 0.0), f),
+          max(o - t, 0.0) if len(fns) == 4 else 0.0)
 
 
 def _median_time(fn, repeats: int, warmup: int) -> float:

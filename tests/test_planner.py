@@ -51,6 +51,7 @@ def test_profile_bytes_are_the_tags_avals():
                  "down2": B * S * H * 4 + B * S * 3 * 4}
   assert [t.name for t in prof.tags] == ["layer_in", "up", "down", "down2"]  # program order
   assert prof.input_bytes == B * S * H * 4 and prof.num_layers == 3 and prof.batch == B
+  assert prof.param_bytes == H * F * 4 * 2
   assert (prof.write_gbps, prof.read_gbps) == (2.0, 1.5)
   assert prof.forward_s > 0 and prof.backward_s > 0
   assert prof.input_tag == "layer_in"
@@ -184,6 +185,10 @@ def test_offloaded_input_tag_frees_the_input_of_recomputing_layers():
   assert p.device_bytes == GB // 4
   p = planner._evaluate(prof, 4, {"x": device, "h": remat}, 12.0, 0)  # counted once
   assert p.device_bytes == GB
+  # a split scan holds the stack's weight gradients twice; an unsplit one does not
+  weighty = dataclasses.replace(prof, param_bytes=GB // 8)
+  assert planner._evaluate(weighty, 3, {"x": host, "h": remat}, 12.0, 0).device_bytes == GB // 4 + GB // 2
+  assert planner._evaluate(weighty, 4, {"x": host, "h": remat}, 12.0, 0).device_bytes == 0
   untagged = dataclasses.replace(prof, input_tag=None)  # x is some other tensor: input saved
   assert planner._evaluate(untagged, 4, {"x": host, "h": remat}, 12.0, 0).device_bytes == GB
   with pytest.raises(ValueError, match="input_tag"):

@@ -30,7 +30,8 @@ as SSDTrain does, because their backward comes first and leaves no time to read 
 - device memory of the plan's residuals: per layer, the bytes of tags on the device (all
   host/nvme tags in the kept layers) plus the layer input when some tag is recomputed, unless
   the input is itself a tag (``input_tag``) sent to the store: recomputation then starts from
-  the loaded copy.
+  the loaded copy. A split scan (``0 < k < L``) also holds the stack's weight gradients twice
+  (each scan's, then their concatenation): ``L * param_bytes`` more.
 
 ``plan`` enumerates every assignment of ``device | remat | host | nvme`` to the tags and every
 split ``k``, and returns the one with the least residual device memory whose predicted step is
@@ -60,6 +61,7 @@ DEFAULT_HOST_CACHE_BYTES = 1 << 30  # StoreConfig.host_cache_bytes default
 DEFAULT_STAGING_BYTES = 1 << 30  # StoreConfig.staging_bytes default
 DEFAULT_HOST_TIER_BYTES = 8 << 30  # StoreConfig.host_tier_bytes default
 OFFLOADED = (Location.HOST, Location.NVME)
+MIN_DIFFERENCE_S = 0.02  # profile: the long and short scans differ by at least this much
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,7 @@ class Profile:
   host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES  # a step's host tensors must fit in it
   input_bytes: int = 0  # the layer input: saved when the layer recomputes anything
   input_tag: str | None = None  # the tag on the layer input itself, if any
+  param_bytes: int = 0  # one layer's parameters (a split scan holds a second copy of the grads)
   offload_s: float = 0.0  # per offloaded tag and layer: a store and its load, beyond the bytes
   other_s: float = 0.0  # per step, outside the layers, proportional to the batch (embedding, head)
   update_s: float = 0.0  # per step, after the backward, whatever the batch (optimizer update)
@@ -99,6 +102,7 @@ class Profile:
     _check_int("staging_bytes", self.staging_bytes)
     _check_int("host_tier_bytes", self.host_tier_bytes)
     _check_int("input_bytes", self.input_bytes)
+    _check_int("param_bytes", self.param_bytes)
     names = [t.name for t in self.tags]
     if len(set(names)) != len(names):
       raise ValueError(f"tags: duplicate tag names in {names}")
@@ -276,8 +280,9 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
   (``bandwidth`` as (write, read) GB/s, else ``measured_bandwidth(directory)``).
 
   Forward and backward times are per layer of a ``lax.scan`` with every tag saved on the device
-  (the plan's all-on-device baseline): the difference between scans of 4 and 2 layers, halved,
-  so that launch and transfer costs outside the layers cancel. The same scans with nothing
+  (the plan's all-on-device baseline): the difference between scans of 2 and of 4 or more
+  layers (more for small layers, see ``_layer_times``), per layer, so that launch and transfer
+  costs outside the layers cancel. The same scans with nothing
   saved give the cost of recomputing a layer (XLA fuses recomputed element-wise work into the
   backward, so it is often far below the forward time), which the tags share by FLOPs; with
   the input tag (else the smallest tag) in the host tier, the cost of one store and its load
@@ -309,7 +314,8 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
       tags=tuple(TagProfile(n, b, recompute_s * flops[n] / total) for n, b in tags.items()),
       write_gbps=float(write_gbps), read_gbps=float(read_gbps), host_gbps=float(host_gbps),
       **{k: int(v) for k, v in sizes.items()}, input_bytes=_nbytes_tree(x), input_tag=input_tag,
-      offload_s=offload_s, other_s=other_s, update_s=update_s, batch=batch)
+      param_bytes=_nbytes_tree(params), offload_s=offload_s, other_s=other_s, update_s=update_s,
+      batch=batch)
 
 
 def _tagged(layer_fn: Callable, params: Any, x: Any
@@ -434,6 +440,8 @@ def _device_bytes(profile: Profile, k: int, locations: Mapping[str, Location]) -
     tagged_input = profile.input_tag is not None and \
         locations[profile.input_tag] is not Location.REMAT
     total += 0 if tagged_input else profile.input_bytes * L
+  if 0 < k < L:  # the two scans' weight gradients, concatenated into the stack's
+    total += profile.param_bytes * L
   return total
 
 
@@ -571,15 +579,20 @@ def _layer_times(layer_fn, params, x, names, probe_tag, repeats: int, warmup: in
     fns.append(train_of(stack_of(location_policy(
         {**on_device, probe_tag: Location.HOST}, min_bytes=0))))
   times = {}
-  # Two and four layers: a scan of one is no loop at all (XLA removes it, and with it the
+  # Two layers and more: a scan of one is no loop at all (XLA removes it, and with it the
   # per-layer slicing and stacking of residuals), so a difference against it overstates a layer.
-  lo, hi = 2, 4
-  for n in (lo, hi):
+  # The longer scan has at least 4 layers, more for small layers (up to 32), so that the
+  # difference is at least MIN_DIFFERENCE_S of training time and not lost in timing noise.
+  lo = hi = 2
+  v = jnp.asarray(x)
+  for n in (lo, None):
+    if n is None:
+      hi = n = min(32, max(4, 2 * math.ceil((lo + MIN_DIFFERENCE_S / per_layer) / 2)))
     ps = jax.tree.map(lambda a: jnp.stack([jnp.asarray(a)] * n), params)  # (n, ...) per leaf
-    v = jnp.asarray(x)
     times[n] = tuple(_median_time(lambda f=f: f(ps, v), repeats, warmup) for f in fns)
+    per_layer = max(times[n][1] / n, 1e-9)
     del ps
-  # per layer: (T(4) - T(2)) / 2; where timing noise makes it <= 0 (tiny layers), T(4) / 4
+  # per layer: (T(hi) - T(2)) / (hi - 2); where timing noise makes it <= 0, T(hi) / hi
   f, t, r, o = ((times[hi][i] - times[lo][i]) / (hi - lo) if i < len(fns) else 0.0
                 for i in range(4))
   if f <= 0 or t <= f or r <= 0 or (o <= 0 and len(fns) == 4):

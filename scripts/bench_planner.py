@@ -45,8 +45,10 @@ TINY_SHAPES = ((256, 128, 2, 2),)
 
 
 def split_step(layer, policies, split: int):
-    """value_and_grad of the stack with layers [0, split) under policies[0], the rest under
-    policies[1] (None: no remat); the weights are the same stacked arrays either way."""
+    """value_and_grad of the stack, called on ``(segments(params, split), x)``: layers
+    [0, split) under policies[0], the rest under policies[1] (None: no remat). Each segment's
+    weights are arrays of their own, so their gradients are not concatenated into a second copy
+    (the planner's ``split_grad_copy=False``)."""
     import jax
     import jax.numpy as jnp
 
@@ -54,14 +56,21 @@ def split_step(layer, policies, split: int):
         f = lambda x, p: (layer(x, p), None)  # noqa: E731
         return f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=False)
 
-    def loss(params, x):
-        L = jax.tree.leaves(params)[0].shape[0]
-        for policy, lo, hi in ((policies[0], 0, split), (policies[1], split, L)):
-            if hi > lo:
-                x, _ = jax.lax.scan(body(policy), x, jax.tree.map(lambda a: a[lo:hi], params))
+    def loss(segs, x):
+        pols = policies if len(segs) == 2 else (policies[0] if split else policies[1],)
+        for policy, seg in zip(pols, segs):
+            x, _ = jax.lax.scan(body(policy), x, seg)
         return jnp.mean(x.astype(jnp.float32) ** 2)
 
     return jax.jit(jax.value_and_grad(loss))
+
+
+def segments(params, split: int) -> tuple:
+    """The stacked weights as the segments [0, split) and [split, L) (empty ones left out)."""
+    import jax
+    L = jax.tree.leaves(params)[0].shape[0]
+    return tuple(jax.tree.map(lambda a: a[lo:hi], params)
+                 for lo, hi in ((0, split), (split, L)) if hi > lo)
 
 
 def device_bytes(compiled) -> int:
@@ -108,6 +117,7 @@ def run_stack(args, shape, bandwidth) -> dict:
     prof = ssd.profile(lambda p, v: layer(v, p), one, x, num_layers=L, bandwidth=bandwidth,
                        host_cache_bytes=ssd.current_config().host_cache_bytes, batch=B,
                        repeats=args.steps, warmup=args.warmup)
+    prof = dataclasses.replace(prof, split_grad_copy=False)  # split_step: separate segments
     plans = {"auto": ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=args.min_bytes),
              "auto_nvme": ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=args.min_bytes,
                                    allowed=("device", "remat", "nvme"))}
@@ -115,12 +125,13 @@ def run_stack(args, shape, bandwidth) -> dict:
            "profile_s": time.perf_counter() - t0,
            "plans": {k: plan_doc(p) for k, p in plans.items()}, "rows": []}
     for name, (pols, split, predicted) in stack_policies(plans, args.min_bytes).items():
-        compiled = split_step(layer, pols, split).lower(params, x).compile()
+        args_ = (segments(params, split), x)
+        compiled = split_step(layer, pols, split).lower(*args_).compile()
         # entries an earlier program left (forwarded ones are never evicted) would shrink the
         # host cache of this one: each measured program starts with an empty store
         ssd.release_all()
         ssd.reset_stats()
-        times = time_steps(compiled, (params, x), args.steps, args.warmup)
+        times = time_steps(compiled, args_, args.steps, args.warmup)
         st = ssd.stats()
         ms = statistics.median(times) * 1e3
         doc["rows"].append({
@@ -221,16 +232,17 @@ def run_cap(args, shape, bandwidth) -> dict:
     compiled_memo, timed = {}, {}
 
     def compiled(key, pols, split, batch, offloads):
+        """(step, its arguments, device bytes); memoized by key."""
         if key not in compiled_memo:
-            step = split_step(layer, pols, split).lower(*inputs[batch]).compile()
-            compiled_memo[key] = (step, device_bytes(step) + (staging if offloads else 0))
+            args_ = (segments(params, split), inputs[batch][1])
+            step = split_step(layer, pols, split).lower(*args_).compile()
+            compiled_memo[key] = (step, args_, device_bytes(step) + (staging if offloads else 0))
         return compiled_memo[key]
 
-    def step_ms(key, step, batch):
+    def step_ms(key, step, args_):
         if key not in timed:
             ssd.release_all()  # as in run_stack
-            timed[key] = statistics.median(time_steps(step, inputs[batch], args.steps,
-                                                      args.warmup)) * 1e3
+            timed[key] = statistics.median(time_steps(step, args_, args.steps, args.warmup)) * 1e3
         return timed[key]
 
     grid = []
@@ -238,13 +250,13 @@ def run_cap(args, shape, bandwidth) -> dict:
         spec = rok.POLICIES[name]
         pol = spec.policy(args.min_bytes)
         for b in batches:  # ascending: once a batch exceeds the largest cap, larger ones do too
-            step, used = compiled((name, b), (pol, pol), 0, b, spec.ssd)
+            step, step_args, used = compiled((name, b), (pol, pol), 0, b, spec.ssd)
             row = {"policy": name, "jax": not spec.ssd, "batch": b, "device_GB": used / 1e9}
             if used > ceiling:
                 grid.append(row | {"note": f"exceeds {caps[-1]:g} GB"})
                 break
             try:
-                ms = step_ms((name, b), step, b)
+                ms = step_ms((name, b), step, step_args)
             except Exception as e:  # e.g. the host tier is full: reported, larger batches skipped
                 grid.append(row | {"note": f"failed: {e!r}"[:300]})
                 break
@@ -260,10 +272,11 @@ def run_cap(args, shape, bandwidth) -> dict:
 
     def profile_at(batch):
         if batch not in profiles:
-            profiles[batch] = ssd.profile(
+            profiles[batch] = dataclasses.replace(ssd.profile(
                 lambda p, v: layer(v, p), one, inputs[batch][1], num_layers=L,
                 bandwidth=bandwidth, batch=batch, repeats=args.steps, warmup=args.warmup,
-                host_cache_bytes=ssd.current_config().host_cache_bytes)
+                host_cache_bytes=ssd.current_config().host_cache_bytes),
+                split_grad_copy=False)  # split_step: separate segments
         return profiles[batch]
 
     def plan_step(batch, plan):
@@ -273,7 +286,7 @@ def run_cap(args, shape, bandwidth) -> dict:
     compiles = []  # what plan_for_budget measured, for each cap
 
     def memory(batch, plan):
-        used = plan_step(batch, plan)[1]
+        used = plan_step(batch, plan)[2]
         compiles.append({"cap_GB": cap_gb, "batch": batch, "offload_layers": plan.offload_layers,
                          "locations": {n: loc.value for n, loc in plan.locations},
                          "predicted_ms": plan.step_s * 1e3, "residual_GB": plan.device_bytes / 1e9,
@@ -299,8 +312,8 @@ def run_cap(args, shape, bandwidth) -> dict:
                 rows.append({"policy": name, "jax": False, "batch": None, "note": str(e)})
                 continue
             b = plan.profile.batch
-            step, used = plan_step(b, plan)
-            ms = step_ms((b, plan.offload_layers, plan.locations), step, b)
+            step, step_args, used = plan_step(b, plan)
+            ms = step_ms((b, plan.offload_layers, plan.locations), step, step_args)
             rows.append({"policy": name, "jax": False, "batch": b, "device_GB": used / 1e9,
                          "step_ms": ms, "tokens_per_s": b * S / ms * 1e3,
                          "predicted_ms": plan.step_s * 1e3, "plan": plan_doc(plan)})

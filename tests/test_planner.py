@@ -189,6 +189,8 @@ def test_offloaded_input_tag_frees_the_input_of_recomputing_layers():
   weighty = dataclasses.replace(prof, param_bytes=GB // 8)
   assert planner._evaluate(weighty, 3, {"x": host, "h": remat}, 12.0, 0).device_bytes == GB // 4 + GB // 2
   assert planner._evaluate(weighty, 4, {"x": host, "h": remat}, 12.0, 0).device_bytes == 0
+  separate = dataclasses.replace(weighty, split_grad_copy=False)  # segments of their own
+  assert planner._evaluate(separate, 3, {"x": host, "h": remat}, 12.0, 0).device_bytes == GB // 4
   untagged = dataclasses.replace(prof, input_tag=None)  # x is some other tensor: input saved
   assert planner._evaluate(untagged, 4, {"x": host, "h": remat}, 12.0, 0).device_bytes == GB
   with pytest.raises(ValueError, match="input_tag"):

@@ -30,8 +30,10 @@ as SSDTrain does, because their backward comes first and leaves no time to read 
 - device memory of the plan's residuals: per layer, the bytes of tags on the device (all
   host/nvme tags in the kept layers) plus the layer input when some tag is recomputed, unless
   the input is itself a tag (``input_tag``) sent to the store: recomputation then starts from
-  the loaded copy. A split scan (``0 < k < L``) also holds the stack's weight gradients twice
-  (each scan's, then their concatenation): ``L * param_bytes`` more.
+  the loaded copy. A split scan (``0 < k < L``) over one stacked parameter array (the models'
+  ``Stack``) also holds the stack's weight gradients twice (each scan's, then their
+  concatenation): ``L * param_bytes`` more, unless ``split_grad_copy`` is False (segments with
+  parameter arrays of their own).
 
 ``plan`` enumerates every assignment of ``device | remat | host | nvme`` to the tags and every
 split ``k``, and returns the one with the least residual device memory whose predicted step is
@@ -87,7 +89,8 @@ class Profile:
   host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES  # a step's host tensors must fit in it
   input_bytes: int = 0  # the layer input: saved when the layer recomputes anything
   input_tag: str | None = None  # the tag on the layer input itself, if any
-  param_bytes: int = 0  # one layer's parameters (a split scan holds a second copy of the grads)
+  param_bytes: int = 0  # one layer's parameters
+  split_grad_copy: bool = True  # a split scan concatenates its segments' weight gradients
   offload_s: float = 0.0  # per offloaded tag and layer: a store and its load, beyond the bytes
   other_s: float = 0.0  # per step, outside the layers, proportional to the batch (embedding, head)
   update_s: float = 0.0  # per step, after the backward, whatever the batch (optimizer update)
@@ -440,7 +443,7 @@ def _device_bytes(profile: Profile, k: int, locations: Mapping[str, Location]) -
     tagged_input = profile.input_tag is not None and \
         locations[profile.input_tag] is not Location.REMAT
     total += 0 if tagged_input else profile.input_bytes * L
-  if 0 < k < L:  # the two scans' weight gradients, concatenated into the stack's
+  if 0 < k < L and profile.split_grad_copy:  # two scans' weight gradients, then their concat
     total += profile.param_bytes * L
   return total
 

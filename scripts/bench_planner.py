@@ -212,8 +212,8 @@ def run_cap(args, shape, bandwidth) -> dict:
     """Policy x batch x tokens/s, then the best of each under every cap in ``--cap-gb``.
 
     Grid: every fixed policy (JAX's and two of ours, ``bench_rok.POLICIES``) at every batch of
-    ``--cap-batches`` whose compiled step fits the largest cap of ``--cap-gb`` (device bytes from XLA's memory
-    analysis, plus the engine's staging arena for ours). Under each cap: each policy's best
+    ``--cap-batches`` whose compiled step fits the largest cap of ``--cap-gb`` (device bytes
+    from XLA's memory analysis, plus the engine's staging arena for ours). Under each cap: each policy's best
     fitting batch, and ``auto`` / ``auto_nvme`` from ``plan_for_budget`` with a profile taken
     at each batch (small batches run below the GPU's peak; a profile scaled from one batch
     would not see it). ``--cap-at P`` adds the caps where policy P just fits each batch."""
@@ -229,12 +229,14 @@ def run_cap(args, shape, bandwidth) -> dict:
     params, _ = rok.init(H, S, 1, L)
     inputs = {b: (params, jax.random.normal(jax.random.key(b), (b, S, H), jax.numpy.bfloat16))
               for b in batches}  # x (b,S,H)
-    compiled_memo, timed = {}, {}
+    compiled_memo, timed, segs = {}, {}, {}
 
     def compiled(key, pols, split, batch, offloads):
         """(step, its arguments, device bytes); memoized by key."""
         if key not in compiled_memo:
-            args_ = (segments(params, split), inputs[batch][1])
+            if split not in segs:  # one copy of the weights per split
+                segs[split] = segments(params, split)
+            args_ = (segs[split], inputs[batch][1])
             step = split_step(layer, pols, split).lower(*args_).compile()
             compiled_memo[key] = (step, args_, device_bytes(step) + (staging if offloads else 0))
         return compiled_memo[key]

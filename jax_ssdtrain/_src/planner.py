@@ -285,11 +285,11 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
   Forward and backward times are per layer of a ``lax.scan`` with every tag saved on the device
   (the plan's all-on-device baseline): the difference between scans of 2 and of 4 or more
   layers (more for small layers, see ``_layer_times``), per layer, so that launch and transfer
-  costs outside the layers cancel. The same scans with nothing
-  saved give the cost of recomputing a layer (XLA fuses recomputed element-wise work into the
-  backward, so it is often far below the forward time), which the tags share by FLOPs; with
-  the input tag (else the smallest tag) in the host tier, the cost of one store and its load
-  (``offload_s``: it goes through the store, which is set up if it is not yet).
+  costs outside the layers cancel. The same scans with nothing saved give the cost of
+  recomputing a layer (XLA fuses recomputed element-wise work into the backward, so it is often
+  far below the forward time), which the tags share by FLOPs; with the input tag (else the
+  smallest tag) in the host tier, the cost of one store and its load (``offload_s``: it goes
+  through the store, which is set up if it is not yet).
   ``host_cache_bytes``, ``staging_bytes`` and ``host_tier_bytes`` default to the current store
   configuration's."""
   _check_int("num_layers", num_layers, low=1)

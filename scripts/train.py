@@ -144,7 +144,8 @@ def _tb_writer(workdir):
 
 
 def auto_plan(run: training.RunConfig, args) -> training.RunConfig:
-    """--policy auto: profile one block, plan (and pick the batch under --memory-budget)."""
+    """--policy auto: profile one block, plan (and pick the batch under --memory-budget, with a
+    profile of the layers at each candidate batch)."""
     import jax_ssdtrain as ssd
     bandwidth = args.bandwidth
     directory = None if bandwidth else ssd.store_directories()[0]
@@ -160,7 +161,19 @@ def auto_plan(run: training.RunConfig, args) -> training.RunConfig:
             cand = training.apply_plan(dataclasses.replace(run, batch=batch), plan)
             return training.step_memory_bytes(cand) + (staging if plan.offloaded_bytes else 0)
 
-        plan = ssd.plan_for_budget(args.memory_budget, batches, prof.scaled, memory,
+        profiles = {run.batch: prof}
+
+        def profile_at(batch):  # small batches run below the GPU's peak: profile each batch
+            if batch not in profiles:
+                layer = training.profile_run(
+                    dataclasses.replace(run, batch=batch), directory=directory,
+                    bandwidth=bandwidth, outside_layers=False,
+                    host_cache_bytes=ssd.current_config().host_cache_bytes)
+                profiles[batch] = dataclasses.replace(
+                    layer, other_s=prof.other_s * batch / run.batch, update_s=prof.update_s)
+            return profiles[batch]
+
+        plan = ssd.plan_for_budget(args.memory_budget, batches, profile_at, memory,
                                    min_bytes=run.min_bytes)
     print(plan.table(), flush=True)
     return training.apply_plan(run, plan)

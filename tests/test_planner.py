@@ -402,14 +402,25 @@ def test_split_scan_identical_to_unsplit():
 # --------------------------------------------------------------------------- CLI
 
 
-def test_train_policy_auto(tmp_path, capsys):
+def test_train_policy_auto(tmp_path, capsys, monkeypatch):
   import train
+  from models import training
+  profiled = []
+  real = training.profile_run
+
+  def profile_run(run, **kw):
+    profiled.append((run.batch, kw.get("outside_layers", True)))
+    return real(run, **kw)
+
+  monkeypatch.setattr(training, "profile_run", profile_run)
   out = train.main(["--preset", "tiny", "--batch", "4", "--steps", "3", "--policy", "auto",
                     "--bandwidth", "100,100", "--store-dir", str(tmp_path / "st"),
                     "--memory-budget", "1GB"])
   text = capsys.readouterr().out
   assert "predicted step" in text and "device memory of the step (XLA)" in text
   assert out["steps"] == 3 and np.isfinite(out["final_loss"])
+  # each candidate batch has a profile of its own (the layers only, beside the run's batch)
+  assert profiled == [(4, True), (2, False), (1, False)]
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -213,10 +213,10 @@ def run_cap(args, shape, bandwidth) -> dict:
 
     Grid: every fixed policy (JAX's and two of ours, ``bench_rok.POLICIES``) at every batch of
     ``--cap-batches`` whose compiled step fits the largest cap of ``--cap-gb`` (device bytes
-    from XLA's memory analysis, plus the engine's staging arena for ours). Under each cap: each policy's best
-    fitting batch, and ``auto`` / ``auto_nvme`` from ``plan_for_budget`` with a profile taken
-    at each batch (small batches run below the GPU's peak; a profile scaled from one batch
-    would not see it). ``--cap-at P`` adds the caps where policy P just fits each batch."""
+    from XLA's memory analysis, plus the engine's staging arena for ours). Under each cap: each
+    policy's best fitting batch, and ``auto`` / ``auto_nvme`` from ``plan_for_budget`` with a
+    profile taken at each batch (small batches run below the GPU's peak; a profile scaled from
+    one batch would not see it). ``--cap-at P`` adds the caps where policy P just fits each batch."""
     import jax
     import jax_ssdtrain as ssd
     H, S, _, L = shape
@@ -227,8 +227,8 @@ def run_cap(args, shape, bandwidth) -> dict:
     staging = ssd.current_config().staging_bytes if jax.default_backend() == "gpu" else 0
     batches = sorted(set(args.cap_batches))
     params, _ = rok.init(H, S, 1, L)
-    inputs = {b: (params, jax.random.normal(jax.random.key(b), (b, S, H), jax.numpy.bfloat16))
-              for b in batches}  # x (b,S,H)
+    xs = {b: jax.random.normal(jax.random.key(b), (b, S, H), jax.numpy.bfloat16)
+          for b in batches}  # (b,S,H)
     compiled_memo, timed, segs = {}, {}, {}
 
     def compiled(key, pols, split, batch, offloads):
@@ -236,7 +236,7 @@ def run_cap(args, shape, bandwidth) -> dict:
         if key not in compiled_memo:
             if split not in segs:  # one copy of the weights per split
                 segs[split] = segments(params, split)
-            args_ = (segs[split], inputs[batch][1])
+            args_ = (segs[split], xs[batch])
             step = split_step(layer, pols, split).lower(*args_).compile()
             compiled_memo[key] = (step, args_, device_bytes(step) + (staging if offloads else 0))
         return compiled_memo[key]
@@ -275,7 +275,7 @@ def run_cap(args, shape, bandwidth) -> dict:
     def profile_at(batch):
         if batch not in profiles:
             profiles[batch] = dataclasses.replace(ssd.profile(
-                lambda p, v: layer(v, p), one, inputs[batch][1], num_layers=L,
+                lambda p, v: layer(v, p), one, xs[batch], num_layers=L,
                 bandwidth=bandwidth, batch=batch, repeats=args.steps, warmup=args.warmup,
                 host_cache_bytes=ssd.current_config().host_cache_bytes),
                 split_grad_copy=False)  # split_step: separate segments
@@ -330,7 +330,8 @@ def run_cap(args, shape, bandwidth) -> dict:
                       + (f", {r['x_best_jax']:.3f}x best JAX" if best_jax else ""), flush=True)
         results.append({"cap_GB": cap_gb, "rows": rows})
     return {"kind": "cap", "shape": [H, S, L], "staging_GB": staging / 1e9, "grid": grid,
-            "caps": results, "compiles": compiles, "profiles": {b: dataclasses.asdict(p) for b, p in profiles.items()}}
+            "caps": results, "compiles": compiles,
+            "profiles": {b: dataclasses.asdict(p) for b, p in profiles.items()}}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -581,28 +581,29 @@ def _layer_times(layer_fn, params, x, names, probe_tag, repeats: int, warmup: in
   if probe_tag is not None:
     fns.append(train_of(stack_of(location_policy(
         {**on_device, probe_tag: Location.HOST}, min_bytes=0))))
-  times = {}
+  v = jnp.asarray(x)
+
+  def times_at(n):  # median seconds of each function on a scan of n layers
+    ps = jax.tree.map(lambda a: jnp.stack([jnp.asarray(a)] * n), params)  # (n, ...) per leaf
+    return [_median_time(lambda f=f: f(ps, v), repeats, warmup) for f in fns]
+
   # Two layers and more: a scan of one is no loop at all (XLA removes it, and with it the
   # per-layer slicing and stacking of residuals), so a difference against it overstates a layer.
   # The longer scan has at least 4 layers, more for small layers (up to 32), so that the
   # difference is at least MIN_DIFFERENCE_S of training time and not lost in timing noise.
-  lo = hi = 2
-  v = jnp.asarray(x)
-  for n in (lo, None):
-    if n is None:
-      hi = n = min(32, max(4, 2 * math.ceil((lo + MIN_DIFFERENCE_S / per_layer) / 2)))
-    ps = jax.tree.map(lambda a: jnp.stack([jnp.asarray(a)] * n), params)  # (n, ...) per leaf
-    times[n] = tuple(_median_time(lambda f=f: f(ps, v), repeats, warmup) for f in fns)
-    per_layer = max(times[n][1] / n, 1e-9)
-    del ps
+  lo = 2
+  short = times_at(lo)
+  per_layer = max(short[1] / lo, 1e-9)
+  hi = min(32, max(4, 2 * math.ceil((lo + MIN_DIFFERENCE_S / per_layer) / 2)))
+  long = times_at(hi)
   # per layer: (T(hi) - T(2)) / (hi - 2); where timing noise makes it <= 0, T(hi) / hi
-  f, t, r, o = ((times[hi][i] - times[lo][i]) / (hi - lo) if i < len(fns) else 0.0
-                for i in range(4))
-  if f <= 0 or t <= f or r <= 0 or (o <= 0 and len(fns) == 4):
-    f, t, r, o = (times[hi][i] / hi if i < len(fns) else 0.0 for i in range(4))
+  d = [(b - a) / (hi - lo) for a, b in zip(short, long)]
+  if min(d) <= 0 or d[1] <= d[0]:
+    d = [b / hi for b in long]
+  f, t, r = d[:3]
   # recomputing costs at least nothing and at most a forward (timing noise either way)
   return (f, (t - f if t > f else t / 2), min(max(r - t, 0.0), f),
-          max(o - t, 0.0) if len(fns) == 4 else 0.0)
+          max(d[3] - t, 0.0) if probe_tag is not None else 0.0)
 
 
 def _median_time(fn, repeats: int, warmup: int) -> float:

@@ -12,7 +12,29 @@ Tagged activations leave the program in the forward pass through an XLA FFI cust
 in the store (pinned host tier and/or files in the store directory) and come back, prefetched,
 in the backward pass.
 """
-from jax_ssdtrain._src import remat as _remat
+import os as _os
+import warnings as _warnings
+
+from jax_ssdtrain._src import jax_internals as _ji
+
+
+def _check_jax_version() -> None:
+  low, high = _ji.TESTED_JAX
+  if low <= _ji.jax_version() < high:
+    return
+  import jax
+  message = (f"jax_ssdtrain is tested with {_ji.TESTED_JAX_TEXT}, found jax {jax.__version__}. "
+             "Install a tested release (pip install 'jax_ssdtrain[...]' resolves one), or set "
+             "SSDTRAIN_ALLOW_UNTESTED_JAX=1 to try this one anyway.")
+  if _os.environ.get("SSDTRAIN_ALLOW_UNTESTED_JAX", "").strip() not in ("", "0"):
+    _warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return
+  raise ImportError(message)
+
+
+_check_jax_version()
+
+from jax_ssdtrain._src import remat as _remat  # noqa: E402
 from jax_ssdtrain._src.config import (
     StoreConfig,
     configure,

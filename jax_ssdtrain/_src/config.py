@@ -512,8 +512,8 @@ def _expand_template(path: str) -> list[str]:
 
 def _process_index() -> int:
   # The distributed client's id: set by jax.distributed.initialize(), without starting backends.
-  from jax._src import distributed
-  return int(distributed.global_state.process_id)
+  from jax_ssdtrain._src import jax_internals
+  return jax_internals.process_index_without_backends()
 
 
 def _local_devices():

@@ -326,9 +326,8 @@ def _tagged(layer_fn: Callable, params: Any, x: Any
   """``({tag: bytes per layer}, {tag: forward FLOPs since the previous tag}, input tag)`` from
   the jaxpr; the input tag names the layer input ``x`` itself (a single array), else None."""
   import jax
-  from jax._src import config as jax_config
-  remat3 = getattr(jax_config, "remat3", None)  # under jax_remat3 tags are not name_p eqns
-  with remat3(False) if remat3 is not None else contextlib.nullcontext():
+  from jax_ssdtrain._src import jax_internals
+  with jax_internals.remat3(False):  # under jax_remat3 tags are not name_p eqns
     closed = jax.make_jaxpr(layer_fn)(params, x)
   n_x = len(jax.tree.leaves(x))
   inputs = set(closed.jaxpr.invars[-n_x:]) if n_x == 1 else set()

@@ -11,9 +11,10 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
-from jax._src import ad_checkpoint as _ad_checkpoint
 
-name_p = _ad_checkpoint.name_p
+from jax_ssdtrain._src import jax_internals as ji
+
+name_p = ji.name_p
 
 DEFAULT_MIN_BYTES = 1 << 20
 
@@ -135,6 +136,59 @@ _DECISIONS = {Location.REMAT: False, Location.DEVICE: True,
 # Every tagged tensor of at least 1 MiB goes to the store; everything else is recomputed.
 ssd_offload_policy = OffloadPolicy((), DEFAULT_MIN_BYTES, default=Location.NVME,
                                    below_min=Location.REMAT, base=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ComposedPolicy:
+  """Two policies combined as ``jax.checkpoint_policies.save_from_both_policies`` combines
+  them, extended to our decisions: for each equation the higher-ranked answer wins:
+  saved on the device > our store (host / nvme) > JAX's pinned-host offload > recompute.
+
+  Built by the partial-eval hook when one of the two policies (at any depth) is ours; JAX's
+  own combinator would reject our answers ("should be a boolean").
+  """
+  parts: tuple[Callable[..., Any], Callable[..., Any]]
+
+  def __call__(self, prim, *avals, **params):
+    best, best_rank = False, -1
+    for part in self.parts:
+      decision = part(prim, *avals, **params)
+      rank = decision_rank(decision)
+      if rank > best_rank:
+        best, best_rank = decision, rank
+    return best
+
+  def offloads(self) -> bool:
+    return any(getattr(p, "offloads", lambda: False)() for p in self.parts)
+
+
+def decision_rank(decision) -> int:
+  """3: saved on the device, 2: our store, 1: JAX's host offload, 0: recomputed."""
+  if isinstance(decision, StoreDecision):
+    return 2
+  if isinstance(decision, ji.Offloadable):
+    return 1
+  if decision is True or isinstance(decision, ji.SaveableType):
+    return 3
+  if decision is False or decision is None or isinstance(decision, ji.RecomputeType):
+    return 0
+  raise TypeError(f"remat policy returned {decision!r}; expected a bool, "
+                  "jax.checkpoint_policies' Saveable/Recompute/Offloadable, or a jax_ssdtrain "
+                  "decision")
+
+
+def as_offloading(policy) -> OffloadPolicy | ComposedPolicy | None:
+  """The policy as one whose tags may go to our store, or None when no part of it is ours
+  (then JAX handles it untouched)."""
+  if isinstance(policy, (OffloadPolicy, ComposedPolicy)):
+    return policy
+  parts = ji.save_from_both_parts(policy)
+  if parts is None:
+    return None
+  resolved = [as_offloading(p) for p in parts]
+  if all(r is None for r in resolved):
+    return None
+  return ComposedPolicy(tuple(r if r is not None else p for r, p in zip(resolved, parts)))
 
 
 def _nbytes(aval) -> int:

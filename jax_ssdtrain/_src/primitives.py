@@ -13,21 +13,16 @@ import functools
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax._src import core
-from jax._src.interpreters import ad
-from jax._src.interpreters import batching
-from jax._src.interpreters import mlir
-from jax._src.interpreters import partial_eval as pe
-from jax._src import dispatch
 
+from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src import sharded
-
 from jax_ssdtrain._src.policies import Location, name_p
 
-HANDLE_AVAL = core.ShapedArray((2,), np.dtype(np.uint32))
+HANDLE_AVAL = jax.core.ShapedArray((2,), np.dtype(np.uint32))
 
 # Engine tier codes, shared with xla_ffi (attribute "tier").
 TIER_CODES = {Location.NVME: 0, Location.HOST: 1}
+TIER_NAMES = {code: loc.value for loc, code in TIER_CODES.items()}
 
 STORE_TARGET = "ssdtrain_store"
 LOAD_TARGET = "ssdtrain_load"
@@ -46,7 +41,7 @@ def _ensure_engine():
 # ---------------------------------------------------------------------------------------------
 # store: x -> (x, handle)
 
-store_p = core.Primitive("ssd_store")
+store_p = ji.Primitive("ssd_store")
 store_p.multiple_results = True
 
 
@@ -56,13 +51,25 @@ def _store_abstract_eval(x, *, site, tier, name):
 
 
 store_p.def_abstract_eval(_store_abstract_eval)
-store_p.def_impl(lambda x, **params: dispatch.apply_primitive(store_p, x, **params))
+store_p.def_impl(lambda x, **params: ji.apply_primitive(store_p, x, **params))
+
+
+def _round_to_dtype(x):
+  finfo = jnp.finfo(x.dtype)
+  return jax.lax.reduce_precision(x, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
 
 
 def _store_lowering(ctx, x, *, site, tier, name):
   _ensure_engine()
+  (aval,) = ctx.avals_in
+  if jnp.issubdtype(aval.dtype, jnp.floating):
+    # As JAX does for residuals saved on the device (its PR 22244): the stored value and the
+    # forward pass's own uses of it are the same, rounded to the dtype. Without this, XLA may
+    # keep an excess-precision (e.g. f32) value for the forward while the store gets bf16.
+    (x,) = ji.lower_fun(_round_to_dtype, multiple_results=False)(
+        ctx.replace(avals_out=[aval]), x)
   if sharded.needs_partitioning(ctx):  # each device stores its own shard
-    lowered = mlir.lower_fun(functools.partial(sharded.store_handle, store_p=store_p, site=site,
+    lowered = ji.lower_fun(functools.partial(sharded.store_handle, store_p=store_p, site=site,
                                                tier=tier, name=name), multiple_results=False)
     handle, = lowered(ctx.replace(avals_out=[HANDLE_AVAL]), x)
     return [x, handle]
@@ -73,9 +80,9 @@ def _store_lowering(ctx, x, *, site, tier, name):
   return [x, handle]
 
 
-mlir.register_lowering(store_p, _store_lowering)
+ji.register_lowering(store_p, _store_lowering)
 # The partitioned lowering (custom_partitioning) needs the device assignment.
-dispatch.prim_requires_devices_during_lowering.add(store_p)
+ji.prim_requires_devices_during_lowering.add(store_p)
 
 
 def _store_jvp(primals, tangents, **params):
@@ -87,21 +94,22 @@ def _store_jvp(primals, tangents, **params):
       f"higher-order derivatives.")
 
 
-ad.primitive_jvps[store_p] = _store_jvp
+ji.primitive_jvps[store_p] = _store_jvp
 
 
 def _store_batch(args, dims, *, site, tier, name):
   (x,), (d,) = args, dims
-  x = batching.moveaxis(x, d, 0)
+  x = jnp.moveaxis(x, d, 0)
   y, handle = store_p.bind(x, site=site, tier=tier, name=name)
   # A batched handle makes the matching load batched too (an unbatched one would drop the axis).
   handle = jnp.broadcast_to(handle, (x.shape[0],) + handle.shape)
   return [y, handle], [0, 0]
 
 
-batching.primitive_batchers[store_p] = _store_batch
+ji.primitive_batchers[store_p] = _store_batch
 
 
+@ji.dce_rule
 def _store_dce(used_outputs, eqn):
   used_y, used_handle = used_outputs
   if used_handle:
@@ -112,13 +120,13 @@ def _store_dce(used_outputs, eqn):
   return [False], None
 
 
-pe.dce_rules[store_p] = _store_dce
+ji.dce_rules[store_p] = _store_dce
 
 
 # ---------------------------------------------------------------------------------------------
 # load: handle -> x
 
-load_p = core.Primitive("ssd_load")
+load_p = ji.Primitive("ssd_load")
 
 
 def _load_abstract_eval(handle, *, aval, site, tier, name):
@@ -127,20 +135,20 @@ def _load_abstract_eval(handle, *, aval, site, tier, name):
 
 
 load_p.def_abstract_eval(_load_abstract_eval)
-load_p.def_impl(lambda h, **params: dispatch.apply_primitive(load_p, h, **params))
+load_p.def_impl(lambda h, **params: ji.apply_primitive(load_p, h, **params))
 
 
 def _load_lowering(ctx, handle, *, aval, site, tier, name):
   _ensure_engine()
   if sharded.needs_partitioning(ctx):  # each device loads its own shard
-    return mlir.lower_fun(functools.partial(sharded.load, load_p=load_p, aval=aval, site=site,
+    return ji.lower_fun(functools.partial(sharded.load, load_p=load_p, aval=aval, site=site,
                                             tier=tier, name=name), multiple_results=False)(ctx, handle)
   call = jax.ffi.ffi_lowering(LOAD_TARGET, has_side_effect=True)
   return call(ctx, handle, site=np.int64(site), tier=np.int32(tier), name=name)
 
 
-mlir.register_lowering(load_p, _load_lowering)
-dispatch.prim_requires_devices_during_lowering.add(load_p)
+ji.register_lowering(load_p, _load_lowering)
+ji.prim_requires_devices_during_lowering.add(load_p)
 
 
 def _load_batch(args, dims, *, aval, site, tier, name):
@@ -152,7 +160,7 @@ def _load_batch(args, dims, *, aval, site, tier, name):
   return load_p.bind(handle, aval=batched, site=site, tier=tier, name=name), 0
 
 
-batching.primitive_batchers[load_p] = _load_batch
+ji.primitive_batchers[load_p] = _load_batch
 # The handle is integer-valued: its tangent is always a symbolic zero, so no JVP rule is
 # consulted; forward-mode through a store is refused at the store (see _store_jvp).
 
@@ -160,7 +168,7 @@ batching.primitive_batchers[load_p] = _load_batch
 # ---------------------------------------------------------------------------------------------
 # tag: a checkpoint_name tag that the policy sends to the store (exists only during partial eval)
 
-tag_p = core.Primitive("ssd_tag")
+tag_p = ji.Primitive("ssd_tag")
 
 
 def _tag_abstract_eval(x, *, name, site, tier):
@@ -170,8 +178,8 @@ def _tag_abstract_eval(x, *, name, site, tier):
 
 tag_p.def_abstract_eval(_tag_abstract_eval)
 tag_p.def_impl(lambda x, **_: x)
-mlir.register_lowering(tag_p, lambda ctx, x, **_: [x])
-ad.deflinear2(tag_p, lambda ct, _, **params: [ct])
+ji.register_lowering(tag_p, lambda ctx, x, **_: [x])
+ji.deflinear2(tag_p, lambda ct, _, **params: [ct])
 
 
 def _tag_partial_eval_custom(saveable, unks_in, inst_in, eqn):
@@ -182,7 +190,7 @@ def _tag_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   if unknown:  # computed in the backward pass anyway: a plain tag there
     return None, as_name, [True], [True], []
   params = eqn.params
-  handle = core.Var(HANDLE_AVAL)
+  handle = ji.Var(HANDLE_AVAL)
   (y,) = eqn.outvars
   known = eqn.replace(primitive=store_p, outvars=[y, handle],
                       params=dict(site=params["site"], tier=params["tier"], name=params["name"]))
@@ -192,11 +200,11 @@ def _tag_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   return known, staged, [False], [True], [handle]
 
 
-pe.partial_eval_jaxpr_custom_rules[tag_p] = _tag_partial_eval_custom
+ji.partial_eval_jaxpr_custom_rules[tag_p] = _tag_partial_eval_custom
 
 
 def _tag_batch(args, dims, **params):
   return tag_p.bind(args[0], **params), dims[0]
 
 
-batching.primitive_batchers[tag_p] = _tag_batch
+ji.primitive_batchers[tag_p] = _tag_batch

@@ -2,27 +2,26 @@
 
 ``jax.checkpoint`` splits its body into a forward (known) and a backward (staged) jaxpr in
 ``partial_eval._partial_eval_jaxpr_custom_cached``, asking the policy about each equation. We
-wrap that function: only when the policy is an :class:`OffloadPolicy` are the
-``checkpoint_name`` tags it sends to the store rewritten into ``tag_p``, whose partial-eval rule
-emits ``store`` on the known side and ``load`` on the staged side. Every other policy reaches
-JAX untouched, so it behaves identically by construction.
+wrap that function: only when the policy is ours (an :class:`OffloadPolicy`, or JAX's
+``save_from_both_policies`` with one of ours inside, see :class:`ComposedPolicy`) are the
+``checkpoint_name`` tags it sends to the store rewritten into ``tag_p``, whose partial-eval
+rule emits ``store`` on the known side and ``load`` on the staged side. Every other policy
+reaches JAX untouched, so it behaves identically by construction.
 
-Under ``jax_remat3`` tags bind ``CheckpointName`` instead; its ``remat`` method gets the same
-treatment.
+Under ``jax_remat3`` tags bind ``CheckpointName`` (and ``CheckpointNameFwd``) instead; their
+``remat`` methods get the same treatment.
+
+``saved_residuals`` / ``print_saved_residuals`` name our residuals: ``named 'qkv' -> nvme``.
 """
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 import threading
 
-from jax._src import ad_checkpoint
-from jax._src.interpreters import partial_eval as pe
-from jax._src.util import weakref_lru_cache
-
-from jax_ssdtrain._src.policies import OffloadPolicy, StoreDecision, name_p
-from jax_ssdtrain._src.primitives import TIER_CODES, load_p, store_p, tag_p
+from jax_ssdtrain._src import jax_internals as ji
+from jax_ssdtrain._src.policies import StoreDecision, as_offloading, name_p
+from jax_ssdtrain._src.primitives import TIER_CODES, TIER_NAMES, load_p, store_p, tag_p
 
 _site_ids = itertools.count(1)
 _site_lock = threading.Lock()
@@ -35,41 +34,26 @@ def new_site_id() -> int:
 
 def install() -> None:
   """Installs the hooks once (idempotent); raises ImportError if JAX moved the internals."""
-  current = getattr(pe, "_partial_eval_jaxpr_custom_cached", None)
-  if current is None:
-    raise ImportError("jax_ssdtrain: this JAX has no partial_eval._partial_eval_jaxpr_custom_cached;"
-                      f" jax {_jax_version()} is not supported")
-  if getattr(current, "_ssdtrain_hook", False):
-    return
-  _check_call_site()
-  pe._partial_eval_jaxpr_custom_cached = _make_hook(current)
-  _install_remat3()
-
-
-def _check_call_site() -> None:
-  # The cached function hides its signature; check how JAX calls it instead.
-  caller = getattr(pe, "partial_eval_jaxpr_stateful", None)
-  try:
-    source = inspect.getsource(caller) if caller is not None else ""
-  except (OSError, TypeError):
-    source = ""
-  if "_partial_eval_jaxpr_custom_cached(" not in source or "saveable)" not in source:
-    raise ImportError("jax_ssdtrain: partial_eval.partial_eval_jaxpr_stateful no longer calls "
-                      "_partial_eval_jaxpr_custom_cached(jaxpr, in_unknowns, in_inst, "
-                      "ensure_out_unknowns, ensure_out_inst, saveable); jax "
-                      f"{_jax_version()} is not supported")
+  pe = ji.PE_MODULE
+  current = getattr(pe, ji.PARTIAL_EVAL_CUSTOM_CACHED)
+  if not getattr(current, "_ssdtrain_hook", False):
+    ji.check_partial_eval_call_site()
+    setattr(pe, ji.PARTIAL_EVAL_CUSTOM_CACHED, _make_hook(current))
+  for cls in ji.CHECKPOINT_NAME_CLASSES:
+    _install_remat3(cls)
+  _install_saved_residuals()
 
 
 def _make_hook(original):
-  @weakref_lru_cache
+  @ji.weakref_lru_cache
   def offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, policy):
     return original(_rewrite_tags(jaxpr, policy), in_unknowns, in_inst, ensure_out_unknowns,
                     ensure_out_inst, policy)
 
   def hook(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, saveable):
-    if isinstance(saveable, OffloadPolicy):
-      return offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst,
-                        saveable)
+    ours = as_offloading(saveable)
+    if ours is not None:
+      return offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, ours)
     return original(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst,
                     saveable)
 
@@ -78,7 +62,7 @@ def _make_hook(original):
   return hook
 
 
-def _rewrite_tags(jaxpr, policy: OffloadPolicy):
+def _rewrite_tags(jaxpr, policy):
   """Turns the tags that ``policy`` sends to the store into ``tag_p`` equations."""
   eqns, changed = [], False
   for eqn in jaxpr.eqns:
@@ -92,38 +76,93 @@ def _rewrite_tags(jaxpr, policy: OffloadPolicy):
   return jaxpr.replace(eqns=eqns) if changed else jaxpr
 
 
-def _install_remat3() -> None:
-  cls = getattr(ad_checkpoint, "CheckpointName", None)
-  if cls is None or getattr(cls.remat, "_ssdtrain_hook", False):
+# ---------------------------------------------------------------------------------------------
+# jax_remat3
+
+
+def _install_remat3(cls) -> None:
+  if getattr(cls.remat, "_ssdtrain_hook", False):
     return
   original = cls.remat
+  forward_only = cls is ji.CHECKPOINT_NAME_FWD  # its saved value carries no tangent
 
   @functools.wraps(original)
   def remat(self, policy_or_trace, x):
-    # jax 0.10 passes the policy, jax 0.11 the RematTrace that holds it.
-    policy = getattr(policy_or_trace, "policy", policy_or_trace)
-    if not isinstance(policy, OffloadPolicy):
+    policy = as_offloading(ji.remat3_policy(policy_or_trace))
+    if policy is None:
       return original(self, policy_or_trace, x)
     name, aval = self.params["name"], self.in_avals[0]
     decision = policy(name_p, aval, name=name)
+    x = cls(name, aval)(x)
     if isinstance(decision, StoreDecision):
       params = dict(site=new_site_id(), tier=TIER_CODES[decision.location], name=name)
-      x, handle = store_p.bind(cls(name, aval)(x), **params)
-      return x, functools.partial(_reload, handle, aval, params)
-    if decision:
-      return x, functools.partial(ad_checkpoint.primal_left_tangent_right, x)
-    return x, lambda x_recomputed: x_recomputed
+      x, handle = store_p.bind(x, **params)
+      reload = functools.partial(_reload, aval=aval, params=params, forward_only=forward_only)
+      if ji.REMAT3_RETURNS_RESIDUALS:
+        return x, handle, reload
+      return x, functools.partial(reload, handle)
+    saved = decision is True or isinstance(decision, ji.SaveableType)
+    if ji.REMAT3_RETURNS_RESIDUALS:
+      if saved:
+        return x, x, (lambda res, _: res) if forward_only else ji.primal_left_tangent_right
+      return x, (), lambda _, x_rem: x_rem
+    if saved:
+      return x, (lambda _: x) if forward_only else functools.partial(
+          ji.primal_left_tangent_right, x)
+    return x, lambda x_rem: x_rem
 
   remat._ssdtrain_hook = True
   cls.remat = remat
 
 
-def _reload(handle, aval, params, x_recomputed):
+def _reload(handle, x_recomputed, *, aval, params, forward_only):
   # The value comes from the store; the tangent flows through the recomputed input.
   loaded = load_p.bind(handle, aval=aval, **params)
-  return ad_checkpoint.primal_left_tangent_right(loaded, x_recomputed)
+  if forward_only:
+    return loaded
+  return ji.primal_left_tangent_right(loaded, x_recomputed)
 
 
-def _jax_version() -> str:
-  import jax
-  return jax.__version__
+# ---------------------------------------------------------------------------------------------
+# saved_residuals / print_saved_residuals
+
+
+def _install_saved_residuals() -> None:
+  module = ji.SAVED_RESIDUALS_MODULE
+  original = getattr(module, ji.SAVED_RESIDUALS_FN)
+  if getattr(original, "_ssdtrain_hook", False):
+    return
+
+  @functools.wraps(original)
+  def saved_residuals(jaxpr, *args, **kwargs):
+    results = original(jaxpr, *args, **kwargs)
+    return _name_stored(jaxpr, results)
+
+  saved_residuals._ssdtrain_hook = True
+  setattr(module, ji.SAVED_RESIDUALS_FN, saved_residuals)
+
+
+def _name_stored(jaxpr, results):
+  """Replaces JAX's ``output of ssd_store from X`` by ``named 'tag' -> tier from X``.
+
+  JAX lists residual-producing equations in jaxpr order, so the k-th description that names
+  our store belongs to the k-th stored residual in that order."""
+  residuals = {v for v in jaxpr.outvars if isinstance(v, ji.Var)}
+  ours = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is not store_p:
+      continue
+    for i, v in enumerate(eqn.outvars):
+      if v in residuals:
+        where = f"named {eqn.params['name']!r}"
+        if i == 1:
+          where += f" -> {TIER_NAMES[eqn.params['tier']]}"
+        ours.append(where)
+  described = [i for i, (_, text) in enumerate(results) if f"of {store_p.name} " in text]
+  if len(described) != len(ours):  # not the layout we know: leave JAX's text alone
+    return results
+  out = list(results)
+  for i, where in zip(described, ours):
+    aval, text = out[i]
+    out[i] = (aval, where + text[text.index(f"of {store_p.name} ") + len(store_p.name) + 3:])
+  return out

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 
-from jax._src import sharding_impls
+from jax_ssdtrain._src import jax_internals as ji
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -37,10 +37,10 @@ _HANDLE_FACTOR = "ssd_handle"
 def needs_partitioning(ctx) -> bool:
   """True when the program being lowered is SPMD-partitioned over several devices."""
   axis_context = ctx.module_context.axis_context
-  if isinstance(axis_context, sharding_impls.SPMDAxisContext):  # shard_map
+  if isinstance(axis_context, ji.SPMDAxisContext):  # shard_map
     mesh = axis_context.mesh
     return mesh.size > 1 and set(axis_context.manual_axes) != set(mesh.axis_names)
-  if isinstance(axis_context, sharding_impls.ShardingContext):  # jit
+  if isinstance(axis_context, ji.ShardingContext):  # jit
     return axis_context.num_devices > 1
   return False  # pmap replicas: each lowers its own calls
 
@@ -71,7 +71,7 @@ def _factors(prefix: str, ndim: int) -> tuple[str, ...]:
 def _replicated(mesh, like):
   if mesh is not None and not mesh.empty:
     return NamedSharding(mesh, PartitionSpec())
-  return sharding_impls.GSPMDSharding.get_replicated(like._device_assignment)
+  return ji.GSPMDSharding.get_replicated(like._device_assignment)
 
 
 def _store_fn(store_p, site, tier, name):

@@ -1,0 +1,210 @@
+"""Every JAX internal jax_ssdtrain relies on, each with the reason, in one place.
+
+The library plugs into ``jax.checkpoint`` (remat), AD, batching, lowering and sharding. Where a
+public module exports what is needed (``jax.extend.core``, ``jax.interpreters.*``) it is used;
+what only ``jax._src`` has is named below. Differences between the supported JAX releases are
+resolved here and nowhere else. Importing this module checks that every internal is where we
+expect it and raises ImportError naming the one that moved (``tests/test_jax_internals.py``
+checks the same, one test per internal).
+
+Supported (tested) JAX releases: see ``TESTED_JAX``; ``jax_ssdtrain/__init__.py`` refuses
+others unless ``SSDTRAIN_ALLOW_UNTESTED_JAX=1``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.extend.core as _ext_core
+from jax.interpreters import ad as _ad_public
+from jax.interpreters import batching as _batching_public
+from jax.interpreters import mlir as _mlir_public
+
+# The tested range: the lowest supported release, and the first release not tested.
+TESTED_JAX = ((0, 10, 2), (0, 13, 0))
+TESTED_JAX_TEXT = "jax>=0.10.2,<0.13"
+
+
+def jax_version() -> tuple[int, ...]:
+  """The running jax's release as a tuple of ints (``0.12.0.1`` -> ``(0, 12, 0, 1)``)."""
+  parts = []
+  for p in jax.__version__.split("."):
+    digits = "".join(c for c in p if c.isdigit())
+    if not digits:
+      break
+    parts.append(int(digits))
+    if digits != p:
+      break
+  return tuple(parts)
+
+
+class MissingInternal(ImportError):
+  """A JAX internal jax_ssdtrain relies on is not where it was in the tested releases."""
+
+
+def _get(module: Any, name: str, why: str) -> Any:
+  obj = getattr(module, name, None)
+  if obj is None:
+    raise MissingInternal(
+        f"jax_ssdtrain: jax {jax.__version__} has no {module.__name__}.{name} (needed for: "
+        f"{why}); tested with {TESTED_JAX_TEXT}")
+  return obj
+
+
+from jax._src import ad_checkpoint as _ad_checkpoint  # noqa: E402
+from jax._src import dispatch as _dispatch  # noqa: E402
+from jax._src import sharding_impls as _sharding_impls  # noqa: E402
+from jax._src import util as _util  # noqa: E402
+from jax._src.interpreters import partial_eval as _pe  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# Primitives and their rule tables (public modules).
+
+Primitive = _ext_core.Primitive
+Var = _ext_core.Var
+# checkpoint_name's primitive: the policies are asked about it, the tags are rewritten from it.
+name_p = _ext_core.primitives.name_p
+primitive_jvps = _ad_public.primitive_jvps
+deflinear2 = _ad_public.deflinear2
+primitive_batchers = _batching_public.primitive_batchers
+register_lowering = _mlir_public.register_lowering
+lower_fun = _mlir_public.lower_fun
+
+# ---------------------------------------------------------------------------------------------
+# Partial evaluation (jax._src): how jax.checkpoint splits its body.
+
+# remat's split of a body into the forward (known) and backward (staged) jaxprs asks the policy
+# about each equation here; wrapping it lets our policies rewrite the tags they send to the store.
+PE_MODULE = _pe
+PARTIAL_EVAL_CUSTOM_CACHED = "_partial_eval_jaxpr_custom_cached"
+_get(_pe, PARTIAL_EVAL_CUSTOM_CACHED, "the remat partial-eval hook")
+# The store/load split of a tag is this table's rule for our tag primitive.
+partial_eval_jaxpr_custom_rules = _get(
+    _pe, "partial_eval_jaxpr_custom_rules", "the tag primitive's partial-eval rule")
+# A store whose handle nobody loads turns back into a plain tag (DCE rule).
+dce_rules = _get(_pe, "dce_rules", "the store's dead-code rule")
+# The partial-eval cache keys on (jaxpr, ..., policy); our wrapper caches the same way.
+weakref_lru_cache = _get(_util, "weakref_lru_cache", "caching the tag rewrite per jaxpr")
+
+
+def dce_rule(rule: Callable[[list[bool], Any], tuple[list[bool], Any]]) -> Callable:
+  """Adapts ``rule(used_outputs, eqn)`` to the DCE-rule signature of the running JAX
+  (jax >= 0.12 passes ``(used_outputs, live_inputs, eqn)``)."""
+  @functools.wraps(rule)
+  def adapted(used_outputs, *args):
+    return rule(used_outputs, args[-1])
+  return adapted
+
+
+def check_partial_eval_call_site() -> None:
+  """The cached partial-eval function hides its signature: check how JAX calls it instead."""
+  caller = getattr(_pe, "partial_eval_jaxpr_stateful", None)
+  try:
+    source = inspect.getsource(caller) if caller is not None else ""
+  except (OSError, TypeError):
+    source = ""
+  if f"{PARTIAL_EVAL_CUSTOM_CACHED}(" not in source or "saveable)" not in source:
+    raise MissingInternal(
+        "jax_ssdtrain: partial_eval.partial_eval_jaxpr_stateful no longer calls "
+        f"{PARTIAL_EVAL_CUSTOM_CACHED}(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, "
+        f"ensure_out_inst, saveable); jax {jax.__version__} is not supported "
+        f"(tested: {TESTED_JAX_TEXT})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Remat policies and jax_remat3 (jax._src.ad_checkpoint).
+
+# jax.checkpoint_policies.save_from_both_policies returns a closure over the two policies; we
+# recognise it by its code object to compose our policies with it (see policies.compose).
+_probe = _ad_checkpoint.save_from_both_policies(lambda *a, **k: False, lambda *a, **k: False)
+SAVE_FROM_BOTH_CODE = _probe.__code__
+
+
+def save_from_both_parts(policy: Any) -> tuple[Any, Any] | None:
+  """``(policy_1, policy_2)`` of a ``save_from_both_policies(policy_1, policy_2)`` result."""
+  if getattr(policy, "__code__", None) is not SAVE_FROM_BOTH_CODE or policy.__closure__ is None:
+    return None
+  cells = dict(zip(SAVE_FROM_BOTH_CODE.co_freevars, (c.cell_contents for c in policy.__closure__)))
+  try:
+    return cells["policy_1"], cells["policy_2"]
+  except KeyError:
+    raise MissingInternal("jax_ssdtrain: save_from_both_policies no longer closes over "
+                          f"policy_1/policy_2 (jax {jax.__version__}; got "
+                          f"{SAVE_FROM_BOTH_CODE.co_freevars})") from None
+
+
+del _probe
+
+# Under jax_remat3 checkpoint_name binds these "hi primitives" instead of name_p; their
+# ``remat`` method decides save / offload / recompute, so ours wraps it (remat.py).
+CHECKPOINT_NAME_CLASSES = tuple(
+    c for c in (getattr(_ad_checkpoint, "CheckpointName", None),
+                getattr(_ad_checkpoint, "CheckpointNameFwd", None)) if c is not None)
+# CheckpointNameFwd's rem ignores the recomputed value (no tangent flows through it).
+CHECKPOINT_NAME_FWD = getattr(_ad_checkpoint, "CheckpointNameFwd", None)
+# jax >= 0.12: remat(self, trace, x) -> (x, residuals, rem(residuals, x_recomputed));
+# before:      remat(self, policy_or_trace, x) -> (x, rem(x_recomputed)).
+REMAT3_RETURNS_RESIDUALS = jax_version() >= (0, 12)
+# Primal from the saved value, tangent from the recomputed one (remat3's saved-tag rem).
+primal_left_tangent_right = getattr(_ad_checkpoint, "primal_left_tangent_right", None)
+if CHECKPOINT_NAME_CLASSES and primal_left_tangent_right is None:
+  raise MissingInternal("jax_ssdtrain: jax._src.ad_checkpoint.primal_left_tangent_right is "
+                        f"missing (jax {jax.__version__}); needed under jax_remat3")
+
+
+def remat3_policy(policy_or_trace: Any) -> Any:
+  """The policy of a remat3 ``remat`` call (jax 0.10 passes it, later releases the trace)."""
+  return getattr(policy_or_trace, "policy", policy_or_trace)
+
+
+@contextlib.contextmanager
+def remat3(enabled: bool):
+  """``jax_remat3`` switched on or off inside the block (a no-op where the flag is absent)."""
+  from jax._src import config as _config
+  flag = getattr(_config, "remat3", None)
+  if flag is None:
+    yield
+    return
+  with flag(enabled):
+    yield
+
+
+# print_saved_residuals / saved_residuals describe residuals through this function; we name
+# the tag and location of our handles there (remat.py).
+SAVED_RESIDUALS_MODULE = _ad_checkpoint
+SAVED_RESIDUALS_FN = "_saved_residuals"
+_get(_ad_checkpoint, SAVED_RESIDUALS_FN, "naming offloaded residuals in saved_residuals")
+
+# ---------------------------------------------------------------------------------------------
+# Lowering, dispatch and sharding (jax._src).
+
+# Eager store/load run through JAX's op-by-op dispatch.
+apply_primitive = _get(_dispatch, "apply_primitive", "eager store/load")
+# The partitioned lowering (custom_partitioning) needs the device assignment while lowering.
+prim_requires_devices_during_lowering = _get(
+    _dispatch, "prim_requires_devices_during_lowering", "partitioned store/load lowering")
+# Is the program being lowered partitioned over several devices (jit) or manual (shard_map)?
+SPMDAxisContext = _get(_sharding_impls, "SPMDAxisContext", "detecting shard_map lowering")
+ShardingContext = _get(_sharding_impls, "ShardingContext", "detecting partitioned jit lowering")
+GSPMDSharding = _get(_sharding_impls, "GSPMDSharding", "the handle's replicated sharding")
+# Compile-time load counts (lifetimes.py) see the whole top-level program here.
+MLIR_MODULE = _mlir_public
+LOWER_JAXPR_TO_MODULE = "lower_jaxpr_to_module"
+_get(_mlir_public, LOWER_JAXPR_TO_MODULE, "counting each stored tensor's loads per program")
+
+
+def process_index_without_backends() -> int:
+  """This process's index after jax.distributed.initialize(), without starting backends
+  (``jax.process_index()`` would; the store is configured before devices are used)."""
+  from jax._src import distributed
+  return int(distributed.global_state.process_id)
+
+
+# What a remat policy may answer besides a bool: JAX's saveable / recompute markers and its
+# pinned-host offload decision (composition ranks them, see policies.ComposedPolicy).
+SaveableType = _get(_pe, "SaveableType", "ranking composed policies' answers")
+RecomputeType = _get(_pe, "RecomputeType", "ranking composed policies' answers")
+Offloadable = _get(_pe, "Offloadable", "ranking composed policies' answers")

@@ -68,6 +68,16 @@ def _factors(prefix: str, ndim: int) -> tuple[str, ...]:
   return tuple(f"{prefix}{i}" for i in range(ndim))
 
 
+def _local_aval(aval, shape):
+  """The per-device aval of a global one: its shape, and under explicit mesh axes
+  (``AxisType.Explicit``, where the sharding is part of the type) no sharding left on it: the
+  global spec would claim the local shape is split again."""
+  sharding = getattr(aval, "sharding", None)
+  if sharding is None or not hasattr(sharding, "update"):
+    return aval.update(shape=shape)
+  return aval.update(shape=shape, sharding=sharding.update(spec=PartitionSpec()))
+
+
 def _replicated(mesh, like):
   if mesh is not None and not mesh.empty:
     return NamedSharding(mesh, PartitionSpec())
@@ -120,7 +130,7 @@ def _load_fn(load_p, aval, site, tier, name):
     out_sharding = proposed
     if stored is not None and stored._device_assignment == proposed._device_assignment:
       out_sharding = stored
-    shard_aval = aval.update(shape=tuple(out_sharding.shard_shape(aval.shape)))
+    shard_aval = _local_aval(aval, tuple(out_sharding.shard_shape(aval.shape)))
 
     def lower_fn(handle):
       return load_p.bind(handle, aval=shard_aval, site=site, tier=tier, name=name)

@@ -34,9 +34,15 @@ def _check_jax_version() -> None:
 
 _check_jax_version()
 
+from jax_ssdtrain._src import native as _native  # noqa: E402
+from jax_ssdtrain._src import lifetimes as _lifetimes  # noqa: E402
 from jax_ssdtrain._src import remat as _remat  # noqa: E402
+
+if _native.available():  # a checkout without a built library fails at first use instead
+  _native.check_ffi_api()
 from jax_ssdtrain._src.config import (
     StoreConfig,
+    collect,
     configure,
     configured,
     current as current_config,
@@ -70,11 +76,12 @@ from jax_ssdtrain._src.planner import (
 from jax_ssdtrain._src.primitives import HigherOrderOffloadError
 
 _remat.install()
+_lifetimes.install_lowering_hook()
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "HigherOrderOffloadError", "Location", "OffloadPolicy", "StoreConfig", "configure",
+    "HigherOrderOffloadError", "Location", "OffloadPolicy", "StoreConfig", "collect", "configure",
     "configured", "current_config", "default_config", "device_stats", "flush", "frontier",
     "location_policy", "measured_bandwidth", "offload_policy", "parse_size", "Plan", "plan",
     "plan_for_budget", "Profile", "profile", "release_all", "reset_stats", "shutdown",

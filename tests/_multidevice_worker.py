@@ -162,7 +162,7 @@ def wrong_device_case():
   mesh = parallel.Parallelism(data=N).mesh()
 
   def local(x):
-    y, handle = store_p.bind(x, site=10**9, tier=0, name="moved")
+    y, handle = store_p.bind(x, site=10**9, tier=0, name="moved", uses=-1)
     handle = jax.lax.ppermute(handle, parallel.DATA, [(i, (i + 1) % N) for i in range(N)])
     return load_p.bind(handle, aval=jax_core.ShapedArray(x.shape, x.dtype), site=10**9,
                        tier=0, name="moved") + y

@@ -23,10 +23,11 @@ import numpy as np  # noqa: E402
 if num_processes:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
-                             process_id=process_id, initialization_timeout=120)
+                             process_id=process_id, initialization_timeout=HANG_S)
 
 import jax_ssdtrain as ssd  # noqa: E402
 from models import parallel, training  # noqa: E402
+from _limits import HANG_S
 
 STEPS, BATCH = 3, 8
 

@@ -66,7 +66,7 @@ def assert_close(a, b):
 def store(x, site=1, name="t"):
   return jax.ffi.ffi_call("ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32),
                           has_side_effect=True)(x, site=np.int64(site), tier=np.int32(0),
-                                                name=name)
+                                                name=name, uses=np.int64(-1))
 
 
 def load(h, like, site=1, name="t"):

@@ -6,18 +6,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from _limits import HANG_S
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_emulated.py"
 CAP = 0.02  # GB/s: the tiny sweep_4 step writes and reads ~2.4 MB, ~0.1 s each way at the cap
 
 
-@pytest.mark.timeout(120)  # about 20 s on 2 CPU cores
+@pytest.mark.slow
 def test_bench_emulated_tiny(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   cmd = [sys.executable, str(SCRIPT), "--tiny", "--caps", str(CAP), "--points", "4", "--no-disk",
          "--no-probe", "--steps", "2", "--warmup", "1", "--shm-dir", str(tmp_path / "shm"),
          "--out", str(tmp_path)]
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=110)
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
   assert proc.returncode == 0, proc.stdout + proc.stderr
 
   (path,) = tmp_path.glob("emulated_cpu_*.json")

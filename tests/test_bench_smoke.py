@@ -6,17 +6,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from _limits import HANG_S
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_rok.py"
 POLICIES = ("keep", "selective", "ssd_nvme_named")
 
 
-@pytest.mark.timeout(120)  # about 15 s on 2 CPU cores
+@pytest.mark.slow
 def test_bench_rok_tiny(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   cmd = [sys.executable, str(SCRIPT), "--tiny", "--steps", "2", "--policies", ",".join(POLICIES),
          "--no-probe", "--out", str(tmp_path), "--store-dir", str(tmp_path / "store")]
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=110)
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
   assert proc.returncode == 0, proc.stdout + proc.stderr
 
   (path,) = tmp_path.glob("rok_cpu_*.json")
@@ -46,14 +47,14 @@ def test_bench_rok_tiny(tmp_path):
 MULTIGPU = SCRIPT.parent / "bench_multigpu.py"
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.slow
 def test_bench_multigpu_cpu_smoke(tmp_path):
   """1 vs 2 CPU devices, FSDP, offload only: the script runs end to end and writes its rows."""
   cmd = [sys.executable, str(MULTIGPU), "--cpu-smoke", "--steps", "2", "--warmup", "1",
          "--policies", "offload", "--layouts", "fsdp", "--host-cache", "64MiB",
          "--out", str(tmp_path), "--store-dir", str(tmp_path / "store")]
   proc = subprocess.run(cmd, capture_output=True, text=True,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=140)
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=HANG_S)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   (path,) = tmp_path.glob("multigpu_cpu_*.json")
   doc = json.loads(path.read_text())

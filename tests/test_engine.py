@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _limits import HANG_S
 
 try:
     from jax_ssdtrain._src import native
@@ -55,10 +56,10 @@ def cfg(tmp_path, **kw):
     return base
 
 
-def store(x, site=1, tier=0, name="t"):
+def store(x, site=1, tier=0, name="t", uses=-1):
     return jax.ffi.ffi_call(
         "ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32), has_side_effect=True
-    )(x, site=np.int64(site), tier=np.int32(tier), name=name)
+    )(x, site=np.int64(site), tier=np.int32(tier), name=name, uses=np.int64(uses))
 
 
 def load(h, like, site=1, tier=0, name="t"):
@@ -86,7 +87,7 @@ def drain():
     return native.stats()
 
 
-def wait_writes(timeout=60.0):
+def wait_writes(timeout=HANG_S):
     import time
 
     t0 = time.monotonic()
@@ -148,18 +149,18 @@ def test_jit_chain_many_sites(tmp_path):
     xs = [rand((64, 64), jnp.float32, seed=i) for i in range(6)]
 
     @jax.jit
-    def f(*xs):
-        hs = [store(x, site=10 + i, name=f"n{i}") for i, x in enumerate(xs)]
+    def f(*xs):  # each entry loaded once in the execution that stored it: uses=1
+        hs = [store(x, site=10 + i, name=f"n{i}", uses=1) for i, x in enumerate(xs)]
         return [load(h, x, site=10 + i, name=f"n{i}") for i, (h, x) in reversed(list(enumerate(zip(hs, xs))))]
 
-    ys = f(*xs)
-    for y, x in zip(ys, reversed(xs)):
-        same(y, x)
-    # Run the step again: each store releases the previous step's loaded entry of its site.
-    ys = f(*xs)
-    for y, x in zip(ys, reversed(xs)):
-        same(y, x)
-    assert native.stats()["live_entries"] == 6
+    for _ in range(2):
+        ys = f(*xs)
+        for y, x in zip(ys, reversed(xs)):
+            same(y, x)
+        native.flush()  # released at their last load (a write still running finishes first)
+        s = native.stats()
+        assert s["live_entries"] == 0 and s["file_bytes_in_use"] == 0, s
+    assert native.stats()["counted_releases"] == 12
 
 
 @pytest.mark.parametrize("prefetch", [0, 4 * MiB])
@@ -274,25 +275,37 @@ def test_lifetime_rule(tmp_path):
     cfg(tmp_path)
     x1 = rand((1000,), jnp.float32, seed=1)
     x2 = rand((1000,), jnp.float32, seed=2)
-    h1 = store(x1, site=5, name="life")
+    # Counted: released at its `uses`-th load, not before.
+    h1 = store(x1, site=5, name="life", uses=2)
     same(load(h1, x1, site=5, name="life"), x1)
-    same(load(h1, x1, site=5, name="life"), x1)  # loads never free
-    h_other = store(x2, site=6, name="other")  # a store at another site keeps h1
+    h_other = store(x2, site=6, name="other", uses=-1)
+    h_again = store(x2, site=5, name="life", uses=-1)  # another store at the site changes nothing
     same(load(h1, x1, site=5, name="life"), x1)
-    h2 = store(x2, site=5, name="life")  # next step's forward: releases loaded h1
     with pytest.raises(Exception, match="released") as ei:
         jax.block_until_ready(load(h1, x1, site=5, name="life"))
     assert "life" in str(ei.value) and "site 5" in str(ei.value)
-    same(load(h2, x2, site=5, name="life"), x2)
+    # Uncounted: any number of loads; kept until a sweep or release_all().
+    for _ in range(3):
+        same(load(h_other, x2, site=6, name="other"), x2)
+    same(load(h_again, x2, site=5, name="life"), x2)
+    assert native.stats()["live_entries"] == 2
+    # A sweep keeps what a live handle names and releases the rest.
+    keep = np.asarray(h_other).reshape(1, 2)
+    assert native.sweep(keep, native.stats()["next_seq"]) == 1
     same(load(h_other, x2, site=6, name="other"), x2)
-    # A stored entry that was never loaded survives a new store at its site.
-    h3 = store(x1, site=8, name="keep")
-    h4 = store(x2, site=8, name="keep")
-    same(load(h3, x1, site=8, name="keep"), x1)
-    same(load(h4, x2, site=8, name="keep"), x2)
+    with pytest.raises(Exception, match="released"):
+        jax.block_until_ready(load(h_again, x2, site=5, name="life"))
+    # A store nobody loads (uses=0) keeps nothing and returns the null handle.
+    s0 = native.stats()
+    h0 = store(x1, site=9, name="unused", uses=0)
+    assert np.asarray(h0).tolist() == [0, 0]
+    s1 = native.stats()
+    assert s1["live_entries"] == s0["live_entries"] and s1["unused_stores"] == s0["unused_stores"] + 1
+    with pytest.raises(Exception, match="invalid or stale"):
+        jax.block_until_ready(load(h0, x1, site=9, name="unused"))
     native.release_all()
     with pytest.raises(Exception, match="released"):
-        jax.block_until_ready(load(h4, x2, site=8, name="keep"))
+        jax.block_until_ready(load(h_other, x2, site=6, name="other"))
 
 
 def test_bad_handles(tmp_path):

@@ -130,7 +130,7 @@ def test_gpu_gpt_stack_memory_and_bytes(store):
 def _raw_store(x, site):
   return jax.ffi.ffi_call("ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32),
                           has_side_effect=True)(x, site=np.int64(site), tier=np.int32(1),
-                                                name="raw")
+                                                name="raw", uses=np.int64(-1))
 
 
 def _raw_load(h, like, site):

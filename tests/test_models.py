@@ -39,7 +39,8 @@ def loss_and_grads(run: training.RunConfig):
     return jax.jit(jax.value_and_grad(f))(state.params)
 
 
-@pytest.mark.parametrize("model", sorted(models.MODELS))
+@pytest.mark.parametrize("model", [m if m == "gpt" else pytest.param(m, marks=pytest.mark.slow)
+                                   for m in sorted(models.MODELS)])
 def test_tiny_loss_falls(model):
     run = training.RunConfig(model=model, batch=8, steps=20, locations="qkv=nvme,mlp_up=nvme", min_bytes=0)
     losses, _ = train_losses(run, 20)
@@ -47,8 +48,9 @@ def test_tiny_loss_falls(model):
     assert losses[-3:].mean() < losses[0] - 0.5, losses
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("model", sorted(models.MODELS))
+@pytest.mark.parametrize("model,dtype", [
+    (m, d) if (d == "bfloat16" or m == "gpt") else pytest.param(m, d, marks=pytest.mark.slow)
+    for m in sorted(models.MODELS) for d in ("float32", "bfloat16")])
 def test_nvme_offload_bit_exact_vs_device(model, dtype):
     import jax_ssdtrain as ssd
 

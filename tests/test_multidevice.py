@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from _limits import HANG_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -17,7 +18,7 @@ def _run_worker(**env_vars):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              **env_vars)
   proc = subprocess.run([sys.executable, os.path.join(HERE, "_multidevice_worker.py")],
-                        capture_output=True, text=True, env=env, timeout=600)
+                        capture_output=True, text=True, env=env, timeout=HANG_S)
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 

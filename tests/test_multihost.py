@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+from _limits import HANG_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -19,6 +21,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_single_process(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              JAX_PLATFORMS="cpu")
@@ -32,7 +35,7 @@ def test_two_processes_match_single_process(tmp_path):
   logs = []
   try:
     for p in procs:
-      logs.append(p.communicate(timeout=300)[0])
+      logs.append(p.communicate(timeout=HANG_S)[0])
   finally:
     for p in procs:
       if p.poll() is None:

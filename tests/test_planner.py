@@ -350,6 +350,7 @@ def test_memory_budget_picks_the_fastest_batch_that_fits():
     ssd.plan_for_budget(GB // 2, [1, 2], base.scaled, memory)
 
 
+@pytest.mark.slow
 def test_memory_budget_with_real_compiles():
   from models import training
   run = training.RunConfig(preset="tiny", batch=4, min_bytes=0)
@@ -369,6 +370,7 @@ def test_memory_budget_with_real_compiles():
 # --------------------------------------------------------------------------- split-scan models
 
 
+@pytest.mark.slow
 def test_split_scan_identical_to_unsplit():
   import models
   from models import training
@@ -402,6 +404,7 @@ def test_split_scan_identical_to_unsplit():
 # --------------------------------------------------------------------------- CLI
 
 
+@pytest.mark.slow
 def test_train_policy_auto(tmp_path, capsys, monkeypatch):
   import train
   from models import training

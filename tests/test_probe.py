@@ -14,6 +14,7 @@ import jax_ssdtrain as ssd
 from jax_ssdtrain import probe
 from jax_ssdtrain._src import native
 from jax_ssdtrain._src.config import parse_bandwidth
+from _limits import HANG_S
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ def cache_home(tmp_path, monkeypatch):
   return home
 
 
-def _cli(*args, env=None, timeout=120):
+def _cli(*args, env=None, timeout=HANG_S):
   env = dict(os.environ if env is None else env)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
   env["JAX_PLATFORMS"] = "cpu"

@@ -21,6 +21,7 @@ from jax_ssdtrain._src import native
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _rel_common as rc  # noqa: E402
+from _limits import HANG_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Backend of the subprocesses: cpu here; `SSDTRAIN_TEST_PLATFORM=cuda` on a GPU machine runs
@@ -29,7 +30,7 @@ PLATFORM = os.environ.get("SSDTRAIN_TEST_PLATFORM", "cpu")
 MiB = 1 << 20
 
 
-def run_py(code, *, env=None, timeout=120):
+def run_py(code, *, env=None, timeout=HANG_S):
   """Runs `code` in a fresh interpreter (CPU jax); returns the CompletedProcess."""
   full_env = dict(os.environ, JAX_PLATFORMS=PLATFORM, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                   PYTHONPATH=HERE + os.pathsep +
@@ -166,7 +167,7 @@ def test_bad_fault_spec(tmp_path, spec):
         ssd.configure(directory={str(tmp_path / 's')!r}, capacity_bytes=16 << 20)
       except ValueError as e:
         print("VALUEERROR", e)
-      """, timeout=120)
+      """, timeout=HANG_S)
   ok(p)
   assert "VALUEERROR" in p.stdout and "SSDTRAIN_FAULT" in p.stdout, p.stdout
 
@@ -379,11 +380,11 @@ def test_kill_9_leaves_nothing_readable(tmp_path):
     while "READY" not in line:
       line = proc.stdout.readline()
       assert line or proc.poll() is None, proc.stderr.read()
-      assert time.monotonic() - t0 < 120
+      assert time.monotonic() - t0 < HANG_S
     assert os.listdir(d) == []  # already while it runs: the files are unlinked
     time.sleep(0.2)  # mid-step
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    proc.wait(timeout=HANG_S)
   finally:
     if proc.poll() is None:
       proc.kill()
@@ -438,7 +439,7 @@ def test_two_processes_one_directory(tmp_path):
   outs = []
   try:
     for p in procs:
-      out, err = p.communicate(timeout=180)
+      out, err = p.communicate(timeout=HANG_S)
       outs.append((p.returncode, out, err[-3000:]))
   finally:
     for p in procs:
@@ -475,7 +476,7 @@ def test_two_threads_jitted_steps(tmp_path, same_fn):
     for t in ts:
       t.start()
     for t in ts:
-      t.join(timeout=120)
+      t.join(timeout=HANG_S)
     assert not any(t.is_alive() for t in ts), "threads hung"
     assert not errors, errors
     ssd.flush()
@@ -522,5 +523,5 @@ def test_soak_1000_steps_flat(tmp_path):
       assert rc.store_fds({d!r}) == [], rc.store_fds({d!r})
       assert os.listdir({d!r}) == []
       print("SOAK_OK")
-      """, timeout=300))
+      """, timeout=HANG_S))
   assert "SOAK_OK" in p.stdout

@@ -50,6 +50,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from jax_ssdtrain._src import lifetimes
 from jax_ssdtrain._src import native
 
 GiB = 1 << 30
@@ -206,13 +207,28 @@ def device_stats() -> dict[int, dict[str, int]]:
 
 
 def flush() -> None:
-  """Waits for the store's in-flight writes and reads (then ``stats()`` is exact for a step).
+  """Waits for the work already dispatched (every live ``jax.Array`` ready), then for the
+  store's writes and reads, and releases what no program can load any more (a sweep, see
+  :func:`collect`). After ``step(...); ssd.flush()``, ``stats()`` is exact for that step.
 
   Raises the error of a failed asynchronous write, if any.
   """
   if _state.config is not None:
+    import jax
+    jax.block_until_ready(lifetimes.live_arrays())
     native.flush()
+    lifetimes.collect()
     _warn_if_kept(native.stats())
+
+
+def collect() -> int:
+  """Releases every stored tensor that no program can load any more and returns how many: those
+  whose handle left the execution that stored them (a ``jax.vjp`` across jits, eager stores)
+  and that no live ``jax.Array`` holds. Runs by itself in a background thread when such
+  entries pile up; waits for the live arrays to be ready."""
+  if _state.config is None:
+    return 0
+  return lifetimes.collect()
 
 
 def reset_stats() -> None:
@@ -297,6 +313,7 @@ def _apply(cfg: StoreConfig) -> None:
       _check_directory(d)
   native.configure(_engine_options(cfg, directories))
   _state.config = cfg
+  lifetimes.sweeper.start()
   _state.warned_kept = False
   if cfg.o_direct is None and native.stats().get("o_direct") == 0 and \
       directories not in _state.warned_o_direct:
@@ -552,6 +569,7 @@ def _parse_switch(value: str, *, what: str, auto: bool = True) -> bool | None:
 
 
 def _shutdown_locked() -> None:
+  lifetimes.sweeper.stop()
   if _state.config is not None:
     native.shutdown()
     _state.config = None

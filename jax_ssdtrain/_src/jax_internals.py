@@ -190,10 +190,12 @@ prim_requires_devices_during_lowering = _get(
 SPMDAxisContext = _get(_sharding_impls, "SPMDAxisContext", "detecting shard_map lowering")
 ShardingContext = _get(_sharding_impls, "ShardingContext", "detecting partitioned jit lowering")
 GSPMDSharding = _get(_sharding_impls, "GSPMDSharding", "the handle's replicated sharding")
-# Compile-time load counts (lifetimes.py) see the whole top-level program here.
-MLIR_MODULE = _mlir_public
+# Compile-time load counts (lifetimes.py) see the whole top-level program here (JAX calls it
+# through jax._src.interpreters.mlir's global, which is what gets wrapped).
+from jax._src.interpreters import mlir as _mlir_src  # noqa: E402
+MLIR_MODULE = _mlir_src
 LOWER_JAXPR_TO_MODULE = "lower_jaxpr_to_module"
-_get(_mlir_public, LOWER_JAXPR_TO_MODULE, "counting each stored tensor's loads per program")
+_get(_mlir_src, LOWER_JAXPR_TO_MODULE, "counting each stored tensor's loads per program")
 
 
 def process_index_without_backends() -> int:
@@ -208,3 +210,20 @@ def process_index_without_backends() -> int:
 SaveableType = _get(_pe, "SaveableType", "ranking composed policies' answers")
 RecomputeType = _get(_pe, "RecomputeType", "ranking composed policies' answers")
 Offloadable = _get(_pe, "Offloadable", "ranking composed policies' answers")
+
+
+def open_jaxpr(jaxpr: Any) -> Any:
+  """The jaxpr with its equations (a ClosedJaxpr's ``.jaxpr`` in jax <= 0.11; in jax 0.12
+  Jaxpr and ClosedJaxpr are one class whose ``.jaxpr`` is itself)."""
+  inner = getattr(jaxpr, "jaxpr", jaxpr)
+  return inner if hasattr(inner, "eqns") else jaxpr
+
+
+def scan_layout(eqn: Any) -> tuple[int, int]:
+  """``(num_consts, num_carry)`` of a scan equation: params ``num_consts``/``num_carry`` in jax
+  <= 0.11, a flat-tree ``ft_in`` (consts, carry, xs) in jax 0.12."""
+  params = eqn.params
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].update(list(eqn.invars)).unpack()
+  return len(list(consts)), len(list(carry))

@@ -16,6 +16,7 @@ import atexit
 import ctypes
 import errno as _errno
 import os
+import re
 import sys
 import threading
 from pathlib import Path
@@ -40,6 +41,8 @@ __all__ = [
     "debug_corrupt",
     "store_host",
     "load_host",
+    "sweep",
+    "sweep_requested",
 ]
 
 STORE_TARGET = "ssdtrain_store"
@@ -118,7 +121,13 @@ def lib() -> ctypes.CDLL:
             f.argtypes = [ctypes.c_uint64, c_char_p, c_size_t]
             f.restype = c_int
         so.ssdtrain_store_host.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64,
-                                           ctypes.POINTER(ctypes.c_uint32), c_char_p, c_size_t]
+                                           ctypes.c_int64, ctypes.POINTER(ctypes.c_uint32),
+                                           c_char_p, c_size_t]
+        so.ssdtrain_sweep.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64,
+                                      ctypes.POINTER(ctypes.c_uint64), c_char_p, c_size_t]
+        so.ssdtrain_sweep.restype = c_int
+        so.ssdtrain_sweep_requested.argtypes = []
+        so.ssdtrain_sweep_requested.restype = c_int
         so.ssdtrain_load_host.argtypes = [ctypes.POINTER(ctypes.c_uint32), ctypes.c_void_p,
                                           ctypes.c_uint64, ctypes.c_int64, c_char_p, c_size_t]
         so.ssdtrain_store_host.restype = so.ssdtrain_load_host.restype = c_int
@@ -188,12 +197,53 @@ def build_info() -> dict[str, Any]:
     return info
 
 
+def runtime_ffi_api() -> tuple[int, int] | None:
+    """The XLA FFI API version of the running jaxlib, read from the headers it ships (None if
+    it ships none)."""
+    import jax.ffi
+
+    try:
+        header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
+        text = header.read_text()
+    except (OSError, AttributeError):
+        return None
+    found = dict(re.findall(r"^#define XLA_FFI_API_(MAJOR|MINOR) (\d+)", text, re.MULTILINE))
+    if set(found) != {"MAJOR", "MINOR"}:
+        return None
+    return int(found["MAJOR"]), int(found["MINOR"])
+
+
+def check_ffi_api() -> None:
+    """Raises ImportError when the built handlers speak a newer XLA FFI API than the running
+    jaxlib accepts (XLA accepts the same major version and an equal or older minor one)."""
+    built = tuple(int(p) for p in build_info()["ffi_api"].split(".") if p.isdigit())
+    runtime = runtime_ffi_api()
+    if len(built) != 2 or runtime is None:
+        return
+    if built[0] == runtime[0] and built[1] <= runtime[1]:
+        return
+    import jax
+
+    editable = Path(__file__).resolve().parents[1] == library_path().parent and \
+        (library_path().parents[1] / "pyproject.toml").exists()
+    rebuild = ("pip install --no-build-isolation --no-deps -e ." if editable else
+               "pip install --force-reinstall --no-deps --no-cache-dir jax_ssdtrain "
+               "(or the source checkout's path instead of the name)")
+    raise ImportError(
+        f"jax_ssdtrain's XLA FFI handlers ({library_path()}) were built against XLA FFI API "
+        f"{built[0]}.{built[1]}, but the running jaxlib {jax.__version__} speaks "
+        f"{runtime[0]}.{runtime[1]} and would refuse them ('No FFI handler registered for "
+        f"ssdtrain_store'). Rebuild them for this jaxlib: {rebuild}. (pip's isolated build "
+        "compiles against jaxlib 0.10.2's headers, which every supported jaxlib accepts.)")
+
+
 def register_targets() -> None:
     """Registers ssdtrain_store/ssdtrain_load for "cpu" (and "CUDA" when built with CUDA)."""
     import jax.ffi
 
     with _lock:
         so = lib()
+        check_ffi_api()
         platforms = [("cpu", "SsdtrainStoreCpu", "SsdtrainLoadCpu")]
         if build_info().get("cuda") == 1:
             platforms.append(("CUDA", "SsdtrainStoreCuda", "SsdtrainLoadCuda"))
@@ -284,12 +334,34 @@ def debug_corrupt(offset: int) -> None:
     _call_err(lib().ssdtrain_debug_corrupt, int(offset))
 
 
-def store_host(address: int, nbytes: int, site: int) -> tuple[int, int]:
+MANUAL = -2  # an entry released by release_all() only (never counted, never swept)
+
+
+def store_host(address: int, nbytes: int, site: int, uses: int = MANUAL) -> tuple[int, int]:
     """Stores ``nbytes`` at host ``address`` in the NVMe tier, as the CPU store handler does;
-    returns the handle. The caller keeps the buffer alive for the call only."""
+    returns the handle. ``uses``: loads after which the entry is released (MANUAL: kept until
+    release_all()). The caller keeps the buffer alive for the call only."""
     handle = (ctypes.c_uint32 * 2)()
-    _call_err(lib().ssdtrain_store_host, ctypes.c_void_p(address), int(nbytes), int(site), handle)
+    _call_err(lib().ssdtrain_store_host, ctypes.c_void_p(address), int(nbytes), int(site),
+              int(uses), handle)
     return handle[0], handle[1]
+
+
+def sweep(pairs, seq_limit: int) -> int:
+    """Releases entries older than ``seq_limit`` whose handle is not a row of ``pairs`` (an
+    (n, 2) C-contiguous uint32 array); returns how many were released."""
+    import numpy as np
+
+    pairs = np.ascontiguousarray(pairs, dtype=np.uint32).reshape(-1, 2)
+    released = ctypes.c_uint64(0)
+    _call_err(lib().ssdtrain_sweep, pairs.ctypes.data, pairs.shape[0], int(seq_limit),
+              ctypes.byref(released))
+    return int(released.value)
+
+
+def sweep_requested() -> bool:
+    """True when the engine has stored enough uncounted entries that a sweep is due."""
+    return bool(lib().ssdtrain_sweep_requested())
 
 
 def load_host(handle: tuple[int, int], address: int, nbytes: int, site: int) -> None:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ssdtrain._src import jax_internals as ji
+from jax_ssdtrain._src import lifetimes
 from jax_ssdtrain._src import sharded
 from jax_ssdtrain._src.policies import Location, name_p
 
@@ -45,13 +46,27 @@ store_p = ji.Primitive("ssd_store")
 store_p.multiple_results = True
 
 
-def _store_abstract_eval(x, *, site, tier, name):
-  del site, tier, name
+# Params: site (the tag site, shared with its loads), tier (TIER_CODES), name (the tag, for
+# messages), uses (loads per stored entry in one execution; None: counted when the program is
+# lowered, see lifetimes.py; -1: released by sweeps only).
+
+
+def _store_abstract_eval(x, *, site, tier, name, uses):
+  del site, tier, name, uses
   return [x, HANDLE_AVAL]
 
 
 store_p.def_abstract_eval(_store_abstract_eval)
-store_p.def_impl(lambda x, **params: ji.apply_primitive(store_p, x, **params))
+def _store_impl(x, **params):
+  # An eager store's handle leaves its (one-primitive) execution: sweeps release it. Sweep here,
+  # outside any execution, when enough of them piled up.
+  from jax_ssdtrain._src import native
+  if native.available() and native.sweep_requested():
+    lifetimes.collect()
+  return ji.apply_primitive(store_p, x, **params)
+
+
+store_p.def_impl(_store_impl)
 
 
 def _round_to_dtype(x):
@@ -59,8 +74,10 @@ def _round_to_dtype(x):
   return jax.lax.reduce_precision(x, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
 
 
-def _store_lowering(ctx, x, *, site, tier, name):
+def _store_lowering(ctx, x, *, site, tier, name, uses):
   _ensure_engine()
+  if uses is None:
+    uses = lifetimes.current_uses(site)
   (aval,) = ctx.avals_in
   if jnp.issubdtype(aval.dtype, jnp.floating):
     # As JAX does for residuals saved on the device (its PR 22244): the stored value and the
@@ -70,12 +87,13 @@ def _store_lowering(ctx, x, *, site, tier, name):
         ctx.replace(avals_out=[aval]), x)
   if sharded.needs_partitioning(ctx):  # each device stores its own shard
     lowered = ji.lower_fun(functools.partial(sharded.store_handle, store_p=store_p, site=site,
-                                               tier=tier, name=name), multiple_results=False)
+                                             tier=tier, name=name, uses=uses),
+                           multiple_results=False)
     handle, = lowered(ctx.replace(avals_out=[HANDLE_AVAL]), x)
     return [x, handle]
   call = jax.ffi.ffi_lowering(STORE_TARGET, has_side_effect=True)
   handle, = call(ctx.replace(avals_out=[HANDLE_AVAL]), x,
-                 site=np.int64(site), tier=np.int32(tier), name=name)
+                 site=np.int64(site), tier=np.int32(tier), name=name, uses=np.int64(uses))
   # The first result is the operand itself: no copy, and XLA keeps x alive until the call.
   return [x, handle]
 
@@ -97,10 +115,10 @@ def _store_jvp(primals, tangents, **params):
 ji.primitive_jvps[store_p] = _store_jvp
 
 
-def _store_batch(args, dims, *, site, tier, name):
+def _store_batch(args, dims, **params):
   (x,), (d,) = args, dims
   x = jnp.moveaxis(x, d, 0)
-  y, handle = store_p.bind(x, site=site, tier=tier, name=name)
+  y, handle = store_p.bind(x, **params)
   # A batched handle makes the matching load batched too (an unbatched one would drop the axis).
   handle = jnp.broadcast_to(handle, (x.shape[0],) + handle.shape)
   return [y, handle], [0, 0]
@@ -193,7 +211,8 @@ def _tag_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   handle = ji.Var(HANDLE_AVAL)
   (y,) = eqn.outvars
   known = eqn.replace(primitive=store_p, outvars=[y, handle],
-                      params=dict(site=params["site"], tier=params["tier"], name=params["name"]))
+                      params=dict(site=params["site"], tier=params["tier"], name=params["name"],
+                                  uses=None))
   staged = eqn.replace(primitive=load_p, invars=[handle], outvars=[y],
                        params=dict(aval=y.aval, site=params["site"],
                                    tier=params["tier"], name=params["name"]))

@@ -96,7 +96,7 @@ def _install_remat3(cls) -> None:
     x = cls(name, aval)(x)
     if isinstance(decision, StoreDecision):
       params = dict(site=new_site_id(), tier=TIER_CODES[decision.location], name=name)
-      x, handle = store_p.bind(x, **params)
+      x, handle = store_p.bind(x, uses=None, **params)
       reload = functools.partial(_reload, aval=aval, params=params, forward_only=forward_only)
       if ji.REMAT3_RETURNS_RESIDUALS:
         return x, handle, reload

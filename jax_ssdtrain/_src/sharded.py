@@ -45,9 +45,11 @@ def needs_partitioning(ctx) -> bool:
   return False  # pmap replicas: each lowers its own calls
 
 
-def store_handle(x, *, store_p, site: int, tier: int, name: str):
-  """The store's handle, partitioned per device (call while lowering; traced by lower_fun)."""
-  return _store_fn(store_p, site, tier, name)(x)
+def store_handle(x, *, store_p, site: int, tier: int, name: str, uses: int):
+  """The store's handle, partitioned per device (call while lowering; traced by lower_fun).
+  ``uses`` comes from the whole program's count: the per-device module XLA's partitioner lowers
+  later sees the handle as its output."""
+  return _store_fn(store_p, site, tier, name, uses)(x)
 
 
 def load(handle, *, load_p, aval, site: int, tier: int, name: str):
@@ -84,9 +86,9 @@ def _replicated(mesh, like):
   return ji.GSPMDSharding.get_replicated(like._device_assignment)
 
 
-def _store_fn(store_p, site, tier, name):
+def _store_fn(store_p, site, tier, name, uses):
   def local_store(x):
-    return store_p.bind(x, site=site, tier=tier, name=name)[1]
+    return store_p.bind(x, site=site, tier=tier, name=name, uses=uses)[1]
 
   def rule(mesh, operand_types, result_types):
     del mesh, result_types

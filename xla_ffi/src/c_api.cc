@@ -139,12 +139,34 @@ SSD_EXPORT int ssdtrain_debug_corrupt(uint64_t offset, char* err, size_t errlen)
 // Stores / loads a host buffer through the engine, as the CPU handlers do (the
 // probe drives the engine with these; handle is uint32[2]).
 SSD_EXPORT int ssdtrain_store_host(const void* src, uint64_t nbytes, int64_t site,
-                                   uint32_t* handle, char* err, size_t errlen) {
+                                   int64_t uses, uint32_t* handle, char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
     auto e = ssdtrain::PeekEngine();
     if (!e) return Status(EINVAL, "the store is not configured");
-    return e->StoreFromHost(src, nbytes, site, 0, "probe", handle);
+    return e->StoreFromHost(src, nbytes, site, 0, "probe", handle, 0, uses);
   });
+}
+
+// Sweep (jax_ssdtrain/_src/lifetimes.py): releases the entries older than `seq_limit` whose
+// handle is not among the n_pairs {id, check} pairs (the handles live arrays still hold).
+SSD_EXPORT int ssdtrain_sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit,
+                              uint64_t* released, char* err, size_t errlen) {
+  return Guard(err, errlen, [&]() -> Status {
+    *released = 0;
+    auto e = ssdtrain::PeekEngine();
+    if (!e) return Status::Ok();
+    return e->Sweep(pairs, n_pairs, seq_limit, released);
+  });
+}
+
+// 1 when a sweep is due (enough uncounted entries since the last one), else 0.
+SSD_EXPORT int ssdtrain_sweep_requested(void) {
+  try {
+    auto e = ssdtrain::PeekEngine();
+    return e && e->SweepRequested() ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
 }
 
 SSD_EXPORT int ssdtrain_load_host(const uint32_t* handle, void* dst, uint64_t nbytes,

@@ -691,19 +691,6 @@ void Engine::MakeHandle(const Entry& e, uint32_t h[2]) const {
   h[1] = HandleCheck(e.id);
 }
 
-void Engine::ReleaseLoadedOfSite(int device, int64_t site) {
-  auto it = by_site_.find({device, site});
-  if (it == by_site_.end()) return;
-  std::vector<EntryPtr> victims;
-  for (uint32_t id : it->second) {
-    auto e = entries_.find(id);
-    // Not while a load is under way (another thread running the same program).
-    if (e != entries_.end() && e->second->loads > 0 && e->second->loading == 0)
-      victims.push_back(e->second);
-  }
-  for (auto& v : victims) Release(v);
-}
-
 void Engine::Release(const EntryPtr& e) {
   if (e->released) return;
   e->released = true;
@@ -928,15 +915,18 @@ Status Engine::SyncIo(bool write, char* buf, uint64_t loff, uint64_t len) {
 // Store
 // ---------------------------------------------------------------------------
 Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_view name,
-                          EntryPtr* out, int device) {
+                          EntryPtr* out, int device, int64_t uses) {
   if (tier != 0 && tier != 1)
     return Status(EINVAL, "store of tag '" + std::string(name) + "': invalid tier " +
                               std::to_string(tier) + " (0 = nvme, 1 = host)");
+  if (uses == 0)
+    return Status(EINVAL, "store of tag '" + std::string(name) + "': uses=0 keeps nothing "
+                              "(write the null handle instead)");
   Lock lk(mu);
   SSD_RETURN_IF_ERROR(TakePendingError());
-  // Each device runs the program on its own: its entries of a site are released by its stores.
-  ReleaseLoadedOfSite(device, site);
+  if (hooks_) hooks_->ReclaimReleases(false);
   auto e = std::make_shared<Entry>();
+  e->uses_left = uses == Entry::kManual ? Entry::kManual : uses < 0 ? Entry::kUncounted : uses;
   e->id = next_id_++;
   if (next_id_ == 0) next_id_ = 1;
   e->site = site;
@@ -950,7 +940,12 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
     e->host_valid = true;
   } else if (tier == 1) {
     uint64_t off;
-    if (!AllocHost(1, e->padded, &off)) {
+    bool got = AllocHost(1, e->padded, &off);
+    if (!got && hooks_) {  // entries whose last load's copy is still running hold room
+      hooks_->ReclaimReleases(true);
+      got = AllocHost(1, e->padded, &off);
+    }
+    if (!got) {
       return Status(ENOMEM, "host tier full: " + std::to_string(e->padded) +
                                 " bytes requested, " + std::to_string(tier_.alloc.free_bytes()) +
                                 " free (host_tier_bytes=" + std::to_string(cfg_.host_tier_bytes) +
@@ -962,7 +957,12 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
   } else {
     uint64_t off;
     Status full;
-    if (!SlotAlloc(e->device, e->padded, &off)) {
+    bool got_slot = SlotAlloc(e->device, e->padded, &off);
+    if (!got_slot && hooks_) {
+      hooks_->ReclaimReleases(true);
+      got_slot = SlotAlloc(e->device, e->padded, &off);
+    }
+    if (!got_slot) {
       const RangeAllocator& group = SlotGroup(e->device);
       full = Status(ENOSPC, "No space left in the ssdtrain store for tag '" + e->name +
                                 "': " + std::to_string(e->padded) + " bytes requested, " +
@@ -1013,6 +1013,10 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
   }
   entries_[e->id] = e;
   by_site_[{device, site}].insert(e->id);
+  if (e->uses_left == Entry::kUncounted) {
+    uncounted_since_sweep_++;
+    uncounted_bytes_since_sweep_ += nbytes;
+  }
   unloaded_[e->seq] = e;  // every tier: the LIFO read-ahead into device staging uses it
   stats.bytes_written += nbytes;
   stats.tensors_written++;
@@ -1085,10 +1089,78 @@ void Engine::AbortStore(const EntryPtr& e) {
   Release(e);
 }
 
+void Engine::CountUnusedStore(uint64_t nbytes, int device) {
+  Lock lk(mu);
+  stats.unused_stores++;
+  (void)nbytes;
+  (void)device;
+}
+
+bool Engine::CountLoad(const EntryPtr& e, bool defer) {
+  if (e->uses_left <= 0 || e->released) return false;
+  if (--e->uses_left > 0) return false;
+  stats.counted_releases++;
+  if (defer) return true;
+  Release(e);
+  return false;
+}
+
+Status Engine::Sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit,
+                     uint64_t* released) {
+  std::set<uint64_t> live;
+  for (uint64_t i = 0; i < n_pairs; ++i)
+    live.insert(static_cast<uint64_t>(pairs[2 * i]) << 32 | pairs[2 * i + 1]);
+  Lock lk(mu);
+  if (hooks_) hooks_->ReclaimReleases(true);
+  std::vector<EntryPtr> dead;
+  uint64_t survivors = 0, survivor_bytes = 0;
+  for (auto& [id, e] : entries_) {
+    const uint64_t key = static_cast<uint64_t>(id) << 32 | HandleCheck(id);
+    if (e->uses_left == Entry::kManual) continue;
+    if (e->seq >= seq_limit || e->loading > 0 || e->filling || live.count(key)) {
+      if (e->uses_left == Entry::kUncounted) {
+        survivors++;
+        survivor_bytes += e->nbytes;
+      }
+      continue;
+    }
+    dead.push_back(e);
+  }
+  for (auto& e : dead) Release(e);
+  stats.sweeps++;
+  stats.swept_entries += dead.size();
+  *released = dead.size();
+  // The next sweep is due when the uncounted entries made since have doubled what survived
+  // (at least 64 entries, or an eighth of the host tier / file space in bytes).
+  uncounted_since_sweep_ = uncounted_bytes_since_sweep_ = 0;
+  sweep_mark_entries_ = std::max<uint64_t>(64, survivors);
+  const uint64_t room = std::min<uint64_t>(std::max<uint64_t>(cfg_.host_tier_bytes, kGiB),
+                                           cfg_.capacity_bytes);
+  sweep_mark_bytes_ = std::max<uint64_t>(room / 8, survivor_bytes);
+  return Status::Ok();
+}
+
+bool Engine::SweepRequested() {
+  Lock lk(mu);
+  if (sweep_mark_bytes_ == 0) {
+    const uint64_t room = std::min<uint64_t>(std::max<uint64_t>(cfg_.host_tier_bytes, kGiB),
+                                             cfg_.capacity_bytes);
+    sweep_mark_bytes_ = room / 8;
+  }
+  return uncounted_since_sweep_ >= sweep_mark_entries_ ||
+         (uncounted_since_sweep_ > 0 && uncounted_bytes_since_sweep_ >= sweep_mark_bytes_);
+}
+
 Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int tier,
-                             std::string_view name, uint32_t handle[2], int device) {
+                             std::string_view name, uint32_t handle[2], int device,
+                             int64_t uses) {
+  if (uses == 0) {
+    CountUnusedStore(nbytes, device);
+    MakeNullHandle(handle);
+    return Status::Ok();
+  }
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(BeginStore(site, tier, nbytes, name, &e, device));
+  SSD_RETURN_IF_ERROR(BeginStore(site, tier, nbytes, name, &e, device, uses));
   MakeHandle(*e, handle);
   if (nbytes == 0 || e->host_ptr) {
     if (nbytes) {
@@ -1121,8 +1193,10 @@ Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int
   auto it = entries_.find(h[0]);
   if (it == entries_.end())
     return Status(EINVAL, "activation was already released: " + Describe(name, site, h[0]) +
-                              " (entries are released by the next store at the same site after "
-                              "being loaded, by release_all() and by reconfiguration)");
+                              " (an entry is released after its last load in the execution that "
+                              "stored it, or, when its handle left that execution, by a sweep "
+                              "once no live jax.Array holds the handle; also by release_all() "
+                              "and by reconfiguration)");
   EntryPtr e = it->second;
   if (e->site != site)
     return Status(EINVAL, "ssdtrain handle of " + Describe(e->name, e->site, e->id) +
@@ -1332,6 +1406,7 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
   }
   e->loading--;
   ReleaseHost(lk, &ref);
+  if (s.ok()) CountLoad(e);
   SchedulePrefetch(lk, device);
   return s;
 }
@@ -1341,12 +1416,14 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
 // ---------------------------------------------------------------------------
 Status Engine::Flush() {
   Lock lk(mu);
+  if (hooks_) hooks_->ReclaimReleases(true);
   cv.wait(lk, [&] { return reads_inflight_ == 0 && writes_inflight_ == 0; });
   return TakePendingError();
 }
 
 Status Engine::ReleaseAll() {
   Lock lk(mu);
+  if (hooks_) hooks_->ReclaimReleases(true);
   std::vector<EntryPtr> all;
   all.reserve(entries_.size());
   for (auto& [id, e] : entries_) all.push_back(e);
@@ -1404,6 +1481,14 @@ std::string Engine::StatsString() {
   u("full_kept_tensors", s.full_kept_tensors);
   u("full_kept_bytes", s.full_kept_bytes);
   u("checksum_failures", s.checksum_failures);
+  u("counted_releases", s.counted_releases);
+  u("unused_stores", s.unused_stores);
+  u("sweeps", s.sweeps);
+  u("swept_entries", s.swept_entries);
+  uint64_t uncounted = 0;
+  for (const auto& [id, e] : entries_) uncounted += e->uses_left == Entry::kUncounted;
+  u("uncounted_entries", uncounted);
+  u("next_seq", next_seq_);
   d("stall_seconds", s.stall_seconds);
   d("handle_sync_seconds", s.handle_sync_seconds);
   d("write_seconds", s.write_seconds);

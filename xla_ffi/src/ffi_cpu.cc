@@ -8,14 +8,14 @@ namespace {
 
 ffi::Error StoreCpuImpl(int32_t device, ffi::AnyBuffer x,
                         ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
-                        std::string_view name) {
+                        std::string_view name, int64_t uses) {
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
     return engine->StoreFromHost(x.untyped_data(), x.size_bytes(), site, tier, name,
-                                 handle->typed_data(), device);
+                                 handle->typed_data(), device, uses);
   });
 }
 
@@ -47,7 +47,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::Buffer<ffi::U32>>()         // handle: uint32[2] = {id, check word}
         .Attr<int64_t>("site")                // tag site id (shared by store and load)
         .Attr<int32_t>("tier")                // 0 = nvme via host cache, 1 = host tier
-        .Attr<std::string_view>("name"));     // tag name, for messages only
+        .Attr<std::string_view>("name")       // tag name, for messages only
+        .Attr<int64_t>("uses"));              // loads per entry in this execution, -1: uncounted
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCpu, ssdtrain::LoadCpuImpl,

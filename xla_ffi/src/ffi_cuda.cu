@@ -118,6 +118,11 @@ class CudaModule final : public DeviceHooks {
   explicit CudaModule(Engine* eng) : eng_(eng) {}
 
   ~CudaModule() override {
+    for (Deferred& r : deferred_) {
+      cudaEventSynchronize(r.done);
+      cudaEventDestroy(r.done);
+    }
+    deferred_.clear();
     for (auto& [id, ds] : devices_) {
       int prev = -1;
       cudaGetDevice(&prev);
@@ -427,6 +432,37 @@ class CudaModule final : public DeviceHooks {
     e.dev = nullptr;
   }
 
+  // Lock held. The release of `e` waits for its last load's copy on `stream`: no host thread
+  // blocks on it (ReclaimReleases collects it once done).
+  Status DeferRelease(DeviceState* ds, const EntryPtr& e, cudaStream_t stream) {
+    cudaEvent_t ev;
+    SSD_RETURN_IF_ERROR(NewEvent(ds, &ev));
+    cudaError_t err = cudaEventRecord(ev, stream);
+    if (err != cudaSuccess) {
+      ds->free_events.push_back(ev);
+      SSD_CHECK_CUDA(err);
+    }
+    deferred_.push_back(Deferred{e, ev, ds->device});
+    return Status::Ok();
+  }
+
+  void ReclaimReleases(bool wait) override {
+    for (size_t i = 0; i < deferred_.size();) {
+      Deferred& r = deferred_[i];
+      if (!wait && !Done(r.done)) {
+        ++i;
+        continue;
+      }
+      if (wait) cudaEventSynchronize(r.done);
+      cudaGetLastError();
+      EntryPtr e = std::move(r.e);
+      PutEvent(r.device, r.done);
+      r = std::move(deferred_.back());
+      deferred_.pop_back();
+      eng_->ReleaseLocked(e);
+    }
+  }
+
   // Lock held: copies the next predicted entries that sit in host memory
   // into device staging on the h2d stream.
   Status StagePrefetch(DeviceState* ds) {
@@ -467,6 +503,13 @@ class CudaModule final : public DeviceHooks {
   }
 
   Engine* eng_;
+  // Entries whose counted last load was enqueued: released once `done` (after the copy) fires.
+  struct Deferred {
+    EntryPtr e;
+    cudaEvent_t done;
+    int device;
+  };
+  std::vector<Deferred> deferred_;
   std::map<int, std::unique_ptr<DeviceState>> devices_;
   std::vector<void*> registered_;
   bool host_registered_ = false;
@@ -499,7 +542,7 @@ Status UseDevice(int dev) {
 
 Status StoreCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::AnyBuffer x,
                  ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
-                 std::string_view name) {
+                 std::string_view name, int64_t uses) {
   SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
   Status st;
   auto eng = CurrentEngine(&st);
@@ -509,8 +552,14 @@ Status StoreCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::AnyBuffe
   uint32_t* hdst = handle->typed_data();
   SSD_RETURN_IF_ERROR(UseDevice(dev));
 
+  if (uses == 0) {  // nobody loads it: keep nothing, hand out the null handle
+    uint32_t null_handle[2];
+    Engine::MakeNullHandle(null_handle);
+    eng->CountUnusedStore(nbytes, dev);
+    return LaunchWriteHandle(stream, hdst, null_handle);
+  }
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(eng->BeginStore(site, tier, nbytes, name, &e, dev));
+  SSD_RETURN_IF_ERROR(eng->BeginStore(site, tier, nbytes, name, &e, dev, uses));
   uint32_t h[2];
   eng->MakeHandle(*e, h);
 
@@ -597,7 +646,9 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
   bool predicted = false;
   {
     Lock lk(eng->mu);
-    SSD_RETURN_IF_ERROR(Module(*eng)->TakeMismatch());
+    CudaModule* mod = Module(*eng);
+    SSD_RETURN_IF_ERROR(mod->TakeMismatch());
+    mod->ReclaimReleases(false);
     predicted = !eng->config().exact_loads &&
                 eng->PredictLoad(site, run_id, dev, nbytes, h, &left);
   }
@@ -632,7 +683,10 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
   CudaModule* mod = Module(*eng);
   DeviceState* ds = nullptr;
   SSD_RETURN_IF_ERROR(mod->Device(dev, &ds));
-  if (nbytes == 0) return Status::Ok();
+  if (nbytes == 0) {
+    eng->CountLoad(e);  // no copy to wait for
+    return Status::Ok();
+  }
   DevEntry* d = D(*e);
   if (!d) {
     d = new DevEntry();
@@ -686,6 +740,7 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
         static_cast<unsigned long long>(run_id));
     SSD_CHECK_CUDA(cudaGetLastError());
   }
+  if (eng->CountLoad(e, /*defer=*/true)) SSD_RETURN_IF_ERROR(mod->DeferRelease(ds, e, stream));
   eng->SchedulePrefetch(lk, dev);
   SSD_RETURN_IF_ERROR(mod->StagePrefetch(ds));
   if (predicted && left == 0) {
@@ -702,8 +757,10 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
 
 ffi::Error StoreCudaImpl(int32_t dev, cudaStream_t stream, ffi::RunId run, ffi::AnyBuffer x,
                          ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
-                         std::string_view name) {
-  return Guarded([&] { return StoreCuda(dev, stream, run.run_id, x, handle, site, tier, name); });
+                         std::string_view name, int64_t uses) {
+  return Guarded([&] {
+    return StoreCuda(dev, stream, run.run_id, x, handle, site, tier, name, uses);
+  });
 }
 
 ffi::Error LoadCudaImpl(int32_t dev, cudaStream_t stream, ffi::RunId run,
@@ -728,7 +785,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::Buffer<ffi::U32>>()              // handle: uint32[2] = {id, check word}
         .Attr<int64_t>("site")                     // tag site id (shared by store and load)
         .Attr<int32_t>("tier")                     // 0 = nvme via host cache, 1 = host tier
-        .Attr<std::string_view>("name"));          // tag name, for messages only
+        .Attr<std::string_view>("name")            // tag name, for messages only
+        .Attr<int64_t>("uses"));                   // loads per entry in this execution, -1: uncounted
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCuda, ssdtrain::LoadCudaImpl,

@@ -147,6 +147,11 @@ struct Entry {
   bool released = false;
   bool freed = false;
   int loads = 0;
+  // Loads left before the entry is released (counted when the program was compiled);
+  // kUncounted: released by a sweep (its handle left the execution, or the count was unknown);
+  // kManual: stored through the C ABI (probe, tests), released by release_all() only.
+  static constexpr int64_t kUncounted = -1, kManual = -2;
+  int64_t uses_left = kUncounted;
   int64_t run_id = -1;  // XLA execution of the store (device path), for load prediction
   // Host copy (cache arena for tier 0, host-tier arena for tier 1).
   int host_arena = -1;  // 0 cache, 1 host tier, -1 none
@@ -187,6 +192,9 @@ class DeviceHooks {
   virtual void BeforeHostFree(Entry& e) = 0;
   // `e` is being freed: drop device-side copies.
   virtual void OnEntryFree(Entry& e) = 0;
+  // Releases the entries whose last load's device copy has completed (all of them, waiting for
+  // their copies, when `wait`). Called before the engine gives up for lack of space.
+  virtual void ReclaimReleases(bool wait) = 0;
 };
 
 struct Stats {
@@ -206,6 +214,9 @@ struct Stats {
   uint64_t staging_in_use = 0, staging_peak = 0;
   uint64_t full_kept_tensors = 0, full_kept_bytes = 0;  // on_full=keep
   uint64_t checksum_failures = 0;
+  // Lifetimes: entries released after their counted last load, stores nobody loads (never
+  // kept), sweeps and the entries they released.
+  uint64_t counted_releases = 0, unused_stores = 0, sweeps = 0, swept_entries = 0;
 };
 
 // Per-device counters (device = the XLA device ordinal the handler ran on).
@@ -242,17 +253,34 @@ class Engine {
 
   // ---- CPU handlers -------------------------------------------------------
   // `device`: the XLA device ordinal of the call (per-device sites and statistics).
+  // `uses`: loads per stored entry in its execution (0: nobody loads it; Entry::kUncounted,
+  // Entry::kManual).
   Status StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int tier,
-                       std::string_view name, uint32_t handle[2], int device = 0);
+                       std::string_view name, uint32_t handle[2], int device = 0,
+                       int64_t uses = -1);
   Status LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
                     std::string_view name, int device = 0);
 
   // ---- building blocks (device module) -----------------------------------
-  // Registers a new entry (releasing loaded entries of `site`) and reserves its
-  // host buffer and file slot. e->host_ptr == nullptr means "no host buffer":
-  // use WriteThrough.
+  // Registers a new entry that `uses` loads will consume (-1: until a sweep) and reserves its
+  // host buffer and file slot. e->host_ptr == nullptr means "no host buffer": use
+  // WriteThrough. A store nobody loads (uses == 0) keeps nothing: the caller writes the
+  // null handle (MakeNullHandle) instead.
   Status BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_view name,
-                    EntryPtr* out, int device = 0);
+                    EntryPtr* out, int device = 0, int64_t uses = -1);
+  static void MakeNullHandle(uint32_t h[2]) { h[0] = h[1] = 0; }
+  // Counts a store nobody loads (uses == 0).
+  void CountUnusedStore(uint64_t nbytes, int device);
+  // Lock held. One completed load of `e`: at its counted last load the entry is released.
+  // `defer` (GPU): returns true instead of releasing when the release must wait for the
+  // load's device copy (the caller queues it).
+  bool CountLoad(const EntryPtr& e, bool defer = false);
+  void ReleaseLocked(const EntryPtr& e) { Release(e); }
+  // Releases every entry older than `seq_limit` (seq < seq_limit) whose {id, check} is not
+  // among `pairs` (n_pairs pairs of uint32) and that no load is using. `*released`: how many.
+  Status Sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit, uint64_t* released);
+  // True when enough uncounted entries were stored since the last sweep that one is due.
+  bool SweepRequested();
   // The bytes are (or, for the device path, will be once WaitHostReady
   // returns) in e->host_ptr: start the write-behind.
   Status CommitStore(const EntryPtr& e);
@@ -353,7 +381,6 @@ class Engine {
   Status CheckCrc(const Entry& e, const char* buf);
   void Release(const EntryPtr& e);
   void MaybeFree(const EntryPtr& e);
-  void ReleaseLoadedOfSite(int device, int64_t site);
   void BusyBegin(bool write);
   void BusyEnd(bool write);
   void CountFileIo(bool write, size_t file, uint64_t len);
@@ -381,6 +408,9 @@ class Engine {
   uint32_t salt_ = 0;
   uint32_t next_id_ = 1;
   uint64_t next_seq_ = 1;
+  // Uncounted entries (and bytes) stored since the last sweep; a sweep is due past the marks.
+  uint64_t uncounted_since_sweep_ = 0, uncounted_bytes_since_sweep_ = 0;
+  uint64_t sweep_mark_entries_ = 64, sweep_mark_bytes_ = 0;
   std::unordered_map<uint32_t, EntryPtr> entries_;               // live entries
   std::map<std::pair<int, int64_t>, std::set<uint32_t>> by_site_;  // live ids per (device, site)
   std::map<int, DeviceStats> device_stats_;

@@ -1,0 +1,309 @@
+"""How long a stored tensor lives: counted at compile time, swept at run time.
+
+The rule: **a stored tensor lives while a load can still reach it.** Inside the XLA execution
+that stored it, that is until its last load there, which is counted when the program is
+compiled; a handle that leaves its execution (returned from a jit, e.g. by ``jax.vjp`` across
+jits, or made by an eager store) keeps its tensor while a live ``jax.Array`` holds that handle.
+
+Counting (:func:`analyze`). When JAX lowers a program (``mlir.lower_jaxpr_to_module``, wrapped
+here) its top-level jaxpr is walked: values carry the store sites whose handles they may hold
+(a handle flows through the vmap rule's broadcast, scan stacking, slicing, calls, ...; a load
+ends it), and every equation runs a known number of times per execution (a scan body ``length``
+times). For each site, ``uses`` = load executions / store executions: how many loads each
+stored entry gets. The store's custom call carries it; the engine releases an entry after that
+many loads (0: right after the store, never written). The count is given up (``-1``) when the
+handle reaches the program's outputs (it escapes), a store or load sits inside ``cond`` /
+``while`` / a higher-order primitive not known here, the ratio is not an integer, or a site is
+stored in places that run different numbers of times.
+
+Sweeping (:func:`collect`). Entries with ``uses == -1`` stay until a sweep. A sweep reads the
+engine's next entry number, waits for every live ``jax.Array`` to be ready, reads the handles
+in those arrays (uint32 arrays whose last dimension is 2, every addressable shard) and tells the
+engine to release every older entry whose handle none of them holds. Why this is safe: a handle
+that can still be loaded is either held by a live array, or is internal to an execution that
+was dispatched earlier; waiting for the live arrays waits for every such execution whose result
+anyone can observe (an execution with no live outputs is unobservable: its loads may fail
+harmlessly). A daemon thread sweeps when the engine has made enough uncounted entries since
+the last sweep; ``ssd.flush()`` and ``ssd.collect()`` sweep at once.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from jax_ssdtrain._src import jax_internals as ji
+
+UNCOUNTED = -1
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile-time counts
+
+
+@dataclasses.dataclass
+class _Site:
+  store_runs: list[int] = dataclasses.field(default_factory=list)  # executions per store eqn
+  load_runs: int = 0      # load executions in all
+  uncertain: bool = False  # a store or load of it runs an unknown number of times
+  escapes: bool = False    # its handle reaches the program's outputs
+
+  def uses(self) -> int:
+    if self.escapes or self.uncertain or not self.store_runs:
+      return UNCOUNTED
+    if len(set(self.store_runs)) != 1:  # stored in places that run differently often
+      return UNCOUNTED
+    stores = sum(self.store_runs)
+    if self.load_runs % stores:
+      return UNCOUNTED
+    return self.load_runs // stores
+
+
+def analyze(jaxpr: Any) -> dict[int, int]:
+  """``{site: uses}`` for every store site in a top-level program (see the module doc)."""
+  from jax_ssdtrain._src.primitives import load_p, store_p
+
+  sites: dict[int, _Site] = collections.defaultdict(_Site)
+  empty: frozenset = frozenset()
+
+  def walk(jaxpr, ins, runs, uncertain, record):
+    jaxpr = ji.open_jaxpr(jaxpr)
+    env: dict[Any, frozenset] = {}
+
+    def read(v):
+      return env.get(v, empty) if isinstance(v, ji.Var) else empty
+
+    for v, t in zip(jaxpr.invars, ins):
+      env[v] = t
+    for eqn in jaxpr.eqns:
+      in_t = [read(v) for v in eqn.invars]
+      if eqn.primitive is store_p:
+        site = eqn.params["site"]
+        if record:
+          sites[site].store_runs.append(runs)
+          sites[site].uncertain |= uncertain
+        out_t = [in_t[0], frozenset([site])]
+      elif eqn.primitive is load_p:
+        if record:
+          for site in in_t[0]:
+            sites[site].load_runs += runs
+            sites[site].uncertain |= uncertain
+        out_t = [empty]
+      else:
+        out_t = _higher_order(eqn, in_t, runs, uncertain, record, walk)
+      for v, t in zip(eqn.outvars, out_t):
+        if isinstance(v, ji.Var):
+          env[v] = t
+    return [read(v) for v in jaxpr.outvars]
+
+  top = ji.open_jaxpr(jaxpr)
+  outs = walk(top, [empty] * len(top.invars), 1, False, True)
+  for t in outs:
+    for site in t:
+      sites[site].escapes = True
+  return {site: s.uses() for site, s in sites.items()}
+
+
+def _union(taints):
+  out = frozenset()
+  for t in taints:
+    out |= t
+  return out
+
+
+def _higher_order(eqn, in_t, runs, uncertain, record, walk):
+  """Output taints of an equation (walking its sub-jaxprs, if any)."""
+  params = eqn.params
+  name = eqn.primitive.name
+  n_out = len(eqn.outvars)
+  if name == "scan":
+    body = params["jaxpr"]
+    n_consts, n_carry = ji.scan_layout(eqn)
+    consts, carry, xs = in_t[:n_consts], in_t[n_consts:n_consts + n_carry], in_t[n_consts + n_carry:]
+    while True:  # carries' taints to a fixpoint (they only grow)
+      out = walk(body, consts + carry + xs, runs * params["length"], uncertain, False)
+      grown = [c | o for c, o in zip(carry, out[:n_carry])]
+      if grown == carry:
+        break
+      carry = grown
+    return walk(body, consts + carry + xs, runs * params["length"], uncertain, record)
+  if name == "while":
+    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+    body_consts, carry = in_t[n_cond:n_cond + n_body], in_t[n_cond + n_body:]
+    while True:
+      out = walk(params["body_jaxpr"], body_consts + carry, runs, True, False)
+      grown = [c | o for c, o in zip(carry, out)]
+      if grown == carry:
+        break
+      carry = grown
+    walk(params["cond_jaxpr"], in_t[:n_cond] + carry, runs, True, record)
+    return walk(params["body_jaxpr"], body_consts + carry, runs, True, record)
+  if name == "cond":
+    outs = [walk(branch, in_t[1:], runs, True, record) for branch in params["branches"]]
+    return [_union(ts) for ts in zip(*outs)]
+  subs = [p for p in _jaxprs_in(params)]
+  if not subs:
+    return [_union(in_t)] * n_out
+  if len(subs) == 1:
+    sub = ji.open_jaxpr(subs[0])
+    if len(sub.invars) == len(in_t) and len(sub.outvars) == n_out:  # a call: one to one
+      return walk(sub, in_t, runs, uncertain, record)
+  # Unknown higher-order primitive: every sub-jaxpr may run any number of times and see every
+  # input; every output may carry any handle.
+  all_in = _union(in_t)
+  seen = [all_in]
+  for sub in subs:
+    sub = ji.open_jaxpr(sub)
+    seen += walk(sub, [all_in] * len(sub.invars), runs, True, record)
+  return [_union(seen)] * n_out
+
+
+def _jaxprs_in(params):
+  out = []
+  for value in params.values():
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    for v in values:
+      if hasattr(ji.open_jaxpr(v), "eqns"):
+        out.append(v)
+  return out
+
+
+# The analysis of the module being lowered on this thread (a stack: lowerings nest).
+_local = threading.local()
+
+
+def current_uses(site: int) -> int:
+  """``uses`` of a store site in the program being lowered (-1 outside a known lowering)."""
+  stack = getattr(_local, "stack", None)
+  if not stack:
+    return UNCOUNTED
+  return stack[-1].get(site, UNCOUNTED)
+
+
+def install_lowering_hook() -> None:
+  """Wraps ``mlir.lower_jaxpr_to_module`` (JAX internal, named in jax_internals) once."""
+  module = ji.MLIR_MODULE
+  original = getattr(module, ji.LOWER_JAXPR_TO_MODULE)
+  if getattr(original, "_ssdtrain_hook", False):
+    return
+
+  @functools.wraps(original)
+  def lower_jaxpr_to_module(module_name, jaxpr, *args, **kwargs):
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append(analyze(jaxpr) if _has_store(jaxpr) else {})
+    try:
+      return original(module_name, jaxpr, *args, **kwargs)
+    finally:
+      stack.pop()
+
+  lower_jaxpr_to_module._ssdtrain_hook = True
+  setattr(module, ji.LOWER_JAXPR_TO_MODULE, lower_jaxpr_to_module)
+
+
+def _has_store(jaxpr) -> bool:
+  from jax_ssdtrain._src.primitives import store_p
+
+  def visit(j):
+    for eqn in ji.open_jaxpr(j).eqns:
+      if eqn.primitive is store_p:
+        return True
+      if any(visit(s) for s in _jaxprs_in(eqn.params)):
+        return True
+    return False
+
+  return visit(jaxpr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Run-time sweeps
+
+
+def collect() -> int:
+  """Releases every stored tensor no program can load any more (see the module doc); returns
+  how many were released. Blocks until the live arrays are ready."""
+  import jax
+  from jax_ssdtrain._src import native
+
+  with _sweep_lock:
+    seq_limit = int(native.stats()["next_seq"])
+    arrays = live_arrays()
+    jax.block_until_ready(arrays)
+    pairs = _handle_pairs(arrays)
+    return native.sweep(pairs, seq_limit)
+
+
+_sweep_lock = threading.Lock()
+
+
+def live_arrays():
+  """Every live ``jax.Array`` on the platforms this process uses."""
+  import jax
+  arrays = []
+  for platform in _platforms():
+    try:
+      arrays += jax.live_arrays(platform)
+    except RuntimeError:  # no such backend
+      continue
+  return [a for a in arrays if not a.is_deleted()]
+
+
+def _platforms():
+  import jax
+  names = []
+  for device in jax.devices() + jax.devices("cpu"):
+    if device.platform not in names:
+      names.append(device.platform)
+  return names
+
+
+def _handle_pairs(arrays) -> np.ndarray:
+  """Every (id, check) uint32 pair held by a live array that could hold handles."""
+  chunks = []
+  for a in arrays:
+    if a.dtype != np.uint32 or a.ndim == 0 or a.shape[-1] != 2:
+      continue
+    for shard in a.addressable_shards:  # a handle declared replicated differs per device
+      chunks.append(np.asarray(shard.data).reshape(-1, 2))
+  if not chunks:
+    return np.zeros((0, 2), np.uint32)
+  return np.ascontiguousarray(np.concatenate(chunks), dtype=np.uint32)
+
+
+class _Sweeper:
+  """A daemon thread that sweeps when the engine asks for it (enough uncounted entries)."""
+
+  POLL_S = 0.2
+
+  def __init__(self):
+    self._thread: threading.Thread | None = None
+    self._stop = threading.Event()
+
+  def start(self) -> None:
+    if self._thread is not None and self._thread.is_alive():
+      return
+    self._stop.clear()
+    self._thread = threading.Thread(target=self._run, name="jax_ssdtrain-sweeper", daemon=True)
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+    thread, self._thread = self._thread, None
+    if thread is not None and thread is not threading.current_thread():
+      thread.join(timeout=5 * self.POLL_S)
+
+  def _run(self) -> None:
+    from jax_ssdtrain._src import native
+    while not self._stop.wait(self.POLL_S):
+      try:
+        if native.sweep_requested():
+          collect()
+      except Exception:  # noqa: BLE001 - the engine is being replaced or shut down
+        time.sleep(self.POLL_S)
+
+
+sweeper = _Sweeper()

@@ -70,9 +70,12 @@ def grads_of(locations, tokens, par=None):
   ssd.flush()
   ssd.reset_stats()
   out = jax.block_until_ready(compiled(*args))
+  from jax_ssdtrain._src import native
+  live_after_step = native.stats()["live_entries"]  # counted releases, before any sweep
   hlo = compiled.as_text()
   ssd.flush()
   stats = ssd.device_stats()
+  stats["live_after_step"] = live_after_step
   return [np.asarray(g) for g in jax.tree.leaves(out)], hlo, stats
 
 
@@ -193,6 +196,7 @@ def main():
         "vs_device_saving": max_diff(ours, keep), "collectives": collectives(hlo),
         "collectives_device_saving": collectives(keep_hlo),
         "stores_in_hlo": hlo.count('custom_call_target="ssdtrain_store"'),
+        "live_after_step": stats.pop("live_after_step"),
         "device_stats": {str(k): v for k, v in stats.items()},
         "expected_shard_bytes": shard_bytes(par)}
   result["shard_map"] = shard_map_case()

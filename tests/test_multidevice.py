@@ -41,6 +41,12 @@ def test_grads_match_single_device(result, case):
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_every_device_releases_its_entries_after_the_step(result, case):
+  # Counted per device: each device's entries are released at their last load in the step.
+  assert result["layouts"][case]["live_after_step"] == 0, result["layouts"][case]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_no_collectives_added(result, case):
   r = result["layouts"][case]
   assert r["collectives"] == r["collectives_device_saving"], r

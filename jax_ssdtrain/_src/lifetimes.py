@@ -148,6 +148,8 @@ def _higher_order(eqn, in_t, runs, uncertain, record, walk):
     return [_union(ts) for ts in zip(*outs)]
   subs = [p for p in _jaxprs_in(params)]
   if not subs:
+    if name in _ONE_TO_ONE and n_out == len(in_t):
+      return list(in_t)
     return [_union(in_t)] * n_out
   if len(subs) == 1:
     sub = ji.open_jaxpr(subs[0])
@@ -161,6 +163,11 @@ def _higher_order(eqn, in_t, runs, uncertain, record, walk):
     sub = ji.open_jaxpr(sub)
     seen += walk(sub, [all_in] * len(sub.invars), runs, True, record)
   return [_union(seen)] * n_out
+
+
+# Multi-operand primitives whose i-th output is the i-th operand's value (remat3 puts the
+# handle through an optimization barrier beside the forward's values).
+_ONE_TO_ONE = {"optimization_barrier"}
 
 
 def _jaxprs_in(params):

@@ -1,0 +1,232 @@
+"""Stored tensors live exactly while a load can still reach them (jax_ssdtrain/_src/lifetimes.py):
+counted per execution at compile time, swept when their handle left the execution."""
+import gc
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+import jax_ssdtrain as ssd
+from jax_ssdtrain._src import jax_internals as ji
+from jax_ssdtrain._src import lifetimes, native
+from jax_ssdtrain._src.lifetimes import UNCOUNTED, analyze
+
+POLICY = ssd.offload_policy(["h"], min_bytes=0)
+OCCUPANCY = ("live_entries", "file_bytes_in_use", "host_cache_bytes_in_use",
+             "host_tier_bytes_in_use")
+
+
+@pytest.fixture
+def store(tmp_path):
+  with ssd.configured(str(tmp_path / "store"), capacity_bytes=1 << 30, host_cache_bytes=64 << 20,
+                      host_tier_bytes=64 << 20):
+    ssd.reset_stats()
+    yield
+
+
+def block(w, x):
+  return jnp.tanh(checkpoint_name(x @ w, "h"))
+
+
+def loss(ws, x, policy=POLICY):
+  for w in ws:
+    x = jax.checkpoint(block, policy=policy)(w, x)
+  return jnp.sum(x ** 2)
+
+
+def weights(n=3, d=256):
+  return [jax.random.normal(jax.random.key(i), (d, d)) / np.sqrt(d) for i in range(n)]
+
+
+def occupancy():
+  native.flush()  # writes that were running when their entry was released finish first
+  s = native.stats()  # not ssd.stats()/flush(): those would sweep
+  return {k: s[k] for k in OCCUPANCY}
+
+
+EMPTY = dict.fromkeys(OCCUPANCY, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Counted: released at the last load of the execution that stored them, no call from the user
+
+
+def test_jitted_steps_with_changing_batch_leave_nothing(store):
+  ws = weights()
+  step = jax.jit(jax.grad(loss))
+  ref = jax.jit(jax.grad(lambda ws, x: loss(ws, x, jax.checkpoint_policies.save_only_these_names(
+      "h"))))
+  for batch in (64, 32, 17, 64, 5):  # each new shape is a new program with new tag sites
+    x = jax.random.normal(jax.random.key(batch), (batch, 256))
+    got = jax.block_until_ready(step(ws, x))
+    assert occupancy() == EMPTY
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref(ws, x))):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  s = native.stats()
+  assert s["tensors_written"] == 5 * 3 and s["counted_releases"] == 5 * 3
+  assert s["sweeps"] == 0 and s["uncounted_entries"] == 0
+
+
+def test_hoisted_residual_loaded_every_iteration_then_released(store):
+  # A loop-invariant residual (stored once, before the scan) is loaded by each iteration of
+  # the backward scan: uses = length; released after the last.
+  w = jax.random.normal(jax.random.key(0), (64, 64)) / 8
+
+  g = jax.checkpoint(lambda x: jnp.sin(checkpoint_name(x @ w, "h")), policy=POLICY)
+
+  def f(x, ys):  # g(x) inside the loop depends on the loop-invariant x only
+    out, _ = jax.lax.scan(lambda c, y: (c + jnp.sum(g(x) * y), None), 0.0, ys)
+    return out
+
+  x = jax.random.normal(jax.random.key(1), (8, 64))
+  ys = jax.random.normal(jax.random.key(2), (5, 8, 64))
+  grad = jax.jit(jax.grad(f))
+  uses = analyze(jax.make_jaxpr(jax.grad(f))(x, ys))
+  assert list(uses.values()) in ([5], [1])  # [1] where JAX does not hoist the residual
+  jax.block_until_ready(grad(x, ys))
+  assert occupancy() == EMPTY
+  assert native.stats()["tensors_read"] == list(uses.values())[0]
+
+
+def test_remat3_entries_released(store):
+  ws = weights(2, 64)
+  x = jax.random.normal(jax.random.key(3), (8, 64))
+  with ji.remat3(True):
+    jax.block_until_ready(jax.jit(jax.grad(loss))(ws, x))
+  assert occupancy() == EMPTY
+  assert native.stats()["counted_releases"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Handles that leave their execution: kept while an array holds them, then swept
+
+
+def test_vjp_across_jits_lives_while_loadable(store):
+  ws = weights(3, 64)
+  x = jax.random.normal(jax.random.key(4), (16, 64))
+  f = jax.jit(loss)
+  _, vjp = jax.vjp(f, ws, x)
+  _, ref_vjp = jax.vjp(jax.jit(lambda ws, x: loss(
+      ws, x, jax.checkpoint_policies.save_only_these_names("h"))), ws, x)
+  first = vjp(jnp.float32(1.0))
+  _, other = jax.vjp(f, ws, 2 * x)  # another forward of the same program in between
+  ssd.collect()                     # and a sweep: nothing loadable may go
+  second = vjp(jnp.float32(2.0))    # applied twice
+  for got, want in ((first, ref_vjp(jnp.float32(1.0))), (second, ref_vjp(jnp.float32(2.0)))):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert native.stats()["live_entries"] == 6  # two forwards' entries, both still loadable
+  del vjp
+  gc.collect()
+  assert ssd.collect() == 3  # the first forward's: no array holds their handles any more
+  jax.block_until_ready(other(jnp.float32(1.0)))
+  del other
+  gc.collect()
+  assert ssd.collect() == 3
+  assert occupancy() == EMPTY
+
+
+def test_eager_grad_swept_by_flush_and_by_itself(store):
+  ws = weights(3, 64)
+  x = jax.random.normal(jax.random.key(5), (16, 64))
+  for _ in range(3):
+    jax.block_until_ready(jax.grad(loss)(ws, x))  # eager: every store is its own execution
+  assert native.stats()["uncounted_entries"] == 9
+  ssd.flush()
+  assert occupancy() == EMPTY
+  # Without any call: past 64 uncounted entries a sweep is due; the next eager store (or the
+  # background thread) runs it, so the store stays bounded.
+  for _ in range(40):
+    jax.block_until_ready(jax.grad(loss)(ws, x))
+  assert native.stats()["sweeps"] >= 2
+  assert native.stats()["live_entries"] < 64 + 3
+
+
+def test_dropped_vjp_is_swept(store):
+  ws = weights(2, 64)
+  x = jax.random.normal(jax.random.key(6), (16, 64))
+  jax.vjp(jax.jit(loss), ws, x)  # never applied
+  gc.collect()
+  assert native.stats()["live_entries"] == 2
+  ssd.collect()
+  assert occupancy() == EMPTY
+
+
+# ---------------------------------------------------------------------------------------------
+# The compile-time count itself
+
+
+def _uses(fn, *args):
+  return sorted(analyze(jax.make_jaxpr(fn)(*args)).values())
+
+
+def test_analysis_counts():
+  ws = weights(2, 32)
+  x = jnp.ones((4, 32))
+  assert _uses(jax.grad(loss), ws, x) == [1, 1]
+
+  def scanned(ws, x):  # stacked handles: one entry per iteration, each loaded once
+    y, _ = jax.lax.scan(lambda c, w: (jax.checkpoint(block, policy=POLICY)(w, c), None), x,
+                        jnp.stack(ws))
+    return jnp.sum(y)
+  assert _uses(jax.grad(scanned), ws, x) == [1]
+
+  def nested(ws, xs):  # scan of micro-batches around a scan of layers (grad accumulation)
+    g = jax.grad(scanned)
+    acc, _ = jax.lax.scan(lambda a, x: (jax.tree.map(jnp.add, a, g(ws, x)), None),
+                          jax.tree.map(jnp.zeros_like, ws), xs)
+    return acc
+  assert _uses(nested, ws, jnp.ones((3, 4, 32))) == [1]
+  assert _uses(jax.jit(jax.grad(loss)), ws, x) == [1, 1]  # through a nested jit
+  assert _uses(jax.vmap(jax.grad(loss), (None, 0)), ws, jnp.ones((2, 4, 32))) == [1, 1]
+
+
+def test_analysis_gives_up_where_it_cannot_count():
+  ws = weights(1, 32)
+  x = jnp.ones((4, 32))
+  # The handle leaves the program (a vjp's residuals): swept, not counted.
+  assert _uses(lambda ws, x: jax.vjp(lambda ws: loss(ws, x), ws)[1], ws, x) == [UNCOUNTED]
+
+  def in_cond(ws, x, p):
+    return jax.lax.cond(p, lambda: jax.grad(loss)(ws, x), lambda: jax.tree.map(jnp.zeros_like, ws))
+  assert _uses(in_cond, ws, x, True) == [UNCOUNTED]
+
+
+def test_lowering_passes_the_count_to_the_store():
+  ws = weights(1, 32)
+  text = jax.jit(jax.grad(loss)).lower(ws, jnp.ones((4, 32))).as_text()
+  assert "ssdtrain_store" in text and "uses = 1" in text
+  text = jax.jit(lambda ws, x: jax.vjp(lambda ws: loss(ws, x), ws)[1]).lower(
+      ws, jnp.ones((4, 32))).as_text()
+  assert "uses = -1" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Soak: many steps, several programs, nothing grows
+
+
+def test_soak_shapes_programs_eager_and_jit(store):
+  ws = weights(3, 32)
+  train = jax.jit(jax.grad(loss))
+  evaluate = jax.jit(loss)  # no backward: stores nothing
+  shapes = (8, 5, 3)
+  after_first_round = None
+  for step in range(1000):
+    x = jnp.full((shapes[step % 3], 32), 0.01 * (step % 7))
+    if step % 50 == 49:
+      jax.block_until_ready(jax.grad(loss)(ws, x))  # eager now and then
+    elif step % 4 == 3:
+      jax.block_until_ready(evaluate(ws, x))
+    else:
+      jax.block_until_ready(train(ws, x))
+    if step % 100 == 99:
+      ssd.flush()
+      now = occupancy()
+      if after_first_round is None:
+        after_first_round = now
+      assert now == after_first_round == EMPTY, (step, now)
+  s = native.stats()
+  assert s["tensors_written"] > 2000 and s["live_entries"] == 0

@@ -593,6 +593,7 @@ void Engine::FreeHostBuffer(Entry& e) {
   e.host_arena = -1;
   e.host_ptr = nullptr;
   e.host_valid = false;
+  e.read_unconsumed = false;
   e.host_from_store = false;
 }
 
@@ -609,6 +610,7 @@ bool Engine::EvictOne(const Entry* exclude, uint64_t prefetch_seq) {
     Entry* e = ep.get();
     if (e == exclude || e->tier != 0 || e->host_arena != 0 || !e->host_valid) continue;
     if (e->w != WState::kDone || e->pins > 0 || e->reading || e->filling) continue;
+    if (e->read_unconsumed) continue;  // read ahead for a load still to come
     if (prefetch_seq && !(e->loads > 0 || e->seq < prefetch_seq)) continue;
     if (better(e, best)) best = e;
   }
@@ -854,6 +856,7 @@ void Engine::FinishRead(const EntryPtr& e) {
   if (e->r_status.ok()) {
     e->host_valid = true;
     e->host_from_store = false;
+    e->read_unconsumed = true;
     stats.disk_bytes_read += e->nbytes;
     stats.disk_tensors_read++;
   } else {
@@ -1260,6 +1263,7 @@ Status Engine::AcquireHost(Lock& lk, const EntryPtr& e, HostRef* ref) {
           stats.prefetch_hits++;
         }
       }
+      ConsumeRead(*e);
       e->pins++;
       ref->pinned = true;
       ref->ptr = e->host_ptr;
@@ -1309,9 +1313,16 @@ Status Engine::AcquireHost(Lock& lk, const EntryPtr& e, HostRef* ref) {
   }
   stats.disk_bytes_read += e->nbytes;
   stats.disk_tensors_read++;
+  stats.disk_loaded_bytes += e->nbytes;
   ref->bounce = static_cast<char*>(raw);
   ref->ptr = ref->bounce;
   return Status::Ok();
+}
+
+void Engine::ConsumeRead(Entry& e) {
+  if (!e.read_unconsumed) return;
+  e.read_unconsumed = false;
+  stats.disk_loaded_bytes += e.nbytes;
 }
 
 void Engine::ReleaseHost(Lock& lk, HostRef* ref) {
@@ -1476,6 +1487,7 @@ std::string Engine::StatsString() {
   u("prefetch_hits", s.prefetch_hits);
   u("prefetch_misses", s.prefetch_misses);
   u("prefetch_issued", s.prefetch_issued);
+  u("disk_loaded_bytes", s.disk_loaded_bytes);
   u("bounce_writes", s.bounce_writes);
   u("bounce_reads", s.bounce_reads);
   u("full_kept_tensors", s.full_kept_tensors);

@@ -706,6 +706,7 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
         eng->stats.forwarded_bytes += nbytes;
       } else {
         eng->stats.prefetch_hits++;
+        eng->ConsumeRead(*e);  // staged from a host buffer that a file read filled
       }
     }
     eng->stats.staging_forwarded_tensors++;

@@ -166,6 +166,9 @@ struct Entry {
   int w_pending = 0;
   // Read into the host buffer (demand or read-ahead).
   bool reading = false;
+  // The host buffer holds bytes read from the file that no load has used yet: never evicted
+  // (evicting it would read the same bytes again).
+  bool read_unconsumed = false;
   int r_pending = 0;
   Status r_status;
   int pins = 0;   // loads copying out of the host buffer
@@ -208,6 +211,7 @@ struct Stats {
   uint64_t handle_mismatches = 0;
   uint64_t staging_waits = 0;  // staging reuses ordered after a still-running user (GPU side)
   uint64_t prefetch_hits = 0, prefetch_misses = 0, prefetch_issued = 0;
+  uint64_t disk_loaded_bytes = 0;  // loads served by a file read (each read counted once)
   uint64_t bounce_writes = 0, bounce_reads = 0;
   double stall_seconds = 0, write_seconds = 0, read_seconds = 0;
   double handle_sync_seconds = 0;
@@ -312,6 +316,8 @@ class Engine {
   // waiting).
   Status AcquireHost(Lock& lk, const EntryPtr& e, HostRef* ref);
   void ReleaseHost(Lock& lk, HostRef* ref);
+  // Lock held. A load used the bytes of `e`'s host buffer (GPU: through device staging).
+  void ConsumeRead(Entry& e);
   // Schedules read-ahead of the next predicted entries. Lock held.
   // Read-ahead of `device`'s next predicted entries (-1: every device's). Lock held.
   void SchedulePrefetch(Lock& lk, int device = -1);

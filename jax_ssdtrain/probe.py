@@ -26,6 +26,7 @@ import json
 import math
 import mmap
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -282,9 +283,12 @@ class _Request:
     if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
       raise ValueError(f"directory: expected a path, got {directory!r}")
     path = os.path.realpath(os.fspath(directory))
-    if not os.path.exists(path):
-      raise FileNotFoundError(_errno.ENOENT, f"probe directory {os.fspath(directory)!r} does "
-                              f"not exist")
+    if not os.path.lexists(path):  # created as the store would create it (private, 0700)
+      try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+      except OSError as e:
+        raise type(e)(e.errno, f"probe directory {os.fspath(directory)!r} cannot be created: "
+                      f"{e.strerror}") from None
     if not os.path.isdir(path):
       raise NotADirectoryError(_errno.ENOTDIR, f"probe directory {os.fspath(directory)!r} is "
                                f"not a directory")
@@ -305,9 +309,27 @@ class _Request:
                parse_bandwidth(bandwidth_cap, what="bandwidth_cap"), stripes)
 
   def cache_key(self) -> str:
-    return (f"{self.directory}|dev={self.device}|size={self.size}|threads={self.threads}|"
+    # Keyed by the filesystem (its mount point and device), not the directory: every directory
+    # of one filesystem has its bandwidth, and the store's private temp dir is new each run.
+    return (f"{_mount_point(self.directory)}|dev={self.device}|size={self.size}|"
+            f"threads={self.threads}|"
             f"tensor={self.tensor_bytes}|cap={self.bandwidth_cap or 0}" +
             (f"|stripes={self.stripes}" if self.stripes > 1 else ""))
+
+
+def _mount_point(path: str) -> str:
+  """The mount point of the filesystem holding ``path``."""
+  path = os.path.realpath(path)
+  dev = os.stat(path).st_dev
+  while path != os.path.dirname(path):
+    parent = os.path.dirname(path)
+    try:
+      if os.stat(parent).st_dev != dev:
+        break
+    except OSError:
+      break
+    path = parent
+  return path
 
 
 def _cache_path() -> Path:
@@ -580,10 +602,17 @@ def _number(text: str) -> float:
   return value
 
 
+def _plain(doc: str) -> str:
+  """A docstring as plain text for --help (no reStructuredText roles or literals)."""
+  doc = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc)
+  return doc.replace("``", "")
+
+
 def _parse_args(argv):
-  p = argparse.ArgumentParser(prog="python -m jax_ssdtrain.probe", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m jax_ssdtrain.probe", description=_plain(__doc__),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("directory", nargs="?", help="store directory to measure (must exist)")
+  p.add_argument("directory", nargs="?",
+                 help="store directory to measure (created, private, if it does not exist)")
   p.add_argument("--size", type=_arg(parse_size, "--size"), default=DEFAULT_SIZE,
                  help="bytes written and read per measurement (default 4GiB)")
   p.add_argument("--threads", type=_threads, default=[4, 8, 16],

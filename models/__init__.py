@@ -7,6 +7,9 @@ from .gpt import GPT
 from .t5 import T5
 
 MODELS = {"gpt": GPT, "bert": BERT, "t5": T5}
+# The tags each model has (only T5's decoder has cross attention).
+MODEL_TAGS = {"gpt": (LAYER_IN, QKV, ATTN, MLP_UP), "bert": (LAYER_IN, QKV, ATTN, MLP_UP),
+              "t5": TAGS}
 
 
 def build_model(name: str, cfg: ModelConfig, policy=None):

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Train GPT / BERT / T5 with activations placed per tag (remat | device | host | nvme).
 
-    python scripts/train.py --model gpt --preset tiny --steps 30 \
-        --locations layer_in=nvme,qkv=nvme,attn=nvme,mlp_up=nvme
+    python scripts/train.py --model gpt --preset tiny --steps 30 --locations layer_in=nvme,qkv=nvme
+    python scripts/train.py --model gpt --preset tiny --locations layer_in=host --workdir runs/a
     python scripts/train.py --model gpt --preset gpt-1.3b --policy auto --memory-budget 20GB
 
 Tags and locations are documented in models/common.py.
@@ -63,15 +63,17 @@ def _mesh(s):
         raise argparse.ArgumentTypeError(str(e))
 
 
-def _size(s):
-    import jax_ssdtrain as ssd
-    try:
-        v = ssd.parse_size(s, what="--memory-budget")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e))
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
-    return v
+def _size(what, minimum=1):
+    def parse(s):
+        import jax_ssdtrain as ssd
+        try:
+            v = ssd.parse_size(s, what=what)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e))
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {s}")
+        return v
+    return parse
 
 
 def _bandwidth(s):
@@ -82,21 +84,21 @@ def _bandwidth(s):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(models.MODELS), default="gpt")
-    p.add_argument("--preset", choices=models.PRESETS, default="tiny")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    p.add_argument("--model", choices=sorted(models.MODELS), default="gpt", help="model family")
+    p.add_argument("--preset", choices=models.PRESETS, default="tiny", help="model size")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="compute dtype (default: the model config's, bfloat16)")
     p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
                    help="attention implementation (auto: cudnn on GPU in bf16/fp16, else xla)")
-    p.add_argument("--batch", type=_positive(int), default=8)
+    p.add_argument("--batch", type=_positive(int), default=8, help="sequences per step")
     p.add_argument("--seq-len", type=_positive(int), default=None, help="default: the preset's")
-    p.add_argument("--steps", type=_positive(int), default=30)
-    p.add_argument("--lr", type=_positive(float), default=3e-3)
+    p.add_argument("--steps", type=_positive(int), default=30, help="training steps")
+    p.add_argument("--lr", type=_positive(float), default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument("--warmup", type=_non_negative_int, default=None, help="default: steps/10")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip-norm", type=_positive(float), default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    p.add_argument("--clip-norm", type=_positive(float), default=1.0, help="gradient norm clip")
+    p.add_argument("--seed", type=int, default=0, help="parameter and data seed")
     p.add_argument("--remat-policy", choices=sorted(models.REMAT_SHORTCUTS), default=None,
                    help="keep: no remat; remat: recompute from layer input; offload: all tags to nvme")
     p.add_argument("--locations", type=_locations, default=None,
@@ -105,15 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=("auto",), default=None,
                    help="auto: profile one layer, plan locations and the offloaded layer count "
                         "(jax_ssdtrain.plan); overrides --remat-policy/--locations")
-    p.add_argument("--memory-budget", type=_size, default=None,
+    p.add_argument("--memory-budget", type=_size("--memory-budget"), default=None,
                    help="with --policy auto: device memory cap (e.g. 20GB); picks the batch "
                         "(powers of two up to --batch) and plan with the most tokens/s")
     p.add_argument("--bandwidth", type=_bandwidth, default=None,
                    help="store WRITE,READ GB/s for --policy auto (default: measured)")
     p.add_argument("--max-slowdown", type=float, default=0.02,
                    help="--policy auto: allowed predicted step time over all-on-device")
-    p.add_argument("--min-bytes", type=_non_negative_int, default=None,
-                   help="tensors smaller than this stay on device (default: 0 for tiny, 1 MiB else)")
+    p.add_argument("--min-bytes", type=_size("--min-bytes", minimum=0), default=None,
+                   help="tensors smaller than this stay on device, e.g. 1MiB (default: 0 for "
+                        "tiny, 1 MiB else)")
     p.add_argument("--store-dir", default=None, help="directory of the activation store file "
                    "(default: $SSDTRAIN_DIR or a private temp dir)")
     p.add_argument("--data", default="synthetic", help="'synthetic' or a glob of pre-tokenized .npy shards")
@@ -128,10 +131,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jax.distributed.initialize() first (SLURM/MPI/... auto-detection, or "
                         "the three options below)")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (--distributed)")
-    p.add_argument("--num-processes", type=_positive(int), default=None)
-    p.add_argument("--process-id", type=_non_negative_int, default=None)
+    p.add_argument("--num-processes", type=_positive(int), default=None, help="(--distributed)")
+    p.add_argument("--process-id", type=_non_negative_int, default=None, help="(--distributed)")
     p.add_argument("--log-every", type=_positive(int), default=1, help="steps between metric fetches")
     return p
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module doc as written, and each option's default where its help does not say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" not in text and action.default not in (None, False, argparse.SUPPRESS):
+            text += f" (default: {action.default})"
+        return text
+
+
+def _error_text(e: Exception) -> str:
+    return e.strerror if isinstance(e, OSError) and e.strerror else str(e)
 
 
 def _tb_writer(workdir):
@@ -140,6 +157,9 @@ def _tb_writer(workdir):
             return __import__(mod, fromlist=["SummaryWriter"]).SummaryWriter(workdir)
         except Exception:
             continue
+    print(f"TensorBoard events: not written (no tensorboardX or torch.utils.tensorboard; "
+          f"pip install tensorboardX); metrics go to {os.path.join(workdir, 'metrics.csv')}",
+          file=sys.stderr, flush=True)
     return None
 
 
@@ -148,14 +168,16 @@ def auto_plan(run: training.RunConfig, args) -> training.RunConfig:
     profile of the layers at each candidate batch)."""
     import jax_ssdtrain as ssd
     bandwidth = args.bandwidth
+    store = ssd.current_config() or ssd.default_config()
     directory = None if bandwidth else ssd.store_directories()[0]
+    print("profiling the layer (compiles a few small programs) ...", file=sys.stderr, flush=True)
     prof = training.profile_run(run, directory=directory, bandwidth=bandwidth,
-                                host_cache_bytes=ssd.current_config().host_cache_bytes)
+                                host_cache_bytes=store.host_cache_bytes)
     if args.memory_budget is None:
         plan = ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=run.min_bytes)
     else:
         batches = sorted({min(1 << i, run.batch) for i in range(run.batch.bit_length() + 1)})
-        staging = ssd.current_config().staging_bytes if jax.default_backend() == "gpu" else 0
+        staging = store.staging_bytes if jax.default_backend() == "gpu" else 0
 
         def memory(batch, plan):
             cand = training.apply_plan(dataclasses.replace(run, batch=batch), plan)
@@ -168,7 +190,7 @@ def auto_plan(run: training.RunConfig, args) -> training.RunConfig:
                 layer = training.profile_run(
                     dataclasses.replace(run, batch=batch), directory=directory,
                     bandwidth=bandwidth, outside_layers=False,
-                    host_cache_bytes=ssd.current_config().host_cache_bytes)
+                    host_cache_bytes=store.host_cache_bytes)
                 profiles[batch] = dataclasses.replace(
                     layer, other_s=prof.other_s * batch / run.batch, update_s=prof.update_s)
             return profiles[batch]
@@ -201,16 +223,32 @@ def main(argv=None) -> dict:
         parser.error("--memory-budget needs --policy auto")
     if args.max_slowdown < 0:
         parser.error(f"--max-slowdown must be >= 0, got {args.max_slowdown}")
-
+    missing = sorted(t for t in (args.locations or {}) if t not in models.MODEL_TAGS[args.model])
+    if missing:
+        parser.error(f"--locations: model {args.model!r} has no tag {', '.join(map(repr, missing))} "
+                     f"(its tags: {', '.join(models.MODEL_TAGS[args.model])})")
     import jax_ssdtrain as ssd
+    try:  # the store's settings (SSDTRAIN_* variables) are checked before any model work
+        ssd.default_config()
+    except (ValueError, OSError) as e:
+        parser.exit(2, f"{parser.prog}: error: {_error_text(e)}\n")
+
     if args.distributed or args.coordinator:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     if args.mesh and args.mesh.size != jax.device_count():
         parser.error(f"--mesh needs {args.mesh.size} devices, there are {jax.device_count()}")
     if args.mesh and run.batch % args.mesh.data:
         parser.error(f"--batch {run.batch} is not divisible by dp={args.mesh.data}")
-    if args.store_dir:  # may hold {process} / {device} (see jax_ssdtrain.configure)
-        ssd.configure(directory=args.store_dir)
+    try:
+        if args.store_dir:  # may hold {process} / {device} (see jax_ssdtrain.configure)
+            ssd.configure(directory=args.store_dir)
+        elif ssd.current_config() is None:
+            ssd.configure()
+    except (ValueError, OSError) as e:
+        parser.exit(2, f"{parser.prog}: error: {_error_text(e)}\n")
+    print(f"activation store: {', '.join(ssd.store_directories())}"
+          + ("" if ssd.current_config().directories else " (private, removed at exit)"),
+          flush=True)
     if args.policy == "auto":
         try:
             run = auto_plan(run, args)
@@ -257,8 +295,13 @@ def main(argv=None) -> dict:
             writer.writerow(["step", "loss", "grad_norm", "lr", "tokens_per_s", "gb_written", "gb_read"])
         tb = _tb_writer(args.workdir)
 
+    if args.workdir:
+        print(f"metrics: {os.path.join(args.workdir, 'metrics.csv')}; checkpoints: "
+              f"{os.path.join(args.workdir, 'checkpoints')}", flush=True)
     from tqdm import tqdm
     ssd.reset_stats()
+    print("compiling the training step (the first step takes longer) ...", file=sys.stderr,
+          flush=True)
     start = int(state.step)
     bar = tqdm(range(start, run.steps), initial=start, total=run.steps, dynamic_ncols=True)
     tokens_per_step = run.batch * (run.seq_len or cfg.max_len)  # model input positions

@@ -329,6 +329,10 @@ def _apply(cfg: StoreConfig) -> None:
 def _engine_options(cfg: StoreConfig, directories: tuple[str, ...]) -> dict[str, Any]:
   capacity = cfg.capacity_bytes
   free = _free_bytes_total(directories)
+  if free < 1 << 20:
+    raise OSError(_errno.ENOSPC, f"store directory {', '.join(directories)} cannot hold the "
+                  f"store's files: its filesystem has {free} bytes free (set SSDTRAIN_DIR or "
+                  "configure(directory=...) to a directory on a local disk)")
   if capacity is None:
     capacity = int(0.9 * free)
   elif capacity > free:

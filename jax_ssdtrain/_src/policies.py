@@ -128,6 +128,11 @@ class OffloadPolicy:
     return any(loc in (Location.NVME, Location.HOST) for _, loc in self.locations) or \
         self.default in (Location.NVME, Location.HOST)
 
+  def too_small(self, name: str, aval) -> bool:
+    """True when ``name`` is meant for the store but ``aval`` is below ``min_bytes``."""
+    loc = dict(self.locations).get(name, self.default)
+    return loc in (Location.NVME, Location.HOST) and _nbytes(aval) < self.min_bytes
+
 
 _DECISIONS = {Location.REMAT: False, Location.DEVICE: True,
               Location.HOST: StoreDecision(Location.HOST),
@@ -160,6 +165,9 @@ class ComposedPolicy:
 
   def offloads(self) -> bool:
     return any(getattr(p, "offloads", lambda: False)() for p in self.parts)
+
+  def too_small(self, name: str, aval) -> bool:
+    return any(getattr(p, "too_small", lambda *a: False)(name, aval) for p in self.parts)
 
 
 def decision_rank(decision) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import warnings
 
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.policies import StoreDecision, as_offloading, name_p
@@ -64,16 +65,42 @@ def _make_hook(original):
 
 def _rewrite_tags(jaxpr, policy):
   """Turns the tags that ``policy`` sends to the store into ``tag_p`` equations."""
-  eqns, changed = [], False
+  eqns, changed, small = [], False, {}
   for eqn in jaxpr.eqns:
     if eqn.primitive is name_p:
-      decision = policy(name_p, eqn.invars[0].aval, **eqn.params)
+      aval = eqn.invars[0].aval
+      decision = policy(name_p, aval, **eqn.params)
       if isinstance(decision, StoreDecision):
         eqn = eqn.replace(primitive=tag_p, params=dict(
             name=eqn.params["name"], site=new_site_id(), tier=TIER_CODES[decision.location]))
         changed = True
+      elif policy.too_small(eqn.params["name"], aval):
+        small[eqn.params["name"]] = _nbytes(aval)
     eqns.append(eqn)
+  if small and not changed:
+    _warn_nothing_offloaded(policy, small)
   return jaxpr.replace(eqns=eqns) if changed else jaxpr
+
+
+_warned: set = set()
+
+
+def _warn_nothing_offloaded(policy, small: dict[str, int]) -> None:
+  key = (policy, tuple(sorted(small)))
+  if key in _warned:
+    return
+  _warned.add(key)
+  sizes = ", ".join(f"{name!r} ({n} bytes)" for name, n in sorted(small.items()))
+  floor = getattr(policy, "min_bytes", None)
+  warnings.warn(f"jax_ssdtrain: this checkpoint offloads nothing: the tags {sizes} are below the "
+                f"policy's min_bytes{'=' + str(floor) if floor is not None else ''} and stay on "
+                "the device; lower min_bytes (e.g. min_bytes=0) to offload them", RuntimeWarning,
+                stacklevel=2)
+
+
+def _nbytes(aval) -> int:
+  import numpy as np
+  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,134 @@
+"""What a new user meets in the first hour: the scripts' errors, flush after a step, silent
+no-op policies, the probe CLI."""
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+import jax_ssdtrain as ssd
+from jax_ssdtrain import probe
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "scripts" / "train.py"
+
+
+def _train_cli(*args, **env):
+  return subprocess.run([sys.executable, str(TRAIN), *args], capture_output=True, text=True,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu", **env))
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"SSDTRAIN_DIR": "/proc"}, "store directory /proc cannot hold the store's files"),
+    ({"SSDTRAIN_HOST_CACHE": "lots"}, "SSDTRAIN_HOST_CACHE: cannot read 'lots' as a size"),
+    ({"SSDTRAIN_FORWARDING": "maybe"}, "SSDTRAIN_FORWARDING"),
+])
+def test_store_settings_fail_early_in_one_line(env, message):
+  proc = _train_cli("--steps", "1", **env)
+  assert proc.returncode == 2
+  assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+  assert "params" not in proc.stdout  # before any model set-up
+
+
+def test_tags_a_model_does_not_have_are_refused():
+  proc = _train_cli("--model", "gpt", "--locations", "cross_q=nvme,qkv=nvme", "--steps", "1")
+  assert proc.returncode == 2
+  assert "model 'gpt' has no tag 'cross_q'" in proc.stderr and "layer_in" in proc.stderr
+
+
+def test_help_shows_defaults_and_sizes_accept_suffixes():
+  sys.path.insert(0, str(ROOT / "scripts"))
+  import train
+  text = train.build_parser().format_help()
+  assert "(default: 30)" in text and "(default: gpt)" in text and "1MiB" in text
+  assert train.build_parser().parse_args(["--min-bytes", "64KiB"]).min_bytes == 64 << 10
+
+
+def test_auto_plan_without_a_configured_store(monkeypatch):
+  # --policy auto with --bandwidth and no --store-dir read the store's sizes from a store that
+  # was never configured (AttributeError); the profile now gets the defaults'.
+  sys.path.insert(0, str(ROOT / "scripts"))
+  import train
+  from models import training
+  seen = {}
+
+  class Reached(Exception):
+    pass
+
+  def profile_run(run, **kw):
+    seen.update(kw)
+    raise Reached
+
+  monkeypatch.setattr(training, "profile_run", profile_run)
+  ssd.shutdown()
+  args = train.build_parser().parse_args(["--policy", "auto", "--bandwidth", "0.9,0.77"])
+  with pytest.raises(Reached):
+    train.auto_plan(training.RunConfig(preset="tiny", batch=2), args)
+  assert seen["host_cache_bytes"] == ssd.default_config().host_cache_bytes
+  assert seen["bandwidth"] == (0.9, 0.77) and seen["directory"] is None
+
+
+@pytest.mark.slow
+def test_auto_policy_without_store_dir(tmp_path, capsys):
+  sys.path.insert(0, str(ROOT / "scripts"))
+  import train
+  ssd.shutdown()  # nothing configured yet, as in a fresh process
+  out = train.main(["--steps", "1", "--batch", "2", "--policy", "auto",
+                    "--bandwidth", "0.9,0.77", "--workdir", str(tmp_path / "run")])
+  text = capsys.readouterr()
+  assert out["steps"] == 1
+  assert "activation store:" in text.out and "(private, removed at exit)" in text.out
+  assert f"metrics: {tmp_path / 'run' / 'metrics.csv'}" in text.out
+  assert "profiling" in text.err and "compiling" in text.err
+
+
+def test_flush_waits_for_the_dispatched_step(tmp_path):
+  with ssd.configured(str(tmp_path / "s"), capacity_bytes=1 << 28):
+    ssd.reset_stats()
+    w = jnp.ones((512, 512)) / 512
+    f = jax.checkpoint(lambda x: jnp.sin(checkpoint_name(x @ w, "h")),
+                       policy=ssd.offload_policy(["h"], min_bytes=0))
+    step = jax.jit(jax.grad(lambda x: jnp.sum(f(f(f(x))))))
+    grads = step(jnp.ones((512, 512)))  # kept, not waited for (as a training loop does)
+    ssd.flush()
+    assert grads.is_ready()
+    s = ssd.stats()
+    assert s["tensors_written"] == 3 and s["tensors_read"] == 3
+
+
+def test_policy_that_offloads_nothing_says_so():
+  f = jax.checkpoint(lambda x: jnp.sin(checkpoint_name(jnp.cos(x), "tiny_tag")),
+                     policy=ssd.offload_policy(["tiny_tag"]))  # 1 MiB floor, 64-byte tag
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jax.grad(lambda x: jnp.sum(f(x)))(jnp.ones(16))
+  text = " ".join(str(w.message) for w in caught)
+  assert "offloads nothing" in text and "'tiny_tag' (64 bytes)" in text and "min_bytes" in text
+
+
+def test_probe_creates_its_directory_and_help_is_plain(tmp_path):
+  target = tmp_path / "a" / "b"
+  key = probe._Request.make(target, "8MiB", 2, "4MiB", None)
+  assert target.is_dir() and oct(target.stat().st_mode & 0o777) == "0o700"
+  assert key.directory == str(target)
+  proc = subprocess.run([sys.executable, "-m", "jax_ssdtrain.probe", "--help"],
+                        capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0 and "``" not in proc.stdout and ":func:" not in proc.stdout
+
+
+def test_probe_cache_key_is_the_filesystem_not_the_temp_dir():
+  # The default store is a new private temp dir each run: its measurement must be found again.
+  a, b = tempfile.mkdtemp(prefix="jax_ssdtrain-"), tempfile.mkdtemp(prefix="jax_ssdtrain-")
+  ka = probe._Request.make(a, "8MiB", 2, "4MiB", None)
+  kb = probe._Request.make(b, "8MiB", 2, "4MiB", None)
+  assert ka.cache_key() == kb.cache_key()
+  assert ka.cache_key() != probe._Request.make(a, "16MiB", 2, "4MiB", None).cache_key()
+  os.rmdir(a)
+  os.rmdir(b)

@@ -44,8 +44,10 @@ def loss(policy, ws, x, explicit=EXPLICIT):
 
 
 def grads(policy, ws, x, explicit=EXPLICIT):
-  return [np.asarray(g) for g in jax.tree.leaves(
-      jax.jit(jax.grad(lambda ws, x: loss(policy, ws, x, explicit), argnums=(0, 1)))(ws, x))]
+  out = jax.jit(jax.grad(lambda ws, x: loss(policy, ws, x, explicit), argnums=(0, 1)))(ws, x)
+  # Every device's part of the step (reading a replicated result waits for one shard only).
+  jax.block_until_ready(out)
+  return [np.asarray(g) for g in jax.tree.leaves(out)]
 
 
 keys = jax.random.split(jax.random.key(0), 2 * LAYERS + 1)

@@ -1,8 +1,15 @@
-// The process-wide activation store: file space allocator, host cache with
-// write-behind / forwarding / LIFO read-ahead, host tier, I/O thread pool and
-// statistics. Device (CUDA) specifics live in ffi_cuda.cu and reach the engine
-// through DeviceHooks; no CUDA call is made by anything in this header's
-// implementation unless CUDA handlers have run.
+// The process-wide activation store. Its parts, one file each (data flows down this list):
+//   engine.cc       store and load: what the handlers call; setup, whole-store operations
+//   entries.cc      entries and their lifetimes: handles, lookup, load prediction, counted
+//                   release at the last load, sweeps, freeing
+//   host_memory.cc  host memory: the host cache (write-behind, forwarding, read-ahead buffers)
+//                   and the host tier, eviction and write-back to make room
+//   io.cc           I/O scheduling: write-behind, reads, read-ahead, synchronous bounce I/O
+//   file_space.cc   the store files, their slots and striping (detail/file_space.h)
+//   stats.cc        statistics
+// and below them the backends (io_backend.h), the thread pool and the allocators (detail/).
+// Device (CUDA) specifics live in ffi_cuda.cu and reach the engine through DeviceHooks; no
+// CUDA call is made by anything here unless CUDA handlers have run.
 #pragma once
 
 #include <atomic>
@@ -21,118 +28,14 @@
 #include <unordered_map>
 #include <vector>
 
+#include "ssdtrain/config.h"
+#include "ssdtrain/detail/file_space.h"
+#include "ssdtrain/detail/host_memory.h"
+#include "ssdtrain/detail/thread_pool.h"
+#include "ssdtrain/io_backend.h"
 #include "ssdtrain/status.h"
 
 namespace ssdtrain {
-
-constexpr uint64_t kAlign = 4096;
-constexpr uint64_t kKiB = 1024, kMiB = 1024 * kKiB, kGiB = 1024 * kMiB;
-inline uint64_t RoundUp(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
-
-struct Config {
-  std::vector<std::string> directories;
-  uint64_t capacity_bytes = 64 * kGiB;
-  uint64_t host_cache_bytes = 2 * kGiB;
-  uint64_t host_tier_bytes = 1 * kGiB;
-  uint64_t staging_bytes = 1 * kGiB;
-  int io_threads = 8;
-  uint64_t chunk_bytes = 8 * kMiB;
-  int o_direct = 2;  // 0 off, 1 on, 2 auto
-  int gds = 2;       // 0 off, 1 on, 2 auto (kvikio builds only)
-  uint64_t prefetch_bytes = 1 * kGiB;
-  bool forwarding = true;
-  int on_full = 0;      // store full: 0 error, 1 keep the tensor in the host tier
-  bool verify = false;  // crc32c of every tensor written, checked after every disk read
-  bool exact_loads = false;  // device loads read the handle first (a sync) instead of predicting
-  uint64_t bandwidth_cap = 0;  // bytes/s per direction of the file I/O, 0 = none
-  // > 0: directory i serves only device (i % device_groups): each device's tensors go to its
-  // own files, with capacity_bytes split evenly. 0: every tensor striped over all directories.
-  int device_groups = 0;
-
-  static Config Defaults();
-  // Parses "key=value" lines on top of the defaults. EINVAL on bad input.
-  static Status Parse(std::string_view kv, Config* out);
-};
-
-// First-fit allocator over [0, capacity) in units of `align`.
-class RangeAllocator {
- public:
-  void Reset(uint64_t capacity, uint64_t align);
-  bool Alloc(uint64_t len, uint64_t* off);
-  void Free(uint64_t off, uint64_t len);
-  uint64_t capacity() const { return capacity_; }
-  uint64_t in_use() const { return in_use_; }
-  uint64_t peak() const { return peak_; }
-  void ResetPeak() { peak_ = in_use_; }
-  uint64_t free_bytes() const { return capacity_ - in_use_; }
-  uint64_t largest_free() const;
-
- private:
-  std::map<uint64_t, uint64_t> free_;  // offset -> length
-  uint64_t capacity_ = 0, align_ = kAlign, in_use_ = 0, peak_ = 0;
-};
-
-// An anonymous mmap'd host region carved by a RangeAllocator.
-struct HostArena {
-  char* base = nullptr;
-  uint64_t size = 0;
-  RangeAllocator alloc;
-  Status Init(uint64_t bytes, const char* what);
-  void Destroy();
-};
-
-// crc32c (Castagnoli), hardware (SSE4.2) where available, else slicing-by-8.
-uint32_t Crc32c(uint32_t crc, const void* data, uint64_t len);
-
-// Test hook: SSDTRAIN_FAULT="op:n:errno" (op in write, read, shortwrite,
-// shortread) read when an engine is created. The n-th pwrite/pread syscall of
-// that kind fails with errno (write/read) or transfers half of its bytes
-// (shortwrite/shortread; errno ignored). Fires once.
-struct FaultSpec {
-  enum Op { kNone, kWrite, kRead, kShortWrite, kShortRead };
-  Op op = kNone;
-  uint64_t n = 0;
-  int err = 0;
-  std::atomic<uint64_t> writes{0}, reads{0};
-  static Status Parse(const char* spec, FaultSpec* out);
-  // Called before each syscall; returns kNone, or the fault to apply now.
-  Op Next(bool write);
-};
-
-class IoBackend {
- public:
-  virtual ~IoBackend() = default;
-  virtual const char* name() const = 0;
-  virtual bool gds() const { return false; }
-  // Transfers exactly `len` bytes (retrying short transfers) or fails.
-  virtual Status Write(size_t file, const void* buf, uint64_t len, uint64_t off) = 0;
-  virtual Status Read(size_t file, void* buf, uint64_t len, uint64_t off) = 0;
-};
-
-struct StoreFile {
-  std::string dir;
-  int fd = -1;
-  bool unlinked = true;
-  uint64_t size = 0;      // current allocated file size
-  uint64_t max_size = 0;  // share of capacity_bytes
-};
-
-std::unique_ptr<IoBackend> MakePosixBackend(const std::vector<StoreFile>* files,
-                                            FaultSpec* fault = nullptr);
-// Time the bandwidth cap held transfers back (beyond their real duration).
-struct ThrottleStats {
-  std::atomic<uint64_t> write_wait_ns{0}, read_wait_ns{0};
-};
-// Caps each direction of `inner` at `cap` bytes/s in aggregate (Config::bandwidth_cap).
-std::unique_ptr<IoBackend> MakeThrottledBackend(std::unique_ptr<IoBackend> inner, uint64_t cap,
-                                                ThrottleStats* stats);
-#ifdef SSDTRAIN_HAVE_KVIKIO
-// Returns nullptr (and a reason) when kvikio cannot be used; the caller falls
-// back to POSIX. `io_threads`: the engine's I/O threads, the least size of kvikio's pool.
-std::unique_ptr<IoBackend> MakeKvikioBackend(const std::vector<StoreFile>* files, int gds,
-                                             bool o_direct, int io_threads,
-                                             std::string* why_not);
-#endif
 
 enum class WState { kNone, kQueued, kRunning, kDone, kCancelled, kFailed };
 
@@ -228,20 +131,6 @@ struct DeviceStats {
   uint64_t bytes_written = 0, tensors_written = 0, bytes_read = 0, tensors_read = 0;
 };
 
-class ThreadPool {
- public:
-  explicit ThreadPool(int n);
-  ~ThreadPool();
-  void Submit(std::function<void()> fn, bool high_priority);
-
- private:
-  void Run();
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> high_, normal_;
-  bool stop_ = false;
-  std::vector<std::thread> threads_;
-};
 
 class Engine {
  public:
@@ -352,17 +241,11 @@ class Engine {
  private:
   Engine() = default;
   Status Init(const Config& cfg);
-  Status OpenFiles();
-  Status EnsureFileSpace(uint64_t loff, uint64_t len);
-  template <typename F>
-  void ForEachPiece(uint64_t loff, uint64_t len, F&& f) const;
-  // One I/O request of an entry: `len` bytes at `file_off` of file `file`, `buf_off` into the
-  // entry's host buffer.
-  struct Piece {
-    size_t file;
-    uint64_t file_off, buf_off, len;
-  };
-  std::vector<Piece> Pieces(const Entry& e) const;
+
+  // ---- entries and their lifetimes (entries.cc) --------------------------
+  void Release(const EntryPtr& e);  // no load can reach it any more
+  void MaybeFree(const EntryPtr& e);  // frees a released entry once nothing uses its buffers
+  // ---- host memory (host_memory.cc) ---------------------------------------
   bool AllocHost(int arena, uint64_t padded, uint64_t* off);
   void FreeHostBuffer(Entry& e);
   // Evicts one clean cached entry. For read-ahead (`prefetch_seq` != 0) only
@@ -374,59 +257,53 @@ class Engine {
   // caller waits), false when there is none.
   bool WriteBackOne(const Entry* exclude);
   Status AcquireCacheBuffer(Lock& lk, Entry& e, bool may_block);
+  // ---- I/O scheduling (io.cc) ---------------------------------------------
   void EnqueueWrite(const EntryPtr& e);
-  void WritePiece(const EntryPtr& e, size_t file, uint64_t foff, uint64_t buf_off,
-                  uint64_t len);
+  void WritePiece(const EntryPtr& e, const FileSpace::Piece& p);
   void FinishWrite(const EntryPtr& e);
   void StartRead(const EntryPtr& e, bool demand);
-  void ReadPiece(const EntryPtr& e, size_t file, uint64_t foff, uint64_t buf_off,
-                 uint64_t len);
+  void ReadPiece(const EntryPtr& e, const FileSpace::Piece& p);
   void FinishRead(const EntryPtr& e);
   Status SyncIo(bool write, char* buf, uint64_t loff, uint64_t len);
   // verify: checks the bytes read into `buf` against e's crc.
   Status CheckCrc(const Entry& e, const char* buf);
-  void Release(const EntryPtr& e);
-  void MaybeFree(const EntryPtr& e);
   void BusyBegin(bool write);
   void BusyEnd(bool write);
-  void CountFileIo(bool write, size_t file, uint64_t len);
 
   Config cfg_;
-  std::vector<StoreFile> files_;
+  FileSpace space_;
   std::unique_ptr<IoBackend> backend_;
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<DeviceHooks> hooks_;
   HostArena cache_, tier_;
-  // File space: one allocator per device group (one in all without device_groups). Group g
-  // owns the logical offsets [g * group_span_, (g + 1) * group_span_).
-  std::vector<RangeAllocator> slots_;
-  uint64_t group_span_ = 0;
-  size_t GroupOf(int device) const;
-  bool SlotAlloc(int device, uint64_t len, uint64_t* off);
-  void SlotFree(uint64_t off, uint64_t len);
-  RangeAllocator& SlotGroup(int device);
-  uint64_t SlotsInUse() const;
-  uint64_t SlotsPeak() const;
-  bool o_direct_ = false;
   bool warned_full_ = false;
   FaultSpec fault_;
   ThrottleStats throttle_;
+  // Entries: ids with a salted check word (handles), by id, by (device, site) and, for
+  // read-ahead and load prediction, the not-yet-loaded ones by store order.
   uint32_t salt_ = 0;
   uint32_t next_id_ = 1;
   uint64_t next_seq_ = 1;
+  std::unordered_map<uint32_t, EntryPtr> entries_;               // live entries
+  std::map<std::pair<int, int64_t>, std::set<uint32_t>> by_site_;  // live ids per (device, site)
+  std::map<uint64_t, EntryPtr> unloaded_;                        // by store seq
   // Uncounted entries (and bytes) stored since the last sweep; a sweep is due past the marks.
   uint64_t uncounted_since_sweep_ = 0, uncounted_bytes_since_sweep_ = 0;
   uint64_t sweep_mark_entries_ = 64, sweep_mark_bytes_ = 0;
-  std::unordered_map<uint32_t, EntryPtr> entries_;               // live entries
-  std::map<std::pair<int, int64_t>, std::set<uint32_t>> by_site_;  // live ids per (device, site)
   std::map<int, DeviceStats> device_stats_;
-  std::map<uint64_t, EntryPtr> unloaded_;                        // tier-0, by store seq
+  // I/O in flight and its busy time; an asynchronous error for the next call to report.
   int writes_inflight_ = 0, reads_inflight_ = 0, pending_free_ = 0;
   Status pending_error_;
-  std::vector<uint64_t> file_bytes_written_, file_bytes_read_;
   int active_[2] = {0, 0};
   Clock::time_point busy_since_[2];
 };
+
+// "tag 'name' (site S, id I)", for messages.
+std::string DescribeTag(std::string_view name, int64_t site, uint32_t id);
+
+inline double Seconds(Engine::Clock::time_point a, Engine::Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
 
 // Process-wide engine (created with defaults on first use if not configured).
 std::shared_ptr<Engine> CurrentEngine(Status* st);

@@ -1,0 +1,208 @@
+// Entries and their lifetimes: handles (id + salted check word), lookup for a load, load
+// prediction on the GPU, release at the counted last load, sweeps of uncounted entries, and
+// freeing a released entry's host buffer and file slot once nothing uses them.
+#include <algorithm>
+#include <set>
+
+#include "ssdtrain/engine.h"
+
+namespace ssdtrain {
+
+std::string DescribeTag(std::string_view name, int64_t site, uint32_t id) {
+  return "tag '" + std::string(name) + "' (site " + std::to_string(site) + ", id " +
+         std::to_string(id) + ")";
+}
+
+uint32_t Engine::HandleCheck(uint32_t id) const {
+  // A mixing hash of id and the engine's salt: a bit flipped in either word is detected.
+  uint64_t z = (static_cast<uint64_t>(id) << 32 | salt_) + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return static_cast<uint32_t>(z ^ (z >> 31));
+}
+
+void Engine::MakeHandle(const Entry& e, uint32_t h[2]) const {
+  h[0] = e.id;
+  h[1] = HandleCheck(e.id);
+}
+
+Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int64_t site,
+                             std::string_view name, EntryPtr* out, int device) {
+  if (h[0] == 0 || HandleCheck(h[0]) != h[1])
+    return Status(EINVAL, "invalid or stale ssdtrain handle {" + std::to_string(h[0]) + ", " +
+                              std::to_string(h[1]) + "} for tag '" + std::string(name) +
+                              "' (site " + std::to_string(site) +
+                              "): it does not come from a store of this engine "
+                              "(corrupted, or the engine was reconfigured since)");
+  auto it = entries_.find(h[0]);
+  if (it == entries_.end())
+    return Status(EINVAL, "activation was already released: " + DescribeTag(name, site, h[0]) +
+                              " (an entry is released after its last load in the execution that "
+                              "stored it, or, when its handle left that execution, by a sweep "
+                              "once no live jax.Array holds the handle; also by release_all() "
+                              "and by reconfiguration)");
+  EntryPtr e = it->second;
+  if (e->site != site)
+    return Status(EINVAL, "ssdtrain handle of " + DescribeTag(e->name, e->site, e->id) +
+                              " used by a load of tag '" + std::string(name) + "' at site " +
+                              std::to_string(site));
+  if (e->device != device)
+    return Status(EINVAL, "ssdtrain handle of " + DescribeTag(e->name, e->site, e->id) +
+                              " stored by device " + std::to_string(e->device) +
+                              " used by a load on device " + std::to_string(device) +
+                              " (a handle never leaves the device that stored it)");
+  if (e->nbytes != nbytes)
+    return Status(EINVAL, "load of " + DescribeTag(name, site, e->id) + ": output has " +
+                              std::to_string(nbytes) + " bytes but " + std::to_string(e->nbytes) +
+                              " bytes were stored");
+  if (!e->error.ok()) return e->error.With("load of " + DescribeTag(name, site, e->id));
+  if (e->loads++ == 0) {
+    unloaded_.erase(e->seq);
+    if (cfg_.forwarding && e->w == WState::kQueued) {
+      e->w = WState::kCancelled;
+      writes_inflight_--;
+      stats.write_skipped_bytes += e->nbytes;
+      stats.write_skipped_tensors++;
+      // Keep the slot: it is released with the entry.
+      cv.notify_all();
+    }
+  }
+  stats.bytes_read += nbytes;
+  stats.tensors_read++;
+  DeviceStats& ds = device_stats_[device];
+  ds.bytes_read += nbytes;
+  ds.tensors_read++;
+  *out = e;
+  return Status::Ok();
+}
+
+bool Engine::PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes,
+                         uint32_t h[2], uint64_t* left) const {
+  auto ids = by_site_.find({device, site});
+  if (ids == by_site_.end()) return false;
+  const Entry* best = nullptr;
+  for (uint32_t id : ids->second) {
+    auto it = entries_.find(id);
+    if (it == entries_.end()) continue;
+    const Entry* e = it->second.get();
+    if (e->loads || e->run_id != run_id || e->nbytes != nbytes) continue;  // (device: by key)
+    if (!best || e->seq > best->seq) best = e;
+  }
+  if (!best) return false;
+  uint64_t n = 0;
+  for (const auto& [seq, e] : unloaded_)
+    if (e->run_id == run_id && e->device == device && e.get() != best) n++;
+  *left = n;
+  MakeHandle(*best, h);
+  return true;
+}
+
+void Engine::CountUnusedStore(uint64_t nbytes, int device) {
+  Lock lk(mu);
+  stats.unused_stores++;
+  (void)nbytes;
+  (void)device;
+}
+
+bool Engine::CountLoad(const EntryPtr& e, bool defer) {
+  if (e->uses_left <= 0 || e->released) return false;
+  if (--e->uses_left > 0) return false;
+  stats.counted_releases++;
+  if (defer) return true;
+  Release(e);
+  return false;
+}
+
+Status Engine::Sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit,
+                     uint64_t* released) {
+  std::set<uint64_t> live;
+  for (uint64_t i = 0; i < n_pairs; ++i)
+    live.insert(static_cast<uint64_t>(pairs[2 * i]) << 32 | pairs[2 * i + 1]);
+  Lock lk(mu);
+  if (hooks_) hooks_->ReclaimReleases(true);
+  std::vector<EntryPtr> dead;
+  uint64_t survivors = 0, survivor_bytes = 0;
+  for (auto& [id, e] : entries_) {
+    const uint64_t key = static_cast<uint64_t>(id) << 32 | HandleCheck(id);
+    if (e->uses_left == Entry::kManual) continue;
+    if (e->seq >= seq_limit || e->loading > 0 || e->filling || live.count(key)) {
+      if (e->uses_left == Entry::kUncounted) {
+        survivors++;
+        survivor_bytes += e->nbytes;
+      }
+      continue;
+    }
+    dead.push_back(e);
+  }
+  for (auto& e : dead) Release(e);
+  stats.sweeps++;
+  stats.swept_entries += dead.size();
+  *released = dead.size();
+  // The next sweep is due when the uncounted entries made since have doubled what survived
+  // (at least 64 entries, or an eighth of the host tier / file space in bytes).
+  uncounted_since_sweep_ = uncounted_bytes_since_sweep_ = 0;
+  sweep_mark_entries_ = std::max<uint64_t>(64, survivors);
+  const uint64_t room = std::min<uint64_t>(std::max<uint64_t>(cfg_.host_tier_bytes, kGiB),
+                                           cfg_.capacity_bytes);
+  sweep_mark_bytes_ = std::max<uint64_t>(room / 8, survivor_bytes);
+  return Status::Ok();
+}
+
+bool Engine::SweepRequested() {
+  Lock lk(mu);
+  if (sweep_mark_bytes_ == 0) {
+    const uint64_t room = std::min<uint64_t>(std::max<uint64_t>(cfg_.host_tier_bytes, kGiB),
+                                             cfg_.capacity_bytes);
+    sweep_mark_bytes_ = room / 8;
+  }
+  return uncounted_since_sweep_ >= sweep_mark_entries_ ||
+         (uncounted_since_sweep_ > 0 && uncounted_bytes_since_sweep_ >= sweep_mark_bytes_);
+}
+
+void Engine::Release(const EntryPtr& e) {
+  if (e->released) return;
+  e->released = true;
+  entries_.erase(e->id);
+  auto s = by_site_.find({e->device, e->site});
+  if (s != by_site_.end()) {
+    s->second.erase(e->id);
+    if (s->second.empty()) by_site_.erase(s);
+  }
+  unloaded_.erase(e->seq);
+  if (e->w == WState::kQueued) {
+    e->w = WState::kCancelled;
+    writes_inflight_--;
+    stats.write_skipped_bytes += e->nbytes;
+    stats.write_skipped_tensors++;
+  }
+  pending_free_++;
+  MaybeFree(e);
+}
+
+void Engine::MaybeFree(const EntryPtr& e) {
+  if (!e->released || e->freed || e->filling || e->pins > 0 || e->reading ||
+      e->w == WState::kRunning)
+    return;
+  FreeHostBuffer(*e);
+  if (e->has_slot) {
+    space_.Free(e->file_off, e->padded);
+    e->has_slot = false;
+  }
+  if (hooks_ && e->dev) hooks_->OnEntryFree(*e);
+  e->freed = true;
+  pending_free_--;
+  cv.notify_all();
+}
+
+Status Engine::ReleaseAll() {
+  Lock lk(mu);
+  if (hooks_) hooks_->ReclaimReleases(true);
+  std::vector<EntryPtr> all;
+  all.reserve(entries_.size());
+  for (auto& [id, e] : entries_) all.push_back(e);
+  for (auto& e : all) Release(e);
+  cv.wait(lk, [&] { return pending_free_ == 0 && reads_inflight_ == 0 && writes_inflight_ == 0; });
+  return Status::Ok();
+}
+
+}  // namespace ssdtrain

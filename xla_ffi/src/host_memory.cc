@@ -1,0 +1,180 @@
+// Host memory: the range allocator and mmap'd arenas, and the engine's use of them for the
+// host cache (write-behind, forwarding and read-ahead buffers: eviction, write-back of
+// forwarded entries to make room) and the host tier.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "ssdtrain/engine.h"
+
+namespace ssdtrain {
+
+// ---------------------------------------------------------------------------
+// RangeAllocator / HostArena
+// ---------------------------------------------------------------------------
+void RangeAllocator::Reset(uint64_t capacity, uint64_t align) {
+  align_ = align;
+  capacity_ = capacity / align * align;
+  free_.clear();
+  if (capacity_) free_[0] = capacity_;
+  in_use_ = peak_ = 0;
+}
+
+bool RangeAllocator::Alloc(uint64_t len, uint64_t* off) {
+  len = RoundUp(len, align_);
+  if (len == 0) len = align_;
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->second >= len) {
+      *off = it->first;
+      uint64_t rest = it->second - len;
+      uint64_t start = it->first + len;
+      free_.erase(it);
+      if (rest) free_[start] = rest;
+      in_use_ += len;
+      peak_ = std::max(peak_, in_use_);
+      return true;
+    }
+  }
+  return false;
+}
+
+void RangeAllocator::Free(uint64_t off, uint64_t len) {
+  len = RoundUp(len, align_);
+  if (len == 0) len = align_;
+  in_use_ -= len;
+  auto it = free_.emplace(off, len).first;
+  auto next = std::next(it);
+  if (next != free_.end() && it->first + it->second == next->first) {
+    it->second += next->second;
+    free_.erase(next);
+  }
+  if (it != free_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second == it->first) {
+      prev->second += it->second;
+      free_.erase(it);
+    }
+  }
+}
+
+uint64_t RangeAllocator::largest_free() const {
+  uint64_t m = 0;
+  for (const auto& [o, l] : free_) m = std::max(m, l);
+  return m;
+}
+
+Status HostArena::Init(uint64_t bytes, const char* what) {
+  size = RoundUp(bytes, kAlign);
+  alloc.Reset(size, kAlign);
+  if (size == 0) return Status::Ok();
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED)
+    return SysError(errno, std::string("mmap of ") + what + " (" + HumanBytes(size) + ")",
+                    __FILE__, __LINE__);
+  base = static_cast<char*>(p);
+  return Status::Ok();
+}
+
+void HostArena::Destroy() {
+  if (base) munmap(base, size);
+  base = nullptr;
+  size = 0;
+}
+
+// ---------------------------------------------------------------------------
+// Host buffers
+// ---------------------------------------------------------------------------
+bool Engine::AllocHost(int arena, uint64_t padded, uint64_t* off) {
+  HostArena& a = arena == 0 ? cache_ : tier_;
+  if (a.size == 0 || padded > a.size) return false;
+  return a.alloc.Alloc(padded, off);
+}
+
+void Engine::FreeHostBuffer(Entry& e) {
+  if (e.host_arena < 0) return;
+  if (hooks_) hooks_->BeforeHostFree(e);
+  HostArena& a = e.host_arena == 0 ? cache_ : tier_;
+  a.alloc.Free(e.host_off, e.padded);
+  e.host_arena = -1;
+  e.host_ptr = nullptr;
+  e.host_valid = false;
+  e.read_unconsumed = false;
+  e.host_from_store = false;
+}
+
+bool Engine::EvictOne(const Entry* exclude, uint64_t prefetch_seq) {
+  Entry* best = nullptr;
+  auto better = [](const Entry* a, const Entry* b) {
+    // Loaded entries first (they are rarely needed again), then oldest.
+    if (!b) return true;
+    bool la = a->loads > 0, lb = b->loads > 0;
+    if (la != lb) return la;
+    return a->seq < b->seq;
+  };
+  for (auto& [id, ep] : entries_) {
+    Entry* e = ep.get();
+    if (e == exclude || e->tier != 0 || e->host_arena != 0 || !e->host_valid) continue;
+    if (e->w != WState::kDone || e->pins > 0 || e->reading || e->filling) continue;
+    if (e->read_unconsumed) continue;  // read ahead for a load still to come
+    if (prefetch_seq && !(e->loads > 0 || e->seq < prefetch_seq)) continue;
+    if (better(e, best)) best = e;
+  }
+  if (!best) return false;
+  FreeHostBuffer(*best);
+  return true;
+}
+
+bool Engine::WriteBackOne(const Entry* exclude) {
+  EntryPtr best;
+  bool draining = false;
+  for (auto& [id, ep] : entries_) {
+    const Entry* e = ep.get();
+    if (e == exclude || e->tier != 0 || e->host_arena != 0 || !e->host_valid) continue;
+    // kCancelled in the table means a load cancelled it.
+    if (e->w != WState::kCancelled || !e->has_slot) continue;
+    if (e->pins > 0 || e->loading > 0 || e->reading || e->filling) continue;
+    if (e->w_pending > 0) {  // its cancelled pieces are still queued: eligible once they drain
+      draining = true;
+      continue;
+    }
+    if (!best || e->seq < best->seq) best = ep;
+  }
+  if (!best) return draining;
+  // Written after all (saturating: the skip may predate a reset_stats()).
+  stats.write_skipped_bytes -= std::min<uint64_t>(stats.write_skipped_bytes, best->nbytes);
+  if (stats.write_skipped_tensors) stats.write_skipped_tensors--;
+  EnqueueWrite(best);
+  return true;
+}
+
+Status Engine::AcquireCacheBuffer(Lock& lk, Entry& e, bool may_block) {
+  if (e.padded > cache_.size) return Status::Ok();  // too large: bounce
+  auto t0 = Clock::now();
+  bool stalled = false;
+  for (;;) {
+    if (e.host_ptr) break;  // someone else (read-ahead) gave it a buffer meanwhile
+    uint64_t off;
+    if (AllocHost(0, e.padded, &off)) {
+      e.host_arena = 0;
+      e.host_off = off;
+      e.host_ptr = cache_.base + off;
+      break;
+    }
+    if (EvictOne(&e, 0)) continue;
+    // Loaded entries whose write forwarding skipped are only evictable once written: without
+    // this, the entries of a program that does not run again hold the cache for good.
+    const bool write_back = may_block && WriteBackOne(&e);
+    if (may_block && (write_back || writes_inflight_ > 0 || reads_inflight_ > 0)) {
+      stalled = true;
+      cv.wait(lk);
+      continue;
+    }
+    break;  // cannot make room: caller bounces
+  }
+  if (stalled) stats.stall_seconds += Seconds(t0, Clock::now());
+  return Status::Ok();
+}
+
+}  // namespace ssdtrain

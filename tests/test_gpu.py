@@ -176,3 +176,40 @@ def test_gpu_out_of_order_loads_fail_the_step(store):
     la, lb = jax.jit(lambda a, b: oldest_first(a, b, 78))(a, b)
     np.testing.assert_array_equal(np.asarray(la), np.asarray(a))
     np.testing.assert_array_equal(np.asarray(lb), np.asarray(b))
+
+
+@pytest.mark.parametrize("location", ["nvme", "host"])
+def test_gpu_entries_released_at_their_last_load(store, location):
+  # Counted lifetimes on the GPU: every entry is released after its last load's copy, with no
+  # host wait for it (the release is deferred to the copy's event), across new programs.
+  from jax_ssdtrain._src import native
+  policy = ssd.offload_policy(NAMES, min_bytes=0, location=location)
+  ref = step_fn(cp.save_only_these_names(*NAMES), 4)
+  for batch in (2, 3, 2):
+    p, x = gpt_stack(512, 256, batch, 3)
+    got = step_fn(policy, 4)(p, x)
+    assert max_rel(got, ref(p, x)) < 2e-2
+  native.flush()  # collects the deferred releases whose copies are done
+  s = native.stats()
+  assert s["live_entries"] == 0 and s["uncounted_entries"] == 0, s
+  assert s["counted_releases"] == s["tensors_written"] == 3 * 4 * 3, s
+  assert s["host_tier_bytes_in_use"] == 0 and s["file_bytes_in_use"] == 0, s
+  assert s["staging_bytes_in_use"] == 0, s
+  assert s["speculative_loads"] == s["tensors_read"], s  # no load read its handle (a sync)
+
+
+def test_gpu_vjp_across_jits_applied_twice_then_swept(store):
+  import gc
+  from jax_ssdtrain._src import native
+  p, x = gpt_stack(512, 256, 2, 3)
+  body = jax.checkpoint(lambda x, p: (gpt_layer(x, p, 4), None),
+                        policy=ssd.offload_policy(NAMES, min_bytes=0), prevent_cse=False)
+  f = jax.jit(lambda p, x: jnp.mean(jax.lax.scan(body, x, p)[0].astype(jnp.float32) ** 2))
+  _, vjp = jax.vjp(f, p, x)
+  first, second = vjp(jnp.float32(1.0)), vjp(jnp.float32(2.0))
+  assert max_rel(jax.tree.map(lambda g: 2 * g, first), second) < 2e-2
+  assert native.stats()["live_entries"] == 4 * 3
+  del vjp, first, second
+  gc.collect()
+  assert ssd.collect() == 4 * 3
+  assert native.stats()["live_entries"] == 0

@@ -568,13 +568,12 @@ def test_gpu_stream_order_under_buffer_reuse(tmp_path, staging):
 def test_gpu_errors(tmp_path):
     cfg(tmp_path, capacity_bytes=1 * MiB)
     x = _on_gpu(rand((1000,), jnp.float32))
-    h = store(x, site=1, name="ge")
+    h = store(x, site=1, name="ge", uses=1)  # released after its one (successful) load
     with pytest.raises(Exception, match="bytes"):
         jax.block_until_ready(load(h, _on_gpu(jnp.zeros((999,), jnp.float32)), site=1, name="ge"))
     with pytest.raises(Exception, match="invalid or stale"):
         jax.block_until_ready(load(h.at[1].add(jnp.uint32(1)), x, site=1, name="ge"))
     same(load(h, x, site=1, name="ge"), x)
-    store(x, site=1, name="ge")
     with pytest.raises(Exception, match="released"):
         jax.block_until_ready(load(h, x, site=1, name="ge"))
     with pytest.raises(Exception, match="No space|ENOSPC"):
@@ -594,29 +593,3 @@ def test_gpu_host_tier_and_forwarding(tmp_path):
     assert s["staging_bytes_peak"] > 0 and s["staging_bytes_in_use"] == 0
     assert s["disk_bytes_written"] + s["write_skipped_bytes"] == 2 * 256 * 1024 * 4
 
-
-# Read-ahead never costs an extra disk read: every byte read from the files is consumed by a
-# load before its buffer can be reused, for every host cache and read-ahead size.
-@pytest.mark.parametrize("cache_kib", [128, 512, 1024, 4096, 16384])
-@pytest.mark.parametrize("prefetch_kib", [0, 256, 1024, 8192])
-def test_read_ahead_reads_each_byte_once(tmp_path, cache_kib, prefetch_kib):
-    # 24 tensors of 256 KiB (6 MiB, as a 3-layer x 8-tag step) written behind, then loaded in
-    # reverse store order (the backward pass), one of them twice (a hoisted residual).
-    cfg(tmp_path, host_cache_bytes=cache_kib * 1024, prefetch_bytes=prefetch_kib * 1024,
-        chunk_bytes=64 * 1024, io_threads=2)
-    native.reset_stats()
-    xs = [rand((64 * 1024,), np.float32, seed=i) for i in range(24)]
-    hs = [store(x, site=900 + i, name=f"r{i}") for i, x in enumerate(xs)]
-    wait_writes()
-    for i in reversed(range(24)):
-        same(load(hs[i], xs[i], site=900 + i, name=f"r{i}"), xs[i])
-        if i == 12:
-            same(load(hs[20], xs[20], site=920, name="r20"), xs[20])
-    native.flush()
-    s = native.stats()
-    assert s["tensors_read"] == 25
-    assert s["disk_bytes_read"] <= s["disk_loaded_bytes"], s
-    assert s["disk_loaded_bytes"] <= s["bytes_read"]
-    if cache_kib < 256:  # nothing fits: every load reads through a bounce buffer, once
-        assert s["disk_bytes_read"] == s["disk_loaded_bytes"] == s["bytes_read"] - s["forwarded_bytes"]
-    native.release_all()

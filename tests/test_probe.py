@@ -132,9 +132,9 @@ def test_measure_striped_over_files(tmp_path, cache_home):
 
 
 def test_measure_errors_name_the_bad_value(tmp_path, cache_home):
-  with pytest.raises(FileNotFoundError, match="nowhere"):
-    probe.measure(tmp_path / "nowhere")
   (tmp_path / "f").write_text("x")
+  with pytest.raises(OSError, match="'.*f/nowhere' cannot be created"):  # below a file
+    probe.measure(tmp_path / "f" / "nowhere")
   with pytest.raises(NotADirectoryError, match="'.*f' is not a directory"):
     probe.measure(tmp_path / "f")
   with pytest.raises(ValueError, match="size.*'lots'"):
@@ -224,7 +224,8 @@ def test_cli_json_table_and_plan(tmp_path, cache_home):
 
 
 def test_cli_errors(tmp_path, cache_home):
-  proc = _cli(tmp_path / "missing", "--size", "16MiB")
+  (tmp_path / "file").write_text("x")
+  proc = _cli(tmp_path / "file" / "missing", "--size", "16MiB", "--tensor-size", "4MiB")
   assert proc.returncode == 1 and "probe: error:" in proc.stderr and "missing" in proc.stderr
   proc = _cli(tmp_path, "--dwpd", "1")
   assert proc.returncode == 2 and "--capacity" in proc.stderr

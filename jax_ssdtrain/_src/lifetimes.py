@@ -262,9 +262,14 @@ def live_arrays():
 def _platforms():
   import jax
   names = []
-  for device in jax.devices() + jax.devices("cpu"):
-    if device.platform not in names:
-      names.append(device.platform)
+  for platform in (None, "cpu"):  # the default backend, and the host's if it is enabled
+    try:
+      devices = jax.devices(platform)
+    except RuntimeError:  # e.g. JAX_PLATFORMS=cuda: no cpu backend
+      continue
+    for device in devices:
+      if device.platform not in names:
+        names.append(device.platform)
   return names
 
 

@@ -357,8 +357,8 @@ Status Engine::AcquireHost(Lock& lk, const EntryPtr& e, HostRef* ref) {
 }
 
 void Engine::ConsumeRead(Entry& e) {
-  if (!e.read_unconsumed) return;
-  e.read_unconsumed = false;
+  if (!e.unconsumed_read) return;
+  e.unconsumed_read = false;
   stats.disk_loaded_bytes += e.nbytes;
 }
 

@@ -16,8 +16,13 @@
 //   staging reuse: a freed staging range keeps the events of its last users
 //          (copy in, D2H out, loads out); whichever stream allocates an
 //          overlapping range next waits on them. No host thread blocks on a
-//          staging range, so read-ahead can evict entries whose loads are
-//          still queued and stores never stall the host.
+//          staging range, so ranges whose copies are still queued can be
+//          evicted and stores never stall the host.
+//   read-ahead (host -> staging of the next predicted loads): never evicts a
+//          read-ahead copy no load has used (it stops instead); a store takes
+//          one only when nothing else frees room, which costs that load a
+//          host-to-device copy, never a disk read: the host copy of a read
+//          stays until its load (Entry::unconsumed_read).
 // No CUDA call is made at load time or from CPU handlers: the module is
 // created on the first CUDA handler call.
 #include <cuda_runtime.h>
@@ -84,6 +89,7 @@ struct DevEntry {
   // Copy in the device staging arena.
   bool staged = false;
   bool stage_from_store = false;
+  bool stage_unused = false;  // a read-ahead copy no load has used yet
   uint64_t stage_off = 0, stage_len = 0;
   char* stage_ptr = nullptr;
   cudaEvent_t stage_ready = nullptr;         // the staging copy is complete after this
@@ -326,6 +332,7 @@ class CudaModule final : public DeviceHooks {
       cudaGetLastError();
     }
     d->staged = false;
+    d->stage_unused = false;
     d->stage_ptr = nullptr;
   }
 
@@ -360,8 +367,9 @@ class CudaModule final : public DeviceHooks {
 
   // Lock held. Reserves staging for `e`, to be written on `stream`. Evicts
   // copies, loaded entries first, then the oldest; idle ones before busy
-  // ones (a busy one's users are waited for on `stream`, not on the host).
-  // prefetch_seq != 0 restricts eviction to entries loaded already or older.
+  // ones (a busy one's users are waited for on `stream`, not on the host);
+  // unused read-ahead copies last. Read-ahead (prefetch_seq != 0) evicts only
+  // entries loaded already or older, and no unused read-ahead copy.
   Status AllocStaging(DeviceState* ds, const EntryPtr& e, cudaStream_t stream,
                       uint64_t prefetch_seq, bool* got) {
     *got = false;
@@ -384,6 +392,7 @@ class CudaModule final : public DeviceHooks {
       }
       Entry* best = nullptr;
       Entry* best_busy = nullptr;
+      Entry* best_unused = nullptr;
       auto better = [](Entry* a, Entry* b) {
         if (!b) return true;
         bool la = a->loads > 0, lb = b->loads > 0;
@@ -393,13 +402,15 @@ class CudaModule final : public DeviceHooks {
       for (auto& [raw, ep] : ds->staged) {
         if (raw == e.get() || raw->filling || raw->pins > 0) continue;
         if (prefetch_seq && !(raw->loads > 0 || raw->seq < prefetch_seq)) continue;
-        if (Idle(D(*raw))) {
+        if (D(*raw)->stage_unused) {
+          if (!prefetch_seq && better(raw, best_unused)) best_unused = raw;
+        } else if (Idle(D(*raw))) {
           if (better(raw, best)) best = raw;
         } else if (better(raw, best_busy)) {
           best_busy = raw;
         }
       }
-      Entry* victim = best ? best : best_busy;
+      Entry* victim = best ? best : best_busy ? best_busy : best_unused;
       if (!victim) return Status::Ok();
       FreeStaging(*victim);
     }
@@ -421,6 +432,17 @@ class CudaModule final : public DeviceHooks {
       d->host_ready = nullptr;
     }
     SyncAndRecycle(d->device, &d->host_fences);
+  }
+
+  bool HasDeviceCopy(const Entry& e) override {
+    const DevEntry* d = static_cast<const DevEntry*>(e.dev);
+    return d && d->staged && StagingUsable(e, *d);
+  }
+
+  // A load may copy `d`'s staging range (without forwarding, an nvme tensor comes back from the
+  // file, not from its store's staging copy).
+  bool StagingUsable(const Entry& e, const DevEntry& d) const {
+    return eng_->config().forwarding || e.tier != 0 || !d.stage_from_store;
   }
 
   void OnEntryFree(Entry& e) override {
@@ -483,6 +505,7 @@ class CudaModule final : public DeviceHooks {
       SSD_RETURN_IF_ERROR(AllocStaging(ds, e, ds->h2d, e->seq, &got));
       if (!got) break;
       d->stage_from_store = false;
+      d->stage_unused = true;
       Status s = [&]() -> Status {
         if (d->host_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->h2d, d->host_ready, 0));
         SSD_CHECK_CUDA(cudaMemcpyAsync(d->stage_ptr, e->host_ptr, e->nbytes,
@@ -693,9 +716,8 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
     d->device = dev;
     e->dev = d;
   }
-  // Without forwarding an nvme tensor comes back from the file, not from its store's staging copy.
-  const bool staging_usable = eng->config().forwarding || e->tier != 0 || !d->stage_from_store;
-  if (d->staged && staging_usable && d->device == dev && !e->filling && e->error.ok()) {
+  if (d->staged && mod->StagingUsable(*e, *d) && d->device == dev && !e->filling &&
+      e->error.ok()) {
     // Forwarded from the store, or prefetched into staging.
     if (d->stage_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(stream, d->stage_ready, 0));
     SSD_CHECK_CUDA(cudaMemcpyAsync(dst, d->stage_ptr, nbytes, cudaMemcpyDeviceToDevice, stream));
@@ -706,9 +728,10 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
         eng->stats.forwarded_bytes += nbytes;
       } else {
         eng->stats.prefetch_hits++;
-        eng->ConsumeRead(*e);  // staged from a host buffer that a file read filled
       }
     }
+    if (!d->stage_from_store) eng->ConsumeRead(*e);  // the staging copy of a read-back host copy
+    d->stage_unused = false;
     eng->stats.staging_forwarded_tensors++;
   } else {
     Engine::HostRef ref;

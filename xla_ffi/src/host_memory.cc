@@ -100,8 +100,11 @@ void Engine::FreeHostBuffer(Entry& e) {
   e.host_arena = -1;
   e.host_ptr = nullptr;
   e.host_valid = false;
-  e.read_unconsumed = false;
   e.host_from_store = false;
+  if (e.unconsumed_read) {  // only an entry released before its load gets here
+    e.unconsumed_read = false;
+    stats.disk_unused_bytes += e.nbytes;
+  }
 }
 
 bool Engine::EvictOne(const Entry* exclude, uint64_t prefetch_seq) {
@@ -117,7 +120,7 @@ bool Engine::EvictOne(const Entry* exclude, uint64_t prefetch_seq) {
     Entry* e = ep.get();
     if (e == exclude || e->tier != 0 || e->host_arena != 0 || !e->host_valid) continue;
     if (e->w != WState::kDone || e->pins > 0 || e->reading || e->filling) continue;
-    if (e->read_unconsumed) continue;  // read ahead for a load still to come
+    if (e->unconsumed_read) continue;  // read ahead for a load still to come
     if (prefetch_seq && !(e->loads > 0 || e->seq < prefetch_seq)) continue;
     if (better(e, best)) best = e;
   }

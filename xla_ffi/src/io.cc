@@ -110,7 +110,7 @@ void Engine::FinishRead(const EntryPtr& e) {
   if (e->r_status.ok()) {
     e->host_valid = true;
     e->host_from_store = false;
-    e->read_unconsumed = true;
+    e->unconsumed_read = true;
     stats.disk_bytes_read += e->nbytes;
     stats.disk_tensors_read++;
   } else {
@@ -189,11 +189,15 @@ std::vector<EntryPtr> Engine::PredictNext(uint64_t budget, int device) {
   return out;
 }
 
+// Never costs a second read of anything: it only takes room EvictOne may take (loaded or older
+// entries, never a read no load has taken yet, its own earlier fetches included), and stops at
+// the first entry it cannot place instead of making room some other way.
 void Engine::SchedulePrefetch(Lock& lk, int device) {
   if (cfg_.prefetch_bytes == 0) return;
   for (const EntryPtr& e : PredictNext(cfg_.prefetch_bytes, device)) {
     if (e->host_ptr || e->reading || e->filling || e->w != WState::kDone) continue;
     if (e->padded > cache_.size) continue;
+    if (hooks_ && e->dev && hooks_->HasDeviceCopy(*e)) continue;  // its load reads no host copy
     uint64_t off;
     bool ok = false;
     for (;;) {

@@ -50,6 +50,7 @@ std::string Engine::StatsString() {
   u("prefetch_misses", s.prefetch_misses);
   u("prefetch_issued", s.prefetch_issued);
   u("disk_loaded_bytes", s.disk_loaded_bytes);
+  u("disk_unused_bytes", s.disk_unused_bytes);
   u("bounce_writes", s.bounce_writes);
   u("bounce_reads", s.bounce_reads);
   u("full_kept_tensors", s.full_kept_tensors);

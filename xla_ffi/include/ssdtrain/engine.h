@@ -69,9 +69,9 @@ struct Entry {
   int w_pending = 0;
   // Read into the host buffer (demand or read-ahead).
   bool reading = false;
-  // The host buffer holds bytes read from the file that no load has used yet: never evicted
-  // (evicting it would read the same bytes again).
-  bool read_unconsumed = false;
+  // The host copy was read from the file and no load has taken it yet. Such a copy is never
+  // evicted (that would read the same bytes twice); a load consumes it (Engine::ConsumeRead).
+  bool unconsumed_read = false;
   int r_pending = 0;
   Status r_status;
   int pins = 0;   // loads copying out of the host buffer
@@ -98,6 +98,8 @@ class DeviceHooks {
   virtual void BeforeHostFree(Entry& e) = 0;
   // `e` is being freed: drop device-side copies.
   virtual void OnEntryFree(Entry& e) = 0;
+  // A load of `e` would be served from a device copy now: read-ahead skips it.
+  virtual bool HasDeviceCopy(const Entry& e) = 0;
   // Releases the entries whose last load's device copy has completed (all of them, waiting for
   // their copies, when `wait`). Called before the engine gives up for lack of space.
   virtual void ReclaimReleases(bool wait) = 0;
@@ -114,7 +116,9 @@ struct Stats {
   uint64_t handle_mismatches = 0;
   uint64_t staging_waits = 0;  // staging reuses ordered after a still-running user (GPU side)
   uint64_t prefetch_hits = 0, prefetch_misses = 0, prefetch_issued = 0;
-  uint64_t disk_loaded_bytes = 0;  // loads served by a file read (each read counted once)
+  // Bytes of loads that took a disk read (each read counts once), and bytes read that no load
+  // took (the entry was released first: read ahead, never loaded).
+  uint64_t disk_loaded_bytes = 0, disk_unused_bytes = 0;
   uint64_t bounce_writes = 0, bounce_reads = 0;
   double stall_seconds = 0, write_seconds = 0, read_seconds = 0;
   double handle_sync_seconds = 0;

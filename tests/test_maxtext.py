@@ -1,0 +1,171 @@
+"""MaxText (its own model, config and trainer) with SSD offload through jax_ssdtrain.maxtext.
+
+The runs need MaxText (Python >= 3.12, `pip install "jax_ssdtrain[maxtext]"`) and take about a
+minute each on CPU: they are `slow` and skip, saying why, where MaxText cannot be imported.
+Losses of 3 steps are compared bit for bit with MaxText saving the same tags on the device:
+equal losses after two optimizer updates need equal gradients.
+"""
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import jax_ssdtrain.maxtext as ssd_maxtext
+from _limits import HANG_S
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+HAVE_MAXTEXT = importlib.util.find_spec("maxtext") is not None
+needs_maxtext = pytest.mark.skipif(
+    not HAVE_MAXTEXT, reason="MaxText is not installed (needs Python >= 3.12: "
+    "pip install 'jax_ssdtrain[maxtext]')")
+
+
+def run(tmp_path, mode, devices=1, *extra):
+  out = tmp_path / mode
+  out.mkdir()
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run([sys.executable, os.path.join(HERE, "_maxtext_worker.py"), mode,
+                         str(devices), str(out), *extra],
+                        capture_output=True, text=True, env=env, timeout=HANG_S)
+  assert proc.returncode == 0, proc.stderr[-6000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def same_run(tmp_path, devices=1, *extra, location="nvme"):
+  ours = run(tmp_path, location, devices, *extra)
+  device = run(tmp_path, "device", devices, *extra)
+  assert len(ours["losses"]) == 3 and ours["losses"] == device["losses"], (ours, device)
+  assert ours["stats"]["tensors_written"] > 0 and ours["stats"]["bytes_read"] > 0, ours
+  assert device["stats"]["tensors_written"] == 0, device
+  assert ours["stats"]["live_entries"] == 0, ours  # every step's tensors released
+  return ours
+
+
+@pytest.mark.slow
+@needs_maxtext
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_train_main_losses_equal_device_saving(tmp_path, scan):
+  ours = same_run(tmp_path, 1, f"scan_layers={scan}")
+  # every step stores the same tags of both layers, each loaded once
+  assert ours["stats"]["tensors_written"] % (3 * 2) == 0, ours
+  assert ours["stats"]["bytes_read"] == ours["stats"]["bytes_written"], ours
+
+
+@pytest.mark.slow
+@needs_maxtext
+def test_host_tier(tmp_path):
+  ours = same_run(tmp_path, 1, location="host")
+  assert ours["stats"]["host_tier_bytes_peak"] > 0, ours
+
+
+@pytest.mark.slow
+@needs_maxtext
+def test_fsdp_on_4_devices(tmp_path):
+  same_run(tmp_path, 4, "ici_fsdp_parallelism=4")
+
+
+@pytest.mark.slow
+@needs_maxtext
+def test_gradient_accumulation(tmp_path):
+  same_run(tmp_path, 1, "gradient_accumulation_steps=2")
+
+
+@pytest.mark.slow
+@needs_maxtext
+def test_pipeline_parallelism(tmp_path):
+  # The pipeline wraps the policy with save_from_both_policies: composition with ours.
+  same_run(tmp_path, 2, "ici_pipeline_parallelism=2", "num_pipeline_microbatches=2",
+           "per_device_batch_size=2")
+
+
+@pytest.mark.slow
+@needs_maxtext
+def test_launcher_runs_train_main(tmp_path):
+  out = tmp_path / "launch"
+  import maxtext
+  base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run(
+      [sys.executable, "-m", "jax_ssdtrain.maxtext", "--ssd-location", "host",
+       "--ssd-min-bytes", "0", "--ssd-dir", str(tmp_path / "store"), base, "run_name=l",
+       f"base_output_directory={out}", "dataset_type=synthetic", "steps=2",
+       "per_device_batch_size=1", "max_target_length=32", "base_emb_dim=64",
+       "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128",
+       "base_num_decoder_layers=2", "head_dim=16", "vocab_size=256",
+       "enable_checkpointing=false", "enable_goodput_recording=false",
+       f"metrics_file={tmp_path / 'm.jsonl'}", "remat_policy=custom",
+       "decoder_layer_input=offload"],
+      capture_output=True, text=True, env=env, timeout=HANG_S)
+  assert proc.returncode == 0, proc.stderr[-6000:]
+  assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast: what install() patches, and its errors
+
+
+@needs_maxtext
+def test_install_routes_offload_names_and_restores(monkeypatch):
+  from maxtext.layers import nnx_decoders
+  from maxtext.utils import maxtext_utils
+  import jax_ssdtrain as ssd
+  original = nnx_decoders.NNXDecoder.get_remat_policy
+
+  class Cfg:  # the fields get_save_and_offload_names reads
+    remat_policy = "custom"
+    tensors_on_device = ["mlpwo"]
+    tensors_to_offload = ["query_proj", "decoder_layer_input"]
+
+  class Decoder:
+    config = Cfg()
+
+  ssd_maxtext.install("host", min_bytes=0)
+  try:
+    policy = nnx_decoders.NNXDecoder.get_remat_policy(Decoder())
+    assert isinstance(policy, ssd.OffloadPolicy)
+    assert dict(policy.locations) == {"query_proj": ssd.Location.HOST,
+                                      "decoder_layer_input": ssd.Location.HOST,
+                                      "mlpwo": ssd.Location.DEVICE}
+    assert maxtext_utils.get_save_and_offload_names(Cfg()) == ([], [])  # global layers
+    ssd_maxtext.install("nvme")  # replaces, does not stack
+    assert dict(nnx_decoders.NNXDecoder.get_remat_policy(Decoder()).locations)[
+        "query_proj"] is ssd.Location.NVME
+  finally:
+    ssd_maxtext.uninstall()
+  assert nnx_decoders.NNXDecoder.get_remat_policy is original
+  assert maxtext_utils.get_save_and_offload_names(Cfg()) == (["mlpwo"],
+                                                              ["query_proj", "decoder_layer_input"])
+
+
+@needs_maxtext
+def test_install_names_what_a_maxtext_release_changed(monkeypatch):
+  from maxtext.utils import maxtext_utils
+  monkeypatch.setattr(maxtext_utils, "get_save_and_offload_names", lambda cfg, extra: ([], []))
+  with pytest.raises(RuntimeError, match=r"get_save_and_offload_names\(cfg, extra\)"):
+    ssd_maxtext.install()
+  assert ssd_maxtext.installed() is None
+
+
+def test_install_without_maxtext_says_how(monkeypatch):
+  import builtins
+  real_import = builtins.__import__
+
+  def no_maxtext(name, *args, **kwargs):
+    if name == "maxtext" or name.startswith("maxtext."):
+      raise ImportError("No module named 'maxtext'")
+    return real_import(name, *args, **kwargs)
+
+  monkeypatch.setattr(builtins, "__import__", no_maxtext)
+  monkeypatch.setattr(ssd_maxtext.importlib, "import_module",
+                      lambda name: no_maxtext(name))
+  with pytest.raises(ssd_maxtext.MaxTextMissing, match=r"jax_ssdtrain\[maxtext\]"):
+    ssd_maxtext.install()
+  with pytest.raises(ValueError, match="location"):
+    ssd_maxtext.install("device")

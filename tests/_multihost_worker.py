@@ -17,6 +17,7 @@ if num_processes:
                              " --xla_force_host_platform_device_count=2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _limits import HANG_S  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -27,7 +28,6 @@ if num_processes:
 
 import jax_ssdtrain as ssd  # noqa: E402
 from models import parallel, training  # noqa: E402
-from _limits import HANG_S
 
 STEPS, BATCH = 3, 8
 

@@ -49,7 +49,7 @@ def test_tiny_loss_falls(model):
 
 
 @pytest.mark.parametrize("model,dtype", [
-    (m, d) if (d == "bfloat16" or m == "gpt") else pytest.param(m, d, marks=pytest.mark.slow)
+    (m, d) if m == "gpt" else pytest.param(m, d, marks=pytest.mark.slow)
     for m in sorted(models.MODELS) for d in ("float32", "bfloat16")])
 def test_nvme_offload_bit_exact_vs_device(model, dtype):
     import jax_ssdtrain as ssd

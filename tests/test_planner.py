@@ -72,6 +72,7 @@ def _deep(p, x):  # x (B,S,H): four matmuls on an rms-normed input (no tag on x 
   return x + h
 
 
+@pytest.mark.slow
 def test_profile_measures_recompute():
   B, S, H = 4, 128, 256
   ks = jax.random.split(jax.random.key(0), 5)

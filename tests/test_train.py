@@ -120,6 +120,7 @@ def test_cli_default_offload_run_and_restore(tmp_path):
     assert [int(r["step"]) for r in rows] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_cli_memmap_data(tmp_path, shards, capsys):
     os.makedirs(tmp_path / "small")
     for i in range(2):

@@ -55,6 +55,7 @@ from jax_ssdtrain._src.config import (
     shutdown,
     stats,
     store_directories,
+    timeline,
 )
 from jax_ssdtrain._src.policies import (
     Location,
@@ -85,5 +86,5 @@ __all__ = [
     "configured", "current_config", "default_config", "device_stats", "flush", "frontier",
     "location_policy", "measured_bandwidth", "offload_policy", "parse_size", "Plan", "plan",
     "plan_for_budget", "Profile", "profile", "release_all", "reset_stats", "shutdown",
-    "ssd_offload_policy", "stats", "store_directories", "TagProfile",
+    "ssd_offload_policy", "stats", "store_directories", "TagProfile", "timeline",
 ]

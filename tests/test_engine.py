@@ -593,3 +593,117 @@ def test_gpu_host_tier_and_forwarding(tmp_path):
     assert s["staging_bytes_peak"] > 0 and s["staging_bytes_in_use"] == 0
     assert s["disk_bytes_written"] + s["write_skipped_bytes"] == 2 * 256 * 1024 * 4
 
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("forwarding", [1, 0])
+@pytest.mark.parametrize("staging", [3 * MiB, 64 * MiB])
+def test_gpu_lazy_host_copies(tmp_path, forwarding, staging):
+    """Host-tier stores keep their newest copies in staging only (forwarding on): each tensor
+    crosses the link to the host at most once, those loaded from staging before their copy was
+    needed never do, and every load returns the stored bytes, also when staging reuse forces a
+    deferred copy out and when an entry is loaded twice."""
+    cfg(tmp_path, staging_bytes=staging, host_tier_bytes=32 * MiB, prefetch_bytes=2 * MiB,
+        forwarding=forwarding)
+    n, shape = 12, (256, 1024)  # 1 MiB each
+    nbytes = 4 * shape[0] * shape[1]
+
+    @jax.jit
+    def fwd(x):
+        hs = []
+        for i in range(n):
+            x = jnp.sin(x) * 1.5 + i
+            hs.append(store(x, site=900 + i, tier=1, name=f"h{i}", uses=-1 if i == 0 else 1))
+        return hs
+
+    @jax.jit
+    def ref(x):
+        out = []
+        for i in range(n):
+            x = jnp.sin(x) * 1.5 + i
+            out.append(x)
+        return out
+
+    x0 = _on_gpu(rand(shape, jnp.float32))
+    want = ref(x0)
+    native.reset_stats()
+    hs = fwd(x0)
+
+    @jax.jit
+    def bwd(hs):
+        return [load(hs[i], want[i], site=900 + i, tier=1, name=f"h{i}")
+                for i in reversed(range(n))]
+
+    for g, w in zip(bwd(hs), reversed(want)):
+        same(g, w)
+    same(load(hs[0], want[0], site=900, tier=1, name="h0"), want[0])  # loaded twice (uncounted)
+    native.release_all()  # the uncounted entry too: every deferred copy is settled
+    s = settled_stats()
+    total = n * nbytes
+    assert s["live_entries"] == 0 and s["staging_bytes_in_use"] == 0 and s["d2h_deferred_bytes"] == 0
+    assert s["link_d2h_bytes"] + s["d2h_elided_bytes"] == total, s
+    if forwarding:
+        assert s["d2h_elided_bytes"] > 0
+        if staging >= 64 * MiB:  # everything fits: nothing crosses the link either way
+            assert s["link_d2h_bytes"] == 0 and s["link_h2d_bytes"] == 0
+    else:
+        assert s["d2h_elided_bytes"] == 0 and s["link_d2h_bytes"] == total
+    # Each op's count and bytes are those of the copies issued; times come from CUDA events.
+    assert s["gpu_stage_in_bytes"] == total and s["gpu_stage_in_count"] == n
+    assert s["gpu_load_staged_bytes"] + s["gpu_load_host_bytes"] == total + nbytes
+    if s["link_d2h_bytes"]:
+        assert s["link_d2h_busy_seconds"] > 0 and s["link_d2h_GBps"] > 0
+
+
+def settled_stats(timeout=HANG_S):
+    """Stats once every timed GPU copy completed (the copy streams run behind the host)."""
+    import time
+
+    t0 = time.monotonic()
+    while (s := native.stats())["gpu_pending_brackets"]:
+        assert time.monotonic() - t0 < timeout, "GPU copies did not complete"
+        time.sleep(0.005)
+    return s
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_timeline(tmp_path):
+    import time
+
+    cfg(tmp_path, staging_bytes=64 * MiB, host_tier_bytes=16 * MiB)
+    native.timeline()
+    t0 = time.monotonic()
+    xs = [_on_gpu(rand((256, 1024), jnp.float32, seed=i)) for i in range(3)]
+    hs = [store(x, site=950 + i, tier=1, name=f"tl {i}", uses=1) for i, x in enumerate(xs)]
+    for i in reversed(range(3)):
+        same(load(hs[i], xs[i], site=950 + i, tier=1, name=f"tl {i}"), xs[i])
+    t1 = time.monotonic()
+    recs = native.timeline()
+    assert {r["op"] for r in recs} >= {"stage_in", "load_staged"}
+    for r in recs:
+        assert t0 - 0.01 <= r["start"] <= r["end"] <= t1 + 0.01, r
+        assert r["device"] == 0 and r["name"].startswith("tl_")
+    assert sum(r["bytes"] for r in recs if r["op"] == "stage_in") == 3 * 1024 * 1024
+    assert native.timeline() == []  # read once
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_probe_link():
+    for host in native.LINK_HOST_KINDS:
+        d2h, h2d, dd2h, dh2d = native.probe_link(0, 64 * MiB, 3, host)
+        assert min(d2h, h2d, dd2h, dh2d) > 0.5, host  # GB/s: any PCIe or NVLink-C2C link
+    with pytest.raises(ValueError, match="host"):
+        native.probe_link(0, MiB, 1, "pageable")
+    with pytest.raises(ValueError, match="no GPU 99"):
+        native.probe_link(99, MiB, 1)
+
+
+def test_probe_link_needs_a_gpu():
+    if _gpus():
+        pytest.skip("a GPU is present (test_gpu_probe_link covers it)")
+    with pytest.raises(OSError, match="link"):
+        native.probe_link(0, MiB, 1)
+    assert native.timeline() == []  # no CUDA handler ran

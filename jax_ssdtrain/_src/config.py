@@ -193,6 +193,19 @@ def stats() -> dict[str, float]:
   return s
 
 
+def timeline() -> list[dict[str, Any]]:
+  """The GPU copies and waits of the latest steps (up to 32768, oldest first), then forgets
+  them: ``{"op", "device", "bytes", "start", "end", "name"}`` with times in seconds of the
+  host's monotonic clock. ``op``: ``stage_in`` (store: into device staging), ``d2h`` (staging
+  to pinned host), ``read_ahead`` (pinned host to staging), ``load_staged`` / ``load_host``
+  (load: from staging / from pinned host, on the compute stream) and ``compute_wait`` (the
+  compute stream waited for staging room or a read-ahead). Waits for the copies already issued
+  (call it between steps). Empty without a GPU.
+  ``scripts/bench_rok.py --timeline`` writes one as a Chrome trace."""
+  ensure_configured()
+  return native.timeline()
+
+
 def device_stats() -> dict[int, dict[str, int]]:
   """Per-device counters since :func:`reset_stats`: ``{device ordinal: {"bytes_written",
   "tensors_written", "bytes_read", "tensors_read"}}``, keyed by the ordinal XLA hands the

@@ -43,6 +43,8 @@ __all__ = [
     "load_host",
     "sweep",
     "sweep_requested",
+    "timeline",
+    "probe_link",
 ]
 
 STORE_TARGET = "ssdtrain_store"
@@ -133,6 +135,11 @@ def lib() -> ctypes.CDLL:
         so.ssdtrain_store_host.restype = so.ssdtrain_load_host.restype = c_int
         so.ssdtrain_reset_stats.argtypes = []
         so.ssdtrain_reset_stats.restype = None
+        so.ssdtrain_timeline.argtypes = [c_char_p, c_size_t]
+        so.ssdtrain_timeline.restype = c_int
+        so.ssdtrain_probe_link.argtypes = [c_int, ctypes.c_uint64, c_int, c_int,
+                                           ctypes.POINTER(ctypes.c_double), c_char_p, c_size_t]
+        so.ssdtrain_probe_link.restype = c_int
         _lib = so
         if not _atexit_registered:
             atexit.register(_atexit_shutdown)
@@ -368,6 +375,41 @@ def load_host(handle: tuple[int, int], address: int, nbytes: int, site: int) -> 
     """Loads a tensor stored by :func:`store_host` into ``nbytes`` at host ``address``."""
     h = (ctypes.c_uint32 * 2)(*handle)
     _call_err(lib().ssdtrain_load_host, h, ctypes.c_void_p(address), int(nbytes), int(site))
+
+
+TIMELINE_FIELDS = ("op", "device", "bytes", "start", "end", "name")
+
+
+def timeline() -> list[dict[str, Any]]:
+    """The device copies of the latest steps, oldest first, and clears them: dicts with ``op``
+    (stage_in, d2h, read_ahead, load_staged, load_host, compute_wait), ``device``, ``bytes``,
+    ``start`` / ``end`` (seconds of the host's monotonic clock, from CUDA events) and ``name``
+    (the tag). Empty where no CUDA handler ran."""
+    out = []
+    for line in _call_out(lib().ssdtrain_timeline).splitlines():
+        op, device, nbytes, start, end, name = line.split(" ", 5)
+        out.append({"op": op, "device": int(device), "bytes": int(nbytes), "start": float(start),
+                    "end": float(end), "name": "" if name == "-" else name})
+    return out
+
+
+LINK_HOST_KINDS = {"alloc": 0, "registered": 1, "registered_hugepages": 2}
+
+
+def probe_link(device: int = 0, nbytes: int = 1 << 30, repeats: int = 5,
+               host: str = "alloc") -> tuple[float, ...]:
+    """GB/s of pinned host <-> GPU ``device`` copies of ``nbytes``: (device-to-host alone,
+    host-to-device alone, device-to-host and host-to-device while both run), medians of
+    ``repeats``. ``host``: the host buffers are ``"alloc"`` (cudaHostAlloc), ``"registered"``
+    (mmap + cudaHostRegister, as the engine's host tier and cache) or
+    ``"registered_hugepages"`` (the same with MADV_HUGEPAGE). OSError(ENOSYS) in a build
+    without CUDA handlers."""
+    if host not in LINK_HOST_KINDS:
+        raise ValueError(f"host: expected one of {sorted(LINK_HOST_KINDS)}, got {host!r}")
+    out = (ctypes.c_double * 4)()
+    _call_err(lib().ssdtrain_probe_link, int(device), int(nbytes), int(repeats),
+              LINK_HOST_KINDS[host], out)
+    return tuple(float(v) for v in out)
 
 
 def _atexit_shutdown() -> None:

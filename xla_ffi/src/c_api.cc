@@ -11,6 +11,10 @@
 namespace ssdtrain {
 Status ReplaceEngine(const Config* cfg);
 std::shared_ptr<Engine> PeekEngine();
+#ifdef SSDTRAIN_HAVE_CUDA
+Status ProbeLink(int device, uint64_t bytes, int repeats, int host_kind,
+                 double out[4]);  // link_probe.cu
+#endif
 }  // namespace ssdtrain
 
 using ssdtrain::Status;
@@ -67,6 +71,35 @@ SSD_EXPORT int ssdtrain_stats(char* out, size_t outlen) {
   } catch (...) {
     return CopyOut("", out, outlen), EIO;
   }
+}
+
+// The device copies of the latest steps, oldest first, one per line:
+// "op device bytes start_s end_s name" (steady-clock seconds); cleared once read. Empty without
+// CUDA handlers. ERANGE: `out` was too small (the lines that fit are kept in it).
+SSD_EXPORT int ssdtrain_timeline(char* out, size_t outlen) {
+  try {
+    auto e = ssdtrain::PeekEngine();
+    return CopyOut(e ? e->TakeTimeline() : std::string(), out, outlen);
+  } catch (...) {
+    return CopyOut("", out, outlen), EIO;
+  }
+}
+
+// PCIe link of GPU `device`: out[0] D2H and out[1] H2D GB/s alone, out[2] / out[3] each while
+// both run (pinned buffers of `bytes`, median of `repeats`; host_kind 0: cudaHostAlloc, 1:
+// mmap + cudaHostRegister as the engine's arenas, 2: the same on huge pages). ENOSYS in
+// builds without CUDA.
+SSD_EXPORT int ssdtrain_probe_link(int device, uint64_t bytes, int repeats, int host_kind,
+                                   double* out, char* err, size_t errlen) {
+  return Guard(err, errlen, [&]() -> Status {
+#ifdef SSDTRAIN_HAVE_CUDA
+    return ssdtrain::ProbeLink(device, bytes, repeats, host_kind, out);
+#else
+    (void)device, (void)bytes, (void)repeats, (void)host_kind, (void)out;
+    return Status(ENOSYS, "this libssdtrain was built without CUDA handlers (no nvcc at build "
+                          "time): the PCIe link cannot be probed");
+#endif
+  });
 }
 
 SSD_EXPORT void ssdtrain_reset_stats(void) {

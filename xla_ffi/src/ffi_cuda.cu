@@ -2,7 +2,13 @@
 // stream, events). Stream-ordered correctness first:
 //   store: D2D x -> staging on the compute stream (E1), handle written on the
 //          compute stream, D2H staging -> pinned host on the copy stream after
-//          E1 (E2), I/O threads wait E2 and write the file.
+//          E1 (E2), I/O threads wait E2 and write the file. Host-tier copies
+//          (with forwarding) are lazy: the newest stores stay in staging
+//          without a host copy (up to the staging arena less room for two of
+//          the largest tensors); the D2H of the oldest is issued as new
+//          stores push past that, or when its staging range must be reused.
+//          The first loads of the backward pass take the newest stores, so
+//          their bytes never cross the PCIe link in either direction.
 //   load:  the handle is predicted on the host (newest unloaded entry of the
 //          site in this XLA execution), the copy is enqueued, and a kernel
 //          after it compares the handle on the device with the prediction: on
@@ -31,11 +37,13 @@
 #include <atomic>
 #include <cstring>
 #include <cstdio>
+#include <deque>
 #include <map>
 #include <unordered_map>
 
 #include "ffi_common.h"
 #include "ssdtrain/cuda_check.h"
+#include "ssdtrain/detail/copy_tracker.h"
 
 namespace ffi = xla::ffi;
 
@@ -90,6 +98,7 @@ struct DevEntry {
   bool staged = false;
   bool stage_from_store = false;
   bool stage_unused = false;  // a read-ahead copy no load has used yet
+  bool d2h_deferred = false;  // a store's staging copy whose D2H is not issued yet (lazy host copy)
   uint64_t stage_off = 0, stage_len = 0;
   char* stage_ptr = nullptr;
   cudaEvent_t stage_ready = nullptr;         // the staging copy is complete after this
@@ -109,6 +118,10 @@ struct DeviceState {
   RangeAllocator alloc;
   std::vector<cudaEvent_t> free_events;
   std::unordered_map<Entry*, EntryPtr> staged;
+  // Store copies whose D2H is deferred, oldest first (entries that left that state are skipped
+  // lazily), their staged bytes, and the largest tensor staged so far.
+  std::deque<EntryPtr> deferred;
+  uint64_t deferred_bytes = 0, largest = 0;
   // Freed staging ranges whose last users may still run on some stream.
   struct PendingFree {
     uint64_t off = 0, len = 0;
@@ -352,14 +365,17 @@ class CudaModule final : public DeviceHooks {
     }
   }
 
-  // Lock held. Orders `stream` after every pending user of [off, off + len).
-  Status OrderAfterPending(DeviceState* ds, uint64_t off, uint64_t len, cudaStream_t stream) {
+  // Lock held. Orders `stream` after every pending user of [off, off + len); `*waits` counts
+  // the events it had to wait for.
+  Status OrderAfterPending(DeviceState* ds, uint64_t off, uint64_t len, cudaStream_t stream,
+                           int* waits) {
     for (const auto& pf : ds->pending) {
       if (pf.off >= off + len || off >= pf.off + pf.len) continue;
       for (cudaEvent_t ev : pf.events) {
         if (Done(ev)) continue;
         SSD_CHECK_CUDA(cudaStreamWaitEvent(stream, ev, 0));
         eng_->stats.staging_waits++;
+        ++*waits;
       }
     }
     return Status::Ok();
@@ -368,11 +384,14 @@ class CudaModule final : public DeviceHooks {
   // Lock held. Reserves staging for `e`, to be written on `stream`. Evicts
   // copies, loaded entries first, then the oldest; idle ones before busy
   // ones (a busy one's users are waited for on `stream`, not on the host);
-  // unused read-ahead copies last. Read-ahead (prefetch_seq != 0) evicts only
-  // entries loaded already or older, and no unused read-ahead copy.
+  // then store copies whose host copy is still deferred (their D2H is issued
+  // first), oldest first; unused read-ahead copies last. Read-ahead
+  // (prefetch_seq != 0) evicts only entries loaded already or older, and no
+  // unused read-ahead copy. `*waits`: events `stream` was made to wait for.
   Status AllocStaging(DeviceState* ds, const EntryPtr& e, cudaStream_t stream,
-                      uint64_t prefetch_seq, bool* got) {
+                      uint64_t prefetch_seq, bool* got, int* waits) {
     *got = false;
+    *waits = 0;
     uint64_t len = RoundUp(e->nbytes, 256);
     if (len > ds->staging_size) return Status::Ok();
     CollectPending(ds);
@@ -388,10 +407,11 @@ class CudaModule final : public DeviceHooks {
         eng_->stats.staging_in_use += len;
         eng_->stats.staging_peak = std::max(eng_->stats.staging_peak, eng_->stats.staging_in_use);
         *got = true;
-        return OrderAfterPending(ds, off, len, stream);
+        return OrderAfterPending(ds, off, len, stream, waits);
       }
       Entry* best = nullptr;
       Entry* best_busy = nullptr;
+      Entry* best_deferred = nullptr;
       Entry* best_unused = nullptr;
       auto better = [](Entry* a, Entry* b) {
         if (!b) return true;
@@ -404,21 +424,133 @@ class CudaModule final : public DeviceHooks {
         if (prefetch_seq && !(raw->loads > 0 || raw->seq < prefetch_seq)) continue;
         if (D(*raw)->stage_unused) {
           if (!prefetch_seq && better(raw, best_unused)) best_unused = raw;
+        } else if (D(*raw)->d2h_deferred && !Dead(*raw)) {
+          if (raw->seq < (best_deferred ? best_deferred->seq : UINT64_MAX)) best_deferred = raw;
         } else if (Idle(D(*raw))) {
           if (better(raw, best)) best = raw;
         } else if (better(raw, best_busy)) {
           best_busy = raw;
         }
       }
-      Entry* victim = best ? best : best_busy ? best_busy : best_unused;
+      Entry* victim = best          ? best
+                      : best_busy     ? best_busy
+                      : best_deferred ? best_deferred
+                                      : best_unused;
       if (!victim) return Status::Ok();
+      if (D(*victim)->d2h_deferred) {
+        if (Dead(*victim)) {
+          ElideD2H(ds, *victim);
+        } else {
+          SSD_RETURN_IF_ERROR(IssueD2H(ds, *victim));  // the range's next user waits for it
+          forced_d2h_++;
+        }
+      }
       FreeStaging(*victim);
     }
   }
 
+  // No load will take `e` any more (its counted loads are all issued, or it was released).
+  static bool Dead(const Entry& e) { return e.released || e.uses_left == 0; }
+
+  // Lock held. Copies the staging copy of store `e` to its host buffer on the copy stream
+  // (after the copy into staging); host_ready (for the host buffer) and stage_d2h (for the
+  // staging range) mark its end.
+  Status IssueD2H(DeviceState* ds, Entry& e) {
+    DevEntry* d = D(e);
+    if (d->d2h_deferred) {
+      d->d2h_deferred = false;
+      ds->deferred_bytes -= d->stage_len;
+    }
+    if (d->stage_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->copy, d->stage_ready, 0));
+    SSD_RETURN_IF_ERROR(Tracked(ds->device, ds->copy, CopyOp::kD2H, e.nbytes, e.name, [&] {
+      SSD_CHECK_CUDA(cudaMemcpyAsync(e.host_ptr, d->stage_ptr, e.nbytes, cudaMemcpyDeviceToHost,
+                                     ds->copy));
+      return Status::Ok();
+    }));
+    cudaEvent_t e2, e3;
+    SSD_RETURN_IF_ERROR(NewEvent(ds, &e2));
+    d->host_ready = e2;
+    SSD_CHECK_CUDA(cudaEventRecord(e2, ds->copy));
+    // The same point again, owned by the staging range (host_ready stays with the host copy).
+    SSD_RETURN_IF_ERROR(NewEvent(ds, &e3));
+    d->stage_d2h = e3;
+    SSD_CHECK_CUDA(cudaEventRecord(e3, ds->copy));
+    return Status::Ok();
+  }
+
+  // Lock held. The deferred host copy of `e` will never be needed: no load is left.
+  void ElideD2H(DeviceState* ds, Entry& e) {
+    DevEntry* d = D(e);
+    d->d2h_deferred = false;
+    ds->deferred_bytes -= d->stage_len;
+    elided_bytes_ += e.nbytes;
+    elided_tensors_++;
+  }
+
+  // Lock held. Store `e` (host tier, staged) keeps its bytes in staging only; the D2H of the
+  // oldest deferred copies is issued while more than the arena less room for two of the
+  // largest tensors is deferred (so that a new store finds room among copies already on
+  // their way to the host, and the copy stream has work while the forward pass runs).
+  Status DeferD2H(DeviceState* ds, const EntryPtr& e) {
+    DevEntry* d = D(*e);
+    d->d2h_deferred = true;
+    ds->deferred_bytes += d->stage_len;
+    ds->deferred.push_back(e);
+    const uint64_t reserve = 2 * ds->largest;
+    const uint64_t keep = ds->staging_size > reserve ? ds->staging_size - reserve : 0;
+    auto stale = [](const EntryPtr& x) { return !x->dev || !D(*x)->d2h_deferred; };
+    while (!ds->deferred.empty() && (stale(ds->deferred.front()) || ds->deferred_bytes > keep)) {
+      EntryPtr oldest = std::move(ds->deferred.front());
+      ds->deferred.pop_front();
+      if (stale(oldest)) continue;
+      if (Dead(*oldest)) {
+        ElideD2H(ds, *oldest);
+        continue;
+      }
+      SSD_RETURN_IF_ERROR(IssueD2H(ds, *oldest));
+    }
+    // Entries that left the deferred state behind a live one are dropped now and then.
+    if (ds->deferred.size() > 64 && ds->deferred.size() > 4 * ds->staged.size())
+      ds->deferred.erase(std::remove_if(ds->deferred.begin(), ds->deferred.end(), stale),
+                         ds->deferred.end());
+    return Status::Ok();
+  }
+
+  // Lock held. Issues `copy()` (a Status-returning lambda that enqueues work on `stream`)
+  // inside a timing bracket of the copy tracker.
+  template <typename F>
+  Status Tracked(int dev, cudaStream_t stream, CopyOp op, uint64_t bytes, std::string_view name,
+                 F&& copy) {
+    CopyTracker::Mark m;
+    SSD_RETURN_IF_ERROR(tracker_.Begin(dev, stream, &m));
+    Status s = copy();
+    if (!s.ok()) {
+      tracker_.Cancel(&m);
+      return s;
+    }
+    return tracker_.End(m, stream, op, bytes, name);
+  }
+
+  // Lock held. Makes `stream` wait for `ev` (unless already complete), inside a kComputeWait
+  // bracket when `stream` is the compute stream of a load.
+  Status WaitTracked(int dev, cudaStream_t stream, cudaEvent_t ev, std::string_view name) {
+    if (!ev || Done(ev)) return Status::Ok();
+    return Tracked(dev, stream, CopyOp::kComputeWait, 0, name, [&] {
+      SSD_CHECK_CUDA(cudaStreamWaitEvent(stream, ev, 0));
+      return Status::Ok();
+    });
+  }
+
+  CopyTracker& tracker() { return tracker_; }
+  std::map<int, std::unique_ptr<DeviceState>>& devices() { return devices_; }
+
   // ---- DeviceHooks --------------------------------------------------------
   Status WaitHostReady(Entry& e) override {
     DevEntry* d = D(e);
+    if (d && d->d2h_deferred)  // only a load on the storing GPU can take a deferred copy
+      return Status(EINVAL, "the bytes of " + DescribeTag(e.name, e.site, e.id) +
+                                " are in the device staging of GPU " +
+                                std::to_string(d->device) + " (no host copy yet): load it there");
     if (d && d->host_ready) SSD_CHECK_CUDA(cudaEventSynchronize(d->host_ready));
     return Status::Ok();
   }
@@ -448,6 +580,11 @@ class CudaModule final : public DeviceHooks {
   void OnEntryFree(Entry& e) override {
     DevEntry* d = D(e);
     if (!d) return;
+    if (d->d2h_deferred) {
+      auto it = devices_.find(d->device);
+      if (it != devices_.end()) ElideD2H(it->second.get(), e);
+      d->d2h_deferred = false;
+    }
     FreeStaging(e);
     BeforeHostFree(e);
     delete d;
@@ -485,6 +622,23 @@ class CudaModule final : public DeviceHooks {
     }
   }
 
+  void AppendStats(std::ostream& o) override {
+    tracker_.Append(o);
+    uint64_t deferred = 0;
+    for (const auto& [dev, ds] : devices_) deferred += ds->deferred_bytes;
+    o << "d2h_elided_bytes=" << elided_bytes_ << '\n'
+      << "d2h_elided_tensors=" << elided_tensors_ << '\n'
+      << "d2h_forced=" << forced_d2h_ << '\n'
+      << "d2h_deferred_bytes=" << deferred << '\n';
+  }
+
+  void ResetStats() override {
+    tracker_.Reset();
+    elided_bytes_ = elided_tensors_ = forced_d2h_ = 0;
+  }
+
+  std::string TakeTimeline() override { return tracker_.TakeTimeline(); }
+
   // Lock held: copies the next predicted entries that sit in host memory
   // into device staging on the h2d stream.
   Status StagePrefetch(DeviceState* ds) {
@@ -502,14 +656,19 @@ class CudaModule final : public DeviceHooks {
       }
       if (d->staged) continue;
       bool got = false;
-      SSD_RETURN_IF_ERROR(AllocStaging(ds, e, ds->h2d, e->seq, &got));
+      int waits = 0;
+      SSD_RETURN_IF_ERROR(AllocStaging(ds, e, ds->h2d, e->seq, &got, &waits));
       if (!got) break;
       d->stage_from_store = false;
       d->stage_unused = true;
       Status s = [&]() -> Status {
         if (d->host_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->h2d, d->host_ready, 0));
-        SSD_CHECK_CUDA(cudaMemcpyAsync(d->stage_ptr, e->host_ptr, e->nbytes,
-                                       cudaMemcpyHostToDevice, ds->h2d));
+        SSD_RETURN_IF_ERROR(Tracked(ds->device, ds->h2d, CopyOp::kReadAhead, e->nbytes, e->name,
+                                    [&] {
+          SSD_CHECK_CUDA(cudaMemcpyAsync(d->stage_ptr, e->host_ptr, e->nbytes,
+                                         cudaMemcpyHostToDevice, ds->h2d));
+          return Status::Ok();
+        }));
         cudaEvent_t ready;
         SSD_RETURN_IF_ERROR(NewEvent(ds, &ready));
         d->stage_ready = ready;
@@ -540,6 +699,9 @@ class CudaModule final : public DeviceHooks {
   MismatchSlot* mismatch_ = nullptr;
   MismatchSlot* mismatch_dev_ = nullptr;
   unsigned int reported_[kMismatchSlots] = {};
+  CopyTracker tracker_;
+  // Lazy host copies: never made (the entry died in staging), and forced by a staging reuse.
+  uint64_t elided_bytes_ = 0, elided_tensors_ = 0, forced_d2h_ = 0;
 };
 
 // Lock held.
@@ -604,37 +766,55 @@ Status StoreCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::AnyBuffe
       return Status(-1, "");  // handled below
     }
     if (e->padded > nbytes) memset(e->host_ptr + nbytes, 0, e->padded - nbytes);
+    CopyTracker& tracker = mod->tracker();
     bool staged = false;
-    SSD_RETURN_IF_ERROR(mod->AllocStaging(ds, e, stream, 0, &staged));
+    // The compute stream may have to wait for the previous users of the staging room.
+    CopyTracker::Mark wait;
+    SSD_RETURN_IF_ERROR(tracker.Begin(dev, stream, &wait));
+    int waits = 0;
+    Status a = mod->AllocStaging(ds, e, stream, 0, &staged, &waits);
+    if (a.ok() && waits > 0) {
+      a = tracker.End(wait, stream, CopyOp::kComputeWait, 0, name);
+    } else {
+      tracker.Cancel(&wait);
+    }
+    SSD_RETURN_IF_ERROR(a);
     if (staged) {
       d->stage_from_store = true;
-      SSD_CHECK_CUDA(cudaMemcpyAsync(d->stage_ptr, src, nbytes, cudaMemcpyDeviceToDevice, stream));
-      cudaEvent_t e1, e2, e3;
+      ds->largest = std::max(ds->largest, d->stage_len);
+      SSD_RETURN_IF_ERROR(mod->Tracked(dev, stream, CopyOp::kStageIn, nbytes, name, [&] {
+        SSD_CHECK_CUDA(
+            cudaMemcpyAsync(d->stage_ptr, src, nbytes, cudaMemcpyDeviceToDevice, stream));
+        return Status::Ok();
+      }));
+      cudaEvent_t e1;
       SSD_RETURN_IF_ERROR(mod->NewEvent(ds, &e1));
       d->stage_ready = e1;
       SSD_CHECK_CUDA(cudaEventRecord(e1, stream));
       SSD_RETURN_IF_ERROR(LaunchWriteHandle(stream, hdst, h));
-      SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->copy, e1, 0));
-      SSD_CHECK_CUDA(cudaMemcpyAsync(e->host_ptr, d->stage_ptr, nbytes, cudaMemcpyDeviceToHost,
-                                     ds->copy));
-      SSD_RETURN_IF_ERROR(mod->NewEvent(ds, &e2));
-      d->host_ready = e2;
-      SSD_CHECK_CUDA(cudaEventRecord(e2, ds->copy));
-      // The same point again, owned by the staging range (host_ready stays with the host copy).
-      SSD_RETURN_IF_ERROR(mod->NewEvent(ds, &e3));
-      d->stage_d2h = e3;
-      SSD_CHECK_CUDA(cudaEventRecord(e3, ds->copy));
-      return Status::Ok();
+      // Host-tier copies are lazy (forwarding): the first loads of the backward pass take the
+      // newest stores from staging, so their bytes need not cross the link at all.
+      if (e->tier == 1 && eng->config().forwarding) return mod->DeferD2H(ds, e);
+      return mod->IssueD2H(ds, *e);
     }
-    // No staging room (or bigger than the arena): D2H on the compute stream.
+    // No staging room (or bigger than the arena): D2H on the compute stream, waited for.
+    CopyTracker::Mark m;
+    SSD_RETURN_IF_ERROR(tracker.Begin(dev, stream, &m));
     lk.unlock();
     auto t0 = Clock::now();
-    SSD_CHECK_CUDA(cudaMemcpyAsync(e->host_ptr, src, nbytes, cudaMemcpyDeviceToHost, stream));
-    SSD_RETURN_IF_ERROR(LaunchWriteHandle(stream, hdst, h));
-    SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
+    Status c = [&]() -> Status {
+      SSD_CHECK_CUDA(cudaMemcpyAsync(e->host_ptr, src, nbytes, cudaMemcpyDeviceToHost, stream));
+      SSD_RETURN_IF_ERROR(LaunchWriteHandle(stream, hdst, h));
+      SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
+      return Status::Ok();
+    }();
     lk.lock();
+    if (!c.ok()) {
+      tracker.Cancel(&m);
+      return c;
+    }
     eng->AddStall(Since(t0));
-    return Status::Ok();
+    return tracker.End(m, stream, CopyOp::kD2H, nbytes, name);
   }();
   if (s.code() == -1) {
     return eng->WriteThrough(e, [&](void* dst, uint64_t off, uint64_t len) -> Status {
@@ -718,9 +898,18 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
   }
   if (d->staged && mod->StagingUsable(*e, *d) && d->device == dev && !e->filling &&
       e->error.ok()) {
-    // Forwarded from the store, or prefetched into staging.
-    if (d->stage_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(stream, d->stage_ready, 0));
-    SSD_CHECK_CUDA(cudaMemcpyAsync(dst, d->stage_ptr, nbytes, cudaMemcpyDeviceToDevice, stream));
+    // Forwarded from the store, or prefetched into staging (then the read-ahead's H2D may still
+    // run: a wait of the compute stream).
+    if (d->stage_from_store) {
+      if (d->stage_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(stream, d->stage_ready, 0));
+    } else {
+      SSD_RETURN_IF_ERROR(mod->WaitTracked(dev, stream, d->stage_ready, name));
+    }
+    SSD_RETURN_IF_ERROR(mod->Tracked(dev, stream, CopyOp::kLoadStaged, nbytes, name, [&] {
+      SSD_CHECK_CUDA(
+          cudaMemcpyAsync(dst, d->stage_ptr, nbytes, cudaMemcpyDeviceToDevice, stream));
+      return Status::Ok();
+    }));
     SSD_RETURN_IF_ERROR(mod->AddFence(ds, &d->stage_fences, stream));
     if (e->tier == 0) {
       if (d->stage_from_store) {
@@ -734,20 +923,41 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
     d->stage_unused = false;
     eng->stats.staging_forwarded_tensors++;
   } else {
+    // A deferred copy is staged, so it is served above; should it ever get here, its host copy
+    // is made first (stream-ordered before the H2D below through host_ready).
+    if (d->d2h_deferred) {
+      auto it = mod->devices().find(d->device);
+      if (it == mod->devices().end())
+        return Status(EIO, "load of " + DescribeTag(e->name, e->site, e->id) +
+                               ": its deferred copy's GPU is gone");
+      SSD_RETURN_IF_ERROR(mod->IssueD2H(it->second.get(), *e));
+    }
     Engine::HostRef ref;
     Status s = eng->AcquireHost(lk, e, &ref);
     if (s.ok() && ref.bounce) {
-      lk.unlock();
-      s = [&]() -> Status {
-        SSD_CHECK_CUDA(cudaMemcpyAsync(dst, ref.ptr, nbytes, cudaMemcpyHostToDevice, stream));
-        SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
-        return Status::Ok();
-      }();
-      lk.lock();
+      CopyTracker::Mark m;
+      s = mod->tracker().Begin(dev, stream, &m);
+      if (s.ok()) {
+        lk.unlock();
+        s = [&]() -> Status {
+          SSD_CHECK_CUDA(cudaMemcpyAsync(dst, ref.ptr, nbytes, cudaMemcpyHostToDevice, stream));
+          SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
+          return Status::Ok();
+        }();
+        lk.lock();
+        if (s.ok()) {
+          s = mod->tracker().End(m, stream, CopyOp::kLoadHost, nbytes, name);
+        } else {
+          mod->tracker().Cancel(&m);
+        }
+      }
     } else if (s.ok()) {
       s = [&]() -> Status {
-        if (d->host_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(stream, d->host_ready, 0));
-        SSD_CHECK_CUDA(cudaMemcpyAsync(dst, ref.ptr, nbytes, cudaMemcpyHostToDevice, stream));
+        SSD_RETURN_IF_ERROR(mod->WaitTracked(dev, stream, d->host_ready, name));
+        SSD_RETURN_IF_ERROR(mod->Tracked(dev, stream, CopyOp::kLoadHost, nbytes, name, [&] {
+          SSD_CHECK_CUDA(cudaMemcpyAsync(dst, ref.ptr, nbytes, cudaMemcpyHostToDevice, stream));
+          return Status::Ok();
+        }));
         return mod->AddFence(ds, &d->host_fences, stream);
       }();
     }

@@ -18,6 +18,12 @@ void Engine::ResetStats() {
   cache_.alloc.ResetPeak();
   tier_.alloc.ResetPeak();
   space_.ResetPeak();
+  if (hooks_) hooks_->ResetStats();
+}
+
+std::string Engine::TakeTimeline() {
+  Lock lk(mu);
+  return hooks_ ? hooks_->TakeTimeline() : std::string();
 }
 
 std::string Engine::StatsString() {
@@ -103,6 +109,7 @@ std::string Engine::StatsString() {
     u((k + "_bytes_read").c_str(), ds.bytes_read);
     u((k + "_tensors_read").c_str(), ds.tensors_read);
   }
+  if (hooks_) hooks_->AppendStats(o);
   o << "backend=" << (backend_ ? backend_->name() : "none") << '\n';
   return o.str();
 }

@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <ostream>
 #include <set>
 #include <string>
 #include <string_view>
@@ -103,6 +104,11 @@ class DeviceHooks {
   // Releases the entries whose last load's device copy has completed (all of them, waiting for
   // their copies, when `wait`). Called before the engine gives up for lack of space.
   virtual void ReclaimReleases(bool wait) = 0;
+  // Device counters as "key=value" lines (StatsString), their reset, and the timeline of the
+  // latest device copies ("op device bytes start_s end_s name" lines, oldest first; cleared).
+  virtual void AppendStats(std::ostream& o) = 0;
+  virtual void ResetStats() = 0;
+  virtual std::string TakeTimeline() = 0;
 };
 
 struct Stats {
@@ -222,6 +228,8 @@ class Engine {
   Status ReleaseAll();
   std::string StatsString();
   void ResetStats();
+  // The device copies of the latest steps (DeviceHooks::TakeTimeline; empty without a GPU).
+  std::string TakeTimeline();
   std::string FilePaths();
   // Test hooks (C ABI ssdtrain_debug_*): cut every store file to `size` bytes;
   // flip one byte at a logical (striped) store offset.

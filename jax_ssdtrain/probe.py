@@ -15,6 +15,11 @@ From Python, :func:`measure` returns a :class:`ProbeResult` (``write_gbps``, ``r
 cached per directory (real path and device), size, threads, tensor size and cap in
 ``$XDG_CACHE_HOME/jax_ssdtrain/probe.json``; ``refresh=True`` measures again. The measurement
 runs in a child process: the caller's store is left alone.
+
+``python -m jax_ssdtrain.probe --link`` (and :func:`measure_link`) measures the PCIe link of a
+GPU instead: pinned host <-> device copies, each direction alone and both at once, cached per
+host, GPU model and size. The host tier moves its bytes over this link; the planner takes its
+rate from here.
 """
 from __future__ import annotations
 
@@ -37,7 +42,8 @@ from typing import Sequence
 
 from jax_ssdtrain._src.config import GiB, MiB, parse_bandwidth, parse_size
 
-__all__ = ["ProbeResult", "Recommendation", "Wear", "measure", "recommend", "wear", "main"]
+__all__ = ["LinkResult", "ProbeResult", "Recommendation", "Wear", "measure", "measure_link",
+           "recommend", "wear", "main"]
 
 DEFAULT_SIZE = 4 * GiB
 DEFAULT_TENSOR = 64 * MiB
@@ -69,6 +75,27 @@ class ProbeResult:
   measured_at: float = 0.0  # time.time()
   cached: bool = False
   stripes: int = 1  # files the engine striped the bytes over (subdirectories stripe<i>)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkResult:
+  """Pinned host <-> GPU copy rates (GB/s = 1e9 bytes/s), medians of ``repeats`` copies."""
+  device: int             # local CUDA ordinal
+  device_kind: str
+  size: int               # bytes per copy
+  d2h_gbps: float         # device to host, alone
+  h2d_gbps: float         # host to device, alone
+  duplex_d2h_gbps: float  # device to host while host to device runs
+  duplex_h2d_gbps: float
+  host: str = "alloc"     # host buffers: alloc | registered | registered_hugepages
+  measured_at: float = 0.0
+  cached: bool = False
+
+  @property
+  def gbps(self) -> float:
+    """One rate for both directions, as the planner's host model takes it: the slower
+    direction alone (the forward pass copies to the host, the backward pass back)."""
+    return min(self.d2h_gbps, self.h2d_gbps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +161,47 @@ def measure(directory: str | os.PathLike, size: int | str = DEFAULT_SIZE, *, thr
   result = ProbeResult(**json.loads(lines[-1]))
   _cache_put(key, result)
   return result
+
+
+def measure_link(device: int = 0, size: int | str = 1 * GiB, *, repeats: int = 5,
+                 host: str = "registered", refresh: bool = False) -> LinkResult:
+  """The PCIe link of local GPU ``device`` (cached per host, GPU model, ordinal, size and host
+  memory; ``refresh=True`` measures again). Runs in this process on two pinned buffers and two
+  device buffers of ``size`` (freed before it returns). ``host``: ``"registered"`` (mmap'ed and
+  registered, as the engine's host tier: what the engine can reach), ``"alloc"``
+  (cudaHostAlloc: what a plain pinned-copy benchmark measures) or ``"registered_hugepages"``.
+  OSError where no CUDA handler was built or no such GPU is visible."""
+  from jax_ssdtrain._src import native
+  if host not in native.LINK_HOST_KINDS:
+    raise ValueError(f"host: expected one of {sorted(native.LINK_HOST_KINDS)}, got {host!r}")
+  nbytes = parse_size(size, what="size")
+  if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    raise ValueError(f"repeats: expected a positive integer, got {repeats!r}")
+  if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+    raise ValueError(f"device: expected a CUDA ordinal >= 0, got {device!r}")
+  kind = _gpu_kind(device)
+  key = f"link|{os.uname().nodename}|{kind}|ordinal={device}|size={nbytes}|host={host}"
+  if not refresh:
+    entry = _cache_load().get(key)
+    try:
+      if isinstance(entry, dict):
+        return dataclasses.replace(LinkResult(**entry), cached=True)
+    except TypeError:  # written by another version
+      pass
+  d2h, h2d, dd2h, dh2d = native.probe_link(device, nbytes, repeats, host)
+  result = LinkResult(device, kind, nbytes, d2h, h2d, dd2h, dh2d, host, measured_at=time.time())
+  _cache_write(key, dataclasses.asdict(result) | {"cached": False})
+  return result
+
+
+def _gpu_kind(device: int) -> str:
+  """The model of CUDA GPU ``device`` as JAX names it (without JAX: "cuda:<ordinal>")."""
+  try:
+    import jax
+    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+  except (ImportError, RuntimeError):
+    gpus = []
+  return gpus[device].device_kind if device < len(gpus) else f"cuda:{device}"
 
 
 def stripe_directories(directory: str | os.PathLike, stripes: int) -> list[str]:
@@ -234,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.worker:
     print(json.dumps(_work(json.loads(args.worker))), flush=True)
     return 0
+  if args.link:
+    return _link_main(args)
   bytes_per_step, step_ms = args.bytes_per_step, args.step_ms
   try:
     if args.plan:
@@ -357,9 +427,13 @@ def _cache_get(key: _Request, raw: bool) -> ProbeResult | None:
 
 
 def _cache_put(key: _Request, result: ProbeResult) -> None:
+  _cache_write(key.cache_key(), dataclasses.asdict(result) | {"cached": False})
+
+
+def _cache_write(key: str, entry: dict) -> None:
   path = _cache_path()
   doc = _cache_load()
-  doc[key.cache_key()] = dataclasses.asdict(result) | {"cached": False}
+  doc[key] = entry
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -602,6 +676,24 @@ def _number(text: str) -> float:
   return value
 
 
+def _link_main(args) -> int:
+  size = args.size if args.size != DEFAULT_SIZE else 1 * GiB
+  try:
+    r = measure_link(args.device, size, host=args.host_memory, refresh=args.refresh)
+  except (OSError, ValueError) as e:
+    print(f"probe: error: {e}", file=sys.stderr)
+    return 1
+  if args.json:
+    print(json.dumps(dataclasses.asdict(r)))  # one line: bench_rok.py reads it
+  else:
+    print(f"GPU {r.device} ({r.device_kind}), pinned copies of {_fmt_bytes(r.size)} "
+          f"({r.host} host memory)"
+          f"{' (cached)' if r.cached else ''}:\n"
+          f"  device -> host {r.d2h_gbps:6.1f} GB/s alone, {r.duplex_d2h_gbps:6.1f} while both run\n"
+          f"  host -> device {r.h2d_gbps:6.1f} GB/s alone, {r.duplex_h2d_gbps:6.1f} while both run")
+  return 0
+
+
 def _plain(doc: str) -> str:
   """A docstring as plain text for --help (no reStructuredText roles or literals)."""
   doc = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc)
@@ -638,10 +730,20 @@ def _parse_args(argv):
                  help="drive capacity (with --dwpd), e.g. 3.84TB")
   p.add_argument("--warranty-years", type=_number, default=5.0)
   p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+  p.add_argument("--link", action="store_true",
+                 help="measure the PCIe link of a GPU (pinned host <-> device) instead of a "
+                      "directory (--size default 1GiB)")
+  p.add_argument("--device", type=int, default=0, help="CUDA ordinal for --link (default 0)")
+  p.add_argument("--host-memory", default="registered",
+                 choices=["registered", "alloc", "registered_hugepages"],
+                 help="--link: host buffers registered as the engine's arenas (default), "
+                      "cudaHostAlloc'ed, or registered on huge pages")
   p.add_argument("--worker", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  if not args.worker and not args.directory:
-    p.error("the store DIRECTORY to measure is required")
+  if args.link and args.directory:
+    p.error("--link measures a GPU's link, not a directory: give one or the other")
+  if not args.worker and not args.link and not args.directory:
+    p.error("the store DIRECTORY to measure is required (or --link)")
   if args.tbw is not None and args.dwpd is not None:
     p.error("give --tbw or --dwpd, not both")
   if args.dwpd is not None and args.capacity is None:

@@ -91,16 +91,28 @@ def time_steps(fn, args, steps: int, warmup: int) -> list[float]:
     return out
 
 
+def host_all_plan(prof, min_bytes: int):
+    """Every tag of every layer in the host tier (bench_rok's ssd_host_named), as the planner
+    predicts it, with the staging arena it sizes for it (``Plan.staging_bytes``)."""
+    from jax_ssdtrain import Location
+    from jax_ssdtrain._src import planner
+    locations = {t.name: Location.HOST for t in prof.tags}
+    baseline = planner.simulate(prof, 0, locations)[0]
+    return planner._evaluate(prof, prof.num_layers, locations, baseline, min_bytes)
+
+
 def stack_policies(plan, min_bytes: int) -> dict:
-    """Measured policies of one shape: name -> ((first, rest) policies, split, predicted s)."""
+    """Measured policies of one shape: name -> ((first, rest) policies, split, predicted s,
+    store options)."""
     import jax_ssdtrain as ssd
     all_device = ssd.location_policy({n: "device" for n, _ in plan["auto"].locations},
                                      min_bytes=min_bytes)
     out = {"keep": ((None, None), 0, plan["auto"].profile.num_layers *
-                    (plan["auto"].profile.forward_s + plan["auto"].profile.backward_s)),
-           "selective": ((all_device, all_device), 0, plan["auto"].baseline_s)}
-    for name in ("auto", "auto_nvme"):
-        out[name] = (plan[name].policies(), plan[name].offload_layers, plan[name].step_s)
+                    (plan["auto"].profile.forward_s + plan["auto"].profile.backward_s), {}),
+           "selective": ((all_device, all_device), 0, plan["auto"].baseline_s, {})}
+    for name in ("auto", "auto_nvme", "host_all"):
+        out[name] = (plan[name].policies(), plan[name].offload_layers, plan[name].step_s,
+                     plan[name].store_options())
     return out
 
 
@@ -120,16 +132,21 @@ def run_stack(args, shape, bandwidth) -> dict:
     prof = dataclasses.replace(prof, split_grad_copy=False)  # split_step: separate segments
     plans = {"auto": ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=args.min_bytes),
              "auto_nvme": ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=args.min_bytes,
-                                   allowed=("device", "remat", "nvme"))}
+                                   allowed=("device", "remat", "nvme")),
+             "host_all": host_all_plan(prof, args.min_bytes)}
     doc = {"kind": "stack", "shape": list(shape), "profile": dataclasses.asdict(prof),
            "profile_s": time.perf_counter() - t0,
            "plans": {k: plan_doc(p) for k, p in plans.items()}, "rows": []}
-    for name, (pols, split, predicted) in stack_policies(plans, args.min_bytes).items():
+    configured = ssd.current_config()
+    for name, (pols, split, predicted, options) in stack_policies(plans, args.min_bytes).items():
+        if name not in args.stack_policies:
+            continue
         args_ = (segments(params, split), x)
         compiled = split_step(layer, pols, split).lower(*args_).compile()
         # entries an earlier program left (forwarded ones are never evicted) would shrink the
-        # host cache of this one: each measured program starts with an empty store
-        ssd.release_all()
+        # host cache of this one: each measured program starts with an empty store, with the
+        # staging arena its plan sized
+        ssd.configure(**{"staging_bytes": configured.staging_bytes, **options})
         ssd.reset_stats()
         times = time_steps(compiled, args_, args.steps, args.warmup)
         st = ssd.stats()
@@ -140,10 +157,14 @@ def run_stack(args, shape, bandwidth) -> dict:
             "model_tflops": rok.model_flops(*shape) / ms / 1e9,
             "offload_GB_per_step": st.get("bytes_written", 0) / 1e9 / (args.steps + args.warmup),
             "disk_MB_written_per_step": st.get("disk_bytes_written", 0) / 1e6 / (args.steps + args.warmup),
-            "stall_ms_per_step": st.get("stall_seconds", 0) * 1e3 / (args.steps + args.warmup)})
+            "stall_ms_per_step": st.get("stall_seconds", 0) * 1e3 / (args.steps + args.warmup),
+            "staging_GB": ssd.current_config().staging_bytes / 1e9 if options else 0.0,
+            "link_d2h_GBps": st.get("link_d2h_GBps"), "link_h2d_GBps": st.get("link_h2d_GBps")})
         del compiled
         print(f"[{','.join(map(str, shape))}] {name}: predicted {predicted * 1e3:.1f} ms, "
-              f"measured {ms:.1f} ms", flush=True)
+              f"measured {ms:.1f} ms" + (f" (staging {options['staging_bytes'] / 1e9:.2f} GB)"
+                                          if options else ""), flush=True)
+    ssd.configure(staging_bytes=configured.staging_bytes)
     return doc
 
 
@@ -153,6 +174,7 @@ def plan_doc(plan) -> dict:
             "predicted_ms": plan.step_s * 1e3, "stall_ms": plan.stall_s * 1e3,
             "residual_GB": plan.device_bytes / 1e9, "nvme_GB": plan.nvme_bytes / 1e9,
             "host_GB": plan.host_bytes / 1e9, "allowed_nvme_GB": plan.allowed_nvme_bytes / 1e9,
+            "staging_GB": plan.staging_bytes / 1e9, "host_gbps": plan.profile.host_gbps,
             "nvme_fraction_of_allowed": (plan.nvme_bytes / plan.allowed_nvme_bytes
                                          if plan.allowed_nvme_bytes else None),
             "table": plan.table()}
@@ -190,17 +212,26 @@ def run_preset(args, preset: str, bandwidth) -> dict:
     prof = training.profile_run(run, bandwidth=bandwidth, repeats=args.steps,
                                 host_cache_bytes=ssd.current_config().host_cache_bytes)
     plan = ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=args.min_bytes)
+    host_all = host_all_plan(prof, args.min_bytes)
     doc = {"kind": "preset", "preset": preset, "batch": run.batch, "seq_len": run.seq_len,
-           "profile": dataclasses.asdict(prof), "plans": {"auto": plan_doc(plan)}, "rows": []}
+           "profile": dataclasses.asdict(prof),
+           "plans": {"auto": plan_doc(plan), "host_all": plan_doc(host_all)}, "rows": []}
     keep_pred = cfg.num_layers * (prof.forward_s + prof.backward_s) + prof.other_s + prof.update_s
-    for name, r, predicted in (("keep", run, keep_pred),
-                               ("auto", training.apply_plan(run, plan), plan.step_s)):
+    configured = ssd.current_config()
+    for name, r, predicted, options in (
+            ("keep", run, keep_pred, {}),
+            ("auto", training.apply_plan(run, plan), plan.step_s, plan.store_options()),
+            ("host_all", training.apply_plan(run, host_all), host_all.step_s,
+             host_all.store_options())):
+        ssd.configure(**{"staging_bytes": configured.staging_bytes, **options})
         s, mem = measure(r)
         doc["rows"].append({"policy": name, "split": r.offload_layers, "predicted_ms": predicted * 1e3,
                             "step_ms": s * 1e3, "device_GB": mem / 1e9,
+                            "staging_GB": options.get("staging_bytes", 0) / 1e9,
                             "tokens_per_s": run.batch * run.seq_len / s})
         print(f"[{preset}] {name}: predicted {predicted * 1e3:.1f} ms, measured {s * 1e3:.1f} ms",
               flush=True)
+    ssd.configure(staging_bytes=configured.staging_bytes)
     return doc
 
 
@@ -343,17 +374,18 @@ def table(doc: dict) -> str:
            f" ({doc['bandwidth_source']})"]
     modelled = [part for part in doc["parts"] if part["kind"] != "cap" and "error" not in part]
     if modelled:
-        out += ["", "| model | policy | split | predicted ms | measured ms | pred/meas | x keep | device GB |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += ["", "| model | policy | split | predicted ms | measured ms | pred/meas | x keep | "
+                "device GB | staging GB |", "|---|---|---|---|---|---|---|---|---|"]
     for part in modelled:
         label = part.get("preset") or ",".join(map(str, part["shape"]))
         keep = next((r["step_ms"] for r in part["rows"] if r["policy"] == "keep"), None)
         for r in part["rows"]:
+            x_keep = f"{r['step_ms'] / keep:.3f}" if keep else "-"
             out.append(f"| {label} | {r['policy']} | {r['split']} | {r['predicted_ms']:.1f} | "
                        f"{r['step_ms']:.1f} | {r['predicted_ms'] / r['step_ms']:.3f} | "
-                       f"{r['step_ms'] / keep:.3f} | {r['device_GB']:.2f} |")
+                       f"{x_keep} | {r['device_GB']:.2f} | {r.get('staging_GB') or 0:.2f} |")
     for part in doc["parts"]:
-        if part["kind"] == "stack" and "error" not in part:
+        if part["kind"] == "stack" and "error" not in part and "auto_nvme" in part["plans"]:
             p = part["plans"]["auto_nvme"]
             frac = p["nvme_fraction_of_allowed"]
             out.append(f"\n{','.join(map(str, part['shape']))} auto_nvme: {p['nvme_GB']:.3f} GB/step"
@@ -496,6 +528,9 @@ def parse_args(argv=None):
     p.add_argument("--presets", default="gpt-1.3b", help="models' GPT presets, comma-separated")
     p.add_argument("--no-presets", action="store_true")
     p.add_argument("--no-stack", action="store_true", help="skip the bench_rok stack shapes")
+    p.add_argument("--stack-policies", type=lambda t: [v.strip() for v in t.split(",") if v.strip()],
+                   default=["keep", "selective", "auto", "auto_nvme", "host_all"],
+                   help="measured rows of each stack shape (keep does not fit long sequences)")
     p.add_argument("--preset-batch", type=int, default=8)
     p.add_argument("--preset-seq", type=int, default=1024)
     p.add_argument("--cap-gb", type=_numbers(float), default=[12.0],

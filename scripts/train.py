@@ -177,11 +177,11 @@ def auto_plan(run: training.RunConfig, args) -> training.RunConfig:
         plan = ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=run.min_bytes)
     else:
         batches = sorted({min(1 << i, run.batch) for i in range(run.batch.bit_length() + 1)})
-        staging = store.staging_bytes if jax.default_backend() == "gpu" else 0
+        on_gpu = jax.default_backend() == "gpu"
 
-        def memory(batch, plan):
+        def memory(batch, plan):  # XLA's, plus the staging arena the plan needs (GPU only)
             cand = training.apply_plan(dataclasses.replace(run, batch=batch), plan)
-            return training.step_memory_bytes(cand) + (staging if plan.offloaded_bytes else 0)
+            return training.step_memory_bytes(cand) + (plan.staging_bytes if on_gpu else 0)
 
         profiles = {run.batch: prof}
 
@@ -198,6 +198,9 @@ def auto_plan(run: training.RunConfig, args) -> training.RunConfig:
         plan = ssd.plan_for_budget(args.memory_budget, batches, profile_at, memory,
                                    min_bytes=run.min_bytes)
     print(plan.table(), flush=True)
+    if plan.store_options() and jax.default_backend() == "gpu":
+        # the arena the plan was predicted with, not the configured upper bound
+        ssd.configure(**plan.store_options())
     return training.apply_plan(run, plan)
 
 
@@ -306,6 +309,8 @@ def main(argv=None) -> dict:
     bar = tqdm(range(start, run.steps), initial=start, total=run.steps, dynamic_ncols=True)
     tokens_per_step = run.batch * (run.seq_len or cfg.max_len)  # model input positions
     tokens_done, t0, loss = 0, None, float("nan")
+    # the second half of the run (its steady state: allocations and first-use costs behind it)
+    mid_step, t_mid, tokens_mid = start + max(1, (run.steps - start) // 2), None, 0
     for step in bar:
         try:
             tokens = next(batches)
@@ -319,6 +324,9 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
         else:
             tokens_done += tokens_per_step
+        if step + 1 == mid_step and step + 1 < run.steps:
+            jax.block_until_ready(metrics)
+            t_mid, tokens_mid = time.perf_counter(), tokens_done
         if (step + 1) % args.log_every == 0 or step + 1 == run.steps:
             loss = float(metrics["loss"])
             dt = time.perf_counter() - t0
@@ -337,6 +345,7 @@ def main(argv=None) -> dict:
     bar.close()
     jax.block_until_ready(state)
     dt = time.perf_counter() - t0 if t0 is not None else 0.0
+    late = time.perf_counter() - t_mid if t_mid is not None else 0.0
     if manager and (not manager.latest_step() or manager.latest_step() < int(state.step)):
         training.save_checkpoint(manager, state)
     for f in (csv_file, tb):
@@ -347,10 +356,12 @@ def main(argv=None) -> dict:
     st = ssd.stats()
     mem = jax.local_devices()[0].memory_stats() or {}  # None on CPU
     summary = dict(final_loss=loss, tokens_per_s=tokens_done / dt if dt > 0 else 0.0,
+                   tokens_per_s_second_half=(tokens_done - tokens_mid) / late if late > 0 else 0.0,
                    gb_written=st.get("bytes_written", 0) / 1e9, gb_read=st.get("bytes_read", 0) / 1e9,
                    peak_device_gb=mem.get("peak_bytes_in_use", 0) / 1e9,
                    steps=int(state.step), offload=offloading)
-    print(f"done: steps {summary['steps']}  final loss {loss:.4f}  tokens/s {summary['tokens_per_s']:,.0f}  "
+    print(f"done: steps {summary['steps']}  final loss {loss:.4f}  tokens/s {summary['tokens_per_s']:,.0f} "
+          f"(second half {summary['tokens_per_s_second_half']:,.0f})  "
           f"store written {summary['gb_written']:.4f} GB  read {summary['gb_read']:.4f} GB"
           + (f"  peak device memory {summary['peak_device_gb']:.2f} GB" if mem else ""), flush=True)
     return summary

@@ -257,6 +257,42 @@ def test_host_tier_is_pcie_bound(host_gbps, split):
     assert simulate(prof, split + 1, {"a": Location.HOST})[1] > 0
 
 
+def test_plan_sizes_its_staging_arena_from_the_bytes_and_the_forward_time():
+  # by hand: 4 layers of 1 GB to the host at 5 GB/s, F = 0.1 s, B = 1 s. The forward produces
+  # 4 GB in 0.4 s while the link drains 2 GB: the copy of layer 3 ends at 0.9 s, and its store
+  # (at 0.4 s) must find 0.9 - 0.4 = 0.5 s of copies, 2.5 GB, waiting in staging. Less arena
+  # stalls the forward; more buys nothing. The plan takes the smallest arena within
+  # STAGING_TOLERANCE of the configured 8 GB one's step (0.2% of ~4.4 s: up to ~44 MB less).
+  mib = 1 << 20
+  prof = ssd.Profile(num_layers=4, forward_s=0.1, backward_s=1.0, tags=(T("a", GB, 0.0),),
+                     write_gbps=0, read_gbps=0, host_gbps=5.0, staging_bytes=8 * GB)
+  p = planner._evaluate(prof, 4, {"a": Location.HOST}, 4.4, 0)
+  assert 2.5 * GB - 50 * 10**6 <= p.staging_bytes <= 2.5 * GB + mib and p.staging_bytes % mib == 0
+  assert p.step_s <= simulate(prof, 4, {"a": Location.HOST})[0] * (1 + planner.STAGING_TOLERANCE) \
+      + simulate(prof, 4, {"a": Location.HOST})[1] * (1 + planner.STAGING_TOLERANCE)
+  assert sum(simulate(dataclasses.replace(prof, staging_bytes=GB), 4, {"a": Location.HOST})) \
+      > p.step_s * 1.05  # a 1 GB arena stalls the forward
+  assert p.store_options() == {"staging_bytes": p.staging_bytes}
+  assert "staging arena" in p.table()
+  # a link that keeps pace needs only room for two tensors; a plan offloading nothing, none
+  fast = planner._evaluate(dataclasses.replace(prof, host_gbps=100.0), 4, {"a": Location.HOST},
+                           4.4, 0)
+  assert fast.staging_bytes == -(-2 * GB // mib) * mib
+  kept = planner._evaluate(prof, 0, {"a": Location.HOST}, 4.4, 0)
+  assert kept.staging_bytes == 0 and kept.store_options() == {}
+  # never above the configured arena
+  tight = dataclasses.replace(prof, staging_bytes=GB)
+  assert planner._evaluate(tight, 4, {"a": Location.HOST}, 4.4, 0).staging_bytes == GB
+
+
+def test_profile_measures_the_link_only_on_a_gpu(monkeypatch):
+  from jax_ssdtrain import probe
+  calls = []
+  monkeypatch.setattr(probe, "measure_link", lambda *a, **k: calls.append(a) or None)
+  if not any(d.platform == "gpu" for d in jax.local_devices()):
+    assert planner.measured_link_gbps() == planner.DEFAULT_HOST_GBPS and not calls
+
+
 def test_host_tier_staging_absorbs_the_backlog_and_serves_the_last_layers():
   # by hand, 2 layers of 1 GB at 1 GB/s, F = B = 1 s. Without staging: each store waits for its
   # device-to-host copy (forward ends at 4 instead of 2) and each backward for its

@@ -24,9 +24,17 @@ as SSDTrain does, because their backward comes first and leaves no time to read 
 - every tag sent to the store also costs ``offload_s`` per layer (its store and load: host-side
   work and launches, measured by ``profile``), half in the forward and half in the backward.
 - host: the same with the PCIe link (``host_gbps`` each way, full duplex: device-to-host in the
-  forward, host-to-device read-ahead in the backward) and the device staging arena
-  (``staging_bytes``) in the role of the cache: a store waits while the bytes not yet copied
-  to the host exceed it, and the last ``staging_bytes`` stored are loaded from it (no copy).
+  forward, host-to-device read-ahead in the backward; ``profile`` measures it on the GPU,
+  ``jax_ssdtrain.probe.measure_link``) and the device staging arena (``staging_bytes``) in the
+  role of the cache: a store waits while the bytes not yet copied to the host exceed it, and
+  the last ``staging_bytes`` stored are loaded from it (no copy either way: the engine defers
+  their device-to-host copy until it is needed).
+- the staging arena is device memory too: each plan that offloads gets the smallest arena (at
+  least two of its largest offloaded tensors, at most the profile's ``staging_bytes``) whose
+  predicted step is within ``STAGING_TOLERANCE`` of the profile's arena (``Plan.staging_bytes``;
+  ``Plan.store_options()`` configures it). A forward pass that produces host-tier bytes
+  faster than the link drains them needs the difference in staging: ``bytes - host_gbps x
+  forward time``.
 - device memory of the plan's residuals: per layer, the bytes of tags on the device (all
   host/nvme tags in the kept layers) plus the layer input when some tag is recomputed, unless
   the input is itself a tag (``input_tag``) sent to the store: recomputation then starts from
@@ -57,8 +65,9 @@ import numpy as np
 
 from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, Location, location_policy, name_p
 
-DEFAULT_HOST_GBPS = 50.0  # pinned host <-> H100 over PCIe: 41-55 GB/s measured (DESIGN.md §3); 50 fits
-# the host-tier steps measured with 1 and 2.5 GiB of staging (BENCHMARKS.md §2, §4)
+DEFAULT_HOST_GBPS = 50.0  # without a GPU to measure: pinned host <-> H100 over PCIe, 41-55 GB/s
+# measured (DESIGN.md §3)
+STAGING_TOLERANCE = 0.002  # a plan's arena: the smallest within this share of the configured one's step
 DEFAULT_HOST_CACHE_BYTES = 1 << 30  # StoreConfig.host_cache_bytes default
 DEFAULT_STAGING_BYTES = 1 << 30  # StoreConfig.staging_bytes default
 DEFAULT_HOST_TIER_BYTES = 8 << 30  # StoreConfig.host_tier_bytes default
@@ -148,6 +157,7 @@ class Plan:
   host_bytes: int         # per step, to the host tier
   min_bytes: int = DEFAULT_MIN_BYTES
   measured_device_bytes: int | None = None  # the whole step's, from XLA (plan_for_budget)
+  staging_bytes: int = 0  # the device staging arena the plan needs (0: it offloads nothing)
 
   @property
   def step_s(self) -> float:
@@ -168,6 +178,10 @@ class Plan:
   def kept_location_map(self) -> dict[str, Location]:
     """Locations in the kept (last) layers: host/nvme tags stay on the device."""
     return {n: Location.DEVICE if loc in OFFLOADED else loc for n, loc in self.locations}
+
+  def store_options(self) -> dict[str, int]:
+    """``ssd.configure`` options the plan was predicted with: its staging arena."""
+    return {"staging_bytes": self.staging_bytes} if self.staging_bytes else {}
 
   def policies(self) -> tuple[Any, Any]:
     """``(policy of the offloaded layers, policy of the kept layers)`` for jax.checkpoint."""
@@ -190,6 +204,9 @@ class Plan:
                  f"split: all {L} layers {'offload' if k == L else 'keep'}")
     lines.append(f"predicted step {self.step_s * 1e3:.2f} ms (compute {self.compute_s * 1e3:.2f} "
                  f"+ stall {self.stall_s * 1e3:.2f}; all on device {self.baseline_s * 1e3:.2f})")
+    if self.staging_bytes:
+      lines.append(f"device staging arena {self.staging_bytes / 1e9:.3f} GB (link "
+                   f"{p.host_gbps:.1f} GB/s; the profile's arena: {p.staging_bytes / 1e9:.3f} GB)")
     lines.append(f"residual device memory {self.device_bytes / 1e9:.3f} GB; per step to nvme "
                  f"{self.nvme_bytes / 1e9:.3f} GB (disk allows {self.allowed_nvme_bytes / 1e9:.3f}"
                  f" GB), to host {self.host_bytes / 1e9:.3f} GB"
@@ -274,7 +291,7 @@ def plan_for_budget(budget_bytes: int, batches: Sequence[int],
 
 def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
             directory: str | os.PathLike | None = None,
-            bandwidth: tuple[float, float] | None = None, host_gbps: float = DEFAULT_HOST_GBPS,
+            bandwidth: tuple[float, float] | None = None, host_gbps: float | None = None,
             host_cache_bytes: int | None = None, staging_bytes: int | None = None,
             host_tier_bytes: int | None = None, other_s: float = 0.0, update_s: float = 0.0,
             batch: int | None = None, repeats: int = 10, warmup: int = 2) -> Profile:
@@ -290,6 +307,9 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
   far below the forward time), which the tags share by FLOPs; with the input tag (else the
   smallest tag) in the host tier, the cost of one store and its load (``offload_s``: it goes
   through the store, which is set up if it is not yet).
+  ``host_gbps`` (the host tier's link) defaults to the rate the engine's copies reached while
+  the offload probe's layers computed (CUDA events; the store's statistics are reset), else to
+  :func:`measured_link_gbps` (the link idle, cached).
   ``host_cache_bytes``, ``staging_bytes`` and ``host_tier_bytes`` default to the current store
   configuration's."""
   _check_int("num_layers", num_layers, low=1)
@@ -309,8 +329,13 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
   # the offload cost is measured on the input tag, else the smallest tag the policies offload
   big = [n for n in tags if tags[n] >= DEFAULT_MIN_BYTES] or list(tags)
   probe_tag = input_tag or min(big, key=tags.get, default=None)
+  if host_gbps is None and probe_tag is not None:
+    config.reset_stats()
   forward_s, backward_s, recompute_s, offload_s = _layer_times(
       layer_fn, params, x, tuple(tags), probe_tag, repeats, warmup)
+  if host_gbps is None:
+    host_gbps = _achieved_link_gbps() if probe_tag is not None else None
+    host_gbps = host_gbps or measured_link_gbps()
   total = sum(flops.values()) or 1.0
   return Profile(
       num_layers=num_layers, forward_s=forward_s, backward_s=backward_s,
@@ -350,6 +375,26 @@ def _tagged(layer_fn: Callable, params: Any, x: Any
   return sizes, flops, input_tag
 
 
+
+
+def _achieved_link_gbps() -> float | None:
+  """The slower direction of the host tier's copies since the last reset, in GB/s of copy-
+  stream busy time (None where none ran: no GPU, or every copy stayed in staging)."""
+  from jax_ssdtrain._src import config
+  s = config.stats()
+  rates = [s[f"link_{d}_GBps"] for d in ("d2h", "h2d") if s.get(f"link_{d}_bytes", 0) >= 1 << 26]
+  return min(rates) if rates else None
+
+
+def measured_link_gbps(device: int = 0) -> float:
+  """GB/s of the host tier's copies over GPU ``device``'s link: the slower direction of pinned
+  copies between the engine's kind of host memory and the device (``probe.measure_link``,
+  measured once per machine and cached); ``DEFAULT_HOST_GBPS`` where JAX has no GPU."""
+  import jax
+  if not any(d.platform == "gpu" for d in jax.local_devices()):
+    return DEFAULT_HOST_GBPS
+  from jax_ssdtrain import probe
+  return probe.measure_link(device).gbps
 
 
 def measured_bandwidth(directory: str | os.PathLike, nbytes: int = 256 << 20) -> tuple[float, float]:
@@ -449,12 +494,40 @@ def _device_bytes(profile: Profile, k: int, locations: Mapping[str, Location]) -
 
 def _evaluate(profile: Profile, k: int, locations: Mapping[str, Location], baseline: float,
               min_bytes: int) -> Plan:
-  compute, stall = simulate(profile, k, locations)
+  staging = _staging_needed(profile, k, locations)
+  compute, stall = simulate(dataclasses.replace(profile, staging_bytes=staging) if staging
+                            else profile, k, locations)
   moved = {loc: sum(t.bytes for t in profile.tags if locations[t.name] is loc) * k
            for loc in OFFLOADED}
   return Plan(profile, k, tuple(sorted(locations.items())), compute, stall, baseline,
               _device_bytes(profile, k, locations), moved[Location.NVME], moved[Location.HOST],
-              min_bytes)
+              min_bytes, staging_bytes=staging)
+
+
+def _staging_needed(profile: Profile, k: int, locations: Mapping[str, Location]) -> int:
+  """The smallest staging arena (MiB multiples, at least two of the largest offloaded tensors,
+  at most the profile's) whose predicted step is within STAGING_TOLERANCE of the profile's
+  arena; 0 when the plan offloads nothing or the profile has no arena."""
+  sizes = [t.bytes for t in profile.tags if locations[t.name] in OFFLOADED]
+  if not k or not sizes or not profile.staging_bytes:
+    return 0
+  mib = 1 << 20
+  most = profile.staging_bytes
+  least = min(most, -(-2 * max(sizes) // mib) * mib)
+
+  def step(arena):
+    return sum(simulate(dataclasses.replace(profile, staging_bytes=arena), k, locations))
+
+  target = step(most) * (1 + STAGING_TOLERANCE)
+  if step(least) <= target:
+    return least
+  lo, hi = least, most  # step(lo) > target >= step(hi)
+  while hi - lo > mib:
+    mid = (lo + hi) // 2 // mib * mib
+    if mid <= lo:
+      break
+    lo, hi = (lo, mid) if step(mid) <= target else (mid, hi)
+  return hi
 
 
 def _candidates(profile: Profile, allowed, fixed, min_bytes) -> Iterable[Plan]:

@@ -18,7 +18,14 @@ only orchestrates, probes the store directory's raw bandwidth, and writes
 Policies: keep, recompute, selective (save the 4 tags), jax_host_layer_in, jax_host_named
 (JAX ``save_and_offload_only_these_names`` to pinned_host), ssd_host_named, ssd_nvme_named,
 ssd_host_layer_in and ssd_nvme_layer_in (the rest recomputed), ssd_nvme_sweep_1..4 (host cache of
-``--sweep-host-cache`` so that the disk is really used).
+``--sweep-host-cache`` so that the disk is really used). An ssd policy takes store options of its
+own after colons, e.g. ``ssd_host_named:staging_bytes=1GiB:forwarding=0`` (a row of its own).
+
+``--link-probe`` measures the GPU's PCIe link in the same run (``jax_ssdtrain.probe --link``)
+and the table puts the link rates the engine achieved (bytes over the copy streams' busy time,
+from CUDA events) beside it. ``--timeline`` writes one timed step's device copies and waits
+of every ssd row as a Chrome trace (``rok_timeline_<device>_<date>.json``: chrome://tracing or
+https://ui.perfetto.dev).
 """
 from __future__ import annotations
 
@@ -216,7 +223,23 @@ def run_check(step, reference, params, shape, cfg: dict) -> dict:
 def engine_row(s: dict, steps: int) -> dict:
     per = lambda key: s.get(key, 0) / steps  # noqa: E731
     gb = lambda key: s.get(key, 0) / 1e9  # noqa: E731
-    return {
+    gpu = {}
+    if "link_d2h_bytes" in s:  # CUDA handlers: copies timed with CUDA events
+        gpu = {
+            "link_d2h_GB_per_step": per("link_d2h_bytes") / 1e9,
+            "link_h2d_GB_per_step": per("link_h2d_bytes") / 1e9,
+            "link_d2h_busy_ms_per_step": per("link_d2h_busy_seconds") * 1e3,
+            "link_h2d_busy_ms_per_step": per("link_h2d_busy_seconds") * 1e3,
+            "link_overlap_ms_per_step": per("link_overlap_seconds") * 1e3,
+            "link_d2h_GBps": s.get("link_d2h_GBps", 0.0),
+            "link_h2d_GBps": s.get("link_h2d_GBps", 0.0),
+            "compute_wait_ms_per_step": per("gpu_compute_wait_seconds") * 1e3,
+            "load_host_ms_per_step": per("gpu_load_host_seconds") * 1e3,
+            "stage_copies_ms_per_step": (per("gpu_stage_in_seconds")
+                                         + per("gpu_load_staged_seconds")) * 1e3,
+            "d2h_elided_GB_per_step": per("d2h_elided_bytes") / 1e9,
+        }
+    return gpu | {
         "offload_GB_per_step": per("bytes_written") / 1e9,
         "loaded_GB_per_step": per("bytes_read") / 1e9,
         "disk_MB_written_per_step": per("disk_bytes_written") / 1e6,
@@ -241,7 +264,8 @@ def child(cfg: dict) -> int:
     import jax
     name, shape = cfg["policy"], tuple(cfg["shape"])
     H, S, B, L = shape
-    spec = POLICIES[name]
+    base, own_options = split_policy(name)
+    spec = POLICIES[base]
     dev = jax.devices()[0]
     row = {"policy": name, "H": H, "S": S, "B": B, "L": L}
     ssd = None
@@ -250,6 +274,7 @@ def child(cfg: dict) -> int:
         options = dict(cfg["ssd_options"])
         if spec.small_cache:
             options["host_cache_bytes"] = cfg["sweep_host_cache"]
+        options.update(own_options)
         row["store_config"] = dataclasses.asdict(ssd.configure(directory=cfg["store_dir"],
                                                                **options))
     params, x0 = init(*shape)
@@ -279,13 +304,25 @@ def child(cfg: dict) -> int:
     del out
     if ssd:
         ssd.reset_stats()
+        ssd.timeline()  # forget the warm-up's copies
     times = []
-    for _ in range(cfg["steps"]):
+    last_step = []  # the engine's timeline of the last timed step
+    for i in range(cfg["steps"]):
+        if ssd and cfg.get("timeline") and i == cfg["steps"] - 1:
+            ssd.timeline()  # forget the copies of the steps before
+            host_start = time.monotonic()  # the clock of the engine's timeline
         t0 = time.perf_counter()
         jax.block_until_ready(step(params, x0))
         times.append(time.perf_counter() - t0)
+        if ssd and cfg.get("timeline") and i == cfg["steps"] - 1:
+            ssd.flush()  # every copy of the step done, so that all of them are in the timeline
+            last_step = ssd.timeline()
     if ssd:
         row.update(engine_row(ssd.stats(), cfg["steps"]))
+        if cfg.get("timeline"):
+            # times from the step's dispatch (host clock); the first record shows any offset
+            row["timeline"] = [dict(r, start=r["start"] - host_start, end=r["end"] - host_start)
+                               for r in last_step]
     ms = statistics.median(times) * 1e3
     row.update(step_ms_median=ms, step_ms_min=min(times) * 1e3,
                step_ms_all=[t * 1e3 for t in times],
@@ -313,12 +350,23 @@ def _shape(text: str):
 
 def _policies(text: str):
     out = []
-    for pattern in (p.strip() for p in text.split(",") if p.strip()):
-        hits = [n for n in POLICIES if fnmatch.fnmatchcase(n, pattern) and n not in out]
-        if not hits and pattern not in out:
+    for item in (p.strip() for p in text.split(",") if p.strip()):
+        pattern, *options = item.split(":")
+        for opt in options:  # KEY=VALUE store options of an ssd policy's own row
+            _option(opt)
+        hits = [n for n in POLICIES if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
             raise argparse.ArgumentTypeError(f"unknown policy {pattern!r}; known: {', '.join(POLICIES)}")
-        out += hits
+        if options and not all(POLICIES[n].ssd for n in hits):
+            raise argparse.ArgumentTypeError(f"{item!r}: store options apply to ssd_* policies only")
+        out += [":".join([n, *options]) for n in hits if ":".join([n, *options]) not in out]
     return out
+
+
+def split_policy(name: str) -> tuple[str, dict]:
+    """``"ssd_host_named:staging_bytes=1GiB"`` -> ``("ssd_host_named", {"staging_bytes": ...})``."""
+    base, *options = name.split(":")
+    return base, dict(_option(o) for o in options)
 
 
 def _option(text: str):
@@ -367,6 +415,10 @@ def parse_args(argv=None):
     p.add_argument("--probe-script", type=Path, default=None,
                    help="storage_probe.py (default: <repo>/../shared/tools or <repo>/shared/tools)")
     p.add_argument("--no-probe", action="store_true", help="skip the storage probe")
+    p.add_argument("--link-probe", action="store_true",
+                   help="measure the GPU's PCIe link (pinned copies) in this run")
+    p.add_argument("--timeline", action="store_true",
+                   help="record one timed step's device copies of every ssd row (Chrome trace)")
     p.add_argument("--out", type=Path, default=common.REPO_ROOT / "benchmarks")
     p.add_argument("--merge", action="store_true",
                    help="merge into the JSON of the same name (same policy and shape replaced)")
@@ -407,6 +459,10 @@ def derive(doc: dict) -> None:
         for io in ("write", "read"):
             engine, raw = r.get(f"{io}_GBps"), probe.get(f"{io}_GBps")
             r[f"{io}_vs_probe"] = engine / raw if engine and raw else None
+        link = doc.get("link") or {}
+        for way in ("d2h", "h2d"):
+            engine, raw = r.get(f"link_{way}_GBps"), link.get(f"{way}_gbps")
+            r[f"link_{way}_vs_probe"] = engine / raw if engine and raw else None
 
 
 def _fmt(v, spec="{:.2f}"):
@@ -415,7 +471,8 @@ def _fmt(v, spec="{:.2f}"):
 
 def table(doc: dict) -> str:
     head = ("shape", "policy", "step ms", "x sel", "TFLOP/s", "temp GB", "stage GB", "host GB",
-            "disk MB/step w/r", "stall ms", "w/r vs probe", "check")
+            "disk MB/step w/r", "stall ms", "w/r vs probe", "link GB/s d2h/h2d (x probe)",
+            "wait ms", "check")
     lines = []
     for r in doc["rows"]:
         shape = f"{r.get('H')},{r.get('S')},{r.get('B')},{r.get('L')}"
@@ -435,10 +492,15 @@ def table(doc: dict) -> str:
             check = (f"{'ok' if r['check_ok'] else 'FAIL'} "
                      f"{'same' if r['check_identical_repeats'] else 'DIFF'} "
                      f"{r['check_max_rel_diff_vs_selective']:.1e}")
+        link = "-"
+        if r.get("link_d2h_GB_per_step") or r.get("link_h2d_GB_per_step"):
+            link = (f"{r['link_d2h_GBps']:.1f}/{r['link_h2d_GBps']:.1f} "
+                    f"({_fmt(r.get('link_d2h_vs_probe'))}/{_fmt(r.get('link_h2d_vs_probe'))})")
         lines.append((shape, r["policy"], f"{r['step_ms_median']:.1f}",
                       _fmt(r.get("x_selective"), "{:.3f}"), f"{r['model_tflops']:.1f}",
                       _fmt(r.get("temp_GB")), _fmt(r.get("staging_GB_peak")), _fmt(host), disk,
-                      _fmt(r.get("stall_ms_per_step"), "{:.1f}"), vs, check))
+                      _fmt(r.get("stall_ms_per_step"), "{:.1f}"), vs, link,
+                      _fmt(r.get("compute_wait_ms_per_step"), "{:.1f}"), check))
     widths = [max(len(str(x[i])) for x in [head] + [ln for ln in lines if len(ln) > i])
               for i in range(len(head))]
     fmt = lambda ln: "  ".join(str(v).ljust(w) for v, w in zip(ln, widths)).rstrip()  # noqa: E731
@@ -446,6 +508,11 @@ def table(doc: dict) -> str:
     foot = (f"probe ({probe.get('dir')}): best O_DIRECT write {probe['write_GBps']:.2f} GB/s, "
             f"read {probe['read_GBps']:.2f} GB/s" if probe.get("write_GBps")
             else f"probe: {probe.get('note', 'not run')}")
+    link = doc.get("link") or {}
+    if link.get("d2h_gbps"):
+        foot += (f"\nlink probe (pinned, {link['size'] / 2**30:.0f} GiB copies): D2H "
+                 f"{link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} alone; "
+                 f"{link['duplex_d2h_gbps']:.1f}/{link['duplex_h2d_gbps']:.1f} both at once")
     return "\n".join([fmt(head)] + [fmt(ln) for ln in lines] + [foot])
 
 
@@ -538,6 +605,37 @@ def replot(paths: list[Path], out: Path) -> int:
     return 0
 
 
+STREAM_OF = {"stage_in": "compute", "load_staged": "compute", "load_host": "compute",
+             "compute_wait": "compute", "d2h": "copy (D2H)", "read_ahead": "read-ahead (H2D)"}
+
+
+def chrome_trace(rows: list[dict]) -> dict:
+    """The rows' one-step timelines as a Chrome trace: a process per row, a thread per stream."""
+    events = []
+    for pid, r in enumerate(rows):
+        if not r.get("timeline"):
+            continue
+        label = f"{r['policy']} [{r['H']},{r['S']},{r['B']},{r['L']}] {r['step_ms_median']:.1f} ms"
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
+        for rec in r["timeline"]:
+            events.append({"ph": "X", "pid": pid, "tid": STREAM_OF.get(rec["op"], rec["op"]),
+                           "name": f"{rec['op']} {rec['name']}", "cat": rec["op"],
+                           "ts": rec["start"] * 1e6, "dur": (rec["end"] - rec["start"]) * 1e6,
+                           "args": {"bytes": rec["bytes"], "device": rec["device"]}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def timeline_summary(records: list[dict]) -> dict:
+    """Per operation of one step: count, bytes and busy ms."""
+    out: dict = {}
+    for rec in records:
+        o = out.setdefault(rec["op"], {"count": 0, "bytes": 0, "ms": 0.0})
+        o["count"] += 1
+        o["bytes"] += rec["bytes"]
+        o["ms"] += (rec["end"] - rec["start"]) * 1e3
+    return out
+
+
 def failures(doc: dict) -> list[str]:
     why = lambda r: r.get("error") or r.get("check_error") or "check failed"  # noqa: E731
     return [f"{r.get('policy')} {_key(r)[1:]}: {why(r)}"
@@ -545,7 +643,7 @@ def failures(doc: dict) -> list[str]:
 
 
 CHILD_KEYS = ("steps", "warmup", "check_steps", "check_tol", "check_budget_s", "min_bytes",
-              "sweep_host_cache")
+              "sweep_host_cache", "timeline")
 
 
 def run_policy(args, name: str, shape, store_dir: str, done: list[dict]) -> dict:
@@ -564,7 +662,7 @@ def run_policy(args, name: str, shape, store_dir: str, done: list[dict]) -> dict
     print(f"{label}: {row['step_ms_median']:.1f} ms, temp {row['temp_GB']:.2f} GB "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    if POLICIES[name].ssd if args.check is None else args.check:
+    if POLICIES[split_policy(name)[0]].ssd if args.check is None else args.check:
         sel = next((r for r in done if _key(r) == ("selective", *shape) and _ok(r)), row)
         cfg |= {"mode": "check", "step_ms": row["step_ms_median"],
                 "selective_ms": sel["step_ms_median"]}
@@ -602,6 +700,17 @@ def main(argv=None) -> int:
         if not args.no_probe:
             print(f"storage probe: {store_dir}, {args.probe_gb:g} GB ...", flush=True)
             probe = common.run_storage_probe(store_dir, args.probe_gb, script=args.probe_script)
+        link = None
+        if args.link_probe:  # cudaHostAlloc'ed buffers, then registered ones as the engine's
+            link = {}
+            for host in ("alloc", "registered", "registered_hugepages"):
+                r = common.run_json_child([sys.executable, "-m", "jax_ssdtrain.probe", "--link",
+                                           "--refresh", "--json", "--host-memory", host],
+                                          args.child_timeout)
+                print(f"link probe ({host}): {r}", flush=True)
+                link = link or r  # the reference: plain pinned copies
+                link[f"{host}_d2h_gbps"] = r.get("d2h_gbps")
+                link[f"{host}_h2d_gbps"] = r.get("h2d_gbps")
         rows = []
         for shape in args.shapes:
             for name in args.policies:
@@ -613,15 +722,26 @@ def main(argv=None) -> int:
     device = next((r["device_kind"] for r in rows if "device_kind" in r), "unknown")
     env = common.host_env() | {"device_kind": device,
                                "platform": next((r["platform"] for r in rows if "platform" in r), None)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.timeline:
+        trace = args.out / f"rok_timeline_{common.slug(device)}_{common.today()}.json"
+        trace.write_text(json.dumps(chrome_trace(rows)) + "\n")
+        print(f"wrote {trace}")
+    for r in rows:  # the JSON keeps a per-operation summary of the step, not every copy
+        if "timeline" in r:
+            r["timeline_step"] = timeline_summary(r.pop("timeline"))
     doc = {"date": common.today(), "env": env, "probe": probe, "rows": rows,
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    args.out.mkdir(parents=True, exist_ok=True)
+    if link is not None:
+        doc["link"] = link
     json_path = args.out / f"rok_{common.slug(device)}_{doc['date']}.json"
     if args.merge and json_path.exists():
         old = json.loads(json_path.read_text())
         doc["rows"] = common.merge_rows(old.get("rows", []), rows, _key)
         if not probe.get("write_GBps") and (old.get("probe") or {}).get("write_GBps"):
             doc["probe"] = old["probe"]
+        if link is None and old.get("link"):
+            doc["link"] = old["link"]
     report(doc, json_path)
     bad = failures(doc)
     for line in bad:

@@ -39,7 +39,8 @@ INTERNALS = ["PARTIAL_EVAL_CUSTOM_CACHED", "partial_eval_jaxpr_custom_rules", "d
              "weakref_lru_cache", "SAVE_FROM_BOTH_CODE", "CHECKPOINT_NAME_CLASSES",
              "SAVED_RESIDUALS_FN", "apply_primitive", "prim_requires_devices_during_lowering",
              "SPMDAxisContext", "ShardingContext", "GSPMDSharding", "LOWER_JAXPR_TO_MODULE",
-             "SaveableType", "RecomputeType", "Offloadable", "name_p"]
+             "SaveableType", "RecomputeType", "Offloadable", "name_p",
+             "DynamicJaxprTrace"]
 
 
 @pytest.mark.parametrize("name", INTERNALS)

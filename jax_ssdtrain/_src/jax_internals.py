@@ -155,6 +155,24 @@ if CHECKPOINT_NAME_CLASSES and primal_left_tangent_right is None:
                         f"missing (jax {jax.__version__}); needed under jax_remat3")
 
 
+# jax_remat3's eager path (``interpreters.remat.remat_transform``, jax 0.10.2 to 0.12.0.1) never
+# invalidates the DynamicJaxprTrace it builds the backward's jaxpr in, unlike ``_remat_jaxpr``
+# (the jit path): each constant of that trace is registered with ``weakref.finalize`` holding
+# the trace, whose frame holds the constant's tracer, so the trace and every constant in it
+# (our handles, and the residuals JAX saves on the device) live until the process exits. Our
+# rem asks for its trace to be invalidated right after its ``to_jaxpr`` (remat.py).
+from jax._src import core as _core  # noqa: E402
+DynamicJaxprTrace = _get(_pe, "DynamicJaxprTrace", "freeing the eager remat3 trace's constants")
+for _method in ("to_jaxpr", "invalidate"):
+  _get(DynamicJaxprTrace, _method, "freeing the eager remat3 trace's constants")
+_get(_core, "trace_ctx", "the trace a remat3 rem runs under")
+
+
+def current_trace() -> Any:
+  """The trace JAX binds primitives to right now (``core.trace_ctx.trace``)."""
+  return _core.trace_ctx.trace
+
+
 def remat3_policy(policy_or_trace: Any) -> Any:
   """The policy of a remat3 ``remat`` call (jax 0.10 passes it, later releases the trace)."""
   return getattr(policy_or_trace, "policy", policy_or_trace)

@@ -19,6 +19,7 @@ import functools
 import itertools
 import threading
 import warnings
+import weakref
 
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.policies import StoreDecision, as_offloading, name_p
@@ -42,6 +43,8 @@ def install() -> None:
     setattr(pe, ji.PARTIAL_EVAL_CUSTOM_CACHED, _make_hook(current))
   for cls in ji.CHECKPOINT_NAME_CLASSES:
     _install_remat3(cls)
+  if ji.CHECKPOINT_NAME_CLASSES:
+    _install_trace_release()
   _install_saved_residuals()
 
 
@@ -144,10 +147,45 @@ def _install_remat3(cls) -> None:
 
 def _reload(handle, x_recomputed, *, aval, params, forward_only):
   # The value comes from the store; the tangent flows through the recomputed input.
+  _invalidate_after_jaxpr(ji.current_trace())
   loaded = load_p.bind(handle, aval=aval, **params)
   if forward_only:
     return loaded
   return ji.primal_left_tangent_right(loaded, x_recomputed)
+
+
+# Traces a remat3 rem bound a load in (the handle becomes one of their constants), to be
+# invalidated once their jaxpr is built (see ji.DynamicJaxprTrace): JAX's eager remat3 path
+# leaves its trace alive otherwise, and with it every handle, so no sweep could free the entry.
+_pending_traces: "weakref.WeakSet" = weakref.WeakSet()
+_pending_lock = threading.Lock()
+
+
+def _invalidate_after_jaxpr(trace) -> None:
+  if isinstance(trace, ji.DynamicJaxprTrace):
+    with _pending_lock:
+      _pending_traces.add(trace)
+
+
+def _install_trace_release() -> None:
+  cls = ji.DynamicJaxprTrace
+  original = cls.to_jaxpr
+  if getattr(original, "_ssdtrain_hook", False):
+    return
+
+  @functools.wraps(original)
+  def to_jaxpr(self, *args, **kwargs):
+    out = original(self, *args, **kwargs)
+    if _pending_traces:
+      with _pending_lock:
+        pending = self in _pending_traces
+        _pending_traces.discard(self)
+      if pending:  # the jaxpr and its constants are out: nothing reads the trace any more
+        self.invalidate()
+    return out
+
+  to_jaxpr._ssdtrain_hook = True
+  cls.to_jaxpr = to_jaxpr
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ Var = _ext_core.Var
 # checkpoint_name's primitive: the policies are asked about it, the tags are rewritten from it.
 name_p = _ext_core.primitives.name_p
 primitive_jvps = _ad_public.primitive_jvps
+Zero = _ad_public.Zero  # a symbolic zero tangent
 deflinear2 = _ad_public.deflinear2
 primitive_batchers = _batching_public.primitive_batchers
 register_lowering = _mlir_public.register_lowering

@@ -48,11 +48,13 @@ store_p.multiple_results = True
 
 # Params: site (the tag site, shared with its loads), tier (TIER_CODES), name (the tag, for
 # messages), uses (loads per stored entry in one execution; None: counted when the program is
-# lowered, see lifetimes.py; -1: released by sweeps only).
+# lowered, see lifetimes.py; -1: released by sweeps only), recomputed (optional, default False:
+# True for jax_remat3's stores, whose backward takes the loaded value's tangent from a
+# recomputation of the tagged value, so forward-mode may pass the tangent straight through).
 
 
-def _store_abstract_eval(x, *, site, tier, name, uses):
-  del site, tier, name, uses
+def _store_abstract_eval(x, *, site, tier, name, uses, recomputed=False):
+  del site, tier, name, uses, recomputed
   return [x, HANDLE_AVAL]
 
 
@@ -74,7 +76,8 @@ def _round_to_dtype(x):
   return jax.lax.reduce_precision(x, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
 
 
-def _store_lowering(ctx, x, *, site, tier, name, uses):
+def _store_lowering(ctx, x, *, site, tier, name, uses, recomputed=False):
+  del recomputed  # a differentiation matter only
   _ensure_engine()
   if uses is None:
     uses = lifetimes.current_uses(site)
@@ -104,7 +107,13 @@ ji.prim_requires_devices_during_lowering.add(store_p)
 
 
 def _store_jvp(primals, tangents, **params):
-  del primals, tangents
+  if params.get("recomputed", False):
+    # jax_remat3: the backward rebuilds the value as remat._tangent_from(load(h), x_recomputed):
+    # only the primal comes from the store, every tangent from the recomputation. So the
+    # forward's tangent passes through and the handle (integers) has none.
+    (x,), (tx,) = primals, tangents
+    y, handle = store_p.bind(x, **params)
+    return [y, handle], [tx, ji.Zero(HANDLE_AVAL.to_tangent_aval())]
   raise HigherOrderOffloadError(
       f"jax_ssdtrain: forward-mode differentiation (e.g. jvp(grad(f)), hessian, grad(grad(f))) "
       f"through the SSD-offloaded activation {params['name']!r} is not supported: its tangent "

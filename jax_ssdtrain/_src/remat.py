@@ -21,6 +21,8 @@ import threading
 import warnings
 import weakref
 
+import jax
+
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.policies import StoreDecision, as_offloading, name_p
 from jax_ssdtrain._src.primitives import TIER_CODES, TIER_NAMES, load_p, store_p, tag_p
@@ -126,7 +128,10 @@ def _install_remat3(cls) -> None:
     x = cls(name, aval)(x)
     if isinstance(decision, StoreDecision):
       params = dict(site=new_site_id(), tier=TIER_CODES[decision.location], name=name)
-      x, handle = store_p.bind(x, uses=None, **params)
+      # recomputed: the backward takes every tangent of the loaded value from the recomputed
+      # one (see _reload), so forward-mode may pass the forward's tangent through the store.
+      # CheckpointNameFwd's rem gets no usable recomputed value: its store keeps refusing.
+      x, handle = store_p.bind(x, uses=None, recomputed=not forward_only, **params)
       reload = functools.partial(_reload, aval=aval, params=params, forward_only=forward_only)
       if ji.REMAT3_RETURNS_RESIDUALS:
         return x, handle, reload
@@ -151,7 +156,7 @@ def _reload(handle, x_recomputed, *, aval, params, forward_only):
   loaded = load_p.bind(handle, aval=aval, **params)
   if forward_only:
     return loaded
-  return ji.primal_left_tangent_right(loaded, x_recomputed)
+  return _tangent_from(loaded, x_recomputed)
 
 
 # Traces a remat3 rem bound a load in (the handle becomes one of their constants), to be
@@ -186,6 +191,25 @@ def _install_trace_release() -> None:
 
   to_jaxpr._ssdtrain_hook = True
   cls.to_jaxpr = to_jaxpr
+
+
+@jax.custom_jvp
+def _tangent_from(loaded, recomputed):
+  """``loaded``, with the tangent of ``recomputed`` at every level of differentiation.
+
+  JAX's ``primal_left_tangent_right(saved, recomputed)`` returns ``saved`` itself as the primal,
+  so under nested differentiation (``grad(grad(f))``, ``jvp(grad(f))``) the outer tangent is
+  the saved residual's own, which a residual saved on the device carries. A loaded value has
+  none (the handle is integers): here the primal output is ``_tangent_from`` again, so each
+  enclosing level takes its tangent from the recomputed value too."""
+  del recomputed
+  return loaded
+
+
+@_tangent_from.defjvp
+def _tangent_from_jvp(primals, tangents):
+  (loaded, recomputed), (_, t_recomputed) = primals, tangents
+  return _tangent_from(loaded, recomputed), t_recomputed
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ INTERNALS = ["PARTIAL_EVAL_CUSTOM_CACHED", "partial_eval_jaxpr_custom_rules", "d
              "SAVED_RESIDUALS_FN", "apply_primitive", "prim_requires_devices_during_lowering",
              "SPMDAxisContext", "ShardingContext", "GSPMDSharding", "LOWER_JAXPR_TO_MODULE",
              "SaveableType", "RecomputeType", "Offloadable", "name_p", "DynamicJaxprTrace",
-             "Zero"]
+             "Zero", "DIFFERENTIATING_TRACES"]
 
 
 @pytest.mark.parametrize("name", INTERNALS)
@@ -247,6 +247,25 @@ def test_remat3_second_order_through_offloaded_tag(store, location):
     gg = lambda fn: jax.grad(lambda x: jnp.sum(jax.grad(fn)(x)))(x)
     np.testing.assert_allclose(gg(f), gg(_sin_tags), rtol=1e-6)
   assert ssd.stats()["tensors_written"] > 0
+
+
+def test_remat3_first_order_backward_recomputes_no_more_than_saving(store):
+  # Without an enclosing differentiation the loaded value takes JAX's own
+  # primal_left_tangent_right, so DCE drops the recomputation exactly as for a saved residual.
+  x = jnp.linspace(0.1, 2.0, 8)
+
+  def body(x):
+    return jnp.sum(jnp.sin(checkpoint_name(jnp.cos(x), "c")))
+
+  def backward_text(policy):
+    _, vjp = jax.vjp(jax.checkpoint(body, policy=policy), x)
+    return str(jax.make_jaxpr(vjp)(jnp.float32(1.0)))
+
+  with ji.remat3(True):
+    ours = backward_text(ssd.offload_policy(["c"], min_bytes=0))
+    saved = backward_text(cp.save_only_these_names("c"))
+  assert "ssd_load" in ours
+  assert ours.count(" cos ") == saved.count(" cos "), (ours, saved)
 
 
 def test_second_order_without_remat3_refused_clearly(store):

@@ -174,6 +174,29 @@ def current_trace() -> Any:
   return _core.trace_ctx.trace
 
 
+# remat3 only keeps a loaded value's tangent path to the recomputation where a differentiation
+# encloses the remat (remat.py): we look for a JVP or linearize trace among the current trace's
+# ancestors (each trace names its parent_trace).
+from jax._src.interpreters import ad as _ad_src  # noqa: E402
+DIFFERENTIATING_TRACES = (
+    _get(_ad_src, "JVPTrace", "detecting differentiation around a remat3 tag"),
+    _get(_ad_src, "LinearizeTrace", "detecting differentiation around a remat3 tag"))
+
+
+def under_differentiation() -> bool:
+  """Is a JVP or linearize trace among the current trace and its ``parent_trace`` ancestors?
+  (A trace without ``parent_trace`` ends the walk: then False, and a later forward-mode
+  differentiation of an offloaded value is refused rather than wrong.)"""
+  trace = _core.trace_ctx.trace
+  for _ in range(1000):
+    if trace is None:
+      return False
+    if isinstance(trace, DIFFERENTIATING_TRACES):
+      return True
+    trace = getattr(trace, "parent_trace", None)
+  return False
+
+
 def remat3_policy(policy_or_trace: Any) -> Any:
   """The policy of a remat3 ``remat`` call (jax 0.10 passes it, later releases the trace)."""
   return getattr(policy_or_trace, "policy", policy_or_trace)

@@ -128,11 +128,16 @@ def _install_remat3(cls) -> None:
     x = cls(name, aval)(x)
     if isinstance(decision, StoreDecision):
       params = dict(site=new_site_id(), tier=TIER_CODES[decision.location], name=name)
-      # recomputed: the backward takes every tangent of the loaded value from the recomputed
-      # one (see _reload), so forward-mode may pass the forward's tangent through the store.
-      # CheckpointNameFwd's rem gets no usable recomputed value: its store keeps refusing.
-      x, handle = store_p.bind(x, uses=None, recomputed=not forward_only, **params)
-      reload = functools.partial(_reload, aval=aval, params=params, forward_only=forward_only)
+      # Under an enclosing differentiation (grad(grad(f)), jvp(grad(f)), hessian) the rem takes
+      # every tangent of the loaded value from the recomputed one (_tangent_from), so the
+      # store may pass the forward's tangent through (recomputed=True). Otherwise the rem is
+      # JAX's primal_left_tangent_right, whose recomputation DCE drops when no tangent needs
+      # it, and the store refuses forward-mode (a jaxpr differentiated later would lose the
+      # loaded value's tangent). CheckpointNameFwd's rem has no usable recomputed value.
+      nested = not forward_only and ji.under_differentiation()
+      x, handle = store_p.bind(x, uses=None, recomputed=nested, **params)
+      reload = functools.partial(_reload, aval=aval, params=params, forward_only=forward_only,
+                                 nested=nested)
       if ji.REMAT3_RETURNS_RESIDUALS:
         return x, handle, reload
       return x, functools.partial(reload, handle)
@@ -150,13 +155,15 @@ def _install_remat3(cls) -> None:
   cls.remat = remat
 
 
-def _reload(handle, x_recomputed, *, aval, params, forward_only):
+def _reload(handle, x_recomputed, *, aval, params, forward_only, nested):
   # The value comes from the store; the tangent flows through the recomputed input.
   _invalidate_after_jaxpr(ji.current_trace())
   loaded = load_p.bind(handle, aval=aval, **params)
   if forward_only:
     return loaded
-  return _tangent_from(loaded, x_recomputed)
+  if nested:
+    return _tangent_from(loaded, x_recomputed)
+  return ji.primal_left_tangent_right(loaded, x_recomputed)
 
 
 # Traces a remat3 rem bound a load in (the handle becomes one of their constants), to be

@@ -118,7 +118,8 @@ def _store_jvp(primals, tangents, **params):
       f"jax_ssdtrain: forward-mode differentiation (e.g. jvp(grad(f)), hessian, grad(grad(f))) "
       f"through the SSD-offloaded activation {params['name']!r} is not supported: its tangent "
       f"would not reach the backward pass. Use a policy that saves or recomputes that tag for "
-      f"higher-order derivatives.")
+      f"higher-order derivatives, or jax_remat3 with the outer differentiation around the "
+      f"checkpoint (not a checkpoint inside a scan body that is differentiated twice).")
 
 
 ji.primitive_jvps[store_p] = _store_jvp

@@ -21,11 +21,10 @@ import threading
 import warnings
 import weakref
 
-import jax
-
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.policies import StoreDecision, as_offloading, name_p
-from jax_ssdtrain._src.primitives import TIER_CODES, TIER_NAMES, load_p, store_p, tag_p
+from jax_ssdtrain._src.primitives import (TIER_CODES, TIER_NAMES, load_p, reload_p, store_p,
+                                          tag_p)
 
 _site_ids = itertools.count(1)
 _site_lock = threading.Lock()
@@ -52,14 +51,18 @@ def install() -> None:
 
 def _make_hook(original):
   @ji.weakref_lru_cache
-  def offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, policy):
-    return original(_rewrite_tags(jaxpr, policy), in_unknowns, in_inst, ensure_out_unknowns,
-                    ensure_out_inst, policy)
+  def offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, policy,
+                 nested):
+    return original(_rewrite_tags(jaxpr, policy, nested), in_unknowns, in_inst,
+                    ensure_out_unknowns, ensure_out_inst, policy)
 
   def hook(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, saveable):
     ours = as_offloading(saveable)
     if ours is not None:
-      return offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, ours)
+      # nested: a differentiation encloses this one (grad(grad(f)), jvp(grad(f))): the
+      # backward then reloads with the recomputed value's tangent (primitives.reload_p).
+      return offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, ours,
+                        ji.under_differentiation())
     return original(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst,
                     saveable)
 
@@ -68,7 +71,7 @@ def _make_hook(original):
   return hook
 
 
-def _rewrite_tags(jaxpr, policy):
+def _rewrite_tags(jaxpr, policy, nested=False):
   """Turns the tags that ``policy`` sends to the store into ``tag_p`` equations."""
   eqns, changed, small = [], False, {}
   for eqn in jaxpr.eqns:
@@ -77,7 +80,8 @@ def _rewrite_tags(jaxpr, policy):
       decision = policy(name_p, aval, **eqn.params)
       if isinstance(decision, StoreDecision):
         eqn = eqn.replace(primitive=tag_p, params=dict(
-            name=eqn.params["name"], site=new_site_id(), tier=TIER_CODES[decision.location]))
+            name=eqn.params["name"], site=new_site_id(), tier=TIER_CODES[decision.location],
+            nested=nested))
         changed = True
       elif policy.too_small(eqn.params["name"], aval):
         small[eqn.params["name"]] = _nbytes(aval)
@@ -129,8 +133,8 @@ def _install_remat3(cls) -> None:
     if isinstance(decision, StoreDecision):
       params = dict(site=new_site_id(), tier=TIER_CODES[decision.location], name=name)
       # Under an enclosing differentiation (grad(grad(f)), jvp(grad(f)), hessian) the rem takes
-      # every tangent of the loaded value from the recomputed one (_tangent_from), so the
-      # store may pass the forward's tangent through (recomputed=True). Otherwise the rem is
+      # every tangent of the loaded value from the recomputed one (reload_p), so the store
+      # may pass the forward's tangent through (recomputed=True). Otherwise the rem is
       # JAX's primal_left_tangent_right, whose recomputation DCE drops when no tangent needs
       # it, and the store refuses forward-mode (a jaxpr differentiated later would lose the
       # loaded value's tangent). CheckpointNameFwd's rem has no usable recomputed value.
@@ -158,11 +162,12 @@ def _install_remat3(cls) -> None:
 def _reload(handle, x_recomputed, *, aval, params, forward_only, nested):
   # The value comes from the store; the tangent flows through the recomputed input.
   _invalidate_after_jaxpr(ji.current_trace())
+  if nested:  # every level's tangent from the recomputation (see primitives.reload_p)
+    return reload_p.bind(handle, x_recomputed, aval=aval, **params)
   loaded = load_p.bind(handle, aval=aval, **params)
   if forward_only:
     return loaded
-  if nested:
-    return _tangent_from(loaded, x_recomputed)
+    return reload_p.bind(handle, x_recomputed, aval=aval, **params)
   return ji.primal_left_tangent_right(loaded, x_recomputed)
 
 
@@ -198,25 +203,6 @@ def _install_trace_release() -> None:
 
   to_jaxpr._ssdtrain_hook = True
   cls.to_jaxpr = to_jaxpr
-
-
-@jax.custom_jvp
-def _tangent_from(loaded, recomputed):
-  """``loaded``, with the tangent of ``recomputed`` at every level of differentiation.
-
-  JAX's ``primal_left_tangent_right(saved, recomputed)`` returns ``saved`` itself as the primal,
-  so under nested differentiation (``grad(grad(f))``, ``jvp(grad(f))``) the outer tangent is
-  the saved residual's own, which a residual saved on the device carries. A loaded value has
-  none (the handle is integers): here the primal output is ``_tangent_from`` again, so each
-  enclosing level takes its tangent from the recomputed value too."""
-  del recomputed
-  return loaded
-
-
-@_tangent_from.defjvp
-def _tangent_from_jvp(primals, tangents):
-  (loaded, recomputed), (_, t_recomputed) = primals, tangents
-  return _tangent_from(loaded, recomputed), t_recomputed
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ INTERNALS = ["PARTIAL_EVAL_CUSTOM_CACHED", "partial_eval_jaxpr_custom_rules", "d
              "SAVED_RESIDUALS_FN", "apply_primitive", "prim_requires_devices_during_lowering",
              "SPMDAxisContext", "ShardingContext", "GSPMDSharding", "LOWER_JAXPR_TO_MODULE",
              "SaveableType", "RecomputeType", "Offloadable", "name_p", "DynamicJaxprTrace",
-             "Zero", "DIFFERENTIATING_TRACES"]
+             "Zero", "DIFFERENTIATING_TRACES", "REMAT_TRANSFORM_MODULES"]
 
 
 @pytest.mark.parametrize("name", INTERNALS)

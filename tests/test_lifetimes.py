@@ -164,6 +164,26 @@ def test_eager_remat3_grad_swept(store):
   assert occupancy() == EMPTY
 
 
+def test_eager_remat3_grad_of_scan_swept(store):
+  # The same trace held a scan's stacked handles, which no rem of ours binds (found by the
+  # relaxed variant of JAX's ActivationOffloadingTest test_remat_scan_jaxpr_offloadable).
+  ws = jnp.stack(weights(4, 32))
+  x = jax.random.normal(jax.random.key(9), (8, 32))
+
+  def scanned(ws, x):
+    y, _ = jax.lax.scan(lambda c, w: (block(w, c), None), x, ws)
+    return jnp.sum(y ** 2)
+
+  with ji.remat3(True):
+    f = jax.checkpoint(scanned, policy=POLICY)
+    for _ in range(2):
+      jax.block_until_ready(jax.grad(f)(ws, x))
+  assert native.stats()["tensors_written"] == 8
+  gc.collect()
+  ssd.flush()
+  assert occupancy() == EMPTY
+
+
 def test_dropped_vjp_is_swept(store):
   ws = weights(2, 64)
   x = jax.random.normal(jax.random.key(6), (16, 64))

@@ -160,18 +160,20 @@ if CHECKPOINT_NAME_CLASSES and primal_left_tangent_right is None:
 # invalidates the DynamicJaxprTrace it builds the backward's jaxpr in, unlike ``_remat_jaxpr``
 # (the jit path): each constant of that trace is registered with ``weakref.finalize`` holding
 # the trace, whose frame holds the constant's tracer, so the trace and every constant in it
-# (our handles, and the residuals JAX saves on the device) live until the process exits. Our
-# rem asks for its trace to be invalidated right after its ``to_jaxpr`` (remat.py).
+# (our handles, and the residuals JAX saves on the device) live until the process exits. For
+# our policies remat.py wraps remat_transform (where ad_checkpoint imported it, and in its own
+# module, which hijax calls) and invalidates that trace after its ``to_jaxpr``.
 from jax._src import core as _core  # noqa: E402
+from jax._src.interpreters import remat as _remat_src  # noqa: E402
 DynamicJaxprTrace = _get(_pe, "DynamicJaxprTrace", "freeing the eager remat3 trace's constants")
 for _method in ("to_jaxpr", "invalidate"):
   _get(DynamicJaxprTrace, _method, "freeing the eager remat3 trace's constants")
-_get(_core, "trace_ctx", "the trace a remat3 rem runs under")
-
-
-def current_trace() -> Any:
-  """The trace JAX binds primitives to right now (``core.trace_ctx.trace``)."""
-  return _core.trace_ctx.trace
+REMAT_TRANSFORM = "remat_transform"
+REMAT_TRANSFORM_MODULES = tuple(
+    m for m in (_remat_src, _ad_checkpoint) if getattr(m, REMAT_TRANSFORM, None) is not None)
+if CHECKPOINT_NAME_CLASSES and _remat_src not in REMAT_TRANSFORM_MODULES:
+  raise MissingInternal("jax_ssdtrain: jax._src.interpreters.remat.remat_transform is missing "
+                        f"(jax {jax.__version__}); needed under jax_remat3")
 
 
 # remat3 only keeps a loaded value's tangent path to the recomputation where a differentiation

@@ -19,7 +19,6 @@ import functools
 import itertools
 import threading
 import warnings
-import weakref
 
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.policies import StoreDecision, as_offloading, name_p
@@ -161,48 +160,62 @@ def _install_remat3(cls) -> None:
 
 def _reload(handle, x_recomputed, *, aval, params, forward_only, nested):
   # The value comes from the store; the tangent flows through the recomputed input.
-  _invalidate_after_jaxpr(ji.current_trace())
   if nested:  # every level's tangent from the recomputation (see primitives.reload_p)
     return reload_p.bind(handle, x_recomputed, aval=aval, **params)
   loaded = load_p.bind(handle, aval=aval, **params)
   if forward_only:
     return loaded
-    return reload_p.bind(handle, x_recomputed, aval=aval, **params)
   return ji.primal_left_tangent_right(loaded, x_recomputed)
 
 
-# Traces a remat3 rem bound a load in (the handle becomes one of their constants), to be
-# invalidated once their jaxpr is built (see ji.DynamicJaxprTrace): JAX's eager remat3 path
-# leaves its trace alive otherwise, and with it every handle, so no sweep could free the entry.
-_pending_traces: "weakref.WeakSet" = weakref.WeakSet()
-_pending_lock = threading.Lock()
-
-
-def _invalidate_after_jaxpr(trace) -> None:
-  if isinstance(trace, ji.DynamicJaxprTrace):
-    with _pending_lock:
-      _pending_traces.add(trace)
+# JAX's eager remat3 (remat_transform) leaves the trace it builds the backward's jaxpr in alive,
+# and with it every constant of that jaxpr: our handles (from a tag's rem, or stacked by a scan's
+# remat rule), so no sweep could free their entries (see ji.REMAT_TRANSFORM). When the policy is
+# ours, the wrapper below invalidates that trace once remat_transform has its jaxpr: the last
+# DynamicJaxprTrace whose to_jaxpr ran inside the call (remat_transform's own, after the body).
+_release = threading.local()
 
 
 def _install_trace_release() -> None:
   cls = ji.DynamicJaxprTrace
-  original = cls.to_jaxpr
-  if getattr(original, "_ssdtrain_hook", False):
-    return
+  original_to_jaxpr = cls.to_jaxpr
+  if not getattr(original_to_jaxpr, "_ssdtrain_hook", False):
+    @functools.wraps(original_to_jaxpr)
+    def to_jaxpr(self, *args, **kwargs):
+      out = original_to_jaxpr(self, *args, **kwargs)
+      slots = getattr(_release, "slots", None)
+      if slots:
+        slots[-1][:] = [self]
+      return out
 
+    to_jaxpr._ssdtrain_hook = True
+    cls.to_jaxpr = to_jaxpr
+
+  for module in ji.REMAT_TRANSFORM_MODULES:
+    original = getattr(module, ji.REMAT_TRANSFORM)
+    if getattr(original, "_ssdtrain_hook", False):
+      continue
+    setattr(module, ji.REMAT_TRANSFORM, _releasing(original))
+
+
+def _releasing(original):
   @functools.wraps(original)
-  def to_jaxpr(self, *args, **kwargs):
-    out = original(self, *args, **kwargs)
-    if _pending_traces:
-      with _pending_lock:
-        pending = self in _pending_traces
-        _pending_traces.discard(self)
-      if pending:  # the jaxpr and its constants are out: nothing reads the trace any more
-        self.invalidate()
+  def remat_transform(policy, *args, **kwargs):
+    if as_offloading(policy) is None:  # JAX's own policies: untouched
+      return original(policy, *args, **kwargs)
+    slots = _release.__dict__.setdefault("slots", [])
+    slot: list = []
+    slots.append(slot)
+    try:
+      out = original(policy, *args, **kwargs)
+    finally:
+      slots.pop()
+    if slot:  # the jaxpr and its constants are out: nothing reads that trace any more
+      slot[0].invalidate()
     return out
 
-  to_jaxpr._ssdtrain_hook = True
-  cls.to_jaxpr = to_jaxpr
+  remat_transform._ssdtrain_hook = True
+  return remat_transform
 
 
 # ---------------------------------------------------------------------------------------------

@@ -279,9 +279,10 @@ def _tag_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   nested = params.get("nested", False)
   handle = ji.Var(HANDLE_AVAL)
   (y,) = eqn.outvars
-  known = eqn.replace(primitive=store_p, outvars=[y, handle],
-                      params=dict(site=params["site"], tier=params["tier"], name=params["name"],
-                                  uses=None, recomputed=nested))
+  store_params = dict(site=params["site"], tier=params["tier"], name=params["name"], uses=None)
+  if nested:
+    store_params["recomputed"] = True
+  known = eqn.replace(primitive=store_p, outvars=[y, handle], params=store_params)
   load_params = dict(aval=y.aval, site=params["site"], tier=params["tier"], name=params["name"])
   if not nested:
     staged = eqn.replace(primitive=load_p, invars=[handle], outvars=[y], params=load_params)

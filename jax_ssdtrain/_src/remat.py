@@ -138,7 +138,7 @@ def _install_remat3(cls) -> None:
       # it, and the store refuses forward-mode (a jaxpr differentiated later would lose the
       # loaded value's tangent). CheckpointNameFwd's rem has no usable recomputed value.
       nested = not forward_only and ji.under_differentiation()
-      x, handle = store_p.bind(x, uses=None, recomputed=nested, **params)
+      x, handle = store_p.bind(x, uses=None, **params, **({"recomputed": True} if nested else {}))
       reload = functools.partial(_reload, aval=aval, params=params, forward_only=forward_only,
                                  nested=nested)
       if ji.REMAT3_RETURNS_RESIDUALS:

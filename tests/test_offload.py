@@ -227,7 +227,9 @@ def test_repeated_steps_reuse_space(store):
   assert s["live_entries"] <= 2 * 3  # the last step's, released at the next store
 
 
-def test_jvp_of_grad_raises_clearly(store):
+def test_jvp_of_grad_through_scanned_layers_raises_clearly(store):
+  # Layers checkpointed inside a scan body: the body is traced apart from the enclosing jvp,
+  # so its backward has no recomputed copy to take the tangent from (see test_jax_layer.py).
   w = params(jax.random.key(24))
   x = jax.random.normal(jax.random.key(25), (8, 32))
   g = jax.grad(make_loss(OURS))

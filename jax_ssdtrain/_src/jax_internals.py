@@ -68,6 +68,7 @@ Var = _ext_core.Var
 # checkpoint_name's primitive: the policies are asked about it, the tags are rewritten from it.
 name_p = _ext_core.primitives.name_p
 primitive_jvps = _ad_public.primitive_jvps
+Zero = _ad_public.Zero  # a symbolic zero tangent
 deflinear2 = _ad_public.deflinear2
 primitive_batchers = _batching_public.primitive_batchers
 register_lowering = _mlir_public.register_lowering
@@ -153,6 +154,49 @@ primal_left_tangent_right = getattr(_ad_checkpoint, "primal_left_tangent_right",
 if CHECKPOINT_NAME_CLASSES and primal_left_tangent_right is None:
   raise MissingInternal("jax_ssdtrain: jax._src.ad_checkpoint.primal_left_tangent_right is "
                         f"missing (jax {jax.__version__}); needed under jax_remat3")
+
+
+# jax_remat3's eager path (``interpreters.remat.remat_transform``, jax 0.10.2 to 0.12.0.1) never
+# invalidates the DynamicJaxprTrace it builds the backward's jaxpr in, unlike ``_remat_jaxpr``
+# (the jit path): each constant of that trace is registered with ``weakref.finalize`` holding
+# the trace, whose frame holds the constant's tracer, so the trace and every constant in it
+# (our handles, and the residuals JAX saves on the device) live until the process exits. For
+# our policies remat.py wraps remat_transform (where ad_checkpoint imported it, and in its own
+# module, which hijax calls) and invalidates that trace after its ``to_jaxpr``.
+from jax._src import core as _core  # noqa: E402
+from jax._src.interpreters import remat as _remat_src  # noqa: E402
+DynamicJaxprTrace = _get(_pe, "DynamicJaxprTrace", "freeing the eager remat3 trace's constants")
+for _method in ("to_jaxpr", "invalidate"):
+  _get(DynamicJaxprTrace, _method, "freeing the eager remat3 trace's constants")
+REMAT_TRANSFORM = "remat_transform"
+REMAT_TRANSFORM_MODULES = tuple(
+    m for m in (_remat_src, _ad_checkpoint) if getattr(m, REMAT_TRANSFORM, None) is not None)
+if CHECKPOINT_NAME_CLASSES and _remat_src not in REMAT_TRANSFORM_MODULES:
+  raise MissingInternal("jax_ssdtrain: jax._src.interpreters.remat.remat_transform is missing "
+                        f"(jax {jax.__version__}); needed under jax_remat3")
+
+
+# remat3 only keeps a loaded value's tangent path to the recomputation where a differentiation
+# encloses the remat (remat.py): we look for a JVP or linearize trace among the current trace's
+# ancestors (each trace names its parent_trace).
+from jax._src.interpreters import ad as _ad_src  # noqa: E402
+DIFFERENTIATING_TRACES = (
+    _get(_ad_src, "JVPTrace", "detecting differentiation around a remat3 tag"),
+    _get(_ad_src, "LinearizeTrace", "detecting differentiation around a remat3 tag"))
+
+
+def under_differentiation() -> bool:
+  """Is a JVP or linearize trace among the current trace and its ``parent_trace`` ancestors?
+  (A trace without ``parent_trace`` ends the walk: then False, and a later forward-mode
+  differentiation of an offloaded value is refused rather than wrong.)"""
+  trace = _core.trace_ctx.trace
+  for _ in range(1000):
+    if trace is None:
+      return False
+    if isinstance(trace, DIFFERENTIATING_TRACES):
+      return True
+    trace = getattr(trace, "parent_trace", None)
+  return False
 
 
 def remat3_policy(policy_or_trace: Any) -> Any:

@@ -66,7 +66,7 @@ class _Site:
 
 def analyze(jaxpr: Any) -> dict[int, int]:
   """``{site: uses}`` for every store site in a top-level program (see the module doc)."""
-  from jax_ssdtrain._src.primitives import load_p, store_p
+  from jax_ssdtrain._src.primitives import load_p, reload_p, store_p
 
   sites: dict[int, _Site] = collections.defaultdict(_Site)
   empty: frozenset = frozenset()
@@ -88,7 +88,7 @@ def analyze(jaxpr: Any) -> dict[int, int]:
           sites[site].store_runs.append(runs)
           sites[site].uncertain |= uncertain
         out_t = [in_t[0], frozenset([site])]
-      elif eqn.primitive is load_p:
+      elif eqn.primitive is load_p or eqn.primitive is reload_p:
         if record:
           for site in in_t[0]:
             sites[site].load_runs += runs

@@ -48,11 +48,13 @@ store_p.multiple_results = True
 
 # Params: site (the tag site, shared with its loads), tier (TIER_CODES), name (the tag, for
 # messages), uses (loads per stored entry in one execution; None: counted when the program is
-# lowered, see lifetimes.py; -1: released by sweeps only).
+# lowered, see lifetimes.py; -1: released by sweeps only), recomputed (optional, default False:
+# True where a differentiation encloses the checkpoint and the backward takes the loaded value's
+# tangent from a recomputation of the tagged value (reload_p): forward-mode passes it through).
 
 
-def _store_abstract_eval(x, *, site, tier, name, uses):
-  del site, tier, name, uses
+def _store_abstract_eval(x, *, site, tier, name, uses, recomputed=False):
+  del site, tier, name, uses, recomputed
   return [x, HANDLE_AVAL]
 
 
@@ -74,7 +76,8 @@ def _round_to_dtype(x):
   return jax.lax.reduce_precision(x, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
 
 
-def _store_lowering(ctx, x, *, site, tier, name, uses):
+def _store_lowering(ctx, x, *, site, tier, name, uses, recomputed=False):
+  del recomputed  # a differentiation matter only
   _ensure_engine()
   if uses is None:
     uses = lifetimes.current_uses(site)
@@ -104,12 +107,19 @@ ji.prim_requires_devices_during_lowering.add(store_p)
 
 
 def _store_jvp(primals, tangents, **params):
-  del primals, tangents
+  if params.get("recomputed", False):
+    # The backward reloads the value with reload_p(h, x_recomputed): only the primal comes
+    # from the store, every tangent from the recomputation. So the forward's tangent passes
+    # through and the handle (integers) has none.
+    (x,), (tx,) = primals, tangents
+    y, handle = store_p.bind(x, **params)
+    return [y, handle], [tx, ji.Zero(HANDLE_AVAL.to_tangent_aval())]
   raise HigherOrderOffloadError(
       f"jax_ssdtrain: forward-mode differentiation (e.g. jvp(grad(f)), hessian, grad(grad(f))) "
       f"through the SSD-offloaded activation {params['name']!r} is not supported: its tangent "
       f"would not reach the backward pass. Use a policy that saves or recomputes that tag for "
-      f"higher-order derivatives.")
+      f"higher-order derivatives there (they work where the outer differentiation encloses the "
+      f"checkpoint directly, not through a scan body differentiated twice).")
 
 
 ji.primitive_jvps[store_p] = _store_jvp
@@ -184,13 +194,72 @@ ji.primitive_batchers[load_p] = _load_batch
 
 
 # ---------------------------------------------------------------------------------------------
+# reload: (handle, recomputed) -> x, a load whose tangent is the recomputed value's
+#
+# For higher-order derivatives (grad(grad(f)), jvp(grad(f)), hessian): a loaded value has no
+# tangent of its own (its handle is integers), so where a differentiation encloses the
+# checkpoint the backward also recomputes the tagged value and takes every tangent from that
+# copy, at every level (the primal output of the JVP is a reload again). Its store passes the
+# forward's tangent through (recomputed=True). The recomputation costs compute, and is only
+# emitted then (remat.py decides).
+
+reload_p = ji.Primitive("ssd_reload")
+reload_p.def_abstract_eval(lambda handle, recomputed, **params: _load_abstract_eval(
+    handle, **params))
+reload_p.def_impl(lambda h, r, **params: ji.apply_primitive(reload_p, h, r, **params))
+
+
+def _reload_lowering(ctx, handle, recomputed, **params):
+  del recomputed  # only its tangent matters
+  return _load_lowering(ctx.replace(avals_in=ctx.avals_in[:1]), handle, **params)
+
+
+ji.register_lowering(reload_p, _reload_lowering)
+ji.prim_requires_devices_during_lowering.add(reload_p)
+
+
+def _reload_jvp(primals, tangents, **params):
+  (handle, recomputed), (_, t_recomputed) = primals, tangents
+  y = reload_p.bind(handle, recomputed, **params)
+  if type(t_recomputed) is ji.Zero:
+    t_recomputed = ji.Zero(params["aval"].to_tangent_aval())
+  return y, t_recomputed
+
+
+ji.primitive_jvps[reload_p] = _reload_jvp
+
+
+def _reload_batch(args, dims, *, aval, site, tier, name):
+  (handle, recomputed), (dh, dr) = args, dims
+  if dh is None:  # not mapped: the store saw an unbatched value: so did the recomputation
+    raise NotImplementedError(
+        f"jax_ssdtrain: tag {name!r}: vmap of a reload whose handle is not batched but whose "
+        "recomputed value is; please report this with the program")
+  size = handle.shape[dh]
+  handle = jax.lax.index_in_dim(handle, 0, axis=dh, keepdims=False)
+  batched = aval.update(shape=(size,) + tuple(aval.shape))
+  if dr is None:
+    recomputed = jnp.broadcast_to(recomputed, batched.shape)
+  else:
+    recomputed = jnp.moveaxis(recomputed, dr, 0)
+  return reload_p.bind(handle, recomputed, aval=batched, site=site, tier=tier, name=name), 0
+
+
+ji.primitive_batchers[reload_p] = _reload_batch
+
+
+# ---------------------------------------------------------------------------------------------
 # tag: a checkpoint_name tag that the policy sends to the store (exists only during partial eval)
 
 tag_p = ji.Primitive("ssd_tag")
 
 
-def _tag_abstract_eval(x, *, name, site, tier):
-  del name, site, tier
+# Params: name, site, tier as the store's; nested (optional, default False): a differentiation
+# encloses the checkpoint, so the backward reloads with the recomputed value's tangent.
+
+
+def _tag_abstract_eval(x, *, name, site, tier, nested=False):
+  del name, site, tier, nested
   return x
 
 
@@ -202,21 +271,28 @@ ji.deflinear2(tag_p, lambda ct, _, **params: [ct])
 
 def _tag_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   del saveable
-  (unknown,) = unks_in
+  (unknown,), (instantiated,) = unks_in, inst_in
   as_name = eqn.replace(primitive=name_p, params=dict(name=eqn.params["name"]))
-  del inst_in
   if unknown:  # computed in the backward pass anyway: a plain tag there
     return None, as_name, [True], [True], []
   params = eqn.params
+  nested = params.get("nested", False)
   handle = ji.Var(HANDLE_AVAL)
   (y,) = eqn.outvars
-  known = eqn.replace(primitive=store_p, outvars=[y, handle],
-                      params=dict(site=params["site"], tier=params["tier"], name=params["name"],
-                                  uses=None))
-  staged = eqn.replace(primitive=load_p, invars=[handle], outvars=[y],
-                       params=dict(aval=y.aval, site=params["site"],
-                                   tier=params["tier"], name=params["name"]))
-  return known, staged, [False], [True], [handle]
+  store_params = dict(site=params["site"], tier=params["tier"], name=params["name"], uses=None)
+  if nested:
+    store_params["recomputed"] = True
+  known = eqn.replace(primitive=store_p, outvars=[y, handle], params=store_params)
+  load_params = dict(aval=y.aval, site=params["site"], tier=params["tier"], name=params["name"])
+  if not nested:
+    staged = eqn.replace(primitive=load_p, invars=[handle], outvars=[y], params=load_params)
+    return known, staged, [False], [True], [handle]
+  # The tag's operand, recomputed in the backward (or saved, if the backward cannot recompute
+  # it), carries the tangent; the value itself comes from the store.
+  (x,) = eqn.invars
+  residuals = [handle] + ([x] if isinstance(x, ji.Var) and not instantiated else [])
+  staged = eqn.replace(primitive=reload_p, invars=[handle, x], outvars=[y], params=load_params)
+  return known, staged, [False], [True], residuals
 
 
 ji.partial_eval_jaxpr_custom_rules[tag_p] = _tag_partial_eval_custom

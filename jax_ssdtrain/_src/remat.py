@@ -22,7 +22,8 @@ import warnings
 
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.policies import StoreDecision, as_offloading, name_p
-from jax_ssdtrain._src.primitives import TIER_CODES, TIER_NAMES, load_p, store_p, tag_p
+from jax_ssdtrain._src.primitives import (TIER_CODES, TIER_NAMES, load_p, reload_p, store_p,
+                                          tag_p)
 
 _site_ids = itertools.count(1)
 _site_lock = threading.Lock()
@@ -42,19 +43,25 @@ def install() -> None:
     setattr(pe, ji.PARTIAL_EVAL_CUSTOM_CACHED, _make_hook(current))
   for cls in ji.CHECKPOINT_NAME_CLASSES:
     _install_remat3(cls)
+  if ji.CHECKPOINT_NAME_CLASSES:
+    _install_trace_release()
   _install_saved_residuals()
 
 
 def _make_hook(original):
   @ji.weakref_lru_cache
-  def offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, policy):
-    return original(_rewrite_tags(jaxpr, policy), in_unknowns, in_inst, ensure_out_unknowns,
-                    ensure_out_inst, policy)
+  def offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, policy,
+                 nested):
+    return original(_rewrite_tags(jaxpr, policy, nested), in_unknowns, in_inst,
+                    ensure_out_unknowns, ensure_out_inst, policy)
 
   def hook(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, saveable):
     ours = as_offloading(saveable)
     if ours is not None:
-      return offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, ours)
+      # nested: a differentiation encloses this one (grad(grad(f)), jvp(grad(f))): the
+      # backward then reloads with the recomputed value's tangent (primitives.reload_p).
+      return offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, ours,
+                        ji.under_differentiation())
     return original(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst,
                     saveable)
 
@@ -63,7 +70,7 @@ def _make_hook(original):
   return hook
 
 
-def _rewrite_tags(jaxpr, policy):
+def _rewrite_tags(jaxpr, policy, nested=False):
   """Turns the tags that ``policy`` sends to the store into ``tag_p`` equations."""
   eqns, changed, small = [], False, {}
   for eqn in jaxpr.eqns:
@@ -72,7 +79,8 @@ def _rewrite_tags(jaxpr, policy):
       decision = policy(name_p, aval, **eqn.params)
       if isinstance(decision, StoreDecision):
         eqn = eqn.replace(primitive=tag_p, params=dict(
-            name=eqn.params["name"], site=new_site_id(), tier=TIER_CODES[decision.location]))
+            name=eqn.params["name"], site=new_site_id(), tier=TIER_CODES[decision.location],
+            nested=nested))
         changed = True
       elif policy.too_small(eqn.params["name"], aval):
         small[eqn.params["name"]] = _nbytes(aval)
@@ -123,8 +131,16 @@ def _install_remat3(cls) -> None:
     x = cls(name, aval)(x)
     if isinstance(decision, StoreDecision):
       params = dict(site=new_site_id(), tier=TIER_CODES[decision.location], name=name)
-      x, handle = store_p.bind(x, uses=None, **params)
-      reload = functools.partial(_reload, aval=aval, params=params, forward_only=forward_only)
+      # Under an enclosing differentiation (grad(grad(f)), jvp(grad(f)), hessian) the rem takes
+      # every tangent of the loaded value from the recomputed one (reload_p), so the store
+      # may pass the forward's tangent through (recomputed=True). Otherwise the rem is
+      # JAX's primal_left_tangent_right, whose recomputation DCE drops when no tangent needs
+      # it, and the store refuses forward-mode (a jaxpr differentiated later would lose the
+      # loaded value's tangent). CheckpointNameFwd's rem has no usable recomputed value.
+      nested = not forward_only and ji.under_differentiation()
+      x, handle = store_p.bind(x, uses=None, **params, **({"recomputed": True} if nested else {}))
+      reload = functools.partial(_reload, aval=aval, params=params, forward_only=forward_only,
+                                 nested=nested)
       if ji.REMAT3_RETURNS_RESIDUALS:
         return x, handle, reload
       return x, functools.partial(reload, handle)
@@ -142,12 +158,64 @@ def _install_remat3(cls) -> None:
   cls.remat = remat
 
 
-def _reload(handle, x_recomputed, *, aval, params, forward_only):
+def _reload(handle, x_recomputed, *, aval, params, forward_only, nested):
   # The value comes from the store; the tangent flows through the recomputed input.
+  if nested:  # every level's tangent from the recomputation (see primitives.reload_p)
+    return reload_p.bind(handle, x_recomputed, aval=aval, **params)
   loaded = load_p.bind(handle, aval=aval, **params)
   if forward_only:
     return loaded
   return ji.primal_left_tangent_right(loaded, x_recomputed)
+
+
+# JAX's eager remat3 (remat_transform) leaves the trace it builds the backward's jaxpr in alive,
+# and with it every constant of that jaxpr: our handles (from a tag's rem, or stacked by a scan's
+# remat rule), so no sweep could free their entries (see ji.REMAT_TRANSFORM). When the policy is
+# ours, the wrapper below invalidates that trace once remat_transform has its jaxpr: the last
+# DynamicJaxprTrace whose to_jaxpr ran inside the call (remat_transform's own, after the body).
+_release = threading.local()
+
+
+def _install_trace_release() -> None:
+  cls = ji.DynamicJaxprTrace
+  original_to_jaxpr = cls.to_jaxpr
+  if not getattr(original_to_jaxpr, "_ssdtrain_hook", False):
+    @functools.wraps(original_to_jaxpr)
+    def to_jaxpr(self, *args, **kwargs):
+      out = original_to_jaxpr(self, *args, **kwargs)
+      slots = getattr(_release, "slots", None)
+      if slots:
+        slots[-1][:] = [self]
+      return out
+
+    to_jaxpr._ssdtrain_hook = True
+    cls.to_jaxpr = to_jaxpr
+
+  for module in ji.REMAT_TRANSFORM_MODULES:
+    original = getattr(module, ji.REMAT_TRANSFORM)
+    if getattr(original, "_ssdtrain_hook", False):
+      continue
+    setattr(module, ji.REMAT_TRANSFORM, _releasing(original))
+
+
+def _releasing(original):
+  @functools.wraps(original)
+  def remat_transform(policy, *args, **kwargs):
+    if as_offloading(policy) is None:  # JAX's own policies: untouched
+      return original(policy, *args, **kwargs)
+    slots = _release.__dict__.setdefault("slots", [])
+    slot: list = []
+    slots.append(slot)
+    try:
+      out = original(policy, *args, **kwargs)
+    finally:
+      slots.pop()
+    if slot:  # the jaxpr and its constants are out: nothing reads that trace any more
+      slot[0].invalidate()
+    return out
+
+  remat_transform._ssdtrain_hook = True
+  return remat_transform
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,6 +64,11 @@ for stage in "${STAGES[@]}"; do
         --stack-policies selective,auto,host_all \
         > "$RES/planner.log" 2>&1
       log "== planner (rc $?, $((SECONDS - t)) s)"; grep -E "^\[|^\|" "$RES/planner.log" | tee -a "$OUT/link.log" ;;
+    jaxlayer)  # the JAX-facing layer on the GPU backend: higher-order reloads, lifetimes
+      t=$SECONDS
+      timeout 240 python3 -m pytest -q -ra -p no:cacheprovider tests/test_jax_layer.py \
+        tests/test_lifetimes.py > "$RES/tests_jax_layer_gpu.log" 2>&1
+      log "== JAX layer + lifetimes on GPU (rc $?, $((SECONDS - t)) s): $(tail -1 "$RES/tests_jax_layer_gpu.log")" ;;
     reliability)  # faults, verify, on_full, kill -9, concurrency, soak through the CUDA handlers
       t=$SECONDS
       SSDTRAIN_TEST_PLATFORM=cuda timeout 420 python3 -m pytest -q -ra -p no:cacheprovider \

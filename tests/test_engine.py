@@ -522,6 +522,15 @@ def test_gpu_round_trip(tmp_path, staging, host_cache):
     assert s["disk_bytes_written"] + s["write_skipped_bytes"] == total
 
 
+def _chain(x, n):
+    """The intermediates of n steps of x -> sin(x) * 1.5 + i (what the GPU tests store)."""
+    out = []
+    for i in range(n):
+        x = jnp.sin(x) * 1.5 + i
+        out.append(x)
+    return out
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("staging", [0, 2 * MiB, 64 * MiB])
@@ -539,13 +548,7 @@ def test_gpu_stream_order_under_buffer_reuse(tmp_path, staging):
             hs.append(store(x, site=600 + i, name=f"s{i}"))
         return hs, x
 
-    @jax.jit
-    def ref(x):
-        out = []
-        for i in range(n):
-            x = jnp.sin(x) * 1.5 + i
-            out.append(x)
-        return out
+    ref = jax.jit(lambda x: _chain(x, n))
 
     x0 = _on_gpu(rand((512, 1024), jnp.float32))
     want = ref(x0)
@@ -617,13 +620,7 @@ def test_gpu_lazy_host_copies(tmp_path, forwarding, staging):
             hs.append(store(x, site=900 + i, tier=1, name=f"h{i}", uses=-1 if i == 0 else 1))
         return hs
 
-    @jax.jit
-    def ref(x):
-        out = []
-        for i in range(n):
-            x = jnp.sin(x) * 1.5 + i
-            out.append(x)
-        return out
+    ref = jax.jit(lambda x: _chain(x, n))
 
     x0 = _on_gpu(rand(shape, jnp.float32))
     want = ref(x0)

@@ -27,9 +27,16 @@ def test_bench_planner_tiny(tmp_path):
   assert doc["bandwidth"] == [100.0, 100.0]
   stack, cap = doc["parts"]
   rows = {r["policy"]: r for r in stack["rows"]}
-  assert set(rows) == {"keep", "selective", "auto", "auto_nvme"}
+  assert set(rows) == {"keep", "selective", "auto", "auto_nvme", "host_all"}
   for r in rows.values():
     assert r["step_ms"] > 0 and r["predicted_ms"] > 0 and r["device_GB"] > 0
+  # every tag of both layers in the host tier, measured with the arena the planner sized for it
+  host_all = stack["plans"]["host_all"]
+  assert host_all["offload_layers"] == 2 and host_all["host_GB"] > 0
+  assert set(host_all["locations"].values()) == {"host"}
+  assert host_all["staging_GB"] > 0
+  assert rows["host_all"]["staging_GB"] == pytest.approx(host_all["staging_GB"])
+  assert rows["host_all"]["offload_GB_per_step"] == pytest.approx(host_all["host_GB"])
   plan = stack["plans"]["auto_nvme"]
   # fast disk, a 100% bound: the least memory, every layer offloads
   assert plan["offload_layers"] == 2 and plan["nvme_GB"] > 0

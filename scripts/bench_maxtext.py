@@ -6,7 +6,9 @@
 
 A variant is ``PRESET`` (MaxText as shipped, ``remat_policy=PRESET``) or ``PRESET@host`` /
 ``PRESET@nvme`` (the same preset with ``jax_ssdtrain.maxtext`` installed: the tags MaxText would
-offload to pinned host memory go to our store instead). Each variant runs MaxText's
+offload to pinned host memory go to our store instead), optionally followed by store options of
+that variant alone, ``:KEY=VALUE`` each (``minimal_offloaded@host:staging_bytes=2GiB``; they
+override ``--ssd``). Each variant runs MaxText's
 ``train.main`` in its own process, so that device memory starts empty. ``--set`` picks a list:
 ``minimal`` (the default: MaxText's ``full``, ``minimal``, its pinned-host ``minimal_offloaded``,
 and ours for the same tags on host and nvme; five processes, which fit one 10-minute device
@@ -60,19 +62,31 @@ MODEL_TINY = ("decoder_block=llama2", "base_emb_dim=64", "base_num_query_heads=4
 LOCATIONS = ("host", "nvme")
 
 
-def parse_variant(text: str) -> tuple[str, str | None]:
-  preset, sep, location = text.partition("@")
+def parse_variant(text: str) -> tuple[str, str | None, dict[str, str]]:
+  """``"minimal_offloaded@host:staging_bytes=2GiB"`` -> ``("minimal_offloaded", "host",
+  {"staging_bytes": "2GiB"})``."""
+  head, *option_texts = text.split(":")
+  preset, sep, location = head.partition("@")
   if not preset or (sep and location not in LOCATIONS):
     raise argparse.ArgumentTypeError(
         f"variant {text!r}: expected PRESET or PRESET@host / PRESET@nvme")
-  return preset, location or None
+  options = {}
+  for item in option_texts:
+    key, eq, value = item.partition("=")
+    if not eq or not key:
+      raise argparse.ArgumentTypeError(f"variant {text!r}: store option {item!r} is not KEY=VALUE")
+    options[key] = value
+  if options and not location:
+    raise argparse.ArgumentTypeError(
+        f"variant {text!r}: store options apply to PRESET@host / PRESET@nvme only")
+  return preset, location or None, options
 
 
 # ---------------------------------------------------------------------------------------------
 # Child: one variant, one process
 
 def run_child(variant: str, config: dict) -> dict:
-  preset, location = parse_variant(variant)
+  preset, location, variant_options = parse_variant(variant)
   import jax
   import maxtext
   from maxtext.trainers.pre_train import train
@@ -84,7 +98,8 @@ def run_child(variant: str, config: dict) -> dict:
   out.mkdir(parents=True, exist_ok=True)
   if location:
     ssd_maxtext.install(location, min_bytes=0,
-                        store={"directory": str(out / "store"), **config["ssd"]})
+                        store={"directory": str(out / "store"), **config["ssd"],
+                               **variant_options})
   base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
   metrics = out / "metrics.jsonl"
   argv = ["", base, f"run_name={bench_common.slug(variant)}", f"base_output_directory={out}",
@@ -108,11 +123,14 @@ def run_child(variant: str, config: dict) -> dict:
   peak = memory.get("peak_bytes_in_use")
   # Our GPU staging arena is cudaMalloc'ed outside XLA's allocator, whole, on first use: it is
   # device memory of ours that peak_bytes_in_use does not see.
-  staging = (ssd.current_config().staging_bytes
+  store_config = ssd.current_config() if location else None
+  staging = (store_config.staging_bytes
              if location and peak is not None and stats.get("bytes_written") else 0)
   steps = len(rows)
   return {
       "variant": variant, "preset": preset, "location": location or "maxtext",
+      "config_staging_bytes": store_config and store_config.staging_bytes,
+      "config_host_tier_bytes": store_config and store_config.host_tier_bytes,
       "steps": steps, "timed_steps": len(times), "step_s_median": step_s,
       "step_s_min": min(times), "step_s_max": max(times), "tokens_per_s": tokens / step_s,
       "peak_xla_bytes": peak, "staging_arena_bytes": staging,
@@ -194,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                  help="a list of variants: " + "; ".join(
                      f"{k}: {v[0]}" for k, v in VARIANT_SETS.items()))
   p.add_argument("--variants", default=None,
-                 help="comma-separated PRESET or PRESET@host|nvme; None: those of --set")
+                 help="comma-separated PRESET or PRESET@host|nvme[:KEY=VALUE...]; None: those "
+                      "of --set")
   p.add_argument("--reference", default=None,
                  help="variant the step-time ratios are taken against; None: the set's "
                       "device-saving preset, else the first variant")

@@ -107,6 +107,50 @@ def test_launcher_runs_train_main(tmp_path):
   assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.slow
+@needs_maxtext
+def test_bench_maxtext_tiny_with_a_variants_own_store_options(tmp_path):
+  # scripts/bench_maxtext.py as the GPU call runs it: each variant in its own process; the
+  # second @host variant's own staging arena overrides --ssd's.
+  variants = ("minimal,minimal_offloaded@host,"
+              "minimal_offloaded@host:staging_bytes=32MiB:host_tier_bytes=256MiB")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "bench_maxtext.py"), "--tiny",
+       "--steps", "3", "--warmup", "1", "--variants", variants, "--ssd", "staging_bytes=16MiB",
+       "--store-dir", str(tmp_path / "work"), "--out", str(tmp_path)],
+      capture_output=True, text=True, env=env, timeout=HANG_S)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+  (path,) = tmp_path.glob("maxtext_*_tiny.json")
+  rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+  assert list(rows) == variants.split(","), rows
+  device, ours, ours_small = rows.values()
+  assert device["store_bytes_per_step"] is None and device["location"] == "maxtext"
+  for r in (ours, ours_small):
+    assert r["location"] == "host" and r["store_bytes_per_step"] > 0, r
+    assert r["last_loss"] == device["last_loss"], (r, device)
+  # On CPU there is no GPU staging arena: the configured size is what the store reports.
+  assert ours["config_staging_bytes"] == 16 << 20, ours
+  assert ours_small["config_staging_bytes"] == 32 << 20, ours_small
+  assert ours_small["config_host_tier_bytes"] == 256 << 20, ours_small
+
+
+def test_bench_maxtext_rejects_bad_variants():
+  sys.path.insert(0, os.path.join(ROOT, "scripts"))
+  try:
+    import bench_maxtext
+  finally:
+    sys.path.pop(0)
+  assert bench_maxtext.parse_variant("minimal_offloaded@host:staging_bytes=2GiB") == (
+      "minimal_offloaded", "host", {"staging_bytes": "2GiB"})
+  assert bench_maxtext.parse_variant("full") == ("full", None, {})
+  for bad in ("minimal@disk", "@host", "minimal:staging_bytes=1GiB",
+              "minimal_offloaded@nvme:staging_bytes"):
+    with pytest.raises(Exception, match="variant"):
+      bench_maxtext.parse_variant(bad)
+
+
 # ---------------------------------------------------------------------------------------------
 # Fast: what install() patches, and its errors
 

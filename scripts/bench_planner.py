@@ -101,6 +101,18 @@ def host_all_plan(prof, min_bytes: int):
     return planner._evaluate(prof, prof.num_layers, locations, baseline, min_bytes)
 
 
+STACK_POLICIES = ("keep", "selective", "auto", "auto_nvme", "host_all")
+
+
+def _stack_policies(text: str) -> list:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [n for n in names if n not in STACK_POLICIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--stack-policies {text!r}: known are "
+                                         f"{', '.join(STACK_POLICIES)}")
+    return names
+
+
 def stack_policies(plan, min_bytes: int) -> dict:
     """Measured policies of one shape: name -> ((first, rest) policies, split, predicted s,
     store options)."""
@@ -528,8 +540,8 @@ def parse_args(argv=None):
     p.add_argument("--presets", default="gpt-1.3b", help="models' GPT presets, comma-separated")
     p.add_argument("--no-presets", action="store_true")
     p.add_argument("--no-stack", action="store_true", help="skip the bench_rok stack shapes")
-    p.add_argument("--stack-policies", type=lambda t: [v.strip() for v in t.split(",") if v.strip()],
-                   default=["keep", "selective", "auto", "auto_nvme", "host_all"],
+    p.add_argument("--stack-policies", type=_stack_policies,
+                   default=list(STACK_POLICIES),
                    help="measured rows of each stack shape (keep does not fit long sequences)")
     p.add_argument("--preset-batch", type=int, default=8)
     p.add_argument("--preset-seq", type=int, default=1024)

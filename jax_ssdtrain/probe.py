@@ -188,8 +188,9 @@ def measure_link(device: int = 0, size: int | str = 1 * GiB, *, repeats: int = 5
         return dataclasses.replace(LinkResult(**entry), cached=True)
     except TypeError:  # written by another version
       pass
-  d2h, h2d, dd2h, dh2d = native.probe_link(device, nbytes, repeats, host)
-  result = LinkResult(device, kind, nbytes, d2h, h2d, dd2h, dh2d, host, measured_at=time.time())
+  rates = native.probe_link(device, nbytes, repeats, host)
+  result = LinkResult(device, kind, nbytes, rates.d2h, rates.h2d, rates.duplex_d2h,
+                      rates.duplex_h2d, host, measured_at=time.time())
   _cache_write(key, dataclasses.asdict(result) | {"cached": False})
   return result
 

@@ -57,6 +57,10 @@ for stage in "${STAGES[@]}"; do
         --stack-policies selective,auto,host_all \
         > "$RES/planner32k.log" 2>&1
       log "== planner32k (rc $?, $((SECONDS - t)) s)"; grep -E "^\[|^\|" "$RES/planner32k.log" | tee -a "$OUT/link.log" ;;
+    linkload)  # plain pinned copies idle and next to a matmul loop and an HBM-bound loop
+      t=$SECONDS
+      timeout 120 python3 scripts/bench_link.py --out "$RES/linkload" > "$RES/linkload.log" 2>&1
+      log "== linkload (rc $?, $((SECONDS - t)) s)"; grep -E "^\|" "$RES/linkload.log" | tee -a "$OUT/link.log" ;;
     planner8192)  # the 8192 stack, the planner sizing the arena (at most 2.5 GiB)
       t=$SECONDS
       SSDTRAIN_STAGING=2560MiB SSDTRAIN_HOST_TIER=32GiB timeout 240 python3 scripts/bench_planner.py \

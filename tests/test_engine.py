@@ -690,8 +690,20 @@ def test_gpu_timeline(tmp_path):
 @gpu
 def test_gpu_probe_link():
     for host in native.LINK_HOST_KINDS:
-        d2h, h2d, dd2h, dh2d = native.probe_link(0, 64 * MiB, 3, host)
-        assert min(d2h, h2d, dd2h, dh2d) > 0.5, host  # GB/s: any PCIe or NVLink-C2C link
+        rates = native.probe_link(0, 64 * MiB, 3, host)
+        assert min(rates[:4]) > 0.5, (host, rates)  # GB/s: any PCIe or NVLink-C2C link
+        # 4 rounds (one untimed) of 2 copies alone and 2 at once: >= 12 copy times
+        assert rates.copy_seconds >= 12 * 64 * MiB / 1e9 / max(rates[:4]) * 0.9, rates
+    calls = []
+    rates = native.probe_link(0, 64 * MiB, 2, "registered", on_ready=lambda: calls.append(1))
+    assert calls == [1] and rates.copy_seconds > 0, rates
+
+    def fails():
+        raise KeyError("from on_ready")
+    with pytest.raises(KeyError, match="from on_ready"):  # after the copies, not lost in C
+        native.probe_link(0, MiB, 1, on_ready=fails)
+    with pytest.raises(TypeError, match="on_ready"):
+        native.probe_link(0, MiB, 1, on_ready=3)
     with pytest.raises(ValueError, match="host"):
         native.probe_link(0, MiB, 1, "pageable")
     with pytest.raises(ValueError, match="no GPU 99"):
@@ -701,6 +713,8 @@ def test_gpu_probe_link():
 def test_probe_link_needs_a_gpu():
     if _gpus():
         pytest.skip("a GPU is present (test_gpu_probe_link covers it)")
+    calls = []
     with pytest.raises(OSError, match="link"):
-        native.probe_link(0, MiB, 1)
+        native.probe_link(0, MiB, 1, on_ready=lambda: calls.append(1))
+    assert calls == []  # no buffers, so never ready
     assert native.timeline() == []  # no CUDA handler ran

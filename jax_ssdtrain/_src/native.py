@@ -20,7 +20,7 @@ import re
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 __all__ = [
     "STORE_TARGET",
@@ -46,6 +46,9 @@ __all__ = [
     "timeline",
     "probe_link",
 ]
+
+# ssdtrain_probe_link's on_ready: void (*)(void), nullable.
+_READY_FN = ctypes.CFUNCTYPE(None)
 
 STORE_TARGET = "ssdtrain_store"
 LOAD_TARGET = "ssdtrain_load"
@@ -137,7 +140,7 @@ def lib() -> ctypes.CDLL:
         so.ssdtrain_reset_stats.restype = None
         so.ssdtrain_timeline.argtypes = [c_char_p, c_size_t]
         so.ssdtrain_timeline.restype = c_int
-        so.ssdtrain_probe_link.argtypes = [c_int, ctypes.c_uint64, c_int, c_int,
+        so.ssdtrain_probe_link.argtypes = [c_int, ctypes.c_uint64, c_int, c_int, _READY_FN,
                                            ctypes.POINTER(ctypes.c_double), c_char_p, c_size_t]
         so.ssdtrain_probe_link.restype = c_int
         _lib = so
@@ -396,20 +399,43 @@ def timeline() -> list[dict[str, Any]]:
 LINK_HOST_KINDS = {"alloc": 0, "registered": 1, "registered_hugepages": 2}
 
 
+class LinkRates(NamedTuple):
+    """What :func:`probe_link` measured: GB/s medians and the copies' wall time."""
+    d2h: float          # device-to-host alone
+    h2d: float          # host-to-device alone
+    duplex_d2h: float   # device-to-host while host-to-device runs
+    duplex_h2d: float   # host-to-device while device-to-host runs
+    copy_seconds: float  # from the return of on_ready (or the buffers' setup) to the last copy
+
+
 def probe_link(device: int = 0, nbytes: int = 1 << 30, repeats: int = 5,
-               host: str = "alloc") -> tuple[float, ...]:
-    """GB/s of pinned host <-> GPU ``device`` copies of ``nbytes``: (device-to-host alone,
-    host-to-device alone, device-to-host and host-to-device while both run), medians of
-    ``repeats``. ``host``: the host buffers are ``"alloc"`` (cudaHostAlloc), ``"registered"``
-    (mmap + cudaHostRegister, as the engine's host tier and cache) or
-    ``"registered_hugepages"`` (the same with MADV_HUGEPAGE). OSError(ENOSYS) in a build
-    without CUDA handlers."""
+               host: str = "alloc", on_ready: Callable[[], None] | None = None) -> LinkRates:
+    """Pinned host <-> GPU ``device`` copies of ``nbytes``, each direction alone and both at
+    once, medians of ``repeats``. ``host``: the host buffers are ``"alloc"`` (cudaHostAlloc),
+    ``"registered"`` (mmap + cudaHostRegister, as the engine's host tier and cache) or
+    ``"registered_hugepages"`` (the same with MADV_HUGEPAGE). ``on_ready``: called once the
+    buffers are ready, before the first copy (start other GPU work there to measure the copies
+    next to it: allocating the buffers may wait for work already running); an exception it
+    raises is raised here after the copies. OSError(ENOSYS) in a build without CUDA handlers."""
     if host not in LINK_HOST_KINDS:
         raise ValueError(f"host: expected one of {sorted(LINK_HOST_KINDS)}, got {host!r}")
-    out = (ctypes.c_double * 4)()
+    if on_ready is not None and not callable(on_ready):
+        raise TypeError(f"on_ready: expected a callable or None, got {on_ready!r}")
+    raised: list[BaseException] = []
+
+    def ready() -> None:
+        try:
+            on_ready()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, not across the C frame
+            raised.append(e)
+
+    callback = _READY_FN(ready) if on_ready is not None else _READY_FN()
+    out = (ctypes.c_double * 5)()
     _call_err(lib().ssdtrain_probe_link, int(device), int(nbytes), int(repeats),
-              LINK_HOST_KINDS[host], out)
-    return tuple(float(v) for v in out)
+              LINK_HOST_KINDS[host], callback, out)
+    if raised:
+        raise raised[0]
+    return LinkRates(*(float(v) for v in out))
 
 
 def _atexit_shutdown() -> None:

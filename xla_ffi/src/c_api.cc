@@ -12,8 +12,8 @@ namespace ssdtrain {
 Status ReplaceEngine(const Config* cfg);
 std::shared_ptr<Engine> PeekEngine();
 #ifdef SSDTRAIN_HAVE_CUDA
-Status ProbeLink(int device, uint64_t bytes, int repeats, int host_kind,
-                 double out[4]);  // link_probe.cu
+Status ProbeLink(int device, uint64_t bytes, int repeats, int host_kind, void (*on_ready)(),
+                 double out[5]);  // link_probe.cu
 #endif
 }  // namespace ssdtrain
 
@@ -87,15 +87,16 @@ SSD_EXPORT int ssdtrain_timeline(char* out, size_t outlen) {
 
 // PCIe link of GPU `device`: out[0] D2H and out[1] H2D GB/s alone, out[2] / out[3] each while
 // both run (pinned buffers of `bytes`, median of `repeats`; host_kind 0: cudaHostAlloc, 1:
-// mmap + cudaHostRegister as the engine's arenas, 2: the same on huge pages). ENOSYS in
-// builds without CUDA.
+// mmap + cudaHostRegister as the engine's arenas, 2: the same on huge pages), out[4] the
+// seconds the copies took after `on_ready` (nullable) returned: it runs once the buffers are
+// ready, before the first copy. ENOSYS in builds without CUDA.
 SSD_EXPORT int ssdtrain_probe_link(int device, uint64_t bytes, int repeats, int host_kind,
-                                   double* out, char* err, size_t errlen) {
+                                   void (*on_ready)(), double* out, char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
 #ifdef SSDTRAIN_HAVE_CUDA
-    return ssdtrain::ProbeLink(device, bytes, repeats, host_kind, out);
+    return ssdtrain::ProbeLink(device, bytes, repeats, host_kind, on_ready, out);
 #else
-    (void)device, (void)bytes, (void)repeats, (void)host_kind, (void)out;
+    (void)device, (void)bytes, (void)repeats, (void)host_kind, (void)on_ready, (void)out;
     return Status(ENOSYS, "this libssdtrain was built without CUDA handlers (no nvcc at build "
                           "time): the PCIe link cannot be probed");
 #endif

@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -60,9 +61,12 @@ struct LinkBuffers {
         SSD_CHECK_CUDA(cudaHostRegister(p, bytes, cudaHostRegisterPortable));
         registered[i] = true;
       }
-      SSD_CHECK_CUDA(cudaMemset(dev[i], 0x5a, bytes));
       std::fill_n(static_cast<char*>(host[i]), bytes, static_cast<char>(0xa5));
       SSD_CHECK_CUDA(cudaStreamCreateWithFlags(&stream[i], cudaStreamNonBlocking));
+      // On the probe's own stream: a cudaMemset on the legacy stream would wait for the
+      // kernels another stream of the process (XLA's) is running.
+      SSD_CHECK_CUDA(cudaMemsetAsync(dev[i], 0x5a, bytes, stream[i]));
+      SSD_CHECK_CUDA(cudaStreamSynchronize(stream[i]));
       SSD_CHECK_CUDA(cudaEventCreate(&start[i]));
       SSD_CHECK_CUDA(cudaEventCreate(&stop[i]));
     }
@@ -97,8 +101,12 @@ double Median(std::vector<double> v) {
 }  // namespace
 
 // out[0]: D2H GB/s alone, out[1]: H2D alone, out[2]/out[3]: D2H/H2D when both run at once
-// (medians of `repeats` copies of `bytes`, after one untimed round).
-Status ProbeLink(int device, uint64_t bytes, int repeats, int host_kind, double out[4]) {
+// (medians of `repeats` copies of `bytes`, after one untimed round), out[4]: seconds from the
+// return of `on_ready` to the end of the last copy. `on_ready` (may be null) runs once the
+// buffers are allocated and filled, before the first copy: a caller starts other GPU work
+// there to measure the copies next to it (allocation and freeing may wait for that work).
+Status ProbeLink(int device, uint64_t bytes, int repeats, int host_kind, void (*on_ready)(),
+                 double out[5]) {
   if (host_kind < 0 || host_kind > 2)
     return Status(EINVAL, "probe_link: host_kind must be 0 (cudaHostAlloc), 1 (registered mmap) "
                           "or 2 (registered mmap, huge pages), got " + std::to_string(host_kind));
@@ -120,6 +128,8 @@ Status ProbeLink(int device, uint64_t bytes, int repeats, int host_kind, double 
   Status st = [&]() -> Status {
     LinkBuffers b;
     SSD_RETURN_IF_ERROR(b.Init(device, bytes, host_kind));
+    if (on_ready) on_ready();
+    const auto t0 = std::chrono::steady_clock::now();
     std::vector<double> alone[2], both[2];
     for (int r = 0; r <= repeats; ++r) {
       for (int dir = 0; dir < 2; ++dir) {
@@ -140,6 +150,7 @@ Status ProbeLink(int device, uint64_t bytes, int repeats, int host_kind, double 
     out[1] = Median(alone[1]);
     out[2] = Median(both[0]);
     out[3] = Median(both[1]);
+    out[4] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return Status::Ok();
   }();
   if (prev >= 0) cudaSetDevice(prev);

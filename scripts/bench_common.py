@@ -24,6 +24,32 @@ def tail(text, n: int = 3000) -> str:
     return (text or "")[-n:]
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None where matplotlib is not installed (the
+    benchmarks then write their JSON and tables without a plot)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def write_results(stem: Path, doc: dict, text: str, plot=None, *, quiet: bool = False) -> None:
+    """STEM.json (``doc``) and STEM.md (``text``), and unless ``quiet``: the table printed and,
+    with ``plot`` (a function of (pyplot, .png path) returning whether it drew) and matplotlib
+    installed, STEM.png."""
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
+    stem.with_suffix(".md").write_text(text + "\n")
+    if quiet:
+        return
+    print(text)
+    plt = pyplot() if plot is not None else None
+    if plt is not None and plot(plt, stem.with_suffix(".png")):
+        print(f"plot: {stem.with_suffix('.png')}")
+
+
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", str(text).lower()).strip("_") or "unknown"
 

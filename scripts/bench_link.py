@@ -20,7 +20,6 @@ OUT/link_load_<device>_<date>.json, .md and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -137,13 +136,7 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> bool:
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return False
+def plot(plt, rows: list[dict], path: Path) -> bool:
   keys = ("d2h_GBps", "h2d_GBps", "duplex_d2h_GBps", "duplex_h2d_GBps")
   labels = ("D2H", "H2D", "D2H (both)", "H2D (both)")
   fig, ax = plt.subplots(figsize=(7, 4))
@@ -189,12 +182,7 @@ def main(argv: list[str] | None = None) -> int:
          "repeats": args.repeats, "rows": rows,
          "loaded_over_idle_median": statistics.median(
              r[k] / rows[0][k] for r in rows[1:] for k in ("d2h_GBps", "h2d_GBps"))}
-  stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
-  text = table(rows)
-  stem.with_suffix(".md").write_text(text + "\n")
-  print(text)
-  if plot(rows, stem.with_suffix(".png")):
-    print(f"plot: {stem.with_suffix('.png')}")
+  bench_common.write_results(stem, doc, table(rows), lambda plt, path: plot(plt, rows, path))
   return 0 if all(r["overlap"] is not False for r in rows) else 1
 
 

@@ -180,13 +180,7 @@ def table(rows: list[dict], reference: str | None) -> str:
   return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> bool:
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return False
+def plot(plt, rows: list[dict], path: Path) -> bool:
   ok = [r for r in rows if "error" not in r and r["peak_device_bytes"]]
   if not ok:
     return False
@@ -298,14 +292,9 @@ def main(argv: list[str] | None = None) -> int:
                    f"process {row['process_s']:.0f} s (train.main {row['wall_s']:.0f} s)"),
           flush=True)
     # Written after every variant: a run cut short keeps what it measured.
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    stem.with_suffix(".md").write_text(table(result["rows"], reference) + "\n")
-  text = table(result["rows"], reference)
-  stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-  stem.with_suffix(".md").write_text(text + "\n")
-  print(text)
-  if plot(result["rows"], stem.with_suffix(".png")):
-    print(f"plot: {stem.with_suffix('.png')}")
+    bench_common.write_results(stem, result, table(result["rows"], reference), quiet=True)
+  bench_common.write_results(stem, result, table(result["rows"], reference),
+                             lambda plt, path: plot(plt, result["rows"], path))
   return 1 if any("error" in r for r in result["rows"]) else 0
 
 

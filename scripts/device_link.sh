@@ -30,6 +30,14 @@ rok() {  # rok NAME TIMEOUT_S bench_rok.py args...
     --out "$RES/$name" "$@" > "$RES/rok_$name.log" 2>&1
   log "== $name (rc $?, $((SECONDS - t)) s)"; grep -E "^shape|^[0-9]+,|^link probe|FAIL" "$RES/rok_$name.log" | tee -a "$OUT/link.log"
 }
+planner() {  # planner NAME STAGING bench_planner.py args...: predicted vs measured, the planner
+  local name=$1 staging=$2; shift 2   # sizing the staging arena (at most STAGING)
+  local t=$SECONDS
+  SSDTRAIN_STAGING=$staging SSDTRAIN_HOST_TIER=32GiB timeout 240 python3 scripts/bench_planner.py \
+    --no-cap --store-dir /var/tmp/plan --out "$RES/$name" --stack-policies selective,auto,host_all \
+    "$@" > "$RES/$name.log" 2>&1
+  log "== $name (rc $?, $((SECONDS - t)) s)"; grep -E "^\[|^\|" "$RES/$name.log" | tee -a "$OUT/link.log"
+}
 COMMON=(--ssd prefetch_bytes=2560MiB --ssd host_tier_bytes=32GiB --timeline --link-probe --steps 10 --warmup 3)
 for stage in "${STAGES[@]}"; do
   case "$stage" in
@@ -50,31 +58,16 @@ for stage in "${STAGES[@]}"; do
     gpt13rok)  # the gpt-1.3b layer stack (H,S,B,L = 2048,1024,8,24) in bench_rok
       rok gpt13rok 200 --shape 2048,1024,8,24 --no-check "${COMMON[@]}" --ssd staging_bytes=4GiB \
         --policies 'keep,selective,ssd_host_named,ssd_host_named:staging_bytes=2GiB' ;;
-    planner32k)  # predicted vs measured, the planner sizing the staging arena (at most 16 GiB)
-      t=$SECONDS
-      SSDTRAIN_STAGING=16GiB SSDTRAIN_HOST_TIER=32GiB timeout 240 python3 scripts/bench_planner.py \
-        --shape 2048,32768,1,24 --no-presets --no-cap --store-dir /var/tmp/plan --out "$RES/planner32k" \
-        --stack-policies selective,auto,host_all \
-        > "$RES/planner32k.log" 2>&1
-      log "== planner32k (rc $?, $((SECONDS - t)) s)"; grep -E "^\[|^\|" "$RES/planner32k.log" | tee -a "$OUT/link.log" ;;
+    planner32k)  # the 32k stack (keep does not fit)
+      planner planner32k 16GiB --shape 2048,32768,1,24 --no-presets ;;
     linkload)  # plain pinned copies idle and next to a matmul loop and an HBM-bound loop
       t=$SECONDS
       timeout 120 python3 scripts/bench_link.py --out "$RES/linkload" > "$RES/linkload.log" 2>&1
       log "== linkload (rc $?, $((SECONDS - t)) s)"; grep -E "^\|" "$RES/linkload.log" | tee -a "$OUT/link.log" ;;
-    planner8192)  # the 8192 stack, the planner sizing the arena (at most 2.5 GiB)
-      t=$SECONDS
-      SSDTRAIN_STAGING=2560MiB SSDTRAIN_HOST_TIER=32GiB timeout 240 python3 scripts/bench_planner.py \
-        --shape 8192,2048,2,4 --no-presets --no-cap --store-dir /var/tmp/plan --out "$RES/planner8192" \
-        --stack-policies selective,auto,host_all \
-        > "$RES/planner8192.log" 2>&1
-      log "== planner8192 (rc $?, $((SECONDS - t)) s)"; grep -E "^\[|^\|" "$RES/planner8192.log" | tee -a "$OUT/link.log" ;;
-    planner)  # the same for the 4096 stack and the gpt-1.3b preset
-      t=$SECONDS
-      SSDTRAIN_STAGING=8GiB SSDTRAIN_HOST_TIER=32GiB timeout 240 python3 scripts/bench_planner.py \
-        --shape 4096,2048,4,8 --presets gpt-1.3b --no-cap --store-dir /var/tmp/plan --out "$RES/planner" \
-        --stack-policies selective,auto,host_all \
-        > "$RES/planner.log" 2>&1
-      log "== planner (rc $?, $((SECONDS - t)) s)"; grep -E "^\[|^\|" "$RES/planner.log" | tee -a "$OUT/link.log" ;;
+    planner8192)  # the 8192 stack: a small arena suffices where the link keeps up
+      planner planner8192 2560MiB --shape 8192,2048,2,4 --no-presets ;;
+    planner)  # the 4096 stack and the gpt-1.3b preset
+      planner planner 8GiB --shape 4096,2048,4,8 --presets gpt-1.3b ;;
     jaxlayer)  # the JAX-facing layer on the GPU backend: higher-order reloads, lifetimes
       t=$SECONDS
       timeout 240 python3 -m pytest -q -ra -p no:cacheprovider tests/test_jax_layer.py \

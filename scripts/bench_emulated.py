@@ -222,12 +222,9 @@ def _fmt(v, spec="{:.2f}"):
 
 def plot(doc: dict, path: Path) -> str | None:
     """Left: step time vs offloaded GB/step, one line per store; right: model TFLOP/s."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        return f"no plot: {e}"
+    plt = common.pyplot()
+    if plt is None:
+        return "no plot: matplotlib is not installed"
     rows = [r for r in doc["rows"] if _ok(r)]
     if not rows:
         return "no plot: no successful rows"

@@ -470,12 +470,9 @@ def plot_cap(part: dict, path: Path) -> None:
 
 
 def plot(doc: dict, path: Path) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        return f"no plot: {e}"
+    plt = common.pyplot()
+    if plt is None:
+        return "no plot: matplotlib is not installed"
     for part in doc["parts"]:
         if part["kind"] == "cap" and "error" not in part:
             plot_cap(part, path.with_name(path.stem + "_cap.png"))

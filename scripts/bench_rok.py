@@ -518,12 +518,9 @@ def table(doc: dict) -> str:
 
 def plot(doc: dict, path: Path) -> str | None:
     """Left: ROK (device GB vs model TFLOP/s); right: sweep overhead vs offloaded GB/step."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        return f"no plot: {e}"
+    plt = common.pyplot()
+    if plt is None:
+        return "no plot: matplotlib is not installed"
     shapes = sorted({_key(r)[1:] for r in doc["rows"] if _ok(r)})
     if not shapes:
         return "no plot: no successful rows"

@@ -12,6 +12,7 @@ Tagged activations leave the program in the forward pass through an XLA FFI cust
 in the store (pinned host tier and/or files in the store directory) and come back, prefetched,
 in the backward pass.
 """
+
 import os as _os
 import warnings as _warnings
 
@@ -23,9 +24,12 @@ def _check_jax_version() -> None:
   if low <= _ji.jax_version() < high:
     return
   import jax
-  message = (f"jax_ssdtrain is tested with {_ji.TESTED_JAX_TEXT}, found jax {jax.__version__}. "
-             "Install a tested release (pip install 'jax_ssdtrain[...]' resolves one), or set "
-             "SSDTRAIN_ALLOW_UNTESTED_JAX=1 to try this one anyway.")
+
+  message = (
+    f"jax_ssdtrain is tested with {_ji.TESTED_JAX_TEXT}, found jax {jax.__version__}. "
+    "Install a tested release (pip install 'jax_ssdtrain[...]' resolves one), or set "
+    "SSDTRAIN_ALLOW_UNTESTED_JAX=1 to try this one anyway."
+  )
   if _os.environ.get("SSDTRAIN_ALLOW_UNTESTED_JAX", "").strip() not in ("", "0"):
     _warnings.warn(message, RuntimeWarning, stacklevel=3)
     return
@@ -34,45 +38,49 @@ def _check_jax_version() -> None:
 
 _check_jax_version()
 
-from jax_ssdtrain._src import native as _native  # noqa: E402
 from jax_ssdtrain._src import lifetimes as _lifetimes  # noqa: E402
+from jax_ssdtrain._src import native as _native  # noqa: E402
 from jax_ssdtrain._src import remat as _remat  # noqa: E402
 
 if _native.available():  # a checkout without a built library fails at first use instead
   _native.check_ffi_api()
 from jax_ssdtrain._src.config import (
-    StoreConfig,
-    collect,
-    configure,
-    configured,
-    current as current_config,
-    defaults as default_config,
-    device_stats,
-    flush,
-    parse_size,
-    release_all,
-    reset_stats,
-    shutdown,
-    stats,
-    store_directories,
-    timeline,
+  StoreConfig,
+  collect,
+  configure,
+  configured,
+  device_stats,
+  flush,
+  parse_size,
+  release_all,
+  reset_stats,
+  shutdown,
+  stats,
+  store_directories,
+  timeline,
 )
-from jax_ssdtrain._src.policies import (
-    Location,
-    OffloadPolicy,
-    location_policy,
-    offload_policy,
-    ssd_offload_policy,
+from jax_ssdtrain._src.config import (
+  current as current_config,
+)
+from jax_ssdtrain._src.config import (
+  defaults as default_config,
 )
 from jax_ssdtrain._src.planner import (
-    Plan,
-    Profile,
-    TagProfile,
-    frontier,
-    measured_bandwidth,
-    plan,
-    plan_for_budget,
-    profile,
+  Plan,
+  Profile,
+  TagProfile,
+  frontier,
+  measured_bandwidth,
+  plan,
+  plan_for_budget,
+  profile,
+)
+from jax_ssdtrain._src.policies import (
+  Location,
+  OffloadPolicy,
+  location_policy,
+  offload_policy,
+  ssd_offload_policy,
 )
 from jax_ssdtrain._src.primitives import HigherOrderOffloadError
 
@@ -82,9 +90,33 @@ _lifetimes.install_lowering_hook()
 __version__ = "0.1.0"
 
 __all__ = [
-    "HigherOrderOffloadError", "Location", "OffloadPolicy", "StoreConfig", "collect", "configure",
-    "configured", "current_config", "default_config", "device_stats", "flush", "frontier",
-    "location_policy", "measured_bandwidth", "offload_policy", "parse_size", "Plan", "plan",
-    "plan_for_budget", "Profile", "profile", "release_all", "reset_stats", "shutdown",
-    "ssd_offload_policy", "stats", "store_directories", "TagProfile", "timeline",
+  "HigherOrderOffloadError",
+  "Location",
+  "OffloadPolicy",
+  "StoreConfig",
+  "collect",
+  "configure",
+  "configured",
+  "current_config",
+  "default_config",
+  "device_stats",
+  "flush",
+  "frontier",
+  "location_policy",
+  "measured_bandwidth",
+  "offload_policy",
+  "parse_size",
+  "Plan",
+  "plan",
+  "plan_for_budget",
+  "Profile",
+  "profile",
+  "release_all",
+  "reset_stats",
+  "shutdown",
+  "ssd_offload_policy",
+  "stats",
+  "store_directories",
+  "TagProfile",
+  "timeline",
 ]

@@ -21,6 +21,7 @@ GPU instead: pinned host <-> device copies, each direction alone and both at onc
 host, GPU model and size. The host tier moves its bytes over this link; the planner takes its
 rate from here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,34 +38,48 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from jax_ssdtrain._src.config import GiB, MiB, parse_bandwidth, parse_size
 
-__all__ = ["LinkResult", "ProbeResult", "Recommendation", "Wear", "measure", "measure_link",
-           "recommend", "wear", "main"]
+__all__ = [
+  "LinkResult",
+  "ProbeResult",
+  "Recommendation",
+  "Wear",
+  "measure",
+  "measure_link",
+  "recommend",
+  "wear",
+  "main",
+]
 
 DEFAULT_SIZE = 4 * GiB
 DEFAULT_TENSOR = 64 * MiB
 RAW_BLOCK = 8 * MiB
 # Keys of a plan JSON read by --plan (the first present wins; top level or one level down).
-PLAN_BYTES_KEYS = ("disk_bytes_written_per_step", "nvme_bytes_per_step", "bytes_written_per_step",
-                   "offloaded_bytes_per_step")
+PLAN_BYTES_KEYS = (
+  "disk_bytes_written_per_step",
+  "nvme_bytes_per_step",
+  "bytes_written_per_step",
+  "offloaded_bytes_per_step",
+)
 PLAN_STEP_KEYS = ("predicted_step_ms", "step_ms")
 
 
 @dataclasses.dataclass(frozen=True)
 class ProbeResult:
   """One measurement of a store directory. GB/s are 1e9 bytes per second."""
-  directory: str          # real path
-  device: int             # st_dev of the directory
-  size: int               # bytes written, then read, by each measurement
-  threads: int            # engine I/O threads (and raw threads)
+
+  directory: str  # real path
+  device: int  # st_dev of the directory
+  size: int  # bytes written, then read, by each measurement
+  threads: int  # engine I/O threads (and raw threads)
   tensor_bytes: int
   bandwidth_cap: int | None
-  write_gbps: float       # engine: first store until flush() returned
-  read_gbps: float        # engine: loads in reverse order (read-ahead on), first to last
+  write_gbps: float  # engine: first store until flush() returned
+  read_gbps: float  # engine: loads in reverse order (read-ahead on), first to last
   engine_write_gbps: float  # engine's own counters: bytes / time with a write in flight
   engine_read_gbps: float
   o_direct: bool
@@ -80,14 +95,15 @@ class ProbeResult:
 @dataclasses.dataclass(frozen=True)
 class LinkResult:
   """Pinned host <-> GPU copy rates (GB/s = 1e9 bytes/s), medians of ``repeats`` copies."""
-  device: int             # local CUDA ordinal
+
+  device: int  # local CUDA ordinal
   device_kind: str
-  size: int               # bytes per copy
-  d2h_gbps: float         # device to host, alone
-  h2d_gbps: float         # host to device, alone
+  size: int  # bytes per copy
+  d2h_gbps: float  # device to host, alone
+  h2d_gbps: float  # host to device, alone
   duplex_d2h_gbps: float  # device to host while host to device runs
   duplex_h2d_gbps: float
-  host: str = "alloc"     # host buffers: alloc | registered | registered_hugepages
+  host: str = "alloc"  # host buffers: alloc | registered | registered_hugepages
   measured_at: float = 0.0
   cached: bool = False
 
@@ -101,13 +117,14 @@ class LinkResult:
 @dataclasses.dataclass(frozen=True)
 class Recommendation:
   """Starting points from measured bandwidth (see :func:`recommend` for the model)."""
+
   io_threads: int
   write_gbps: float
   read_gbps: float
-  fit_bytes_per_step: int | None   # bytes the store writes and reads back within a step
+  fit_bytes_per_step: int | None  # bytes the store writes and reads back within a step
   host_cache_bytes: int
   prefetch_bytes: int
-  host_tier_bytes: int             # for the bytes per step beyond fit_bytes_per_step
+  host_tier_bytes: int  # for the bytes per step beyond fit_bytes_per_step
   staging_bytes: int
   notes: tuple[str, ...] = ()
 
@@ -117,15 +134,23 @@ class Wear:
   bytes_per_step: int
   steps_per_day: float
   tb_per_day: float
-  rated_tbw: float | None        # TB written over the drive's warranty
+  rated_tbw: float | None  # TB written over the drive's warranty
   days_to_rated: float | None
   drive_writes_per_day: float | None  # tb_per_day / capacity
 
 
-def measure(directory: str | os.PathLike, size: int | str = DEFAULT_SIZE, *, threads: int = 8,
-            tensor_bytes: int | str = DEFAULT_TENSOR, bandwidth_cap: int | str | None = None,
-            raw: bool = False, refresh: bool = False, timeout: float = 900,
-            stripes: int = 1) -> ProbeResult:
+def measure(
+  directory: str | os.PathLike,
+  size: int | str = DEFAULT_SIZE,
+  *,
+  threads: int = 8,
+  tensor_bytes: int | str = DEFAULT_TENSOR,
+  bandwidth_cap: int | str | None = None,
+  raw: bool = False,
+  refresh: bool = False,
+  timeout: float = 900,
+  stripes: int = 1,
+) -> ProbeResult:
   """Write and read bandwidth of ``directory`` through the engine (cached; see the module doc).
 
   ``raw=True`` also measures plain O_DIRECT pwrite/pread. ``bandwidth_cap`` emulates a slower
@@ -142,8 +167,10 @@ def measure(directory: str | os.PathLike, size: int | str = DEFAULT_SIZE, *, thr
   need = key.size + (64 * MiB)
   free = shutil.disk_usage(key.directory).free
   if need > free:
-    raise ValueError(f"size={key.size} ({key.size / GiB:.2f} GiB): the probe needs {need} bytes "
-                     f"free in {key.directory!r}, which has {free}")
+    raise ValueError(
+      f"size={key.size} ({key.size / GiB:.2f} GiB): the probe needs {need} bytes "
+      f"free in {key.directory!r}, which has {free}"
+    )
   request = dataclasses.asdict(key) | {"raw": raw}
   env = dict(os.environ)
   package_root = str(Path(__file__).resolve().parents[1])
@@ -156,15 +183,24 @@ def measure(directory: str | os.PathLike, size: int | str = DEFAULT_SIZE, *, thr
     raise TimeoutError(f"probe of {key.directory!r} did not finish in {timeout:.0f} s") from None
   lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
   if proc.returncode or not lines:
-    raise OSError(_errno.EIO, f"probe of {key.directory!r} failed (exit status "
-                  f"{proc.returncode}): {(proc.stderr or proc.stdout).strip()[-2000:]}")
+    raise OSError(
+      _errno.EIO,
+      f"probe of {key.directory!r} failed (exit status "
+      f"{proc.returncode}): {(proc.stderr or proc.stdout).strip()[-2000:]}",
+    )
   result = ProbeResult(**json.loads(lines[-1]))
   _cache_put(key, result)
   return result
 
 
-def measure_link(device: int = 0, size: int | str = 1 * GiB, *, repeats: int = 5,
-                 host: str = "registered", refresh: bool = False) -> LinkResult:
+def measure_link(
+  device: int = 0,
+  size: int | str = 1 * GiB,
+  *,
+  repeats: int = 5,
+  host: str = "registered",
+  refresh: bool = False,
+) -> LinkResult:
   """The PCIe link of local GPU ``device`` (cached per host, GPU model, ordinal, size and host
   memory; ``refresh=True`` measures again). Runs in this process on two pinned buffers and two
   device buffers of ``size`` (freed before it returns). ``host``: ``"registered"`` (mmap'ed and
@@ -172,6 +208,7 @@ def measure_link(device: int = 0, size: int | str = 1 * GiB, *, repeats: int = 5
   (cudaHostAlloc: what a plain pinned-copy benchmark measures) or ``"registered_hugepages"``.
   OSError where no CUDA handler was built or no such GPU is visible."""
   from jax_ssdtrain._src import native
+
   if host not in native.LINK_HOST_KINDS:
     raise ValueError(f"host: expected one of {sorted(native.LINK_HOST_KINDS)}, got {host!r}")
   nbytes = parse_size(size, what="size")
@@ -189,8 +226,17 @@ def measure_link(device: int = 0, size: int | str = 1 * GiB, *, repeats: int = 5
     except TypeError:  # written by another version
       pass
   rates = native.probe_link(device, nbytes, repeats, host)
-  result = LinkResult(device, kind, nbytes, rates.d2h, rates.h2d, rates.duplex_d2h,
-                      rates.duplex_h2d, host, measured_at=time.time())
+  result = LinkResult(
+    device,
+    kind,
+    nbytes,
+    rates.d2h,
+    rates.h2d,
+    rates.duplex_d2h,
+    rates.duplex_h2d,
+    host,
+    measured_at=time.time(),
+  )
   _cache_write(key, dataclasses.asdict(result) | {"cached": False})
   return result
 
@@ -199,6 +245,7 @@ def _gpu_kind(device: int) -> str:
   """The model of CUDA GPU ``device`` as JAX names it (without JAX: "cuda:<ordinal>")."""
   try:
     import jax
+
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
   except (ImportError, RuntimeError):
     gpus = []
@@ -213,8 +260,9 @@ def stripe_directories(directory: str | os.PathLike, stripes: int) -> list[str]:
   return [os.path.join(directory, f"stripe{i}") for i in range(stripes)]
 
 
-def recommend(results: Sequence[ProbeResult], *, step_ms: float | None = None,
-              bytes_per_step: int | None = None) -> Recommendation:
+def recommend(
+  results: Sequence[ProbeResult], *, step_ms: float | None = None, bytes_per_step: int | None = None
+) -> Recommendation:
   """Settings from probe results at one or more thread counts.
 
   Threads: the fewest whose slower direction is within 5% of the best. Bytes per step that fit:
@@ -227,8 +275,9 @@ def recommend(results: Sequence[ProbeResult], *, step_ms: float | None = None,
   if not results:
     raise ValueError("recommend: no probe results")
   best = max(min(r.write_gbps, r.read_gbps) for r in results)
-  pick = min((r for r in results if min(r.write_gbps, r.read_gbps) >= 0.95 * best),
-             key=lambda r: r.threads)
+  pick = min(
+    (r for r in results if min(r.write_gbps, r.read_gbps) >= 0.95 * best), key=lambda r: r.threads
+  )
   w, r = pick.write_gbps * 1e9, pick.read_gbps * 1e9
   notes = []
   fit = None
@@ -244,30 +293,50 @@ def recommend(results: Sequence[ProbeResult], *, step_ms: float | None = None,
       cache = max(cache, _round_mib(backlog + prefetch))
       tier = _round_mib(max(0, bytes_per_step - fit))
       if tier:
-        notes.append(f"{bytes_per_step / 1e9:.2f} GB per step is more than the store moves in "
-                     f"{step_ms:g} ms ({fit / 1e9:.2f} GB): put {tier / 1e9:.2f} GB in the host "
-                     f"tier (or recompute it), or expect stalls")
+        notes.append(
+          f"{bytes_per_step / 1e9:.2f} GB per step is more than the store moves in "
+          f"{step_ms:g} ms ({fit / 1e9:.2f} GB): put {tier / 1e9:.2f} GB in the host "
+          f"tier (or recompute it), or expect stalls"
+        )
   if pick.bandwidth_cap:
-    notes.append(f"bandwidth capped at {pick.bandwidth_cap / 1e9:.2f} GB/s per direction "
-                 f"(emulation)")
+    notes.append(
+      f"bandwidth capped at {pick.bandwidth_cap / 1e9:.2f} GB/s per direction (emulation)"
+    )
   if not pick.o_direct:
     notes.append("O_DIRECT is not available here: buffered I/O (page cache) was measured")
   if pick.raw_write_gbps and pick.raw_read_gbps and not pick.bandwidth_cap:
-    for io, eng, raw in (("write", pick.write_gbps, pick.raw_write_gbps),
-                         ("read", pick.read_gbps, pick.raw_read_gbps)):
+    for io, eng, raw in (
+      ("write", pick.write_gbps, pick.raw_write_gbps),
+      ("read", pick.read_gbps, pick.raw_read_gbps),
+    ):
       if eng < 0.8 * raw:
-        notes.append(f"engine {io} {eng:.2f} GB/s is below 80% of raw {raw:.2f} GB/s: try more "
-                     f"io_threads or a larger chunk_bytes")
-  return Recommendation(io_threads=pick.threads, write_gbps=pick.write_gbps,
-                        read_gbps=pick.read_gbps, fit_bytes_per_step=fit,
-                        host_cache_bytes=cache, prefetch_bytes=prefetch, host_tier_bytes=tier,
-                        staging_bytes=max(256 * MiB, 2 * pick.tensor_bytes), notes=tuple(notes))
+        notes.append(
+          f"engine {io} {eng:.2f} GB/s is below 80% of raw {raw:.2f} GB/s: try more "
+          f"io_threads or a larger chunk_bytes"
+        )
+  return Recommendation(
+    io_threads=pick.threads,
+    write_gbps=pick.write_gbps,
+    read_gbps=pick.read_gbps,
+    fit_bytes_per_step=fit,
+    host_cache_bytes=cache,
+    prefetch_bytes=prefetch,
+    host_tier_bytes=tier,
+    staging_bytes=max(256 * MiB, 2 * pick.tensor_bytes),
+    notes=tuple(notes),
+  )
 
 
-def wear(bytes_per_step: int, *, step_ms: float | None = None,
-         steps_per_day: float | None = None, tbw: float | None = None,
-         dwpd: float | None = None, capacity_bytes: int | None = None,
-         warranty_years: float = 5.0) -> Wear:
+def wear(
+  bytes_per_step: int,
+  *,
+  step_ms: float | None = None,
+  steps_per_day: float | None = None,
+  tbw: float | None = None,
+  dwpd: float | None = None,
+  capacity_bytes: int | None = None,
+  warranty_years: float = 5.0,
+) -> Wear:
   """TB written per day and days to the drive's rated endurance.
 
   Steps per day: ``steps_per_day`` or 86400 s / step. Rated endurance: ``tbw`` (TB) or
@@ -289,13 +358,23 @@ def wear(bytes_per_step: int, *, step_ms: float | None = None,
   if dwpd is not None and capacity_bytes is None:
     raise ValueError(f"wear: dwpd={dwpd!r} needs capacity_bytes (the drive's size)")
   tb_day = bytes_per_step * steps_per_day / 1e12
-  rated = tbw if tbw is not None else (
-      dwpd * capacity_bytes / 1e12 * 365 * warranty_years if dwpd is not None else None)
-  return Wear(bytes_per_step=int(bytes_per_step), steps_per_day=steps_per_day, tb_per_day=tb_day,
-              rated_tbw=rated,
-              days_to_rated=(rated / tb_day if rated is not None and tb_day > 0 else
-                             (math.inf if rated is not None else None)),
-              drive_writes_per_day=tb_day / (capacity_bytes / 1e12) if capacity_bytes else None)
+  rated = (
+    tbw
+    if tbw is not None
+    else (dwpd * capacity_bytes / 1e12 * 365 * warranty_years if dwpd is not None else None)
+  )
+  return Wear(
+    bytes_per_step=int(bytes_per_step),
+    steps_per_day=steps_per_day,
+    tb_per_day=tb_day,
+    rated_tbw=rated,
+    days_to_rated=(
+      rated / tb_day
+      if rated is not None and tb_day > 0
+      else (math.inf if rated is not None else None)
+    ),
+    drive_writes_per_day=tb_day / (capacity_bytes / 1e12) if capacity_bytes else None,
+  )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -311,24 +390,47 @@ def main(argv: Sequence[str] | None = None) -> int:
       plan_bytes, plan_ms = _read_plan(args.plan)
       bytes_per_step = bytes_per_step if bytes_per_step is not None else plan_bytes
       step_ms = step_ms if step_ms is not None else plan_ms
-    results = [measure(args.directory, args.size, threads=t, tensor_bytes=args.tensor_size,
-                       bandwidth_cap=args.bandwidth_cap, raw=args.raw, refresh=args.refresh,
-                       stripes=args.stripes)
-               for t in args.threads]
+    results = [
+      measure(
+        args.directory,
+        args.size,
+        threads=t,
+        tensor_bytes=args.tensor_size,
+        bandwidth_cap=args.bandwidth_cap,
+        raw=args.raw,
+        refresh=args.refresh,
+        stripes=args.stripes,
+      )
+      for t in args.threads
+    ]
     rec = recommend(results, step_ms=step_ms, bytes_per_step=bytes_per_step)
     worn = None
     if bytes_per_step is not None and (step_ms is not None or args.steps_per_day is not None):
-      worn = wear(bytes_per_step, step_ms=step_ms, steps_per_day=args.steps_per_day,
-                  tbw=args.tbw, dwpd=args.dwpd, capacity_bytes=args.capacity,
-                  warranty_years=args.warranty_years)
+      worn = wear(
+        bytes_per_step,
+        step_ms=step_ms,
+        steps_per_day=args.steps_per_day,
+        tbw=args.tbw,
+        dwpd=args.dwpd,
+        capacity_bytes=args.capacity,
+        warranty_years=args.warranty_years,
+      )
   except (OSError, ValueError) as e:
     print(f"probe: error: {e}", file=sys.stderr)
     return 1
   if args.json:
-    print(json.dumps({"results": [dataclasses.asdict(r) for r in results],
-                      "recommendation": dataclasses.asdict(rec),
-                      "wear": dataclasses.asdict(worn) if worn else None,
-                      "step_ms": step_ms, "bytes_per_step": bytes_per_step}, indent=1))
+    print(
+      json.dumps(
+        {
+          "results": [dataclasses.asdict(r) for r in results],
+          "recommendation": dataclasses.asdict(rec),
+          "wear": dataclasses.asdict(worn) if worn else None,
+          "step_ms": step_ms,
+          "bytes_per_step": bytes_per_step,
+        },
+        indent=1,
+      )
+    )
   else:
     print(_report(results, rec, worn, step_ms))
   return 0
@@ -349,8 +451,9 @@ class _Request:
   stripes: int = 1
 
   @classmethod
-  def make(cls, directory, size, threads, tensor_bytes, bandwidth_cap,
-           stripes: int = 1) -> "_Request":
+  def make(
+    cls, directory, size, threads, tensor_bytes, bandwidth_cap, stripes: int = 1
+  ) -> _Request:
     if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
       raise ValueError(f"directory: expected a path, got {directory!r}")
     path = os.path.realpath(os.fspath(directory))
@@ -358,14 +461,17 @@ class _Request:
       try:
         os.makedirs(path, mode=0o700, exist_ok=True)
       except OSError as e:
-        raise type(e)(e.errno, f"probe directory {os.fspath(directory)!r} cannot be created: "
-                      f"{e.strerror}") from None
+        raise type(e)(
+          e.errno, f"probe directory {os.fspath(directory)!r} cannot be created: {e.strerror}"
+        ) from None
     if not os.path.isdir(path):
-      raise NotADirectoryError(_errno.ENOTDIR, f"probe directory {os.fspath(directory)!r} is "
-                               f"not a directory")
+      raise NotADirectoryError(
+        _errno.ENOTDIR, f"probe directory {os.fspath(directory)!r} is not a directory"
+      )
     if not os.access(path, os.W_OK | os.X_OK):
-      raise PermissionError(_errno.EACCES, f"probe directory {os.fspath(directory)!r} is not "
-                            f"writable")
+      raise PermissionError(
+        _errno.EACCES, f"probe directory {os.fspath(directory)!r} is not writable"
+      )
     size_b = parse_size(size, what="size")
     tensor_b = parse_size(tensor_bytes, what="tensor_bytes")
     if tensor_b < 4096 or tensor_b % 4096:
@@ -376,16 +482,25 @@ class _Request:
       raise ValueError(f"threads: expected an integer in [1, 256], got {threads!r}")
     if isinstance(stripes, bool) or not isinstance(stripes, int) or not 1 <= stripes <= 64:
       raise ValueError(f"stripes: expected an integer in [1, 64], got {stripes!r}")
-    return cls(path, os.stat(path).st_dev, size_b, threads, tensor_b,
-               parse_bandwidth(bandwidth_cap, what="bandwidth_cap"), stripes)
+    return cls(
+      path,
+      os.stat(path).st_dev,
+      size_b,
+      threads,
+      tensor_b,
+      parse_bandwidth(bandwidth_cap, what="bandwidth_cap"),
+      stripes,
+    )
 
   def cache_key(self) -> str:
     # Keyed by the filesystem (its mount point and device), not the directory: every directory
     # of one filesystem has its bandwidth, and the store's private temp dir is new each run.
-    return (f"{_mount_point(self.directory)}|dev={self.device}|size={self.size}|"
-            f"threads={self.threads}|"
-            f"tensor={self.tensor_bytes}|cap={self.bandwidth_cap or 0}" +
-            (f"|stripes={self.stripes}" if self.stripes > 1 else ""))
+    return (
+      f"{_mount_point(self.directory)}|dev={self.device}|size={self.size}|"
+      f"threads={self.threads}|"
+      f"tensor={self.tensor_bytes}|cap={self.bandwidth_cap or 0}"
+      + (f"|stripes={self.stripes}" if self.stripes > 1 else "")
+    )
 
 
 def _mount_point(path: str) -> str:
@@ -463,10 +578,18 @@ def _work(req: dict) -> dict:
     os.makedirs(d)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", RuntimeWarning)  # no O_DIRECT on tmpfs: recorded below
-    ssd.configure(dirs, capacity_bytes=n * tensor + 16 * MiB * stripes, io_threads=threads,
-                  host_cache_bytes=cache, prefetch_bytes=cache // 2, host_tier_bytes=0,
-                  forwarding=False, on_full="error", verify=False,
-                  bandwidth_cap=req["bandwidth_cap"])
+    ssd.configure(
+      dirs,
+      capacity_bytes=n * tensor + 16 * MiB * stripes,
+      io_threads=threads,
+      host_cache_bytes=cache,
+      prefetch_bytes=cache // 2,
+      host_tier_bytes=0,
+      forwarding=False,
+      on_full="error",
+      verify=False,
+      bandwidth_cap=req["bandwidth_cap"],
+    )
   src = np.random.default_rng(0).integers(0, 256, tensor, dtype=np.uint8)
   dst = np.zeros_like(src)
   try:
@@ -489,8 +612,10 @@ def _work(req: dict) -> dict:
     if not np.array_equal(src, dst):
       raise OSError(_errno.EIO, "probe: the bytes read back differ from those written")
     if s["disk_bytes_read"] < n * tensor:
-      raise OSError(_errno.EIO, f"probe: only {s['disk_bytes_read']} of {n * tensor} bytes were "
-                    f"read from the store file")
+      raise OSError(
+        _errno.EIO,
+        f"probe: only {s['disk_bytes_read']} of {n * tensor} bytes were read from the store file",
+      )
   finally:
     ssd.shutdown()
     for d in made:
@@ -498,12 +623,22 @@ def _work(req: dict) -> dict:
         os.rmdir(d)
       except OSError:
         pass
-  out = dict(directory=req["directory"], device=req["device"], size=n * tensor, threads=threads,
-             stripes=stripes,
-             tensor_bytes=tensor, bandwidth_cap=req["bandwidth_cap"],
-             write_gbps=n * tensor / t_write / 1e9, read_gbps=n * tensor / t_read / 1e9,
-             engine_write_gbps=s["write_GBps"], engine_read_gbps=s["read_GBps"],
-             o_direct=bool(s["o_direct"]), backend=str(s["backend"]), measured_at=time.time())
+  out = dict(
+    directory=req["directory"],
+    device=req["device"],
+    size=n * tensor,
+    threads=threads,
+    stripes=stripes,
+    tensor_bytes=tensor,
+    bandwidth_cap=req["bandwidth_cap"],
+    write_gbps=n * tensor / t_write / 1e9,
+    read_gbps=n * tensor / t_read / 1e9,
+    engine_write_gbps=s["write_GBps"],
+    engine_read_gbps=s["read_GBps"],
+    o_direct=bool(s["o_direct"]),
+    backend=str(s["backend"]),
+    measured_at=time.time(),
+  )
   if req["raw"]:
     w, r, direct = _raw(req["directory"], n * tensor, threads)
     out |= dict(raw_write_gbps=w, raw_read_gbps=r, raw_o_direct=direct)
@@ -524,11 +659,17 @@ def _raw(directory: str, size: int, threads: int) -> tuple[float, float, bool]:
     for i in range(t, blocks, threads):
       off, done = i * RAW_BLOCK, 0
       while done < RAW_BLOCK:
-        n = (os.pwrite(fd, view[done:], off + done) if write else
-             os.preadv(fd, [view[done:]], off + done))
+        n = (
+          os.pwrite(fd, view[done:], off + done)
+          if write
+          else os.preadv(fd, [view[done:]], off + done)
+        )
         if n <= 0:
-          raise OSError(_errno.EIO, f"raw probe: {'pwrite' if write else 'pread'} moved 0 "
-                        f"bytes at offset {off + done} in {directory!r}")
+          raise OSError(
+            _errno.EIO,
+            f"raw probe: {'pwrite' if write else 'pread'} moved 0 "
+            f"bytes at offset {off + done} in {directory!r}",
+          )
         done += n
 
   def timed(write: bool) -> float:
@@ -557,6 +698,7 @@ def _open_private(directory: str) -> tuple[int, bool]:
     os.unlink(path)
     fd = fd_
   import fcntl
+
   flags = fcntl.fcntl(fd, fcntl.F_GETFL)
   try:
     fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
@@ -570,11 +712,16 @@ def _round_mib(n: float) -> int:
 
 
 def _positive(name: str, value, zero: bool = False) -> None:
-  ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-        and (value >= 0 if zero else value > 0))
+  ok = (
+    not isinstance(value, bool)
+    and isinstance(value, (int, float))
+    and math.isfinite(value)
+    and (value >= 0 if zero else value > 0)
+  )
   if not ok:
-    raise ValueError(f"{name}: expected a {'non-negative' if zero else 'positive'} number, "
-                     f"got {value!r}")
+    raise ValueError(
+      f"{name}: expected a {'non-negative' if zero else 'positive'} number, got {value!r}"
+    )
 
 
 def _read_plan(path: str) -> tuple[int | None, float | None]:
@@ -589,8 +736,9 @@ def _read_plan(path: str) -> tuple[int | None, float | None]:
   pick = lambda keys: next((s[k] for s in scopes for k in keys if k in s), None)  # noqa: E731
   nbytes, step_ms = pick(PLAN_BYTES_KEYS), pick(PLAN_STEP_KEYS)
   if nbytes is None:
-    raise ValueError(f"--plan {path!r}: none of the keys {list(PLAN_BYTES_KEYS)} (top level or "
-                     f"one level down)")
+    raise ValueError(
+      f"--plan {path!r}: none of the keys {list(PLAN_BYTES_KEYS)} (top level or one level down)"
+    )
   _positive(f"--plan {path!r}: bytes per step", nbytes, zero=True)
   if step_ms is not None:
     _positive(f"--plan {path!r}: step_ms", step_ms)
@@ -603,38 +751,64 @@ def _fmt_bytes(n: float | None) -> str:
   return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
 
 
-def _report(results: Sequence[ProbeResult], rec: Recommendation, worn: Wear | None,
-            step_ms: float | None) -> str:
+def _report(
+  results: Sequence[ProbeResult], rec: Recommendation, worn: Wear | None, step_ms: float | None
+) -> str:
   r0 = results[0]
-  lines = [f"store {r0.directory} (device {r0.device}), {r0.size / GiB:.2f} GiB in "
-           f"{r0.tensor_bytes // MiB} MiB tensors, backend {r0.backend}, "
-           f"O_DIRECT {'on' if r0.o_direct else 'off'}"
-           + (f", cap {r0.bandwidth_cap / 1e9:.2f} GB/s" if r0.bandwidth_cap else ""), ""]
-  head = ("threads", "write GB/s", "read GB/s", "engine busy w/r", "raw write", "raw read",
-          "cached")
-  rows = [(str(r.threads), f"{r.write_gbps:.2f}", f"{r.read_gbps:.2f}",
-           f"{r.engine_write_gbps:.2f}/{r.engine_read_gbps:.2f}",
-           "-" if r.raw_write_gbps is None else f"{r.raw_write_gbps:.2f}",
-           "-" if r.raw_read_gbps is None else f"{r.raw_read_gbps:.2f}",
-           "yes" if r.cached else "no") for r in results]
+  lines = [
+    f"store {r0.directory} (device {r0.device}), {r0.size / GiB:.2f} GiB in "
+    f"{r0.tensor_bytes // MiB} MiB tensors, backend {r0.backend}, "
+    f"O_DIRECT {'on' if r0.o_direct else 'off'}"
+    + (f", cap {r0.bandwidth_cap / 1e9:.2f} GB/s" if r0.bandwidth_cap else ""),
+    "",
+  ]
+  head = (
+    "threads",
+    "write GB/s",
+    "read GB/s",
+    "engine busy w/r",
+    "raw write",
+    "raw read",
+    "cached",
+  )
+  rows = [
+    (
+      str(r.threads),
+      f"{r.write_gbps:.2f}",
+      f"{r.read_gbps:.2f}",
+      f"{r.engine_write_gbps:.2f}/{r.engine_read_gbps:.2f}",
+      "-" if r.raw_write_gbps is None else f"{r.raw_write_gbps:.2f}",
+      "-" if r.raw_read_gbps is None else f"{r.raw_read_gbps:.2f}",
+      "yes" if r.cached else "no",
+    )
+    for r in results
+  ]
   widths = [max(len(x[i]) for x in [head] + rows) for i in range(len(head))]
   lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in [head] + rows]
-  lines += ["", "recommended settings:",
-            f"  io_threads       {rec.io_threads}",
-            f"  host_cache_bytes {_fmt_bytes(rec.host_cache_bytes)}",
-            f"  prefetch_bytes   {_fmt_bytes(rec.prefetch_bytes)}",
-            f"  host_tier_bytes  {_fmt_bytes(rec.host_tier_bytes)}",
-            f"  staging_bytes    {_fmt_bytes(rec.staging_bytes)}"]
+  lines += [
+    "",
+    "recommended settings:",
+    f"  io_threads       {rec.io_threads}",
+    f"  host_cache_bytes {_fmt_bytes(rec.host_cache_bytes)}",
+    f"  prefetch_bytes   {_fmt_bytes(rec.prefetch_bytes)}",
+    f"  host_tier_bytes  {_fmt_bytes(rec.host_tier_bytes)}",
+    f"  staging_bytes    {_fmt_bytes(rec.staging_bytes)}",
+  ]
   if rec.fit_bytes_per_step is not None:
-    lines.append(f"  fits per step    {rec.fit_bytes_per_step / 1e9:.2f} GB written and read "
-                 f"back in {step_ms:g} ms (at {rec.write_gbps:.2f} / {rec.read_gbps:.2f} GB/s)")
+    lines.append(
+      f"  fits per step    {rec.fit_bytes_per_step / 1e9:.2f} GB written and read "
+      f"back in {step_ms:g} ms (at {rec.write_gbps:.2f} / {rec.read_gbps:.2f} GB/s)"
+    )
   else:
     lines.append("  fits per step    (give --step-ms)")
   lines += [f"  note: {n}" for n in rec.notes]
   if worn is not None:
-    lines += ["", "SSD wear:",
-              f"  {worn.bytes_per_step / 1e9:.3f} GB written per step x "
-              f"{worn.steps_per_day:,.0f} steps/day = {worn.tb_per_day:.2f} TB/day"]
+    lines += [
+      "",
+      "SSD wear:",
+      f"  {worn.bytes_per_step / 1e9:.3f} GB written per step x "
+      f"{worn.steps_per_day:,.0f} steps/day = {worn.tb_per_day:.2f} TB/day",
+    ]
     if worn.drive_writes_per_day is not None:
       lines.append(f"  {worn.drive_writes_per_day:.2f} drive writes per day")
     if worn.rated_tbw is not None:
@@ -648,11 +822,13 @@ def _report(results: Sequence[ProbeResult], rec: Recommendation, worn: Wear | No
 
 def _arg(parse, what: str):
   """An argparse type from parse_size / parse_bandwidth."""
+
   def convert(text: str):
     try:
       return parse(text, what=what)
     except ValueError as e:
       raise argparse.ArgumentTypeError(str(e)) from None
+
   return convert
 
 
@@ -662,8 +838,9 @@ def _threads(text: str) -> list[int]:
   except ValueError:
     values = []
   if not values or any(not 1 <= v <= 256 for v in values):
-    raise argparse.ArgumentTypeError(f"--threads: expected integers in [1, 256] separated by "
-                                     f"commas, got {text!r}")
+    raise argparse.ArgumentTypeError(
+      f"--threads: expected integers in [1, 256] separated by commas, got {text!r}"
+    )
   return sorted(set(values))
 
 
@@ -687,11 +864,13 @@ def _link_main(args) -> int:
   if args.json:
     print(json.dumps(dataclasses.asdict(r)))  # one line: bench_rok.py reads it
   else:
-    print(f"GPU {r.device} ({r.device_kind}), pinned copies of {_fmt_bytes(r.size)} "
-          f"({r.host} host memory)"
-          f"{' (cached)' if r.cached else ''}:\n"
-          f"  device -> host {r.d2h_gbps:6.1f} GB/s alone, {r.duplex_d2h_gbps:6.1f} while both run\n"
-          f"  host -> device {r.h2d_gbps:6.1f} GB/s alone, {r.duplex_h2d_gbps:6.1f} while both run")
+    print(
+      f"GPU {r.device} ({r.device_kind}), pinned copies of {_fmt_bytes(r.size)} "
+      f"({r.host} host memory)"
+      f"{' (cached)' if r.cached else ''}:\n"
+      f"  device -> host {r.d2h_gbps:6.1f} GB/s alone, {r.duplex_d2h_gbps:6.1f} while both run\n"
+      f"  host -> device {r.h2d_gbps:6.1f} GB/s alone, {r.duplex_h2d_gbps:6.1f} while both run"
+    )
   return 0
 
 
@@ -702,43 +881,88 @@ def _plain(doc: str) -> str:
 
 
 def _parse_args(argv):
-  p = argparse.ArgumentParser(prog="python -m jax_ssdtrain.probe", description=_plain(__doc__),
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("directory", nargs="?",
-                 help="store directory to measure (created, private, if it does not exist)")
-  p.add_argument("--size", type=_arg(parse_size, "--size"), default=DEFAULT_SIZE,
-                 help="bytes written and read per measurement (default 4GiB)")
-  p.add_argument("--threads", type=_threads, default=[4, 8, 16],
-                 help="engine I/O thread counts to try (default 4,8,16)")
-  p.add_argument("--tensor-size", type=_arg(parse_size, "--tensor-size"), default=DEFAULT_TENSOR,
-                 help="size of one stored tensor (default 64MiB)")
-  p.add_argument("--bandwidth-cap", type=_arg(parse_bandwidth, "--bandwidth-cap"), default=None,
-                 help="measure the store capped at this rate (e.g. 7GB/s: emulation)")
-  p.add_argument("--raw", action=argparse.BooleanOptionalAction, default=True,
-                 help="also measure raw O_DIRECT pwrite/pread (default on)")
-  p.add_argument("--stripes", type=int, default=1,
-                 help="stripe the engine's bytes over N files in DIR/stripe<i> (RAM stores)")
+  p = argparse.ArgumentParser(
+    prog="python -m jax_ssdtrain.probe",
+    description=_plain(__doc__),
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  p.add_argument(
+    "directory",
+    nargs="?",
+    help="store directory to measure (created, private, if it does not exist)",
+  )
+  p.add_argument(
+    "--size",
+    type=_arg(parse_size, "--size"),
+    default=DEFAULT_SIZE,
+    help="bytes written and read per measurement (default 4GiB)",
+  )
+  p.add_argument(
+    "--threads",
+    type=_threads,
+    default=[4, 8, 16],
+    help="engine I/O thread counts to try (default 4,8,16)",
+  )
+  p.add_argument(
+    "--tensor-size",
+    type=_arg(parse_size, "--tensor-size"),
+    default=DEFAULT_TENSOR,
+    help="size of one stored tensor (default 64MiB)",
+  )
+  p.add_argument(
+    "--bandwidth-cap",
+    type=_arg(parse_bandwidth, "--bandwidth-cap"),
+    default=None,
+    help="measure the store capped at this rate (e.g. 7GB/s: emulation)",
+  )
+  p.add_argument(
+    "--raw",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="also measure raw O_DIRECT pwrite/pread (default on)",
+  )
+  p.add_argument(
+    "--stripes",
+    type=int,
+    default=1,
+    help="stripe the engine's bytes over N files in DIR/stripe<i> (RAM stores)",
+  )
   p.add_argument("--refresh", action="store_true", help="measure again (ignore the cache)")
   p.add_argument("--step-ms", type=_number, help="training step time, ms")
-  p.add_argument("--bytes-per-step", type=_arg(parse_size, "--bytes-per-step"),
-                 help="bytes written to the store per step (e.g. 1.2GB)")
-  p.add_argument("--plan", help=f"plan JSON giving one of {', '.join(PLAN_BYTES_KEYS)} (and "
-                                f"optionally {' or '.join(PLAN_STEP_KEYS)})")
+  p.add_argument(
+    "--bytes-per-step",
+    type=_arg(parse_size, "--bytes-per-step"),
+    help="bytes written to the store per step (e.g. 1.2GB)",
+  )
+  p.add_argument(
+    "--plan",
+    help=f"plan JSON giving one of {', '.join(PLAN_BYTES_KEYS)} (and "
+    f"optionally {' or '.join(PLAN_STEP_KEYS)})",
+  )
   p.add_argument("--steps-per-day", type=_number, help="default: 86400 s / step time")
   p.add_argument("--tbw", type=_number, help="drive's rated endurance, TB written")
   p.add_argument("--dwpd", type=_number, help="drive's rated drive writes per day")
-  p.add_argument("--capacity", type=_arg(parse_size, "--capacity"),
-                 help="drive capacity (with --dwpd), e.g. 3.84TB")
+  p.add_argument(
+    "--capacity",
+    type=_arg(parse_size, "--capacity"),
+    help="drive capacity (with --dwpd), e.g. 3.84TB",
+  )
   p.add_argument("--warranty-years", type=_number, default=5.0)
   p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-  p.add_argument("--link", action="store_true",
-                 help="measure the PCIe link of a GPU (pinned host <-> device) instead of a "
-                      "directory (--size default 1GiB)")
+  p.add_argument(
+    "--link",
+    action="store_true",
+    help="measure the PCIe link of a GPU (pinned host <-> device) instead of a "
+    "directory (--size default 1GiB)",
+  )
   p.add_argument("--device", type=int, default=0, help="CUDA ordinal for --link (default 0)")
-  p.add_argument("--host-memory", default="registered",
-                 choices=["registered", "alloc", "registered_hugepages"],
-                 help="--link: host buffers registered as the engine's arenas (default), "
-                      "cudaHostAlloc'ed, or registered on huge pages")
+  p.add_argument(
+    "--host-memory",
+    default="registered",
+    choices=["registered", "alloc", "registered_hugepages"],
+    help="--link: host buffers registered as the engine's arenas (default), "
+    "cudaHostAlloc'ed, or registered on huge pages",
+  )
   p.add_argument("--worker", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.link and args.directory:

@@ -1,9 +1,11 @@
 """Run config, optimizer, train state, the pure ``train_step`` and orbax checkpointing."""
+
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,253 +19,298 @@ from .common import Block, ModelConfig, SplitPolicy
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Everything about a run that is not the model's shape."""
+  """Everything about a run that is not the model's shape."""
 
-    model: str = "gpt"
-    preset: str = "tiny"
-    batch: int = 8
-    seq_len: int | None = None  # model positions per example; default: the preset's max_len
-    steps: int = 30
-    lr: float = 3e-3
-    warmup: int | None = None  # default: steps // 10
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
-    seed: int = 0
-    remat_policy: str | None = None  # keep | remat | offload (shortcut, see models.common)
-    locations: Mapping[str, str] | str | None = None  # {tag: remat|device|host|nvme} overrides
-    min_bytes: int = 1 << 20
-    # Split scan: the first offload_layers layers use ``locations``, the others the same with
-    # host/nvme tags kept on the device (None: every layer uses ``locations``).
-    offload_layers: int | None = None
-    dtype: str | None = None  # override ModelConfig.dtype
-    model_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  model: str = "gpt"
+  preset: str = "tiny"
+  batch: int = 8
+  seq_len: int | None = None  # model positions per example; default: the preset's max_len
+  steps: int = 30
+  lr: float = 3e-3
+  warmup: int | None = None  # default: steps // 10
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0
+  seed: int = 0
+  remat_policy: str | None = None  # keep | remat | offload (shortcut, see models.common)
+  locations: Mapping[str, str] | str | None = None  # {tag: remat|device|host|nvme} overrides
+  min_bytes: int = 1 << 20
+  # Split scan: the first offload_layers layers use ``locations``, the others the same with
+  # host/nvme tags kept on the device (None: every layer uses ``locations``).
+  offload_layers: int | None = None
+  dtype: str | None = None  # override ModelConfig.dtype
+  model_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
-    def model_config(self) -> ModelConfig:
-        extra = dict(self.model_overrides)
-        if self.dtype:
-            extra["dtype"] = self.dtype
-        return get_config(self.model, self.preset, **extra)
+  def model_config(self) -> ModelConfig:
+    extra = dict(self.model_overrides)
+    if self.dtype:
+      extra["dtype"] = self.dtype
+    return get_config(self.model, self.preset, **extra)
 
-    def resolved_locations(self):
-        return resolve_locations(self.remat_policy, self.locations)
+  def resolved_locations(self):
+    return resolve_locations(self.remat_policy, self.locations)
 
-    def remat_policy_object(self):
-        """The jax.checkpoint policy of the run: one policy, or a SplitPolicy."""
-        locations = self.resolved_locations()
-        first = make_remat_policy(locations, self.min_bytes)
-        if self.offload_layers is None:
-            return first
-        if locations is None:
-            raise ValueError(f"offload_layers={self.offload_layers} needs locations to offload")
-        kept = {t: "device" if loc in ("host", "nvme") else loc for t, loc in locations.items()}
-        return SplitPolicy(first, make_remat_policy(kept, self.min_bytes), self.offload_layers)
+  def remat_policy_object(self):
+    """The jax.checkpoint policy of the run: one policy, or a SplitPolicy."""
+    locations = self.resolved_locations()
+    first = make_remat_policy(locations, self.min_bytes)
+    if self.offload_layers is None:
+      return first
+    if locations is None:
+      raise ValueError(f"offload_layers={self.offload_layers} needs locations to offload")
+    kept = {t: "device" if loc in ("host", "nvme") else loc for t, loc in locations.items()}
+    return SplitPolicy(first, make_remat_policy(kept, self.min_bytes), self.offload_layers)
 
-    def example_length(self, cfg: ModelConfig) -> int:
-        """Tokens per example drawn from the data (GPT needs one more for the shifted target)."""
-        seq = self.seq_len or cfg.max_len
-        return seq + 1 if self.model == "gpt" else seq
+  def example_length(self, cfg: ModelConfig) -> int:
+    """Tokens per example drawn from the data (GPT needs one more for the shifted target)."""
+    seq = self.seq_len or cfg.max_len
+    return seq + 1 if self.model == "gpt" else seq
 
 
 class TrainState(train_state.TrainState):
-    pass
+  pass
 
 
 def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW, linear warm-up then cosine decay to lr/10, global-norm gradient clipping."""
-    warmup = max(run.steps // 10 if run.warmup is None else run.warmup, 1)
-    # optax needs at least one decay step after the warm-up (runs of 1 step included).
-    schedule = optax.warmup_cosine_decay_schedule(0.0, run.lr, warmup, max(run.steps, warmup + 1),
-                                                  end_value=run.lr / 10)
-    mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms/biases
-    tx = optax.chain(optax.clip_by_global_norm(run.clip_norm),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=run.weight_decay, mask=mask))
-    return tx, schedule
+  """AdamW, linear warm-up then cosine decay to lr/10, global-norm gradient clipping."""
+  warmup = max(run.steps // 10 if run.warmup is None else run.warmup, 1)
+  # optax needs at least one decay step after the warm-up (runs of 1 step included).
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, run.lr, warmup, max(run.steps, warmup + 1), end_value=run.lr / 10
+  )
+  mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms/biases
+  tx = optax.chain(
+    optax.clip_by_global_norm(run.clip_norm),
+    optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=run.weight_decay, mask=mask),
+  )
+  return tx, schedule
 
 
 def create_train_state(run: RunConfig, policy=None):
-    """Returns (state, model, schedule). ``policy`` defaults to the run's locations."""
-    cfg = run.model_config()
-    if policy is None:
-        policy = run.remat_policy_object()
-    model = build_model(run.model, cfg, policy)
-    tokens = jnp.zeros((run.batch, run.example_length(cfg)), jnp.int32)
-    init_rng, loss_rng = jax.random.split(jax.random.key(run.seed))
-    params = jax.jit(lambda r: model.init(r, tokens, loss_rng, method="loss")["params"])(init_rng)
-    tx, schedule = make_optimizer(run)
-    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    # Array step and committed arrays, like a restored state: one compilation for both.
-    state = jax.device_put(state.replace(step=jnp.zeros((), jnp.int32)), jax.local_devices()[0])
-    return state, model, schedule
+  """Returns (state, model, schedule). ``policy`` defaults to the run's locations."""
+  cfg = run.model_config()
+  if policy is None:
+    policy = run.remat_policy_object()
+  model = build_model(run.model, cfg, policy)
+  tokens = jnp.zeros((run.batch, run.example_length(cfg)), jnp.int32)
+  init_rng, loss_rng = jax.random.split(jax.random.key(run.seed))
+  params = jax.jit(lambda r: model.init(r, tokens, loss_rng, method="loss")["params"])(init_rng)
+  tx, schedule = make_optimizer(run)
+  state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  # Array step and committed arrays, like a restored state: one compilation for both.
+  state = jax.device_put(state.replace(step=jnp.zeros((), jnp.int32)), jax.local_devices()[0])
+  return state, model, schedule
 
 
 def train_step(state: TrainState, tokens: jax.Array, rng: jax.Array):
-    """One optimizer step on a (B, L) int32 batch; ``rng`` is folded with the step (for masking)."""
-    rng = jax.random.fold_in(rng, state.step)
+  """One optimizer step on a (B, L) int32 batch; ``rng`` is folded with the step (for masking)."""
+  rng = jax.random.fold_in(rng, state.step)
 
-    def loss_fn(params):
-        return state.apply_fn({"params": params}, tokens, rng, method="loss")
+  def loss_fn(params):
+    return state.apply_fn({"params": params}, tokens, rng, method="loss")
 
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    metrics = dict(metrics, grad_norm=optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads))
-    return state.apply_gradients(grads=grads), metrics
+  (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  metrics = dict(
+    metrics,
+    grad_norm=optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads),
+  )
+  return state.apply_gradients(grads=grads), metrics
 
 
 def jit_train_step(state_shardings=None):
-    """The jitted step; with ``state_shardings`` (see :func:`shard_train_state`) the new state
-    keeps the sharding of the old one."""
-    if state_shardings is None:
-        return jax.jit(train_step, donate_argnums=0)
-    from .parallel import batch_sharded_activations
-    mesh = jax.tree.leaves(state_shardings)[0].mesh
+  """The jitted step; with ``state_shardings`` (see :func:`shard_train_state`) the new state
+  keeps the sharding of the old one."""
+  if state_shardings is None:
+    return jax.jit(train_step, donate_argnums=0)
+  from .parallel import batch_sharded_activations
 
-    def sharded_step(state, tokens, rng):
-        with batch_sharded_activations(mesh):
-            return train_step(state, tokens, rng)
+  mesh = jax.tree.leaves(state_shardings)[0].mesh
 
-    return jax.jit(sharded_step, donate_argnums=0, out_shardings=(state_shardings, None))
+  def sharded_step(state, tokens, rng):
+    with batch_sharded_activations(mesh):
+      return train_step(state, tokens, rng)
+
+  return jax.jit(sharded_step, donate_argnums=0, out_shardings=(state_shardings, None))
 
 
 def shard_train_state(state: TrainState, parallelism, mesh):
-    """Places ``state`` on ``mesh`` (params and optimizer state per ``parallelism``, see
-    models.parallel); returns (state, its shardings)."""
-    shardings = parallelism.shardings(state, mesh)
-    host = jax.tree.map(np.asarray, state)  # from the one device it was created on
-    # Every process holds the whole state: each device takes its slice (works across hosts).
-    placed = jax.tree.map(
-        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]), host, shardings)
-    return placed, shardings
+  """Places ``state`` on ``mesh`` (params and optimizer state per ``parallelism``, see
+  models.parallel); returns (state, its shardings)."""
+  shardings = parallelism.shardings(state, mesh)
+  host = jax.tree.map(np.asarray, state)  # from the one device it was created on
+  # Every process holds the whole state: each device takes its slice (works across hosts).
+  placed = jax.tree.map(
+    lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]), host, shardings
+  )
+  return placed, shardings
 
 
 def shard_batch(tokens, parallelism, mesh):
-    """The global (B, L) batch on ``mesh``; every process passes the whole batch and contributes
-    its own block of rows (process i: rows [i*B/n, (i+1)*B/n))."""
-    tokens = np.asarray(tokens)
-    n, i = jax.process_count(), jax.process_index()
-    if tokens.shape[0] % parallelism.data or tokens.shape[0] % n:
-        raise ValueError(f"batch {tokens.shape[0]} is not divisible by data={parallelism.data} "
-                         f"and by the {n} process(es)")
-    rows = tokens.shape[0] // n
-    return jax.make_array_from_process_local_data(parallelism.batch_sharding(mesh),
-                                                  tokens[i * rows:(i + 1) * rows])
+  """The global (B, L) batch on ``mesh``; every process passes the whole batch and contributes
+  its own block of rows (process i: rows [i*B/n, (i+1)*B/n))."""
+  tokens = np.asarray(tokens)
+  n, i = jax.process_count(), jax.process_index()
+  if tokens.shape[0] % parallelism.data or tokens.shape[0] % n:
+    raise ValueError(
+      f"batch {tokens.shape[0]} is not divisible by data={parallelism.data} "
+      f"and by the {n} process(es)"
+    )
+  rows = tokens.shape[0] // n
+  return jax.make_array_from_process_local_data(
+    parallelism.batch_sharding(mesh), tokens[i * rows : (i + 1) * rows]
+  )
 
 
 # ----------------------------------------------------------------------------- planner
 def step_memory_bytes(run: RunConfig, policy=None) -> int:
-    """Device bytes of one compiled train step (XLA's memory analysis; compiles, runs nothing):
-    arguments + outputs + temporaries - donated (aliased) bytes."""
-    cfg = run.model_config()
-    model = build_model(run.model, cfg, run.remat_policy_object() if policy is None else policy)
-    tokens = jax.ShapeDtypeStruct((run.batch, run.example_length(cfg)), jnp.int32)
+  """Device bytes of one compiled train step (XLA's memory analysis; compiles, runs nothing):
+  arguments + outputs + temporaries - donated (aliased) bytes."""
+  cfg = run.model_config()
+  model = build_model(run.model, cfg, run.remat_policy_object() if policy is None else policy)
+  tokens = jax.ShapeDtypeStruct((run.batch, run.example_length(cfg)), jnp.int32)
 
-    def init_state(rng):
-        params = model.init(rng, jnp.zeros(tokens.shape, tokens.dtype), rng, method="loss")["params"]
-        state = TrainState.create(apply_fn=model.apply, params=params, tx=make_optimizer(run)[0])
-        return state.replace(step=jnp.zeros((), jnp.int32))
+  def init_state(rng):
+    params = model.init(rng, jnp.zeros(tokens.shape, tokens.dtype), rng, method="loss")["params"]
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=make_optimizer(run)[0])
+    return state.replace(step=jnp.zeros((), jnp.int32))
 
-    key = jax.random.key(0)
-    state = jax.eval_shape(init_state, key)
-    ma = jit_train_step().lower(state, tokens, key).compile().memory_analysis()
-    if ma is None:
-        raise RuntimeError("this backend gives no memory analysis of compiled programs")
-    return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-               - ma.alias_size_in_bytes)
+  key = jax.random.key(0)
+  state = jax.eval_shape(init_state, key)
+  ma = jit_train_step().lower(state, tokens, key).compile().memory_analysis()
+  if ma is None:
+    raise RuntimeError("this backend gives no memory analysis of compiled programs")
+  return int(
+    ma.argument_size_in_bytes
+    + ma.output_size_in_bytes
+    + ma.temp_size_in_bytes
+    - ma.alias_size_in_bytes
+  )
 
 
-def profile_run(run: RunConfig, *, directory=None, bandwidth=None, repeats: int = 5,
-                outside_layers: bool = True, **options):
-    """The planner's profile of one block of the run's model at the run's batch and length;
-    with ``outside_layers``, also the step's time outside the layers (``other_s``, ``update_s``)."""
-    import jax_ssdtrain as ssd
+def profile_run(
+  run: RunConfig,
+  *,
+  directory=None,
+  bandwidth=None,
+  repeats: int = 5,
+  outside_layers: bool = True,
+  **options,
+):
+  """The planner's profile of one block of the run's model at the run's batch and length;
+  with ``outside_layers``, also the step's time outside the layers (``other_s``, ``update_s``)."""
+  import jax_ssdtrain as ssd
 
-    cfg = run.model_config()
-    if run.model != "gpt":
-        raise ValueError(f"model: the planner profiles 'gpt' stacks, got {run.model!r}")
-    seq = run.seq_len or cfg.max_len
-    block = Block(cfg, causal=True)
-    x = jax.random.normal(jax.random.key(0), (run.batch, seq, cfg.hidden), cfg.compute_dtype)  # (B,S,H)
-    params = jax.jit(block.init)(jax.random.key(1), x)["params"]
-    layer = lambda p, h: block.apply({"params": p}, h)[0]  # noqa: E731
-    prof = ssd.profile(layer, params, x, num_layers=cfg.num_layers, directory=directory,
-                       bandwidth=bandwidth, batch=run.batch, repeats=repeats, **options)
-    if outside_layers:
-        other_s, update_s = outside_layers_seconds(run, prof, repeats)
-        prof = dataclasses.replace(prof, other_s=other_s, update_s=update_s)
-    return prof
+  cfg = run.model_config()
+  if run.model != "gpt":
+    raise ValueError(f"model: the planner profiles 'gpt' stacks, got {run.model!r}")
+  seq = run.seq_len or cfg.max_len
+  block = Block(cfg, causal=True)
+  x = jax.random.normal(
+    jax.random.key(0), (run.batch, seq, cfg.hidden), cfg.compute_dtype
+  )  # (B,S,H)
+  params = jax.jit(block.init)(jax.random.key(1), x)["params"]
+  layer = lambda p, h: block.apply({"params": p}, h)[0]  # noqa: E731
+  prof = ssd.profile(
+    layer,
+    params,
+    x,
+    num_layers=cfg.num_layers,
+    directory=directory,
+    bandwidth=bandwidth,
+    batch=run.batch,
+    repeats=repeats,
+    **options,
+  )
+  if outside_layers:
+    other_s, update_s = outside_layers_seconds(run, prof, repeats)
+    prof = dataclasses.replace(prof, other_s=other_s, update_s=update_s)
+  return prof
 
 
 def outside_layers_seconds(run: RunConfig, prof, repeats: int = 5) -> tuple[float, float]:
-    """``(other_s, update_s)``: the step's time outside the layer stack that grows with the
-    batch (embedding, head, loss), and the optimizer update of all ``num_layers``. The first is
-    the step of the model cut to one layer (every tag on the device, as the profile) minus that
-    layer's forward and backward and minus its optimizer update."""
-    from jax_ssdtrain._src.planner import _median_time  # the profile's own timer
+  """``(other_s, update_s)``: the step's time outside the layer stack that grows with the
+  batch (embedding, head, loss), and the optimizer update of all ``num_layers``. The first is
+  the step of the model cut to one layer (every tag on the device, as the profile) minus that
+  layer's forward and backward and minus its optimizer update."""
+  from jax_ssdtrain._src.planner import _median_time  # the profile's own timer
 
-    cfg = run.model_config()
-    tags = {t.name: "device" for t in prof.tags}
-    one = dataclasses.replace(run, locations=tags or None, remat_policy=None if tags else "keep",
-                              offload_layers=None,
-                              model_overrides={**run.model_overrides, "num_layers": 1})
-    tokens = jnp.zeros((run.batch, run.example_length(one.model_config())), jnp.int32)
-    state, _, _ = create_train_state(one)
-    step = jax.jit(train_step).lower(state, tokens, jax.random.key(0)).compile()  # no donation
-    step_s = _median_time(lambda: step(state, tokens, jax.random.key(0))[1], repeats, warmup=1)
-    del step
-    update_1 = _update_seconds(state, repeats)
-    del state
-    update_l = update_1
-    if cfg.num_layers > 1:  # the whole model's parameters and optimizer state
-        full, _, _ = create_train_state(dataclasses.replace(run, locations=tags or None))
-        update_l = _update_seconds(full, repeats)
-    return max(0.0, step_s - prof.forward_s - prof.backward_s - update_1), update_l
+  cfg = run.model_config()
+  tags = {t.name: "device" for t in prof.tags}
+  one = dataclasses.replace(
+    run,
+    locations=tags or None,
+    remat_policy=None if tags else "keep",
+    offload_layers=None,
+    model_overrides={**run.model_overrides, "num_layers": 1},
+  )
+  tokens = jnp.zeros((run.batch, run.example_length(one.model_config())), jnp.int32)
+  state, _, _ = create_train_state(one)
+  step = jax.jit(train_step).lower(state, tokens, jax.random.key(0)).compile()  # no donation
+  step_s = _median_time(
+    lambda step=step, state=state: step(state, tokens, jax.random.key(0))[1], repeats, warmup=1
+  )
+  del step
+  update_1 = _update_seconds(state, repeats)
+  del state
+  update_l = update_1
+  if cfg.num_layers > 1:  # the whole model's parameters and optimizer state
+    full, _, _ = create_train_state(dataclasses.replace(run, locations=tags or None))
+    update_l = _update_seconds(full, repeats)
+  return max(0.0, step_s - prof.forward_s - prof.backward_s - update_1), update_l
 
 
 def _update_seconds(state: TrainState, repeats: int) -> float:
-    """The optimizer update of ``state`` (its parameters standing in for gradients)."""
-    from jax_ssdtrain._src.planner import _median_time
+  """The optimizer update of ``state`` (its parameters standing in for gradients)."""
+  from jax_ssdtrain._src.planner import _median_time
 
-    update = jax.jit(lambda s: s.apply_gradients(grads=s.params).params)
-    return _median_time(lambda: update(state), repeats, warmup=1)
+  update = jax.jit(lambda s: s.apply_gradients(grads=s.params).params)
+  return _median_time(lambda: update(state), repeats, warmup=1)
 
 
 def parse_bandwidth(text: str) -> tuple[float, float]:
-    """``"W,R"`` (GB/s) -> (write, read), both >= 0 (the ``--bandwidth`` flag of the scripts)."""
-    try:
-        w, r = (float(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"expected WRITE,READ in GB/s, got {text!r}") from None
-    if w < 0 or r < 0:
-        raise ValueError(f"bandwidths must be >= 0, got {text!r}")
-    return w, r
+  """``"W,R"`` (GB/s) -> (write, read), both >= 0 (the ``--bandwidth`` flag of the scripts)."""
+  try:
+    w, r = (float(v) for v in text.split(","))
+  except ValueError:
+    raise ValueError(f"expected WRITE,READ in GB/s, got {text!r}") from None
+  if w < 0 or r < 0:
+    raise ValueError(f"bandwidths must be >= 0, got {text!r}")
+  return w, r
 
 
 def apply_plan(run: RunConfig, plan) -> RunConfig:
-    """``run`` with the plan's locations, split and batch."""
-    return dataclasses.replace(
-        run, remat_policy=None, locations={n: loc.value for n, loc in plan.locations},
-        offload_layers=plan.offload_layers, min_bytes=plan.min_bytes,
-        batch=plan.profile.batch or run.batch)
+  """``run`` with the plan's locations, split and batch."""
+  return dataclasses.replace(
+    run,
+    remat_policy=None,
+    locations={n: loc.value for n, loc in plan.locations},
+    offload_layers=plan.offload_layers,
+    min_bytes=plan.min_bytes,
+    batch=plan.profile.batch or run.batch,
+  )
 
 
 # ----------------------------------------------------------------------------- checkpoints
 def checkpoint_manager(directory: str, max_to_keep: int = 2):
-    import orbax.checkpoint as ocp
+  import orbax.checkpoint as ocp
 
-    return ocp.CheckpointManager(os.path.abspath(directory),
-                                 options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+  return ocp.CheckpointManager(
+    os.path.abspath(directory),
+    options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+  )
 
 
 def save_checkpoint(manager, state: TrainState) -> None:
-    import orbax.checkpoint as ocp
+  import orbax.checkpoint as ocp
 
-    manager.save(int(state.step), args=ocp.args.StandardSave(state))
-    manager.wait_until_finished()
+  manager.save(int(state.step), args=ocp.args.StandardSave(state))
+  manager.wait_until_finished()
 
 
 def restore_checkpoint(manager, state: TrainState, step: int | None = None) -> TrainState:
-    """Restore ``step`` (default: the latest) into the structure of ``state``."""
-    import orbax.checkpoint as ocp
+  """Restore ``step`` (default: the latest) into the structure of ``state``."""
+  import orbax.checkpoint as ocp
 
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {manager.directory}")
-    return manager.restore(step, args=ocp.args.StandardRestore(state))
+  step = manager.latest_step() if step is None else step
+  if step is None:
+    raise FileNotFoundError(f"no checkpoint in {manager.directory}")
+  return manager.restore(step, args=ocp.args.StandardRestore(state))

@@ -17,6 +17,7 @@ for running kernels), and checks that the loop was still running when the last c
 the row is marked ``overlap: false`` and the script exits 1). Writes
 OUT/link_load_<device>_<date>.json, .md and .png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,6 +49,7 @@ def _load_fn(kind: str):
 
     def body(x):
       return jnp.dot(x, a, preferred_element_type=jnp.bfloat16)
+
     state = a
   elif kind == "hbm":
     state = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB
@@ -62,6 +64,7 @@ def _load_fn(kind: str):
     for _ in range(UNROLL):
       x = jax.lax.optimization_barrier(body(x))  # one kernel per application, not one fused
     return x
+
   return run, state
 
 
@@ -73,6 +76,7 @@ def _dispatch(run, state, calls: int):
 
 def measure(size: int, repeats: int, load_s: float) -> list[dict]:
   import jax
+
   from jax_ssdtrain._src import native
 
   rows = []
@@ -109,30 +113,47 @@ def measure(size: int, repeats: int, load_s: float) -> list[dict]:
       jax.block_until_ready(started["out"])
       loaded = time.perf_counter() - started["t"]
       copies_end = started["copies_from"] - started["t"] + rates.copy_seconds
-      row.update(calls=calls, unroll=UNROLL, load_s_alone=alone, load_s_with_copies=loaded,
-                 dispatch_s=started["dispatched"], copy_s=rates.copy_seconds,
-                 copies_end_s=copies_end, overlap=copies_end < min(alone, loaded))
+      row.update(
+        calls=calls,
+        unroll=UNROLL,
+        load_s_alone=alone,
+        load_s_with_copies=loaded,
+        dispatch_s=started["dispatched"],
+        copy_s=rates.copy_seconds,
+        copies_end_s=copies_end,
+        overlap=copies_end < min(alone, loaded),
+      )
     d2h, h2d, dd2h, dh2d = rates[:4]
     row.update(d2h_GBps=d2h, h2d_GBps=h2d, duplex_d2h_GBps=dd2h, duplex_h2d_GBps=dh2d)
     rows.append(row)
-    print(f"{kind:7s} D2H {d2h:6.1f}  H2D {h2d:6.1f}  both {dd2h:6.1f} / {dh2d:6.1f} GB/s"
-          + (f"  (loop {row['load_s_alone']:.2f} s alone, {row['load_s_with_copies']:.2f} s with "
-             f"the copies, dispatched in {row['dispatch_s']:.2f} s; copies "
-             f"{row['copies_end_s'] - row['copy_s']:.2f}-{row['copies_end_s']:.2f} s)"
-             if kind != "idle" else ""), flush=True)
+    print(
+      f"{kind:7s} D2H {d2h:6.1f}  H2D {h2d:6.1f}  both {dd2h:6.1f} / {dh2d:6.1f} GB/s"
+      + (
+        f"  (loop {row['load_s_alone']:.2f} s alone, {row['load_s_with_copies']:.2f} s with "
+        f"the copies, dispatched in {row['dispatch_s']:.2f} s; copies "
+        f"{row['copies_end_s'] - row['copy_s']:.2f}-{row['copies_end_s']:.2f} s)"
+        if kind != "idle"
+        else ""
+      ),
+      flush=True,
+    )
   return rows
 
 
 def table(rows: list[dict]) -> str:
   idle = rows[0]
-  lines = ["| GPU running | D2H GB/s | H2D GB/s | both: D2H / H2D GB/s | D2H × idle | H2D × idle | "
-           "copies within the loop |", "|---|---|---|---|---|---|---|"]
+  lines = [
+    "| GPU running | D2H GB/s | H2D GB/s | both: D2H / H2D GB/s | D2H × idle | H2D × idle | "
+    "copies within the loop |",
+    "|---|---|---|---|---|---|---|",
+  ]
   for r in rows:
     lines.append(
-        f"| {r['load']} | {r['d2h_GBps']:.1f} | {r['h2d_GBps']:.1f} | "
-        f"{r['duplex_d2h_GBps']:.1f} / {r['duplex_h2d_GBps']:.1f} | "
-        f"{r['d2h_GBps'] / idle['d2h_GBps']:.2f} | {r['h2d_GBps'] / idle['h2d_GBps']:.2f} | "
-        f"{'–' if r['overlap'] is None else ('yes' if r['overlap'] else 'NO')} |")
+      f"| {r['load']} | {r['d2h_GBps']:.1f} | {r['h2d_GBps']:.1f} | "
+      f"{r['duplex_d2h_GBps']:.1f} / {r['duplex_h2d_GBps']:.1f} | "
+      f"{r['d2h_GBps'] / idle['d2h_GBps']:.2f} | {r['h2d_GBps'] / idle['h2d_GBps']:.2f} | "
+      f"{'–' if r['overlap'] is None else ('yes' if r['overlap'] else 'NO')} |"
+    )
   return "\n".join(lines)
 
 
@@ -142,8 +163,7 @@ def plot(plt, rows: list[dict], path: Path) -> bool:
   fig, ax = plt.subplots(figsize=(7, 4))
   width = 0.8 / len(rows)
   for i, r in enumerate(rows):
-    ax.bar([k + i * width for k in range(len(keys))], [r[k] for k in keys], width,
-           label=r["load"])
+    ax.bar([k + i * width for k in range(len(keys))], [r[k] for k in keys], width, label=r["load"])
   ax.set_xticks([k + width * (len(rows) - 1) / 2 for k in range(len(keys))], labels)
   ax.set_ylabel("GB/s (pinned, registered host memory)")
   ax.set_title("PCIe copies next to running kernels")
@@ -155,15 +175,21 @@ def plot(plt, rows: list[dict], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
   p.add_argument("--size", default="1GiB", help="bytes per copy (size suffixes accepted)")
   p.add_argument("--repeats", type=int, default=10, help="copies per direction (median)")
-  p.add_argument("--load-s", type=float, default=2.0,
-                 help="seconds the loaded loops run alone (the copies must fit inside)")
+  p.add_argument(
+    "--load-s",
+    type=float,
+    default=2.0,
+    help="seconds the loaded loops run alone (the copies must fit inside)",
+  )
   p.add_argument("--out", type=Path, default=Path("benchmarks"))
   args = p.parse_args(argv)
   from jax_ssdtrain._src.config import parse_size
+
   try:
     size = parse_size(args.size, what="--size")
   except ValueError as e:
@@ -171,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.repeats < 1 or args.load_s <= 0:
     p.error("--repeats and --load-s must be positive")
   import jax
+
   if jax.default_backend() != "gpu":
     print("bench_link: needs a GPU (the copies are CUDA's)", file=sys.stderr)
     return 2
@@ -178,10 +205,16 @@ def main(argv: list[str] | None = None) -> int:
   device = str(jax.devices()[0].device_kind)
   args.out.mkdir(parents=True, exist_ok=True)
   stem = args.out / f"link_load_{bench_common.slug(device)}_{bench_common.today()}"
-  doc = {"env": bench_common.host_env(), "device": device, "size": size,
-         "repeats": args.repeats, "rows": rows,
-         "loaded_over_idle_median": statistics.median(
-             r[k] / rows[0][k] for r in rows[1:] for k in ("d2h_GBps", "h2d_GBps"))}
+  doc = {
+    "env": bench_common.host_env(),
+    "device": device,
+    "size": size,
+    "repeats": args.repeats,
+    "rows": rows,
+    "loaded_over_idle_median": statistics.median(
+      r[k] / rows[0][k] for r in rows[1:] for k in ("d2h_GBps", "h2d_GBps")
+    ),
+  }
   bench_common.write_results(stem, doc, table(rows), lambda plt, path: plot(plt, rows, path))
   return 0 if all(r["overlap"] is not False for r in rows) else 1
 

@@ -25,6 +25,7 @@ vocab 32000), sequence 2048, batch 4, dot-product attention, synthetic data.
 Writes OUT/maxtext_<date>[_<set>][_tiny].json, .md and, with matplotlib, .png (no set suffix
 for the default set, nor with --variants).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,23 +43,47 @@ import bench_common  # noqa: E402
 # Each set: its variants (most wanted first: a run cut short by --budget-s keeps those) and the
 # variant whose step time the others are compared with (MaxText saving the same tags on device).
 VARIANT_SETS = {
-    "minimal": ("minimal,minimal_offloaded,minimal_offloaded@host,minimal_offloaded@nvme,full",
-                "minimal"),
-    "qkv": ("save_qkv_proj,qkv_proj_offloaded,qkv_proj_offloaded@host,qkv_proj_offloaded@nvme,"
-            "full", "save_qkv_proj"),
-    "all": ("minimal,minimal_offloaded,minimal_offloaded@host,minimal_offloaded@nvme,full,"
-            "save_qkv_proj,qkv_proj_offloaded,qkv_proj_offloaded@host,qkv_proj_offloaded@nvme",
-            "minimal"),
+  "minimal": (
+    "minimal,minimal_offloaded,minimal_offloaded@host,minimal_offloaded@nvme,full",
+    "minimal",
+  ),
+  "qkv": (
+    "save_qkv_proj,qkv_proj_offloaded,qkv_proj_offloaded@host,qkv_proj_offloaded@nvme,full",
+    "save_qkv_proj",
+  ),
+  "all": (
+    "minimal,minimal_offloaded,minimal_offloaded@host,minimal_offloaded@nvme,full,"
+    "save_qkv_proj,qkv_proj_offloaded,qkv_proj_offloaded@host,qkv_proj_offloaded@nvme",
+    "minimal",
+  ),
 }
 
-MODEL_1B = ("decoder_block=llama2", "base_emb_dim=2048", "base_num_query_heads=16",
-            "base_num_kv_heads=16", "head_dim=128", "base_mlp_dim=5632",
-            "base_num_decoder_layers=16", "vocab_size=32000", "max_target_length=2048",
-            "per_device_batch_size=4", "attention=dot_product")
-MODEL_TINY = ("decoder_block=llama2", "base_emb_dim=64", "base_num_query_heads=4",
-              "base_num_kv_heads=4", "head_dim=16", "base_mlp_dim=128",
-              "base_num_decoder_layers=2", "vocab_size=256", "max_target_length=32",
-              "per_device_batch_size=1", "attention=dot_product")
+MODEL_1B = (
+  "decoder_block=llama2",
+  "base_emb_dim=2048",
+  "base_num_query_heads=16",
+  "base_num_kv_heads=16",
+  "head_dim=128",
+  "base_mlp_dim=5632",
+  "base_num_decoder_layers=16",
+  "vocab_size=32000",
+  "max_target_length=2048",
+  "per_device_batch_size=4",
+  "attention=dot_product",
+)
+MODEL_TINY = (
+  "decoder_block=llama2",
+  "base_emb_dim=64",
+  "base_num_query_heads=4",
+  "base_num_kv_heads=4",
+  "head_dim=16",
+  "base_mlp_dim=128",
+  "base_num_decoder_layers=2",
+  "vocab_size=256",
+  "max_target_length=32",
+  "per_device_batch_size=1",
+  "attention=dot_product",
+)
 LOCATIONS = ("host", "nvme")
 
 
@@ -69,7 +94,8 @@ def parse_variant(text: str) -> tuple[str, str | None, dict[str, str]]:
   preset, sep, location = head.partition("@")
   if not preset or (sep and location not in LOCATIONS):
     raise argparse.ArgumentTypeError(
-        f"variant {text!r}: expected PRESET or PRESET@host / PRESET@nvme")
+      f"variant {text!r}: expected PRESET or PRESET@host / PRESET@nvme"
+    )
   options = {}
   for item in option_texts:
     key, eq, value = item.partition("=")
@@ -78,12 +104,14 @@ def parse_variant(text: str) -> tuple[str, str | None, dict[str, str]]:
     options[key] = value
   if options and not location:
     raise argparse.ArgumentTypeError(
-        f"variant {text!r}: store options apply to PRESET@host / PRESET@nvme only")
+      f"variant {text!r}: store options apply to PRESET@host / PRESET@nvme only"
+    )
   return preset, location or None, options
 
 
 # ---------------------------------------------------------------------------------------------
 # Child: one variant, one process
+
 
 def run_child(variant: str, config: dict) -> dict:
   preset, location, variant_options = parse_variant(variant)
@@ -97,16 +125,29 @@ def run_child(variant: str, config: dict) -> dict:
   out = Path(config["workdir"]) / bench_common.slug(variant)
   out.mkdir(parents=True, exist_ok=True)
   if location:
-    ssd_maxtext.install(location, min_bytes=0,
-                        store={"directory": str(out / "store"), **config["ssd"],
-                               **variant_options})
+    ssd_maxtext.install(
+      location,
+      min_bytes=0,
+      store={"directory": str(out / "store"), **config["ssd"], **variant_options},
+    )
   base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
   metrics = out / "metrics.jsonl"
-  argv = ["", base, f"run_name={bench_common.slug(variant)}", f"base_output_directory={out}",
-          "dataset_type=synthetic", f"steps={config['steps']}", "enable_checkpointing=false",
-          "enable_goodput_recording=false", "skip_jax_distributed_system=true", "log_period=1",
-          f"metrics_file={metrics}", f"remat_policy={preset}",
-          f"hardware={'gpu' if jax.default_backend() == 'gpu' else 'cpu'}", *config["maxtext"]]
+  argv = [
+    "",
+    base,
+    f"run_name={bench_common.slug(variant)}",
+    f"base_output_directory={out}",
+    "dataset_type=synthetic",
+    f"steps={config['steps']}",
+    "enable_checkpointing=false",
+    "enable_goodput_recording=false",
+    "skip_jax_distributed_system=true",
+    "log_period=1",
+    f"metrics_file={metrics}",
+    f"remat_policy={preset}",
+    f"hardware={'gpu' if jax.default_backend() == 'gpu' else 'cpu'}",
+    *config["maxtext"],
+  ]
   ssd.reset_stats()
   t0 = time.perf_counter()
   train.main(argv)
@@ -114,7 +155,7 @@ def run_child(variant: str, config: dict) -> dict:
   ssd.flush()
   stats = ssd.stats()
   rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-  times = [r["perf/step_time_seconds"] for r in rows][config["warmup"]:]
+  times = [r["perf/step_time_seconds"] for r in rows][config["warmup"] :]
   if not times:
     raise RuntimeError(f"{len(rows)} steps logged, none after --warmup {config['warmup']}")
   step_s = statistics.median(times)
@@ -124,33 +165,46 @@ def run_child(variant: str, config: dict) -> dict:
   # Our GPU staging arena is cudaMalloc'ed outside XLA's allocator, whole, on first use: it is
   # device memory of ours that peak_bytes_in_use does not see.
   store_config = ssd.current_config() if location else None
-  staging = (store_config.staging_bytes
-             if location and peak is not None and stats.get("bytes_written") else 0)
+  staging = (
+    store_config.staging_bytes
+    if location and peak is not None and stats.get("bytes_written")
+    else 0
+  )
   steps = len(rows)
   return {
-      "variant": variant, "preset": preset, "location": location or "maxtext",
-      "config_staging_bytes": store_config and store_config.staging_bytes,
-      "config_host_tier_bytes": store_config and store_config.host_tier_bytes,
-      "steps": steps, "timed_steps": len(times), "step_s_median": step_s,
-      "step_s_min": min(times), "step_s_max": max(times), "tokens_per_s": tokens / step_s,
-      "peak_xla_bytes": peak, "staging_arena_bytes": staging,
-      "peak_device_bytes": None if peak is None else peak + staging,
-      "staging_bytes_peak": stats.get("staging_bytes_peak"),
-      "store_bytes_per_step": stats["bytes_written"] / steps if location else None,
-      "store_read_bytes_per_step": stats["bytes_read"] / steps if location else None,
-      "disk_bytes_written": stats.get("disk_bytes_written"),
-      "host_tier_bytes_peak": stats.get("host_tier_bytes_peak"),
-      "live_entries_after": stats.get("live_entries"),
-      "link_d2h_GBps": stats.get("link_d2h_GBps"), "link_h2d_GBps": stats.get("link_h2d_GBps"),
-      "compute_wait_s_per_step": stats.get("gpu_compute_wait_seconds", 0) / steps,
-      "d2h_elided_bytes_per_step": stats.get("d2h_elided_bytes", 0) / steps,
-      "last_loss": rows[-1]["learning/loss"], "wall_s": wall,
-      "device": str(jax.devices()[0].device_kind),
+    "variant": variant,
+    "preset": preset,
+    "location": location or "maxtext",
+    "config_staging_bytes": store_config and store_config.staging_bytes,
+    "config_host_tier_bytes": store_config and store_config.host_tier_bytes,
+    "steps": steps,
+    "timed_steps": len(times),
+    "step_s_median": step_s,
+    "step_s_min": min(times),
+    "step_s_max": max(times),
+    "tokens_per_s": tokens / step_s,
+    "peak_xla_bytes": peak,
+    "staging_arena_bytes": staging,
+    "peak_device_bytes": None if peak is None else peak + staging,
+    "staging_bytes_peak": stats.get("staging_bytes_peak"),
+    "store_bytes_per_step": stats["bytes_written"] / steps if location else None,
+    "store_read_bytes_per_step": stats["bytes_read"] / steps if location else None,
+    "disk_bytes_written": stats.get("disk_bytes_written"),
+    "host_tier_bytes_peak": stats.get("host_tier_bytes_peak"),
+    "live_entries_after": stats.get("live_entries"),
+    "link_d2h_GBps": stats.get("link_d2h_GBps"),
+    "link_h2d_GBps": stats.get("link_h2d_GBps"),
+    "compute_wait_s_per_step": stats.get("gpu_compute_wait_seconds", 0) / steps,
+    "d2h_elided_bytes_per_step": stats.get("d2h_elided_bytes", 0) / steps,
+    "last_loss": rows[-1]["learning/loss"],
+    "wall_s": wall,
+    "device": str(jax.devices()[0].device_kind),
   }
 
 
 # ---------------------------------------------------------------------------------------------
 # Parent: every variant in its own process, then JSON, table and plot
+
 
 def _bytes(value) -> str:
   if value is None:
@@ -163,9 +217,11 @@ def _bytes(value) -> str:
 
 def table(rows: list[dict], reference: str | None) -> str:
   ref = next((r for r in rows if r["variant"] == reference and "error" not in r), None)
-  lines = ["| variant | step (median) | vs " + (reference or "–") + " | tokens/s | "
-           "peak device memory (XLA + our staging) | through our store per step | last loss |",
-           "|---|---|---|---|---|---|---|"]
+  lines = [
+    "| variant | step (median) | vs " + (reference or "–") + " | tokens/s | "
+    "peak device memory (XLA + our staging) | through our store per step | last loss |",
+    "|---|---|---|---|---|---|---|",
+  ]
   for r in rows:
     if "error" in r:
       what = r["error"] if r["error"].startswith("skipped") else f"failed: {r['error']}"
@@ -173,10 +229,11 @@ def table(rows: list[dict], reference: str | None) -> str:
       continue
     ratio = f"{r['step_s_median'] / ref['step_s_median']:.3f}×" if ref else "–"
     lines.append(
-        f"| {r['variant']} | {r['step_s_median'] * 1e3:.1f} ms | {ratio} | "
-        f"{r['tokens_per_s']:,.0f} | {_bytes(r['peak_device_bytes'])}"
-        f"{' (' + _bytes(r['peak_xla_bytes']) + ' + ' + _bytes(r['staging_arena_bytes']) + ')' if r.get('staging_arena_bytes') else ''} | "
-        f"{_bytes(r['store_bytes_per_step'])} | {r['last_loss']:.4f} |")
+      f"| {r['variant']} | {r['step_s_median'] * 1e3:.1f} ms | {ratio} | "
+      f"{r['tokens_per_s']:,.0f} | {_bytes(r['peak_device_bytes'])}"
+      f"{' (' + _bytes(r['peak_xla_bytes']) + ' + ' + _bytes(r['staging_arena_bytes']) + ')' if r.get('staging_arena_bytes') else ''} | "
+      f"{_bytes(r['store_bytes_per_step'])} | {r['last_loss']:.4f} |"
+    )
   return "\n".join(lines)
 
 
@@ -186,10 +243,18 @@ def plot(plt, rows: list[dict], path: Path) -> bool:
     return False
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for r in ok:
-    ax.scatter(r["peak_device_bytes"] / 1e9, r["step_s_median"] * 1e3,
-               marker="o" if r["location"] == "maxtext" else "s")
-    ax.annotate(r["variant"], (r["peak_device_bytes"] / 1e9, r["step_s_median"] * 1e3),
-                fontsize=7, xytext=(4, 2), textcoords="offset points")
+    ax.scatter(
+      r["peak_device_bytes"] / 1e9,
+      r["step_s_median"] * 1e3,
+      marker="o" if r["location"] == "maxtext" else "s",
+    )
+    ax.annotate(
+      r["variant"],
+      (r["peak_device_bytes"] / 1e9, r["step_s_median"] * 1e3),
+      fontsize=7,
+      xytext=(4, 2),
+      textcoords="offset points",
+    )
   ax.set_xlabel("peak device memory (GB)")
   ax.set_ylabel("step time, median (ms)")
   ax.set_title("MaxText train.main: presets (o) and ours (□)")
@@ -200,27 +265,48 @@ def plot(plt, rows: list[dict], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--set", default="minimal", choices=sorted(VARIANT_SETS),
-                 help="a list of variants: " + "; ".join(
-                     f"{k}: {v[0]}" for k, v in VARIANT_SETS.items()))
-  p.add_argument("--variants", default=None,
-                 help="comma-separated PRESET or PRESET@host|nvme[:KEY=VALUE...]; None: those "
-                      "of --set")
-  p.add_argument("--reference", default=None,
-                 help="variant the step-time ratios are taken against; None: the set's "
-                      "device-saving preset, else the first variant")
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
+  p.add_argument(
+    "--set",
+    default="minimal",
+    choices=sorted(VARIANT_SETS),
+    help="a list of variants: " + "; ".join(f"{k}: {v[0]}" for k, v in VARIANT_SETS.items()),
+  )
+  p.add_argument(
+    "--variants",
+    default=None,
+    help="comma-separated PRESET or PRESET@host|nvme[:KEY=VALUE...]; None: those of --set",
+  )
+  p.add_argument(
+    "--reference",
+    default=None,
+    help="variant the step-time ratios are taken against; None: the set's "
+    "device-saving preset, else the first variant",
+  )
   p.add_argument("--steps", type=int, default=10, help="MaxText steps per variant")
   p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
-  p.add_argument("--budget-s", type=float, default=0,
-                 help="seconds for all variants (0: no limit): a variant is started only while "
-                      "the time left exceeds the longest variant so far, and its child is "
-                      "stopped when the budget runs out")
-  p.add_argument("--store-dir", default=None,
-                 help="parent of the stores and MaxText outputs; None: a private temp dir")
-  p.add_argument("--ssd", action="append", default=[], metavar="KEY=VALUE",
-                 help="jax_ssdtrain.configure option for the @host/@nvme variants")
+  p.add_argument(
+    "--budget-s",
+    type=float,
+    default=0,
+    help="seconds for all variants (0: no limit): a variant is started only while "
+    "the time left exceeds the longest variant so far, and its child is "
+    "stopped when the budget runs out",
+  )
+  p.add_argument(
+    "--store-dir",
+    default=None,
+    help="parent of the stores and MaxText outputs; None: a private temp dir",
+  )
+  p.add_argument(
+    "--ssd",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="jax_ssdtrain.configure option for the @host/@nvme variants",
+  )
   p.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke runs)")
   p.add_argument("--timeout", type=float, default=1800, help="per variant, seconds")
   p.add_argument("--out", type=Path, default=Path("benchmarks"))
@@ -256,13 +342,17 @@ def main(argv: list[str] | None = None) -> int:
       p.error(f"--ssd {item!r}: expected KEY=VALUE")
     ssd_options[key] = value
   workdir = args.store_dir or tempfile.mkdtemp(prefix="bench_maxtext_")
-  config = {"workdir": workdir, "steps": args.steps, "warmup": args.warmup, "ssd": ssd_options,
-            "maxtext": [*(MODEL_TINY if args.tiny else MODEL_1B), *maxtext_args]}
+  config = {
+    "workdir": workdir,
+    "steps": args.steps,
+    "warmup": args.warmup,
+    "ssd": ssd_options,
+    "maxtext": [*(MODEL_TINY if args.tiny else MODEL_1B), *maxtext_args],
+  }
   args.out.mkdir(parents=True, exist_ok=True)
   set_suffix = "" if args.variants or args.set == "minimal" else f"_{args.set}"
   stem = args.out / f"maxtext_{bench_common.today()}{set_suffix}{'_tiny' if args.tiny else ''}"
-  result = {"env": bench_common.host_env(), "config": config, "reference": reference,
-            "rows": []}
+  result = {"env": bench_common.host_env(), "config": config, "reference": reference, "rows": []}
   t_start = time.monotonic()
   longest = 0.0
   for v in variants:
@@ -270,31 +360,44 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget_s:
       left = args.budget_s - (time.monotonic() - t_start)
       if left < max(longest, 10.0):
-        print(f"== {v}: skipped, {left:.0f} s of --budget-s {args.budget_s:.0f} left "
-              f"(longest variant so far {longest:.0f} s)", flush=True)
-        result["rows"].append({"variant": v, "error": f"skipped: {left:.0f} s of the time "
-                                                      f"budget left"})
+        print(
+          f"== {v}: skipped, {left:.0f} s of --budget-s {args.budget_s:.0f} left "
+          f"(longest variant so far {longest:.0f} s)",
+          flush=True,
+        )
+        result["rows"].append(
+          {"variant": v, "error": f"skipped: {left:.0f} s of the time budget left"}
+        )
         continue
       timeout = min(timeout, left)
     print(f"== {v}: MaxText train.main, {args.steps} steps", flush=True)
     t0 = time.monotonic()
     row = bench_common.run_json_child(
-        [sys.executable, __file__, "--child", v, "--config", json.dumps(config)],
-        timeout=timeout)
+      [sys.executable, __file__, "--child", v, "--config", json.dumps(config)], timeout=timeout
+    )
     row.setdefault("variant", v)
     row["process_s"] = time.monotonic() - t0
     longest = max(longest, row["process_s"])
     result["rows"].append(row)
-    print("   " + (f"failed: {row['error']}\n{row.get('stderr_tail', '')[-1500:]}"
-                   if "error" in row else
-                   f"{row['step_s_median'] * 1e3:.1f} ms/step, "
-                   f"peak {_bytes(row['peak_device_bytes'])}, "
-                   f"process {row['process_s']:.0f} s (train.main {row['wall_s']:.0f} s)"),
-          flush=True)
+    print(
+      "   "
+      + (
+        f"failed: {row['error']}\n{row.get('stderr_tail', '')[-1500:]}"
+        if "error" in row
+        else f"{row['step_s_median'] * 1e3:.1f} ms/step, "
+        f"peak {_bytes(row['peak_device_bytes'])}, "
+        f"process {row['process_s']:.0f} s (train.main {row['wall_s']:.0f} s)"
+      ),
+      flush=True,
+    )
     # Written after every variant: a run cut short keeps what it measured.
     bench_common.write_results(stem, result, table(result["rows"], reference), quiet=True)
-  bench_common.write_results(stem, result, table(result["rows"], reference),
-                             lambda plt, path: plot(plt, result["rows"], path))
+  bench_common.write_results(
+    stem,
+    result,
+    table(result["rows"], reference),
+    lambda plt, path: plot(plt, result["rows"], path),
+  )
   return 1 if any("error" in r for r in result["rows"]) else 0
 
 

@@ -18,6 +18,7 @@ the other; this process only orchestrates and writes ``multigpu_<device>_<date>.
     python scripts/bench_multigpu.py --preset medium --batch-per-gpu 8 --steps 10
     python scripts/bench_multigpu.py --cpu-smoke           # 2 CPU devices, tiny preset
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,110 +40,150 @@ LAYOUTS = ("dp", "fsdp")
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.child:
-        return child(json.loads(args.child))
-    store_root = args.store_dir or tempfile.mkdtemp(prefix="ssd_multigpu-")
-    try:
-        return _orchestrate(args, store_root)
-    finally:
-        if not args.store_dir:
-            shutil.rmtree(store_root, ignore_errors=True)
+  args = build_parser().parse_args(argv)
+  if args.child:
+    return child(json.loads(args.child))
+  store_root = args.store_dir or tempfile.mkdtemp(prefix="ssd_multigpu-")
+  try:
+    return _orchestrate(args, store_root)
+  finally:
+    if not args.store_dir:
+      shutil.rmtree(store_root, ignore_errors=True)
 
 
 def _orchestrate(args, store_root: str) -> int:
-    base = dict(preset=args.preset, seq=args.seq, batch_per_gpu=args.batch_per_gpu,
-                steps=args.steps, warmup=args.warmup, offload=args.offload,
-                policies=args.policies, layouts=args.layouts, cpu=args.cpu_smoke,
-                fsdp_keep=args.fsdp_keep, attention=args.attention,
-                host_cache=args.host_cache)
-    results, t_start = {}, time.perf_counter()
-    for n in (1, args.gpus):
-        cfg = dict(base, gpus=n, store=os.path.join(store_root, f"n{n}", "gpu{device}"),
-                   layouts=["dp"] if n == 1 else args.layouts)  # on 1 GPU, FSDP is DP
-        env = dict(os.environ)
-        if args.cpu_smoke:
-            env.update(JAX_PLATFORMS="cpu",
-                       XLA_FLAGS=env.get("XLA_FLAGS", "") +
-                       f" --xla_force_host_platform_device_count={n}")
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
-        out = common.run_json_child([sys.executable, os.path.abspath(__file__), "--child",
-                                     json.dumps(cfg)], timeout=args.child_timeout, env=env)
-        results[n] = out
-        print(f"[{time.perf_counter() - t_start:.0f} s] {n} device(s): "
-              f"{out.get('error') or 'ok'}", flush=True)
-        if out.get("error"):
-            print(out.get("stderr_tail", ""), file=sys.stderr)
-    rows = scaling_rows(results, args.gpus)
-    doc = {"env": common.host_env() | {"device_kind": results[1].get("device_kind")},
-           "config": base | {"gpus": args.gpus, "store_dir": store_root}, "runs": results,
-           "rows": rows, "wall_s": time.perf_counter() - t_start}
-    os.makedirs(args.out, exist_ok=True)
-    kind = common.slug(results[1].get("device_kind") or "unknown")
-    path = os.path.join(args.out, f"multigpu_{kind}_{common.today()}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    table = format_table(rows, args.gpus)
-    with open(path[:-5] + ".md", "w") as f:
-        f.write(table + "\n")
-    print(table)
-    print(f"wrote {path} (+ .md); wall {doc['wall_s']:.0f} s")
-    return 1 if any(r.get("error") for r in results.values()) else 0
+  base = dict(
+    preset=args.preset,
+    seq=args.seq,
+    batch_per_gpu=args.batch_per_gpu,
+    steps=args.steps,
+    warmup=args.warmup,
+    offload=args.offload,
+    policies=args.policies,
+    layouts=args.layouts,
+    cpu=args.cpu_smoke,
+    fsdp_keep=args.fsdp_keep,
+    attention=args.attention,
+    host_cache=args.host_cache,
+  )
+  results, t_start = {}, time.perf_counter()
+  for n in (1, args.gpus):
+    cfg = dict(
+      base,
+      gpus=n,
+      store=os.path.join(store_root, f"n{n}", "gpu{device}"),
+      layouts=["dp"] if n == 1 else args.layouts,
+    )  # on 1 GPU, FSDP is DP
+    env = dict(os.environ)
+    if args.cpu_smoke:
+      env.update(
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}",
+      )
+    else:
+      env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
+    out = common.run_json_child(
+      [sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)],
+      timeout=args.child_timeout,
+      env=env,
+    )
+    results[n] = out
+    print(
+      f"[{time.perf_counter() - t_start:.0f} s] {n} device(s): {out.get('error') or 'ok'}",
+      flush=True,
+    )
+    if out.get("error"):
+      print(out.get("stderr_tail", ""), file=sys.stderr)
+  rows = scaling_rows(results, args.gpus)
+  doc = {
+    "env": common.host_env() | {"device_kind": results[1].get("device_kind")},
+    "config": base | {"gpus": args.gpus, "store_dir": store_root},
+    "runs": results,
+    "rows": rows,
+    "wall_s": time.perf_counter() - t_start,
+  }
+  os.makedirs(args.out, exist_ok=True)
+  kind = common.slug(results[1].get("device_kind") or "unknown")
+  path = os.path.join(args.out, f"multigpu_{kind}_{common.today()}.json")
+  with open(path, "w") as f:
+    json.dump(doc, f, indent=1)
+  table = format_table(rows, args.gpus)
+  with open(path[:-5] + ".md", "w") as f:
+    f.write(table + "\n")
+  print(table)
+  print(f"wrote {path} (+ .md); wall {doc['wall_s']:.0f} s")
+  return 1 if any(r.get("error") for r in results.values()) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, default=2, help="devices of the scaled run (vs 1)")
-    p.add_argument("--preset", default="medium")
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch-per-gpu", type=int, default=16)
-    p.add_argument("--steps", type=int, default=10, help="measured steps (median)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--offload", default="layer_in", help="comma-separated tags sent to nvme")
-    p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
-    p.add_argument("--layouts", type=lambda s: s.split(","), default=list(LAYOUTS))
-    p.add_argument("--fsdp-keep", action="store_true", help="also the keep policy under FSDP")
-    p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
-                   help="dot_product_attention implementation (models' ModelConfig.attention)")
-    p.add_argument("--host-cache", default="4GiB", help="engine host cache per process")
-    p.add_argument("--store-dir", default=None, help="root of the per-GPU store directories")
-    p.add_argument("--out", default=str(common.REPO_ROOT / "benchmarks"))
-    p.add_argument("--child-timeout", type=float, default=330)
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="CPU devices and the tiny preset (tests the script, not the speed)")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    return p
+  p = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  p.add_argument("--gpus", type=int, default=2, help="devices of the scaled run (vs 1)")
+  p.add_argument("--preset", default="medium")
+  p.add_argument("--seq", type=int, default=1024)
+  p.add_argument("--batch-per-gpu", type=int, default=16)
+  p.add_argument("--steps", type=int, default=10, help="measured steps (median)")
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--offload", default="layer_in", help="comma-separated tags sent to nvme")
+  p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
+  p.add_argument("--layouts", type=lambda s: s.split(","), default=list(LAYOUTS))
+  p.add_argument("--fsdp-keep", action="store_true", help="also the keep policy under FSDP")
+  p.add_argument(
+    "--attention",
+    default="auto",
+    choices=("auto", "cudnn", "xla"),
+    help="dot_product_attention implementation (models' ModelConfig.attention)",
+  )
+  p.add_argument("--host-cache", default="4GiB", help="engine host cache per process")
+  p.add_argument("--store-dir", default=None, help="root of the per-GPU store directories")
+  p.add_argument("--out", default=str(common.REPO_ROOT / "benchmarks"))
+  p.add_argument("--child-timeout", type=float, default=330)
+  p.add_argument(
+    "--cpu-smoke",
+    action="store_true",
+    help="CPU devices and the tiny preset (tests the script, not the speed)",
+  )
+  p.add_argument("--child", help=argparse.SUPPRESS)
+  return p
 
 
 def scaling_rows(results: dict, n: int) -> list[dict]:
-    one = {(r["policy"]): r for r in results.get(1, {}).get("rows", [])}
-    rows = []
-    for r in results.get(n, {}).get("rows", []):
-        base = one.get(r["policy"])
-        row = {"layout": r["layout"], "policy": r["policy"], "gpus": n,
-               "step_ms_1": base and base["step_ms_median"], "step_ms_n": r["step_ms_median"],
-               "tok_s_per_gpu_1": base and base["tok_s_per_gpu"],
-               "tok_s_per_gpu_n": r["tok_s_per_gpu"],
-               "GB_stored_per_gpu_step": r.get("GB_stored_per_gpu_step")}
-        row["efficiency"] = (r["tok_s_per_gpu"] / base["tok_s_per_gpu"]) if base else None
-        rows.append(row)
-    return rows
+  one = {(r["policy"]): r for r in results.get(1, {}).get("rows", [])}
+  rows = []
+  for r in results.get(n, {}).get("rows", []):
+    base = one.get(r["policy"])
+    row = {
+      "layout": r["layout"],
+      "policy": r["policy"],
+      "gpus": n,
+      "step_ms_1": base and base["step_ms_median"],
+      "step_ms_n": r["step_ms_median"],
+      "tok_s_per_gpu_1": base and base["tok_s_per_gpu"],
+      "tok_s_per_gpu_n": r["tok_s_per_gpu"],
+      "GB_stored_per_gpu_step": r.get("GB_stored_per_gpu_step"),
+    }
+    row["efficiency"] = (r["tok_s_per_gpu"] / base["tok_s_per_gpu"]) if base else None
+    rows.append(row)
+  return rows
 
 
 def format_table(rows: list[dict], n: int) -> str:
-    head = (f"| layout | policy | step ms (1 GPU) | step ms ({n} GPUs) | tok/s/GPU (1) | "
-            f"tok/s/GPU ({n}) | weak-scaling eff. | GB stored/GPU/step |\n"
-            "|---|---|---|---|---|---|---|---|")
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    lines = [head] + [
-        f"| {r['layout']} | {r['policy']} | {fmt(r['step_ms_1'], '.1f')} | "
-        f"{fmt(r['step_ms_n'], '.1f')} | {fmt(r['tok_s_per_gpu_1'], ',.0f')} | "
-        f"{fmt(r['tok_s_per_gpu_n'], ',.0f')} | "
-        f"{fmt(r['efficiency'] and 100 * r['efficiency'], '.1f')}% | "
-        f"{fmt(r['GB_stored_per_gpu_step'], '.3f')} |" for r in rows]
-    return "\n".join(lines)
+  head = (
+    f"| layout | policy | step ms (1 GPU) | step ms ({n} GPUs) | tok/s/GPU (1) | "
+    f"tok/s/GPU ({n}) | weak-scaling eff. | GB stored/GPU/step |\n"
+    "|---|---|---|---|---|---|---|---|"
+  )
+  fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+  lines = [head] + [
+    f"| {r['layout']} | {r['policy']} | {fmt(r['step_ms_1'], '.1f')} | "
+    f"{fmt(r['step_ms_n'], '.1f')} | {fmt(r['tok_s_per_gpu_1'], ',.0f')} | "
+    f"{fmt(r['tok_s_per_gpu_n'], ',.0f')} | "
+    f"{fmt(r['efficiency'] and 100 * r['efficiency'], '.1f')}% | "
+    f"{fmt(r['GB_stored_per_gpu_step'], '.3f')} |"
+    for r in rows
+  ]
+  return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,79 +191,117 @@ def format_table(rows: list[dict], n: int) -> str:
 
 
 def child(cfg: dict) -> int:
-    import jax
-    import numpy as np
+  import jax
+  import numpy as np
 
-    import jax_ssdtrain as ssd
-    from models import parallel, training
+  import jax_ssdtrain as ssd
+  from models import parallel, training
 
-    n = cfg["gpus"]
-    devices = jax.devices()[:n]
-    if len(devices) != n:
-        print(json.dumps({"error": f"needs {n} devices, found {jax.devices()}"}))
-        return 1
-    ssd.configure(directory=cfg["store"], host_cache_bytes=cfg["host_cache"])
-    tags = [t for t in cfg["offload"].split(",") if t]
-    preset = "tiny" if cfg["cpu"] else cfg["preset"]
-    seq = 16 if cfg["cpu"] else cfg["seq"]
-    batch = cfg["batch_per_gpu"] if not cfg["cpu"] else 2
-    rows = []
-    for layout in cfg["layouts"]:
-        par = parallel.Parallelism(data=n, fsdp=(layout == "fsdp"))
-        mesh = par.mesh(devices)
-        policies = [p for p in cfg["policies"]
-                    if not (layout == "fsdp" and p == "keep" and not cfg["fsdp_keep"])]
-        for policy in policies:
-            locations = {"offload": {t: "nvme" for t in tags},
-                         "remat": {t: "device" for t in tags}, "keep": None}[policy]
-            run = training.RunConfig(preset=preset, batch=batch * n, seq_len=seq,
-                                     steps=cfg["warmup"] + cfg["steps"], locations=locations,
-                                     remat_policy="keep" if locations is None else None,
-                                     min_bytes=0,
-                                     model_overrides={"attention": cfg["attention"]})
-            state, _, _ = training.create_train_state(run)
-            state, shardings = training.shard_train_state(state, par, mesh)
-            step_fn = training.jit_train_step(shardings)
-            rng = jax.random.key(0)
-            data = np.random.RandomState(0).randint(0, 256, (4, batch * n, seq + 1)).astype(np.int32)
-            batches = [training.shard_batch(b, par, mesh) for b in data]
-            t0 = time.perf_counter()
-            state, metrics = step_fn(state, batches[0], rng)
-            jax.block_until_ready(metrics)
-            compile_s = time.perf_counter() - t0
-            for i in range(1, cfg["warmup"]):
-                state, metrics = step_fn(state, batches[i % 4], rng)
-            jax.block_until_ready(metrics)
-            ssd.flush()
-            ssd.reset_stats()
-            times = []
-            for i in range(cfg["steps"]):
-                t0 = time.perf_counter()
-                state, metrics = step_fn(state, batches[i % 4], rng)
-                jax.block_until_ready(metrics)
-                times.append(time.perf_counter() - t0)
-            ssd.flush()
-            dstats = ssd.device_stats()
-            med = statistics.median(times)
-            rows.append({
-                "layout": layout, "policy": policy, "gpus": n, "batch_per_gpu": batch,
-                "seq": seq, "preset": preset, "compile_s": compile_s,
-                "step_ms_all": [1e3 * t for t in times], "step_ms_median": 1e3 * med,
-                "tok_s_per_gpu": batch * seq / med, "loss": float(metrics["loss"]),
-                "GB_stored_per_gpu_step": (max((s["bytes_written"] for s in dstats.values()),
-                                               default=0) / 1e9 / cfg["steps"]),
-                "device_stats": {str(k): v for k, v in dstats.items()},
-                "engine": {k: v for k, v in ssd.stats().items()
-                           if k in ("disk_bytes_written", "disk_bytes_read", "stall_seconds",
-                                    "forwarded_bytes", "write_skipped_bytes")},
-            })
-            print(f"{layout} {policy}: {1e3 * med:.1f} ms/step (compile {compile_s:.0f} s)",
-                  file=sys.stderr, flush=True)
-            del state, batches
-    print(json.dumps({"device_kind": devices[0].device_kind, "rows": rows,
-                      "store_directories": list(ssd.store_directories())}))
-    return 0
+  n = cfg["gpus"]
+  devices = jax.devices()[:n]
+  if len(devices) != n:
+    print(json.dumps({"error": f"needs {n} devices, found {jax.devices()}"}))
+    return 1
+  ssd.configure(directory=cfg["store"], host_cache_bytes=cfg["host_cache"])
+  tags = [t for t in cfg["offload"].split(",") if t]
+  preset = "tiny" if cfg["cpu"] else cfg["preset"]
+  seq = 16 if cfg["cpu"] else cfg["seq"]
+  batch = cfg["batch_per_gpu"] if not cfg["cpu"] else 2
+  rows = []
+  for layout in cfg["layouts"]:
+    par = parallel.Parallelism(data=n, fsdp=(layout == "fsdp"))
+    mesh = par.mesh(devices)
+    policies = [
+      p for p in cfg["policies"] if not (layout == "fsdp" and p == "keep" and not cfg["fsdp_keep"])
+    ]
+    for policy in policies:
+      locations = {
+        "offload": {t: "nvme" for t in tags},
+        "remat": {t: "device" for t in tags},
+        "keep": None,
+      }[policy]
+      run = training.RunConfig(
+        preset=preset,
+        batch=batch * n,
+        seq_len=seq,
+        steps=cfg["warmup"] + cfg["steps"],
+        locations=locations,
+        remat_policy="keep" if locations is None else None,
+        min_bytes=0,
+        model_overrides={"attention": cfg["attention"]},
+      )
+      state, _, _ = training.create_train_state(run)
+      state, shardings = training.shard_train_state(state, par, mesh)
+      step_fn = training.jit_train_step(shardings)
+      rng = jax.random.key(0)
+      data = np.random.RandomState(0).randint(0, 256, (4, batch * n, seq + 1)).astype(np.int32)
+      batches = [training.shard_batch(b, par, mesh) for b in data]
+      t0 = time.perf_counter()
+      state, metrics = step_fn(state, batches[0], rng)
+      jax.block_until_ready(metrics)
+      compile_s = time.perf_counter() - t0
+      for i in range(1, cfg["warmup"]):
+        state, metrics = step_fn(state, batches[i % 4], rng)
+      jax.block_until_ready(metrics)
+      ssd.flush()
+      ssd.reset_stats()
+      times = []
+      for i in range(cfg["steps"]):
+        t0 = time.perf_counter()
+        state, metrics = step_fn(state, batches[i % 4], rng)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+      ssd.flush()
+      dstats = ssd.device_stats()
+      med = statistics.median(times)
+      rows.append(
+        {
+          "layout": layout,
+          "policy": policy,
+          "gpus": n,
+          "batch_per_gpu": batch,
+          "seq": seq,
+          "preset": preset,
+          "compile_s": compile_s,
+          "step_ms_all": [1e3 * t for t in times],
+          "step_ms_median": 1e3 * med,
+          "tok_s_per_gpu": batch * seq / med,
+          "loss": float(metrics["loss"]),
+          "GB_stored_per_gpu_step": (
+            max((s["bytes_written"] for s in dstats.values()), default=0) / 1e9 / cfg["steps"]
+          ),
+          "device_stats": {str(k): v for k, v in dstats.items()},
+          "engine": {
+            k: v
+            for k, v in ssd.stats().items()
+            if k
+            in (
+              "disk_bytes_written",
+              "disk_bytes_read",
+              "stall_seconds",
+              "forwarded_bytes",
+              "write_skipped_bytes",
+            )
+          },
+        }
+      )
+      print(
+        f"{layout} {policy}: {1e3 * med:.1f} ms/step (compile {compile_s:.0f} s)",
+        file=sys.stderr,
+        flush=True,
+      )
+      del state, batches
+  print(
+    json.dumps(
+      {
+        "device_kind": devices[0].device_kind,
+        "rows": rows,
+        "store_directories": list(ssd.store_directories()),
+      }
+    )
+  )
+  return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+  sys.exit(main())

@@ -27,6 +27,7 @@ from CUDA events) beside it. ``--timeline`` writes one timed step's device copie
 of every ssd row as a Chrome trace (``rok_timeline_<device>_<date>.json``: chrome://tracing or
 https://ui.perfetto.dev).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,62 +57,68 @@ HEAD_DIM = 128
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """Where a policy puts the four tags. Untagged values are always recomputed."""
-    offloaded: tuple[str, ...] = ()  # tags that leave the device
-    saved: tuple[str, ...] = ()      # tags saved on the device
-    via: str = "pinned_host"         # offload target: JAX's pinned_host, or ssd "host" / "nvme"
-    remat: bool = True               # False: no jax.checkpoint at all
-    small_cache: bool = False        # host cache of --sweep-host-cache
+  """Where a policy puts the four tags. Untagged values are always recomputed."""
 
-    @property
-    def ssd(self) -> bool:
-        return self.via in ("host", "nvme")
+  offloaded: tuple[str, ...] = ()  # tags that leave the device
+  saved: tuple[str, ...] = ()  # tags saved on the device
+  via: str = "pinned_host"  # offload target: JAX's pinned_host, or ssd "host" / "nvme"
+  remat: bool = True  # False: no jax.checkpoint at all
+  small_cache: bool = False  # host cache of --sweep-host-cache
 
-    def policy(self, min_bytes: int):
-        import jax
-        cp = jax.checkpoint_policies
-        if not self.remat:
-            return None
-        if self.ssd:
-            import jax_ssdtrain as ssd
-            return ssd.offload_policy(self.offloaded, self.saved, min_bytes=min_bytes,
-                                      location=self.via)
-        if self.offloaded:
-            return cp.save_and_offload_only_these_names(
-                names_which_can_be_saved=list(self.saved),
-                names_which_can_be_offloaded=list(self.offloaded),
-                offload_src="device", offload_dst="pinned_host")
-        return cp.save_only_these_names(*self.saved) if self.saved else cp.nothing_saveable
+  @property
+  def ssd(self) -> bool:
+    return self.via in ("host", "nvme")
+
+  def policy(self, min_bytes: int):
+    import jax
+
+    cp = jax.checkpoint_policies
+    if not self.remat:
+      return None
+    if self.ssd:
+      import jax_ssdtrain as ssd
+
+      return ssd.offload_policy(self.offloaded, self.saved, min_bytes=min_bytes, location=self.via)
+    if self.offloaded:
+      return cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(self.saved),
+        names_which_can_be_offloaded=list(self.offloaded),
+        offload_src="device",
+        offload_dst="pinned_host",
+      )
+    return cp.save_only_these_names(*self.saved) if self.saved else cp.nothing_saveable
 
 
 def _rest(names):
-    return tuple(n for n in NAMES if n not in names)
+  return tuple(n for n in NAMES if n not in names)
 
 
 POLICIES = {
-    "keep": Spec(remat=False),
-    "recompute": Spec(),
-    "selective": Spec(saved=NAMES),
-    "jax_host_layer_in": Spec(offloaded=("layer_in",)),
-    "jax_host_named": Spec(offloaded=NAMES),
-    "ssd_host_named": Spec(offloaded=NAMES, via="host"),
-    "ssd_host_layer_in": Spec(offloaded=("layer_in",), via="host"),
-    "ssd_nvme_named": Spec(offloaded=NAMES, via="nvme"),
-    "ssd_nvme_layer_in": Spec(offloaded=("layer_in",), via="nvme"),
-    **{f"ssd_nvme_sweep_{k}": Spec(offloaded=s, saved=_rest(s), via="nvme", small_cache=True)
-       for k, s in enumerate(SWEEP, 1)},
+  "keep": Spec(remat=False),
+  "recompute": Spec(),
+  "selective": Spec(saved=NAMES),
+  "jax_host_layer_in": Spec(offloaded=("layer_in",)),
+  "jax_host_named": Spec(offloaded=NAMES),
+  "ssd_host_named": Spec(offloaded=NAMES, via="host"),
+  "ssd_host_layer_in": Spec(offloaded=("layer_in",), via="host"),
+  "ssd_nvme_named": Spec(offloaded=NAMES, via="nvme"),
+  "ssd_nvme_layer_in": Spec(offloaded=("layer_in",), via="nvme"),
+  **{
+    f"ssd_nvme_sweep_{k}": Spec(offloaded=s, saved=_rest(s), via="nvme", small_cache=True)
+    for k, s in enumerate(SWEEP, 1)
+  },
 }
 
 
 def model_flops(H, S, B, L):
-    """fwd + bwd of the stack, causal attention (the formula of jax_rok_baseline.py)."""
-    return L * (24 * B * S * H * H + 2 * B * S * S * H) * 3
+  """fwd + bwd of the stack, causal attention (the formula of jax_rok_baseline.py)."""
+  return L * (24 * B * S * H * H + 2 * B * S * S * H) * 3
 
 
 def offload_bytes(spec: Spec, H, S, B, L, min_bytes) -> int:
-    """Bytes per step that the policy sends off the device, from the shapes."""
-    sizes = [WIDTH[n] * B * S * H * 2 for n in spec.offloaded]  # bf16
-    return L * sum(b for b in sizes if b >= min_bytes or not spec.ssd)
+  """Bytes per step that the policy sends off the device, from the shapes."""
+  sizes = [WIDTH[n] * B * S * H * 2 for n in spec.offloaded]  # bf16
+  return L * sum(b for b in sizes if b >= min_bytes or not spec.ssd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,218 +126,247 @@ def offload_bytes(spec: Spec, H, S, B, L, min_bytes) -> int:
 
 
 def make_layer(heads: int, attention_impl):
-    """One block of the stack: ``layer(x, p) -> x`` with x (B, S, H) and p one layer's weights."""
-    import jax
-    import jax.numpy as jnp
-    from jax.ad_checkpoint import checkpoint_name
+  """One block of the stack: ``layer(x, p) -> x`` with x (B, S, H) and p one layer's weights."""
+  import jax
+  import jax.numpy as jnp
+  from jax.ad_checkpoint import checkpoint_name
 
-    def rms(x):
-        x32 = x.astype(jnp.float32)
-        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)).astype(x.dtype)
+  def rms(x):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)).astype(x.dtype)
 
-    def layer(x, p):
-        B, S, H = x.shape
-        x = checkpoint_name(x, "layer_in")
-        qkv = checkpoint_name(rms(x) @ p["wqkv"], "qkv")
-        q, k, v = jnp.split(qkv.reshape(B, S, 3 * heads, H // heads), 3, axis=2)
-        a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
-        a = checkpoint_name(a.reshape(B, S, H), "attn")
-        x = x + a @ p["wo"]
-        u = checkpoint_name(rms(x) @ p["w1"], "mlp_up")
-        return x + jax.nn.gelu(u) @ p["w2"]
+  def layer(x, p):
+    B, S, H = x.shape
+    x = checkpoint_name(x, "layer_in")
+    qkv = checkpoint_name(rms(x) @ p["wqkv"], "qkv")
+    q, k, v = jnp.split(qkv.reshape(B, S, 3 * heads, H // heads), 3, axis=2)
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
+    a = checkpoint_name(a.reshape(B, S, H), "attn")
+    x = x + a @ p["wo"]
+    u = checkpoint_name(rms(x) @ p["w1"], "mlp_up")
+    return x + jax.nn.gelu(u) @ p["w2"]
 
-    return layer
+  return layer
 
 
 def make_step(policy, heads: int, attention_impl):
-    import jax
-    import jax.numpy as jnp
+  import jax
+  import jax.numpy as jnp
 
-    layer = make_layer(heads, attention_impl)
-    body = lambda x, p: (layer(x, p), None)  # noqa: E731
-    if policy is not None:
-        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+  layer = make_layer(heads, attention_impl)
+  body = lambda x, p: (layer(x, p), None)  # noqa: E731
+  if policy is not None:
+    body = jax.checkpoint(body, policy=policy, prevent_cse=False)
 
-    def loss(params, x):
-        y, _ = jax.lax.scan(body, x, params)
-        return jnp.mean(y.astype(jnp.float32) ** 2)
+  def loss(params, x):
+    y, _ = jax.lax.scan(body, x, params)
+    return jnp.mean(y.astype(jnp.float32) ** 2)
 
-    return jax.jit(jax.value_and_grad(loss))
+  return jax.jit(jax.value_and_grad(loss))
 
 
 def init(H, S, B, L):
-    import jax
-    import jax.numpy as jnp
-    k = jax.random.split(jax.random.key(0), 5)
-    w = lambda kk, shape: (jax.random.normal(kk, (L,) + shape, jnp.float32) * 0.02  # noqa: E731
-                           ).astype(jnp.bfloat16)
-    params = {"wqkv": w(k[0], (H, 3 * H)), "wo": w(k[1], (H, H)),
-              "w1": w(k[2], (H, 4 * H)), "w2": w(k[3], (4 * H, H))}
-    return params, jax.random.normal(k[4], (B, S, H), jnp.bfloat16)
+  import jax
+  import jax.numpy as jnp
+
+  k = jax.random.split(jax.random.key(0), 5)
+  w = lambda kk, shape: (
+    (
+      jax.random.normal(kk, (L,) + shape, jnp.float32) * 0.02  # noqa: E731
+    ).astype(jnp.bfloat16)
+  )
+  params = {
+    "wqkv": w(k[0], (H, 3 * H)),
+    "wo": w(k[1], (H, H)),
+    "w1": w(k[2], (H, 4 * H)),
+    "w2": w(k[3], (4 * H, H)),
+  }
+  return params, jax.random.normal(k[4], (B, S, H), jnp.bfloat16)
 
 
 def _compare_fn():
-    """jit(a, b, ref) -> (a bitwise equal to b, max over leaves of max|a - ref| / max|ref|)."""
-    import jax
-    import jax.numpy as jnp
+  """jit(a, b, ref) -> (a bitwise equal to b, max over leaves of max|a - ref| / max|ref|)."""
+  import jax
+  import jax.numpy as jnp
 
-    def bits(x):
-        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+  def bits(x):
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
-    def compare(a, b, ref):
-        la, lb, lr = (jax.tree.leaves(t) for t in (a, b, ref))
-        same = jnp.all(jnp.stack([jnp.array_equal(bits(x), bits(y)) for x, y in zip(la, lb)]))
-        rel = [jnp.max(jnp.abs(x.astype(jnp.float32) - r.astype(jnp.float32))) /
-               jnp.maximum(jnp.max(jnp.abs(r.astype(jnp.float32))), 1e-30) for x, r in zip(la, lr)]
-        rel = jnp.max(jnp.stack(rel))
-        return same, jnp.where(jnp.isnan(rel), jnp.inf, rel)
+  def compare(a, b, ref):
+    la, lb, lr = (jax.tree.leaves(t) for t in (a, b, ref))
+    same = jnp.all(jnp.stack([jnp.array_equal(bits(x), bits(y)) for x, y in zip(la, lb)]))
+    rel = [
+      jnp.max(jnp.abs(x.astype(jnp.float32) - r.astype(jnp.float32)))
+      / jnp.maximum(jnp.max(jnp.abs(r.astype(jnp.float32))), 1e-30)
+      for x, r in zip(la, lr)
+    ]
+    rel = jnp.max(jnp.stack(rel))
+    return same, jnp.where(jnp.isnan(rel), jnp.inf, rel)
 
-    return jax.jit(compare)
+  return jax.jit(compare)
 
 
 def run_check(step, reference, params, shape, cfg: dict) -> dict:
-    """Fresh inputs, each twice through ``step`` (bitwise equal?) and once through ``reference``
-    (selective). A race shows up as repeats that differ or an error that moves from step to
-    step. ``cfg["check_steps"]`` inputs, fewer (>= 3) if that would exceed
-    ``cfg["check_budget_s"]`` at the timed step times."""
-    import jax
-    import jax.numpy as jnp
-    H, S, B, L = shape
-    per_input = (2 * cfg["step_ms"] + cfg["selective_ms"]) / 1e3
-    n = max(3, min(cfg["check_steps"], int(cfg["check_budget_s"] / max(per_input, 1e-9))))
-    compare = _compare_fn()
-    identical, ref_deterministic, rels = True, True, []
-    for i in range(n):
-        x = jax.random.normal(jax.random.key(1000 + i), (B, S, H), jnp.bfloat16)
-        a = step(params, x)
-        b = step(params, x)
-        r = reference(params, x)
-        same, rel = (v.item() for v in compare(a, b, r))
-        rels.append(float(rel))
-        if not same:
-            identical = False
-            ref_deterministic &= bool(compare(r, reference(params, x), r)[0].item())
-        del a, b, r
-    tol = cfg["check_tol"]
-    out = {"check_steps": n, "check_identical_repeats": identical,
-           "check_max_rel_diff_vs_selective": max(rels), "check_rel_diffs": rels,
-           "check_tol": tol, "check_ok": (identical or not ref_deterministic) and max(rels) <= tol}
-    if not identical:  # the reference too: the program is not deterministic, the check is weak
-        out["check_reference_deterministic"] = ref_deterministic
-    return out
+  """Fresh inputs, each twice through ``step`` (bitwise equal?) and once through ``reference``
+  (selective). A race shows up as repeats that differ or an error that moves from step to
+  step. ``cfg["check_steps"]`` inputs, fewer (>= 3) if that would exceed
+  ``cfg["check_budget_s"]`` at the timed step times."""
+  import jax
+  import jax.numpy as jnp
+
+  H, S, B, L = shape
+  per_input = (2 * cfg["step_ms"] + cfg["selective_ms"]) / 1e3
+  n = max(3, min(cfg["check_steps"], int(cfg["check_budget_s"] / max(per_input, 1e-9))))
+  compare = _compare_fn()
+  identical, ref_deterministic, rels = True, True, []
+  for i in range(n):
+    x = jax.random.normal(jax.random.key(1000 + i), (B, S, H), jnp.bfloat16)
+    a = step(params, x)
+    b = step(params, x)
+    r = reference(params, x)
+    same, rel = (v.item() for v in compare(a, b, r))
+    rels.append(float(rel))
+    if not same:
+      identical = False
+      ref_deterministic &= bool(compare(r, reference(params, x), r)[0].item())
+    del a, b, r
+  tol = cfg["check_tol"]
+  out = {
+    "check_steps": n,
+    "check_identical_repeats": identical,
+    "check_max_rel_diff_vs_selective": max(rels),
+    "check_rel_diffs": rels,
+    "check_tol": tol,
+    "check_ok": (identical or not ref_deterministic) and max(rels) <= tol,
+  }
+  if not identical:  # the reference too: the program is not deterministic, the check is weak
+    out["check_reference_deterministic"] = ref_deterministic
+  return out
 
 
 def engine_row(s: dict, steps: int) -> dict:
-    per = lambda key: s.get(key, 0) / steps  # noqa: E731
-    gb = lambda key: s.get(key, 0) / 1e9  # noqa: E731
-    gpu = {}
-    if "link_d2h_bytes" in s:  # CUDA handlers: copies timed with CUDA events
-        gpu = {
-            "link_d2h_GB_per_step": per("link_d2h_bytes") / 1e9,
-            "link_h2d_GB_per_step": per("link_h2d_bytes") / 1e9,
-            "link_d2h_busy_ms_per_step": per("link_d2h_busy_seconds") * 1e3,
-            "link_h2d_busy_ms_per_step": per("link_h2d_busy_seconds") * 1e3,
-            "link_overlap_ms_per_step": per("link_overlap_seconds") * 1e3,
-            "link_d2h_GBps": s.get("link_d2h_GBps", 0.0),
-            "link_h2d_GBps": s.get("link_h2d_GBps", 0.0),
-            "compute_wait_ms_per_step": per("gpu_compute_wait_seconds") * 1e3,
-            "load_host_ms_per_step": per("gpu_load_host_seconds") * 1e3,
-            "stage_copies_ms_per_step": (per("gpu_stage_in_seconds")
-                                         + per("gpu_load_staged_seconds")) * 1e3,
-            "d2h_elided_GB_per_step": per("d2h_elided_bytes") / 1e9,
-        }
-    return gpu | {
-        "offload_GB_per_step": per("bytes_written") / 1e9,
-        "loaded_GB_per_step": per("bytes_read") / 1e9,
-        "disk_MB_written_per_step": per("disk_bytes_written") / 1e6,
-        "disk_MB_read_per_step": per("disk_bytes_read") / 1e6,
-        "write_skipped_MB_per_step": per("write_skipped_bytes") / 1e6,
-        "host_tier_GB_peak": gb("host_tier_bytes_peak"),
-        "host_cache_GB_peak": gb("host_cache_bytes_peak"),
-        "staging_GB_peak": gb("staging_bytes_peak"),
-        "file_GB_peak": gb("file_bytes_peak"),
-        "stall_ms_per_step": per("stall_seconds") * 1e3,
-        "prefetch_hits_per_step": per("prefetch_hits"),
-        "prefetch_misses_per_step": per("prefetch_misses"),
-        "forwarded_tensors_per_step": per("forwarded_tensors"),
-        "write_GBps": s.get("write_GBps", 0.0),
-        "read_GBps": s.get("read_GBps", 0.0),
-        "engine": s,
+  per = lambda key: s.get(key, 0) / steps  # noqa: E731
+  gb = lambda key: s.get(key, 0) / 1e9  # noqa: E731
+  gpu = {}
+  if "link_d2h_bytes" in s:  # CUDA handlers: copies timed with CUDA events
+    gpu = {
+      "link_d2h_GB_per_step": per("link_d2h_bytes") / 1e9,
+      "link_h2d_GB_per_step": per("link_h2d_bytes") / 1e9,
+      "link_d2h_busy_ms_per_step": per("link_d2h_busy_seconds") * 1e3,
+      "link_h2d_busy_ms_per_step": per("link_h2d_busy_seconds") * 1e3,
+      "link_overlap_ms_per_step": per("link_overlap_seconds") * 1e3,
+      "link_d2h_GBps": s.get("link_d2h_GBps", 0.0),
+      "link_h2d_GBps": s.get("link_h2d_GBps", 0.0),
+      "compute_wait_ms_per_step": per("gpu_compute_wait_seconds") * 1e3,
+      "load_host_ms_per_step": per("gpu_load_host_seconds") * 1e3,
+      "stage_copies_ms_per_step": (per("gpu_stage_in_seconds") + per("gpu_load_staged_seconds"))
+      * 1e3,
+      "d2h_elided_GB_per_step": per("d2h_elided_bytes") / 1e9,
     }
+  return gpu | {
+    "offload_GB_per_step": per("bytes_written") / 1e9,
+    "loaded_GB_per_step": per("bytes_read") / 1e9,
+    "disk_MB_written_per_step": per("disk_bytes_written") / 1e6,
+    "disk_MB_read_per_step": per("disk_bytes_read") / 1e6,
+    "write_skipped_MB_per_step": per("write_skipped_bytes") / 1e6,
+    "host_tier_GB_peak": gb("host_tier_bytes_peak"),
+    "host_cache_GB_peak": gb("host_cache_bytes_peak"),
+    "staging_GB_peak": gb("staging_bytes_peak"),
+    "file_GB_peak": gb("file_bytes_peak"),
+    "stall_ms_per_step": per("stall_seconds") * 1e3,
+    "prefetch_hits_per_step": per("prefetch_hits"),
+    "prefetch_misses_per_step": per("prefetch_misses"),
+    "forwarded_tensors_per_step": per("forwarded_tensors"),
+    "write_GBps": s.get("write_GBps", 0.0),
+    "read_GBps": s.get("read_GBps", 0.0),
+    "engine": s,
+  }
 
 
 def child(cfg: dict) -> int:
-    """``cfg["mode"]``: "time" (compile, warm up, time, engine stats) or "check"."""
-    import jax
-    name, shape = cfg["policy"], tuple(cfg["shape"])
-    H, S, B, L = shape
-    base, own_options = split_policy(name)
-    spec = POLICIES[base]
-    dev = jax.devices()[0]
-    row = {"policy": name, "H": H, "S": S, "B": B, "L": L}
-    ssd = None
-    if spec.ssd:
-        import jax_ssdtrain as ssd
-        options = dict(cfg["ssd_options"])
-        if spec.small_cache:
-            options["host_cache_bytes"] = cfg["sweep_host_cache"]
-        options.update(own_options)
-        row["store_config"] = dataclasses.asdict(ssd.configure(directory=cfg["store_dir"],
-                                                               **options))
-    params, x0 = init(*shape)
-    impl = "cudnn" if dev.platform == "gpu" else None
-    compile_ = lambda policy: make_step(policy, H // HEAD_DIM, impl).lower(params, x0).compile()  # noqa: E731
-    t0 = time.perf_counter()
-    step = compile_(spec.policy(cfg["min_bytes"]))
-    compile_s = time.perf_counter() - t0
+  """``cfg["mode"]``: "time" (compile, warm up, time, engine stats) or "check"."""
+  import jax
 
-    if cfg["mode"] == "check":
-        reference = compile_(POLICIES["selective"].policy(0))
-        row.update(run_check(step, reference, params, shape, cfg))
-        print(json.dumps(row), flush=True)
-        return 0
+  name, shape = cfg["policy"], tuple(cfg["shape"])
+  H, S, B, L = shape
+  base, own_options = split_policy(name)
+  spec = POLICIES[base]
+  dev = jax.devices()[0]
+  row = {"policy": name, "H": H, "S": S, "B": B, "L": L}
+  ssd = None
+  if spec.ssd:
+    import jax_ssdtrain as ssd
 
-    row.update(heads=H // HEAD_DIM, device_kind=dev.device_kind, platform=dev.platform,
-               jax=jax.__version__, steps=cfg["steps"], offloaded=list(spec.offloaded),
-               saved=list(spec.saved), via=spec.via if spec.offloaded else None,
-               expected_offload_GB_per_step=offload_bytes(spec, *shape, cfg["min_bytes"]) / 1e9,
-               compile_s=compile_s)
-    ma = step.memory_analysis()
-    for key in ("temp", "host_temp", "argument", "output"):
-        row[f"{key}_GB"] = getattr(ma, f"{key}_size_in_bytes", 0) / 1e9 if ma is not None else None
-    for _ in range(cfg["warmup"]):
-        out = step(params, x0)
-    jax.block_until_ready(out)
-    del out
-    if ssd:
-        ssd.reset_stats()
-        ssd.timeline()  # forget the warm-up's copies
-    times = []
-    last_step = []  # the engine's timeline of the last timed step
-    for i in range(cfg["steps"]):
-        if ssd and cfg.get("timeline") and i == cfg["steps"] - 1:
-            ssd.timeline()  # forget the copies of the steps before
-            host_start = time.monotonic()  # the clock of the engine's timeline
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(params, x0))
-        times.append(time.perf_counter() - t0)
-        if ssd and cfg.get("timeline") and i == cfg["steps"] - 1:
-            ssd.flush()  # every copy of the step done, so that all of them are in the timeline
-            last_step = ssd.timeline()
-    if ssd:
-        row.update(engine_row(ssd.stats(), cfg["steps"]))
-        if cfg.get("timeline"):
-            # times from the step's dispatch (host clock); the first record shows any offset
-            row["timeline"] = [dict(r, start=r["start"] - host_start, end=r["end"] - host_start)
-                               for r in last_step]
-    ms = statistics.median(times) * 1e3
-    row.update(step_ms_median=ms, step_ms_min=min(times) * 1e3,
-               step_ms_all=[t * 1e3 for t in times],
-               model_tflops=model_flops(*shape) / ms / 1e9)
-    mem = dev.memory_stats() or {}
-    row["peak_GB"] = mem["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in mem else None
+    options = dict(cfg["ssd_options"])
+    if spec.small_cache:
+      options["host_cache_bytes"] = cfg["sweep_host_cache"]
+    options.update(own_options)
+    row["store_config"] = dataclasses.asdict(ssd.configure(directory=cfg["store_dir"], **options))
+  params, x0 = init(*shape)
+  impl = "cudnn" if dev.platform == "gpu" else None
+  compile_ = lambda policy: make_step(policy, H // HEAD_DIM, impl).lower(params, x0).compile()  # noqa: E731
+  t0 = time.perf_counter()
+  step = compile_(spec.policy(cfg["min_bytes"]))
+  compile_s = time.perf_counter() - t0
+
+  if cfg["mode"] == "check":
+    reference = compile_(POLICIES["selective"].policy(0))
+    row.update(run_check(step, reference, params, shape, cfg))
     print(json.dumps(row), flush=True)
     return 0
+
+  row.update(
+    heads=H // HEAD_DIM,
+    device_kind=dev.device_kind,
+    platform=dev.platform,
+    jax=jax.__version__,
+    steps=cfg["steps"],
+    offloaded=list(spec.offloaded),
+    saved=list(spec.saved),
+    via=spec.via if spec.offloaded else None,
+    expected_offload_GB_per_step=offload_bytes(spec, *shape, cfg["min_bytes"]) / 1e9,
+    compile_s=compile_s,
+  )
+  ma = step.memory_analysis()
+  for key in ("temp", "host_temp", "argument", "output"):
+    row[f"{key}_GB"] = getattr(ma, f"{key}_size_in_bytes", 0) / 1e9 if ma is not None else None
+  for _ in range(cfg["warmup"]):
+    out = step(params, x0)
+  jax.block_until_ready(out)
+  del out
+  if ssd:
+    ssd.reset_stats()
+    ssd.timeline()  # forget the warm-up's copies
+  times = []
+  last_step = []  # the engine's timeline of the last timed step
+  for i in range(cfg["steps"]):
+    if ssd and cfg.get("timeline") and i == cfg["steps"] - 1:
+      ssd.timeline()  # forget the copies of the steps before
+      host_start = time.monotonic()  # the clock of the engine's timeline
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(params, x0))
+    times.append(time.perf_counter() - t0)
+    if ssd and cfg.get("timeline") and i == cfg["steps"] - 1:
+      ssd.flush()  # every copy of the step done, so that all of them are in the timeline
+      last_step = ssd.timeline()
+  if ssd:
+    row.update(engine_row(ssd.stats(), cfg["steps"]))
+    if cfg.get("timeline"):
+      # times from the step's dispatch (host clock); the first record shows any offset
+      row["timeline"] = [
+        dict(r, start=r["start"] - host_start, end=r["end"] - host_start) for r in last_step
+      ]
+  ms = statistics.median(times) * 1e3
+  row.update(
+    step_ms_median=ms,
+    step_ms_min=min(times) * 1e3,
+    step_ms_all=[t * 1e3 for t in times],
+    model_tflops=model_flops(*shape) / ms / 1e9,
+  )
+  mem = dev.memory_stats() or {}
+  row["peak_GB"] = mem["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in mem else None
+  print(json.dumps(row), flush=True)
+  return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,413 +374,608 @@ def child(cfg: dict) -> int:
 
 
 def _shape(text: str):
-    try:
-        shape = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        shape = ()
-    if len(shape) != 4 or min(shape) <= 0 or shape[0] % HEAD_DIM:
-        raise argparse.ArgumentTypeError(f"expected H,S,B,L with H a multiple of {HEAD_DIM}, "
-                                         f"got {text!r}")
-    return shape
+  try:
+    shape = tuple(int(v) for v in text.split(","))
+  except ValueError:
+    shape = ()
+  if len(shape) != 4 or min(shape) <= 0 or shape[0] % HEAD_DIM:
+    raise argparse.ArgumentTypeError(
+      f"expected H,S,B,L with H a multiple of {HEAD_DIM}, got {text!r}"
+    )
+  return shape
 
 
 def _policies(text: str):
-    out = []
-    for item in (p.strip() for p in text.split(",") if p.strip()):
-        pattern, *options = item.split(":")
-        for opt in options:  # KEY=VALUE store options of an ssd policy's own row
-            _option(opt)
-        hits = [n for n in POLICIES if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
-            raise argparse.ArgumentTypeError(f"unknown policy {pattern!r}; known: {', '.join(POLICIES)}")
-        if options and not all(POLICIES[n].ssd for n in hits):
-            raise argparse.ArgumentTypeError(f"{item!r}: store options apply to ssd_* policies only")
-        out += [":".join([n, *options]) for n in hits if ":".join([n, *options]) not in out]
-    return out
+  out = []
+  for item in (p.strip() for p in text.split(",") if p.strip()):
+    pattern, *options = item.split(":")
+    for opt in options:  # KEY=VALUE store options of an ssd policy's own row
+      _option(opt)
+    hits = [n for n in POLICIES if fnmatch.fnmatchcase(n, pattern)]
+    if not hits:
+      raise argparse.ArgumentTypeError(f"unknown policy {pattern!r}; known: {', '.join(POLICIES)}")
+    if options and not all(POLICIES[n].ssd for n in hits):
+      raise argparse.ArgumentTypeError(f"{item!r}: store options apply to ssd_* policies only")
+    out += [":".join([n, *options]) for n in hits if ":".join([n, *options]) not in out]
+  return out
 
 
 def split_policy(name: str) -> tuple[str, dict]:
-    """``"ssd_host_named:staging_bytes=1GiB"`` -> ``("ssd_host_named", {"staging_bytes": ...})``."""
-    base, *options = name.split(":")
-    return base, dict(_option(o) for o in options)
+  """``"ssd_host_named:staging_bytes=1GiB"`` -> ``("ssd_host_named", {"staging_bytes": ...})``."""
+  base, *options = name.split(":")
+  return base, dict(_option(o) for o in options)
 
 
 def _option(text: str):
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    low = value.strip().lower()
-    parsed = {"true": True, "on": True, "false": False, "off": False, "auto": None,
-              "none": None}.get(low, value.strip())
-    if isinstance(parsed, str) and parsed.isdigit():
-        parsed = int(parsed)
-    return key.strip(), parsed
+  key, sep, value = text.partition("=")
+  if not sep:
+    raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+  low = value.strip().lower()
+  parsed = {"true": True, "on": True, "false": False, "off": False, "auto": None, "none": None}.get(
+    low, value.strip()
+  )
+  if isinstance(parsed, str) and parsed.isdigit():
+    parsed = int(parsed)
+  return key.strip(), parsed
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", type=_shape, action="append",
-                   help="H,S,B,L (repeatable; default: 4096,2048,4,8 and 8192,2048,2,4)")
-    p.add_argument("--tiny", action="store_true",
-                   help="CPU smoke preset: shape 256,128,2,2, --min-bytes 0, small sweep cache")
-    p.add_argument("--policies", type=_policies, default=list(POLICIES),
-                   help="comma-separated names or globs (default: all)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
-                   help="correctness check (default: on for ssd_* policies only)")
-    p.add_argument("--check-steps", type=int, default=20, help="fresh inputs (default 20)")
-    p.add_argument("--check-budget-s", type=float, default=120,
-                   help="fewer check inputs (>= 3) where 20 would take longer than this")
-    p.add_argument("--check-xla-flags", default="--xla_gpu_exclude_nondeterministic_ops=true",
-                   help="XLA_FLAGS added for the check on GPU: cuDNN attention's backward is "
-                        "not deterministic otherwise, and a repeat check would mean nothing")
-    p.add_argument("--check-tol", type=float, default=1e-2,
-                   help="max relative gradient difference vs selective (bf16)")
-    p.add_argument("--min-bytes", type=int, default=None,
-                   help="ssd policies: smaller tags stay on device (default 1 MiB; --tiny: 0)")
-    p.add_argument("--store-dir", default=None,
-                   help="store directory (default: $SSDTRAIN_DIR, else a temp dir under /tmp)")
-    p.add_argument("--ssd", type=_option, action="append", default=[], metavar="KEY=VALUE",
-                   help="ssd.configure option for every ssd policy, e.g. io_threads=16")
-    p.add_argument("--sweep-host-cache", default=None,
-                   help="host cache of the ssd_nvme_sweep_* policies, small so that the disk is "
-                        "used (default 512MiB; --tiny: 1MiB)")
-    p.add_argument("--probe-gb", type=float, default=2.0)
-    p.add_argument("--probe-script", type=Path, default=None,
-                   help="storage_probe.py (default: <repo>/../shared/tools or <repo>/shared/tools)")
-    p.add_argument("--no-probe", action="store_true", help="skip the storage probe")
-    p.add_argument("--link-probe", action="store_true",
-                   help="measure the GPU's PCIe link (pinned copies) in this run")
-    p.add_argument("--timeline", action="store_true",
-                   help="record one timed step's device copies of every ssd row (Chrome trace)")
-    p.add_argument("--out", type=Path, default=common.REPO_ROOT / "benchmarks")
-    p.add_argument("--merge", action="store_true",
-                   help="merge into the JSON of the same name (same policy and shape replaced)")
-    p.add_argument("--replot", type=Path, nargs="+", metavar="JSON",
-                   help="table and plot of saved JSON(s) again; several are merged (later rows "
-                        "win) into --out/rok_<device>_<date>.json")
-    p.add_argument("--child-timeout", type=float, default=900)
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 1 or args.check_steps < 1:
-        p.error("--steps, --warmup and --check-steps must be >= 1")
-    args.shapes = args.shape or (TINY_SHAPES if args.tiny else DEFAULT_SHAPES)
-    if args.min_bytes is None:
-        args.min_bytes = 0 if args.tiny else 1 << 20
-    if args.sweep_host_cache is None:
-        args.sweep_host_cache = "1MiB" if args.tiny else "512MiB"
-    return args
+  p = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  p.add_argument(
+    "--shape",
+    type=_shape,
+    action="append",
+    help="H,S,B,L (repeatable; default: 4096,2048,4,8 and 8192,2048,2,4)",
+  )
+  p.add_argument(
+    "--tiny",
+    action="store_true",
+    help="CPU smoke preset: shape 256,128,2,2, --min-bytes 0, small sweep cache",
+  )
+  p.add_argument(
+    "--policies",
+    type=_policies,
+    default=list(POLICIES),
+    help="comma-separated names or globs (default: all)",
+  )
+  p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument(
+    "--check",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="correctness check (default: on for ssd_* policies only)",
+  )
+  p.add_argument("--check-steps", type=int, default=20, help="fresh inputs (default 20)")
+  p.add_argument(
+    "--check-budget-s",
+    type=float,
+    default=120,
+    help="fewer check inputs (>= 3) where 20 would take longer than this",
+  )
+  p.add_argument(
+    "--check-xla-flags",
+    default="--xla_gpu_exclude_nondeterministic_ops=true",
+    help="XLA_FLAGS added for the check on GPU: cuDNN attention's backward is "
+    "not deterministic otherwise, and a repeat check would mean nothing",
+  )
+  p.add_argument(
+    "--check-tol",
+    type=float,
+    default=1e-2,
+    help="max relative gradient difference vs selective (bf16)",
+  )
+  p.add_argument(
+    "--min-bytes",
+    type=int,
+    default=None,
+    help="ssd policies: smaller tags stay on device (default 1 MiB; --tiny: 0)",
+  )
+  p.add_argument(
+    "--store-dir",
+    default=None,
+    help="store directory (default: $SSDTRAIN_DIR, else a temp dir under /tmp)",
+  )
+  p.add_argument(
+    "--ssd",
+    type=_option,
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="ssd.configure option for every ssd policy, e.g. io_threads=16",
+  )
+  p.add_argument(
+    "--sweep-host-cache",
+    default=None,
+    help="host cache of the ssd_nvme_sweep_* policies, small so that the disk is "
+    "used (default 512MiB; --tiny: 1MiB)",
+  )
+  p.add_argument("--probe-gb", type=float, default=2.0)
+  p.add_argument(
+    "--probe-script",
+    type=Path,
+    default=None,
+    help="storage_probe.py (default: <repo>/../shared/tools or <repo>/shared/tools)",
+  )
+  p.add_argument("--no-probe", action="store_true", help="skip the storage probe")
+  p.add_argument(
+    "--link-probe",
+    action="store_true",
+    help="measure the GPU's PCIe link (pinned copies) in this run",
+  )
+  p.add_argument(
+    "--timeline",
+    action="store_true",
+    help="record one timed step's device copies of every ssd row (Chrome trace)",
+  )
+  p.add_argument("--out", type=Path, default=common.REPO_ROOT / "benchmarks")
+  p.add_argument(
+    "--merge",
+    action="store_true",
+    help="merge into the JSON of the same name (same policy and shape replaced)",
+  )
+  p.add_argument(
+    "--replot",
+    type=Path,
+    nargs="+",
+    metavar="JSON",
+    help="table and plot of saved JSON(s) again; several are merged (later rows "
+    "win) into --out/rok_<device>_<date>.json",
+  )
+  p.add_argument("--child-timeout", type=float, default=900)
+  p.add_argument("--child", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.steps < 1 or args.warmup < 1 or args.check_steps < 1:
+    p.error("--steps, --warmup and --check-steps must be >= 1")
+  args.shapes = args.shape or (TINY_SHAPES if args.tiny else DEFAULT_SHAPES)
+  if args.min_bytes is None:
+    args.min_bytes = 0 if args.tiny else 1 << 20
+  if args.sweep_host_cache is None:
+    args.sweep_host_cache = "1MiB" if args.tiny else "512MiB"
+  return args
 
 
 def _key(row):
-    return row.get("policy"), row.get("H"), row.get("S"), row.get("B"), row.get("L")
+  return row.get("policy"), row.get("H"), row.get("S"), row.get("B"), row.get("L")
 
 
 def _ok(row):
-    return "error" not in row and row.get("step_ms_median")
+  return "error" not in row and row.get("step_ms_median")
 
 
 def derive(doc: dict) -> None:
-    """Fields relative to other rows or to the probe (recomputed on merge and replot)."""
-    probe = doc.get("probe") or {}
-    selective = {_key(r)[1:]: r for r in doc["rows"] if r.get("policy") == "selective" and _ok(r)}
-    for r in doc["rows"]:
-        if not _ok(r):
-            continue
-        sel = selective.get(_key(r)[1:])
-        r["x_selective"] = r["step_ms_median"] / sel["step_ms_median"] if sel else None
-        r["device_GB"] = (r.get("temp_GB") or 0) + (r.get("staging_GB_peak") or 0)
-        for io in ("write", "read"):
-            engine, raw = r.get(f"{io}_GBps"), probe.get(f"{io}_GBps")
-            r[f"{io}_vs_probe"] = engine / raw if engine and raw else None
-        link = doc.get("link") or {}
-        for way in ("d2h", "h2d"):
-            engine, raw = r.get(f"link_{way}_GBps"), link.get(f"{way}_gbps")
-            r[f"link_{way}_vs_probe"] = engine / raw if engine and raw else None
+  """Fields relative to other rows or to the probe (recomputed on merge and replot)."""
+  probe = doc.get("probe") or {}
+  selective = {_key(r)[1:]: r for r in doc["rows"] if r.get("policy") == "selective" and _ok(r)}
+  for r in doc["rows"]:
+    if not _ok(r):
+      continue
+    sel = selective.get(_key(r)[1:])
+    r["x_selective"] = r["step_ms_median"] / sel["step_ms_median"] if sel else None
+    r["device_GB"] = (r.get("temp_GB") or 0) + (r.get("staging_GB_peak") or 0)
+    for io in ("write", "read"):
+      engine, raw = r.get(f"{io}_GBps"), probe.get(f"{io}_GBps")
+      r[f"{io}_vs_probe"] = engine / raw if engine and raw else None
+    link = doc.get("link") or {}
+    for way in ("d2h", "h2d"):
+      engine, raw = r.get(f"link_{way}_GBps"), link.get(f"{way}_gbps")
+      r[f"link_{way}_vs_probe"] = engine / raw if engine and raw else None
 
 
 def _fmt(v, spec="{:.2f}"):
-    return "-" if v is None else spec.format(v)
+  return "-" if v is None else spec.format(v)
 
 
 def table(doc: dict) -> str:
-    head = ("shape", "policy", "step ms", "x sel", "TFLOP/s", "temp GB", "stage GB", "host GB",
-            "disk MB/step w/r", "stall ms", "w/r vs probe", "link GB/s d2h/h2d (x probe)",
-            "wait ms", "check")
-    lines = []
-    for r in doc["rows"]:
-        shape = f"{r.get('H')},{r.get('S')},{r.get('B')},{r.get('L')}"
-        if not _ok(r):
-            lines.append((shape, r.get("policy", "?"), f"ERROR: {r.get('error', '?')}"))
-            continue
-        host = (r.get("host_tier_GB_peak") or 0) + (r.get("host_cache_GB_peak") or 0) \
-            if "engine" in r else r.get("host_temp_GB")
-        disk = f"{r['disk_MB_written_per_step']:.0f}/{r['disk_MB_read_per_step']:.0f}" \
-            if "engine" in r else "-"
-        vs = f"{_fmt(r.get('write_vs_probe'))}/{_fmt(r.get('read_vs_probe'))}" \
-            if "engine" in r else "-"
-        check = "-"
-        if "check_error" in r:
-            check = "FAIL (error)"
-        elif "check_ok" in r:
-            check = (f"{'ok' if r['check_ok'] else 'FAIL'} "
-                     f"{'same' if r['check_identical_repeats'] else 'DIFF'} "
-                     f"{r['check_max_rel_diff_vs_selective']:.1e}")
-        link = "-"
-        if r.get("link_d2h_GB_per_step") or r.get("link_h2d_GB_per_step"):
-            link = (f"{r['link_d2h_GBps']:.1f}/{r['link_h2d_GBps']:.1f} "
-                    f"({_fmt(r.get('link_d2h_vs_probe'))}/{_fmt(r.get('link_h2d_vs_probe'))})")
-        lines.append((shape, r["policy"], f"{r['step_ms_median']:.1f}",
-                      _fmt(r.get("x_selective"), "{:.3f}"), f"{r['model_tflops']:.1f}",
-                      _fmt(r.get("temp_GB")), _fmt(r.get("staging_GB_peak")), _fmt(host), disk,
-                      _fmt(r.get("stall_ms_per_step"), "{:.1f}"), vs, link,
-                      _fmt(r.get("compute_wait_ms_per_step"), "{:.1f}"), check))
-    widths = [max(len(str(x[i])) for x in [head] + [ln for ln in lines if len(ln) > i])
-              for i in range(len(head))]
-    fmt = lambda ln: "  ".join(str(v).ljust(w) for v, w in zip(ln, widths)).rstrip()  # noqa: E731
-    probe = doc.get("probe") or {}
-    foot = (f"probe ({probe.get('dir')}): best O_DIRECT write {probe['write_GBps']:.2f} GB/s, "
-            f"read {probe['read_GBps']:.2f} GB/s" if probe.get("write_GBps")
-            else f"probe: {probe.get('note', 'not run')}")
-    link = doc.get("link") or {}
-    if link.get("d2h_gbps"):
-        foot += (f"\nlink probe (pinned, {link['size'] / 2**30:.0f} GiB copies): D2H "
-                 f"{link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} alone; "
-                 f"{link['duplex_d2h_gbps']:.1f}/{link['duplex_h2d_gbps']:.1f} both at once")
-    return "\n".join([fmt(head)] + [fmt(ln) for ln in lines] + [foot])
+  head = (
+    "shape",
+    "policy",
+    "step ms",
+    "x sel",
+    "TFLOP/s",
+    "temp GB",
+    "stage GB",
+    "host GB",
+    "disk MB/step w/r",
+    "stall ms",
+    "w/r vs probe",
+    "link GB/s d2h/h2d (x probe)",
+    "wait ms",
+    "check",
+  )
+  lines = []
+  for r in doc["rows"]:
+    shape = f"{r.get('H')},{r.get('S')},{r.get('B')},{r.get('L')}"
+    if not _ok(r):
+      lines.append((shape, r.get("policy", "?"), f"ERROR: {r.get('error', '?')}"))
+      continue
+    host = (
+      (r.get("host_tier_GB_peak") or 0) + (r.get("host_cache_GB_peak") or 0)
+      if "engine" in r
+      else r.get("host_temp_GB")
+    )
+    disk = (
+      f"{r['disk_MB_written_per_step']:.0f}/{r['disk_MB_read_per_step']:.0f}"
+      if "engine" in r
+      else "-"
+    )
+    vs = f"{_fmt(r.get('write_vs_probe'))}/{_fmt(r.get('read_vs_probe'))}" if "engine" in r else "-"
+    check = "-"
+    if "check_error" in r:
+      check = "FAIL (error)"
+    elif "check_ok" in r:
+      check = (
+        f"{'ok' if r['check_ok'] else 'FAIL'} "
+        f"{'same' if r['check_identical_repeats'] else 'DIFF'} "
+        f"{r['check_max_rel_diff_vs_selective']:.1e}"
+      )
+    link = "-"
+    if r.get("link_d2h_GB_per_step") or r.get("link_h2d_GB_per_step"):
+      link = (
+        f"{r['link_d2h_GBps']:.1f}/{r['link_h2d_GBps']:.1f} "
+        f"({_fmt(r.get('link_d2h_vs_probe'))}/{_fmt(r.get('link_h2d_vs_probe'))})"
+      )
+    lines.append(
+      (
+        shape,
+        r["policy"],
+        f"{r['step_ms_median']:.1f}",
+        _fmt(r.get("x_selective"), "{:.3f}"),
+        f"{r['model_tflops']:.1f}",
+        _fmt(r.get("temp_GB")),
+        _fmt(r.get("staging_GB_peak")),
+        _fmt(host),
+        disk,
+        _fmt(r.get("stall_ms_per_step"), "{:.1f}"),
+        vs,
+        link,
+        _fmt(r.get("compute_wait_ms_per_step"), "{:.1f}"),
+        check,
+      )
+    )
+  widths = [
+    max(len(str(x[i])) for x in [head] + [ln for ln in lines if len(ln) > i])
+    for i in range(len(head))
+  ]
+  fmt = lambda ln: "  ".join(str(v).ljust(w) for v, w in zip(ln, widths)).rstrip()  # noqa: E731
+  probe = doc.get("probe") or {}
+  foot = (
+    f"probe ({probe.get('dir')}): best O_DIRECT write {probe['write_GBps']:.2f} GB/s, "
+    f"read {probe['read_GBps']:.2f} GB/s"
+    if probe.get("write_GBps")
+    else f"probe: {probe.get('note', 'not run')}"
+  )
+  link = doc.get("link") or {}
+  if link.get("d2h_gbps"):
+    foot += (
+      f"\nlink probe (pinned, {link['size'] / 2**30:.0f} GiB copies): D2H "
+      f"{link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} alone; "
+      f"{link['duplex_d2h_gbps']:.1f}/{link['duplex_h2d_gbps']:.1f} both at once"
+    )
+  return "\n".join([fmt(head)] + [fmt(ln) for ln in lines] + [foot])
 
 
 def plot(doc: dict, path: Path) -> str | None:
-    """Left: ROK (device GB vs model TFLOP/s); right: sweep overhead vs offloaded GB/step."""
-    plt = common.pyplot()
-    if plt is None:
-        return "no plot: matplotlib is not installed"
-    shapes = sorted({_key(r)[1:] for r in doc["rows"] if _ok(r)})
-    if not shapes:
-        return "no plot: no successful rows"
-    probe_w = (doc.get("probe") or {}).get("write_GBps")
-    fig, axes = plt.subplots(len(shapes), 2, figsize=(14, 5.2 * len(shapes)), squeeze=False)
-    markers = {"keep": "o", "recompute": "s", "selective": "D", "jax_host": "^", "ssd_host": "v",
-               "ssd_nvme_sweep": "P", "ssd_nvme": "*"}
-    for (rok, ovh), shape in zip(axes, shapes):
-        rows = {r["policy"]: r for r in doc["rows"] if _ok(r) and _key(r)[1:] == shape}
-        for name, r in rows.items():
-            family = next(f for f in markers if name.startswith(f))
-            rok.scatter(r["device_GB"], r["model_tflops"], marker=markers[family], s=70,
-                        label=name, zorder=3)
-            rok.annotate(name, (r["device_GB"], r["model_tflops"]), fontsize=7,
-                         xytext=(4, 4), textcoords="offset points")
-        sweep = [rows[n] for n in ["selective"] + [f"ssd_nvme_sweep_{k}" for k in range(1, 5)]
-                 if n in rows]
-        rok.plot([r["device_GB"] for r in sweep], [r["model_tflops"] for r in sweep], "k--",
-                 lw=0.8, zorder=2)
-        rok.set(xlabel="device memory GB (XLA temp + engine staging peak)",
-                ylabel="model TFLOP/s", title=f"ROK  H,S,B,L = {','.join(map(str, shape))}")
-        rok.grid(alpha=0.3)
-        rok.legend(fontsize=7, loc="best")
+  """Left: ROK (device GB vs model TFLOP/s); right: sweep overhead vs offloaded GB/step."""
+  plt = common.pyplot()
+  if plt is None:
+    return "no plot: matplotlib is not installed"
+  shapes = sorted({_key(r)[1:] for r in doc["rows"] if _ok(r)})
+  if not shapes:
+    return "no plot: no successful rows"
+  probe_w = (doc.get("probe") or {}).get("write_GBps")
+  fig, axes = plt.subplots(len(shapes), 2, figsize=(14, 5.2 * len(shapes)), squeeze=False)
+  markers = {
+    "keep": "o",
+    "recompute": "s",
+    "selective": "D",
+    "jax_host": "^",
+    "ssd_host": "v",
+    "ssd_nvme_sweep": "P",
+    "ssd_nvme": "*",
+  }
+  for (rok, ovh), shape in zip(axes, shapes):
+    rows = {r["policy"]: r for r in doc["rows"] if _ok(r) and _key(r)[1:] == shape}
+    for name, r in rows.items():
+      family = next(f for f in markers if name.startswith(f))
+      rok.scatter(
+        r["device_GB"], r["model_tflops"], marker=markers[family], s=70, label=name, zorder=3
+      )
+      rok.annotate(
+        name,
+        (r["device_GB"], r["model_tflops"]),
+        fontsize=7,
+        xytext=(4, 4),
+        textcoords="offset points",
+      )
+    sweep = [
+      rows[n] for n in ["selective"] + [f"ssd_nvme_sweep_{k}" for k in range(1, 5)] if n in rows
+    ]
+    rok.plot(
+      [r["device_GB"] for r in sweep], [r["model_tflops"] for r in sweep], "k--", lw=0.8, zorder=2
+    )
+    rok.set(
+      xlabel="device memory GB (XLA temp + engine staging peak)",
+      ylabel="model TFLOP/s",
+      title=f"ROK  H,S,B,L = {','.join(map(str, shape))}",
+    )
+    rok.grid(alpha=0.3)
+    rok.legend(fontsize=7, loc="best")
 
-        sel = rows.get("selective")
-        pts = [r for r in sweep if r["policy"] != "selective"]
-        if sel is None or not pts:
-            ovh.text(0.5, 0.5, "needs selective and ssd_nvme_sweep_* rows", ha="center",
-                     transform=ovh.transAxes)
-        else:
-            gb = lambda r: r.get("offload_GB_per_step") or r["expected_offload_GB_per_step"]  # noqa: E731
-            xs = [0.0] + [gb(r) for r in pts]
-            ys = [0.0] + [r["step_ms_median"] - sel["step_ms_median"] for r in pts]
-            ovh.plot(xs, ys, "o-", label="ssd_nvme_sweep (vs selective)")
-            for r, x, y in zip(pts, xs[1:], ys[1:]):
-                ovh.annotate(f"{r['policy'][-1]}: {'+'.join(r['offloaded'])}\n"
-                             f"disk {r.get('disk_MB_written_per_step', 0):.0f} MB w, "
-                             f"stall {r.get('stall_ms_per_step', 0):.0f} ms",
-                             (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
-            if probe_w:
-                knee = probe_w * sel["step_ms_median"] / 1e3
-                ovh.axvline(knee, color="r", ls=":",
-                            label=f"probe write {probe_w:.2f} GB/s x selective "
-                                  f"{sel['step_ms_median']:.0f} ms = {knee:.2f} GB")
-            ovh.axhline(0, color="k", lw=0.6)
-            ovh.legend(fontsize=7, loc="best")
-        ovh.set(xlabel="offloaded GB per step", ylabel="step time - selective (ms)",
-                title="NVMe sweep: overhead vs offloaded bytes")
-        ovh.grid(alpha=0.3)
-    env = doc.get("env", {})
-    fig.suptitle(f"{env.get('device_kind')}  jax {env.get('jax')}  {doc.get('date')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
+    sel = rows.get("selective")
+    pts = [r for r in sweep if r["policy"] != "selective"]
+    if sel is None or not pts:
+      ovh.text(
+        0.5, 0.5, "needs selective and ssd_nvme_sweep_* rows", ha="center", transform=ovh.transAxes
+      )
+    else:
+      gb = lambda r: r.get("offload_GB_per_step") or r["expected_offload_GB_per_step"]  # noqa: E731
+      xs = [0.0] + [gb(r) for r in pts]
+      ys = [0.0] + [r["step_ms_median"] - sel["step_ms_median"] for r in pts]
+      ovh.plot(xs, ys, "o-", label="ssd_nvme_sweep (vs selective)")
+      for r, x, y in zip(pts, xs[1:], ys[1:]):
+        ovh.annotate(
+          f"{r['policy'][-1]}: {'+'.join(r['offloaded'])}\n"
+          f"disk {r.get('disk_MB_written_per_step', 0):.0f} MB w, "
+          f"stall {r.get('stall_ms_per_step', 0):.0f} ms",
+          (x, y),
+          fontsize=7,
+          xytext=(4, 4),
+          textcoords="offset points",
+        )
+      if probe_w:
+        knee = probe_w * sel["step_ms_median"] / 1e3
+        ovh.axvline(
+          knee,
+          color="r",
+          ls=":",
+          label=f"probe write {probe_w:.2f} GB/s x selective "
+          f"{sel['step_ms_median']:.0f} ms = {knee:.2f} GB",
+        )
+      ovh.axhline(0, color="k", lw=0.6)
+      ovh.legend(fontsize=7, loc="best")
+    ovh.set(
+      xlabel="offloaded GB per step",
+      ylabel="step time - selective (ms)",
+      title="NVMe sweep: overhead vs offloaded bytes",
+    )
+    ovh.grid(alpha=0.3)
+  env = doc.get("env", {})
+  fig.suptitle(f"{env.get('device_kind')}  jax {env.get('jax')}  {doc.get('date')}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return None
 
 
 def report(doc: dict, json_path: Path) -> None:
-    derive(doc)
-    json_path.write_text(json.dumps(doc, indent=1) + "\n")
-    print(table(doc))
-    note = plot(doc, json_path.with_suffix(".png"))
-    print(note or f"wrote {json_path} and {json_path.with_suffix('.png')}")
+  derive(doc)
+  json_path.write_text(json.dumps(doc, indent=1) + "\n")
+  print(table(doc))
+  note = plot(doc, json_path.with_suffix(".png"))
+  print(note or f"wrote {json_path} and {json_path.with_suffix('.png')}")
 
 
 def replot(paths: list[Path], out: Path) -> int:
-    docs = [json.loads(p.read_text()) for p in paths]
-    doc = docs[0]
-    for other in docs[1:]:
-        doc["rows"] = common.merge_rows(doc["rows"], other["rows"], _key)
-        if (other.get("probe") or {}).get("write_GBps"):
-            doc["probe"] = other["probe"]
-    if len(paths) == 1:
-        report(doc, paths[0])
-        return 0
-    out.mkdir(parents=True, exist_ok=True)
-    doc["merged_from"] = [str(p) for p in paths]
-    report(doc, out / f"rok_{common.slug(doc['env'].get('device_kind'))}_{doc['date']}.json")
+  docs = [json.loads(p.read_text()) for p in paths]
+  doc = docs[0]
+  for other in docs[1:]:
+    doc["rows"] = common.merge_rows(doc["rows"], other["rows"], _key)
+    if (other.get("probe") or {}).get("write_GBps"):
+      doc["probe"] = other["probe"]
+  if len(paths) == 1:
+    report(doc, paths[0])
     return 0
+  out.mkdir(parents=True, exist_ok=True)
+  doc["merged_from"] = [str(p) for p in paths]
+  report(doc, out / f"rok_{common.slug(doc['env'].get('device_kind'))}_{doc['date']}.json")
+  return 0
 
 
-STREAM_OF = {"stage_in": "compute", "load_staged": "compute", "load_host": "compute",
-             "compute_wait": "compute", "d2h": "copy (D2H)", "read_ahead": "read-ahead (H2D)"}
+STREAM_OF = {
+  "stage_in": "compute",
+  "load_staged": "compute",
+  "load_host": "compute",
+  "compute_wait": "compute",
+  "d2h": "copy (D2H)",
+  "read_ahead": "read-ahead (H2D)",
+}
 
 
 def chrome_trace(rows: list[dict]) -> dict:
-    """The rows' one-step timelines as a Chrome trace: a process per row, a thread per stream."""
-    events = []
-    for pid, r in enumerate(rows):
-        if not r.get("timeline"):
-            continue
-        label = f"{r['policy']} [{r['H']},{r['S']},{r['B']},{r['L']}] {r['step_ms_median']:.1f} ms"
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
-        for rec in r["timeline"]:
-            events.append({"ph": "X", "pid": pid, "tid": STREAM_OF.get(rec["op"], rec["op"]),
-                           "name": f"{rec['op']} {rec['name']}", "cat": rec["op"],
-                           "ts": rec["start"] * 1e6, "dur": (rec["end"] - rec["start"]) * 1e6,
-                           "args": {"bytes": rec["bytes"], "device": rec["device"]}})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+  """The rows' one-step timelines as a Chrome trace: a process per row, a thread per stream."""
+  events = []
+  for pid, r in enumerate(rows):
+    if not r.get("timeline"):
+      continue
+    label = f"{r['policy']} [{r['H']},{r['S']},{r['B']},{r['L']}] {r['step_ms_median']:.1f} ms"
+    events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
+    for rec in r["timeline"]:
+      events.append(
+        {
+          "ph": "X",
+          "pid": pid,
+          "tid": STREAM_OF.get(rec["op"], rec["op"]),
+          "name": f"{rec['op']} {rec['name']}",
+          "cat": rec["op"],
+          "ts": rec["start"] * 1e6,
+          "dur": (rec["end"] - rec["start"]) * 1e6,
+          "args": {"bytes": rec["bytes"], "device": rec["device"]},
+        }
+      )
+  return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def timeline_summary(records: list[dict]) -> dict:
-    """Per operation of one step: count, bytes and busy ms."""
-    out: dict = {}
-    for rec in records:
-        o = out.setdefault(rec["op"], {"count": 0, "bytes": 0, "ms": 0.0})
-        o["count"] += 1
-        o["bytes"] += rec["bytes"]
-        o["ms"] += (rec["end"] - rec["start"]) * 1e3
-    return out
+  """Per operation of one step: count, bytes and busy ms."""
+  out: dict = {}
+  for rec in records:
+    o = out.setdefault(rec["op"], {"count": 0, "bytes": 0, "ms": 0.0})
+    o["count"] += 1
+    o["bytes"] += rec["bytes"]
+    o["ms"] += (rec["end"] - rec["start"]) * 1e3
+  return out
 
 
 def failures(doc: dict) -> list[str]:
-    why = lambda r: r.get("error") or r.get("check_error") or "check failed"  # noqa: E731
-    return [f"{r.get('policy')} {_key(r)[1:]}: {why(r)}"
-            for r in doc["rows"] if not _ok(r) or r.get("check_ok") is False]
+  why = lambda r: r.get("error") or r.get("check_error") or "check failed"  # noqa: E731
+  return [
+    f"{r.get('policy')} {_key(r)[1:]}: {why(r)}"
+    for r in doc["rows"]
+    if not _ok(r) or r.get("check_ok") is False
+  ]
 
 
-CHILD_KEYS = ("steps", "warmup", "check_steps", "check_tol", "check_budget_s", "min_bytes",
-              "sweep_host_cache", "timeline")
+CHILD_KEYS = (
+  "steps",
+  "warmup",
+  "check_steps",
+  "check_tol",
+  "check_budget_s",
+  "min_bytes",
+  "sweep_host_cache",
+  "timeline",
+)
 
 
 def run_policy(args, name: str, shape, store_dir: str, done: list[dict]) -> dict:
-    """The timing child, then (if asked) the check child, whose program is made deterministic
-    on GPU (``--check-xla-flags``) so that a repeat that differs means a race."""
-    cfg = {"policy": name, "shape": shape, "store_dir": store_dir, "ssd_options": dict(args.ssd),
-           "mode": "time"} | {k: getattr(args, k) for k in CHILD_KEYS}
-    cmd = [sys.executable, os.path.abspath(__file__), "--child"]
-    t0 = time.perf_counter()
-    row = dict(zip(("policy", "H", "S", "B", "L"), (name, *shape)))
-    row |= common.run_json_child(cmd + [json.dumps(cfg)], args.child_timeout)
-    label = f"[{','.join(map(str, shape))}] {name}"
-    if not _ok(row):
-        print(f"{label}: ERROR {row['error']}\n{row.get('stderr_tail', '')}", flush=True)
-        return row
-    print(f"{label}: {row['step_ms_median']:.1f} ms, temp {row['temp_GB']:.2f} GB "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
-
-    if POLICIES[split_policy(name)[0]].ssd if args.check is None else args.check:
-        sel = next((r for r in done if _key(r) == ("selective", *shape) and _ok(r)), row)
-        cfg |= {"mode": "check", "step_ms": row["step_ms_median"],
-                "selective_ms": sel["step_ms_median"]}
-        env = dict(os.environ)
-        if row["platform"] == "gpu" and args.check_xla_flags:
-            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args.check_xla_flags}".strip()
-            row["check_xla_flags"] = args.check_xla_flags
-        t1 = time.perf_counter()
-        check = common.run_json_child(cmd + [json.dumps(cfg)], args.child_timeout, env=env)
-        if "error" in check:
-            check = {"check_ok": False, "check_error": check["error"],
-                     "check_stderr_tail": check.get("stderr_tail")}
-        row |= {k: v for k, v in check.items() if k.startswith("check_")}
-        row["check_wall_s"] = time.perf_counter() - t1
-        print(f"{label}: check {'ok' if row['check_ok'] else 'FAILED'} "
-              f"({row.get('check_steps', 0)} inputs, {row['check_wall_s']:.0f} s)", flush=True)
-    row["wall_s"] = time.perf_counter() - t0
+  """The timing child, then (if asked) the check child, whose program is made deterministic
+  on GPU (``--check-xla-flags``) so that a repeat that differs means a race."""
+  cfg = {
+    "policy": name,
+    "shape": shape,
+    "store_dir": store_dir,
+    "ssd_options": dict(args.ssd),
+    "mode": "time",
+  } | {k: getattr(args, k) for k in CHILD_KEYS}
+  cmd = [sys.executable, os.path.abspath(__file__), "--child"]
+  t0 = time.perf_counter()
+  row = dict(zip(("policy", "H", "S", "B", "L"), (name, *shape)))
+  row |= common.run_json_child(cmd + [json.dumps(cfg)], args.child_timeout)
+  label = f"[{','.join(map(str, shape))}] {name}"
+  if not _ok(row):
+    print(f"{label}: ERROR {row['error']}\n{row.get('stderr_tail', '')}", flush=True)
     return row
+  print(
+    f"{label}: {row['step_ms_median']:.1f} ms, temp {row['temp_GB']:.2f} GB "
+    f"({time.perf_counter() - t0:.0f} s)",
+    flush=True,
+  )
+
+  if POLICIES[split_policy(name)[0]].ssd if args.check is None else args.check:
+    sel = next((r for r in done if _key(r) == ("selective", *shape) and _ok(r)), row)
+    cfg |= {
+      "mode": "check",
+      "step_ms": row["step_ms_median"],
+      "selective_ms": sel["step_ms_median"],
+    }
+    env = dict(os.environ)
+    if row["platform"] == "gpu" and args.check_xla_flags:
+      env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args.check_xla_flags}".strip()
+      row["check_xla_flags"] = args.check_xla_flags
+    t1 = time.perf_counter()
+    check = common.run_json_child(cmd + [json.dumps(cfg)], args.child_timeout, env=env)
+    if "error" in check:
+      check = {
+        "check_ok": False,
+        "check_error": check["error"],
+        "check_stderr_tail": check.get("stderr_tail"),
+      }
+    row |= {k: v for k, v in check.items() if k.startswith("check_")}
+    row["check_wall_s"] = time.perf_counter() - t1
+    print(
+      f"{label}: check {'ok' if row['check_ok'] else 'FAILED'} "
+      f"({row.get('check_steps', 0)} inputs, {row['check_wall_s']:.0f} s)",
+      flush=True,
+    )
+  row["wall_s"] = time.perf_counter() - t0
+  return row
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.child:
-        return child(json.loads(args.child))
-    if args.replot:
-        return replot(args.replot, args.out)
+  args = parse_args(argv)
+  if args.child:
+    return child(json.loads(args.child))
+  if args.replot:
+    return replot(args.replot, args.out)
 
-    made_dir = None
-    store_dir = args.store_dir or os.environ.get("SSDTRAIN_DIR", "").split(":")[0] or None
-    if store_dir is None:
-        store_dir = made_dir = tempfile.mkdtemp(prefix="bench_rok-", dir="/tmp")
-    os.makedirs(store_dir, exist_ok=True)
-    try:
-        probe = {"note": "--no-probe"}
-        if not args.no_probe:
-            print(f"storage probe: {store_dir}, {args.probe_gb:g} GB ...", flush=True)
-            probe = common.run_storage_probe(store_dir, args.probe_gb, script=args.probe_script)
-        link = None
-        if args.link_probe:  # cudaHostAlloc'ed buffers, then registered ones as the engine's
-            link = {}
-            for host in ("alloc", "registered", "registered_hugepages"):
-                r = common.run_json_child([sys.executable, "-m", "jax_ssdtrain.probe", "--link",
-                                           "--refresh", "--json", "--host-memory", host],
-                                          args.child_timeout)
-                print(f"link probe ({host}): {r}", flush=True)
-                link = link or r  # the reference: plain pinned copies
-                link[f"{host}_d2h_gbps"] = r.get("d2h_gbps")
-                link[f"{host}_h2d_gbps"] = r.get("h2d_gbps")
-        rows = []
-        for shape in args.shapes:
-            for name in args.policies:
-                rows.append(run_policy(args, name, shape, store_dir, rows))
-    finally:
-        if made_dir:
-            shutil.rmtree(made_dir, ignore_errors=True)
+  made_dir = None
+  store_dir = args.store_dir or os.environ.get("SSDTRAIN_DIR", "").split(":")[0] or None
+  if store_dir is None:
+    store_dir = made_dir = tempfile.mkdtemp(prefix="bench_rok-", dir="/tmp")
+  os.makedirs(store_dir, exist_ok=True)
+  try:
+    probe = {"note": "--no-probe"}
+    if not args.no_probe:
+      print(f"storage probe: {store_dir}, {args.probe_gb:g} GB ...", flush=True)
+      probe = common.run_storage_probe(store_dir, args.probe_gb, script=args.probe_script)
+    link = None
+    if args.link_probe:  # cudaHostAlloc'ed buffers, then registered ones as the engine's
+      link = {}
+      for host in ("alloc", "registered", "registered_hugepages"):
+        r = common.run_json_child(
+          [
+            sys.executable,
+            "-m",
+            "jax_ssdtrain.probe",
+            "--link",
+            "--refresh",
+            "--json",
+            "--host-memory",
+            host,
+          ],
+          args.child_timeout,
+        )
+        print(f"link probe ({host}): {r}", flush=True)
+        link = link or r  # the reference: plain pinned copies
+        link[f"{host}_d2h_gbps"] = r.get("d2h_gbps")
+        link[f"{host}_h2d_gbps"] = r.get("h2d_gbps")
+    rows = []
+    for shape in args.shapes:
+      for name in args.policies:
+        rows.append(run_policy(args, name, shape, store_dir, rows))
+  finally:
+    if made_dir:
+      shutil.rmtree(made_dir, ignore_errors=True)
 
-    device = next((r["device_kind"] for r in rows if "device_kind" in r), "unknown")
-    env = common.host_env() | {"device_kind": device,
-                               "platform": next((r["platform"] for r in rows if "platform" in r), None)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.timeline:
-        trace = args.out / f"rok_timeline_{common.slug(device)}_{common.today()}.json"
-        trace.write_text(json.dumps(chrome_trace(rows)) + "\n")
-        print(f"wrote {trace}")
-    for r in rows:  # the JSON keeps a per-operation summary of the step, not every copy
-        if "timeline" in r:
-            r["timeline_step"] = timeline_summary(r.pop("timeline"))
-    doc = {"date": common.today(), "env": env, "probe": probe, "rows": rows,
-           "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    if link is not None:
-        doc["link"] = link
-    json_path = args.out / f"rok_{common.slug(device)}_{doc['date']}.json"
-    if args.merge and json_path.exists():
-        old = json.loads(json_path.read_text())
-        doc["rows"] = common.merge_rows(old.get("rows", []), rows, _key)
-        if not probe.get("write_GBps") and (old.get("probe") or {}).get("write_GBps"):
-            doc["probe"] = old["probe"]
-        if link is None and old.get("link"):
-            doc["link"] = old["link"]
-    report(doc, json_path)
-    bad = failures(doc)
-    for line in bad:
-        print(f"FAIL {line}", file=sys.stderr)
-    return 1 if bad else 0
+  device = next((r["device_kind"] for r in rows if "device_kind" in r), "unknown")
+  env = common.host_env() | {
+    "device_kind": device,
+    "platform": next((r["platform"] for r in rows if "platform" in r), None),
+  }
+  args.out.mkdir(parents=True, exist_ok=True)
+  if args.timeline:
+    trace = args.out / f"rok_timeline_{common.slug(device)}_{common.today()}.json"
+    trace.write_text(json.dumps(chrome_trace(rows)) + "\n")
+    print(f"wrote {trace}")
+  for r in rows:  # the JSON keeps a per-operation summary of the step, not every copy
+    if "timeline" in r:
+      r["timeline_step"] = timeline_summary(r.pop("timeline"))
+  doc = {
+    "date": common.today(),
+    "env": env,
+    "probe": probe,
+    "rows": rows,
+    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+  }
+  if link is not None:
+    doc["link"] = link
+  json_path = args.out / f"rok_{common.slug(device)}_{doc['date']}.json"
+  if args.merge and json_path.exists():
+    old = json.loads(json_path.read_text())
+    doc["rows"] = common.merge_rows(old.get("rows", []), rows, _key)
+    if not probe.get("write_GBps") and (old.get("probe") or {}).get("write_GBps"):
+      doc["probe"] = old["probe"]
+    if link is None and old.get("link"):
+      doc["link"] = old["link"]
+  report(doc, json_path)
+  bad = failures(doc)
+  for line in bad:
+    print(f"FAIL {line}", file=sys.stderr)
+  return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+  sys.exit(main())

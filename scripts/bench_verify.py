@@ -3,6 +3,7 @@
 python scripts/bench_verify.py [--mib 256] [--iters 5] [--dir DIR]
 Loads read the file back (forwarding off, host cache smaller than the tensor).
 """
+
 import argparse
 import tempfile
 import time
@@ -12,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_ssdtrain as ssd
-from jax_ssdtrain._src import native
 
 
 def call(target, shape, dtype, *args):
   # A store's handle leaves this eager call: uses=-1 (released by a sweep once dropped).
   extra = {"uses": np.int64(-1)} if target == "ssdtrain_store" else {}
   return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True)(
-      *args, site=np.int64(1), tier=np.int32(0), name="bench", **extra)
+    *args, site=np.int64(1), tier=np.int32(0), name="bench", **extra
+  )
 
 
 def main():
@@ -32,8 +33,14 @@ def main():
   x = jnp.asarray(np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8))
   base = a.dir or tempfile.mkdtemp(prefix="bench_verify-")
   for verify in (False, True):
-    ssd.configure(directory=base, capacity_bytes=4 * n, forwarding=False, verify=verify,
-                  host_cache_bytes=64 << 20, prefetch_bytes=0)
+    ssd.configure(
+      directory=base,
+      capacity_bytes=4 * n,
+      forwarding=False,
+      verify=verify,
+      host_cache_bytes=64 << 20,
+      prefetch_bytes=0,
+    )
     w, r = [], []
     for i in range(a.iters + 1):
       t0 = time.perf_counter()
@@ -48,9 +55,11 @@ def main():
       ssd.release_all()
     assert bool(jnp.array_equal(x, y))
     s = ssd.stats()
-    print(f"verify={int(verify)} o_direct={s['o_direct']} {a.mib} MiB: store+write "
-          f"{n / np.median(w) / 1e9:.2f} GB/s, load(read) {n / np.median(r) / 1e9:.2f} GB/s "
-          f"(median of {a.iters})")
+    print(
+      f"verify={int(verify)} o_direct={s['o_direct']} {a.mib} MiB: store+write "
+      f"{n / np.median(w) / 1e9:.2f} GB/s, load(read) {n / np.median(r) / 1e9:.2f} GB/s "
+      f"(median of {a.iters})"
+    )
   ssd.shutdown()
 
 

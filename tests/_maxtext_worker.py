@@ -6,14 +6,16 @@ MODE: nvme | host (jax_ssdtrain.maxtext installed; the TAGS set to "offload"), d
 same TAGS saved on the device by MaxText's own custom policy). Prints one JSON line: the loss
 of every step and the store's statistics.
 """
+
 import json
 import os
 import sys
 
 MODE, DEVICES, OUT = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 EXTRA = sys.argv[4:]
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={DEVICES}")
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import maxtext  # noqa: E402
@@ -22,8 +24,16 @@ from maxtext.trainers.pre_train import train  # noqa: E402
 import jax_ssdtrain as ssd  # noqa: E402
 import jax_ssdtrain.maxtext as ssd_maxtext  # noqa: E402
 
-TAGS = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0",
-        "mlpwi_1", "mlpwo")
+TAGS = (
+  "decoder_layer_input",
+  "query_proj",
+  "key_proj",
+  "value_proj",
+  "out_proj",
+  "mlpwi_0",
+  "mlpwi_1",
+  "mlpwo",
+)
 
 if MODE in ("nvme", "host"):
   ssd_maxtext.install(MODE, min_bytes=0)
@@ -31,19 +41,51 @@ ssd.configure(os.path.join(OUT, "store"), capacity_bytes=1 << 30)
 ssd.reset_stats()
 value = "device" if MODE == "device" else "offload"
 base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
-argv = ["", base, "run_name=t", f"base_output_directory={OUT}/out", "dataset_type=synthetic",
-        "steps=3", "per_device_batch_size=1", "max_target_length=32", "base_emb_dim=64",
-        "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128",
-        "base_num_decoder_layers=2", "head_dim=16", "vocab_size=256", "decoder_block=llama2",
-        "enable_checkpointing=false", "enable_goodput_recording=false", "log_period=1",
-        f"metrics_file={OUT}/metrics.jsonl", "remat_policy=custom"]
+argv = [
+  "",
+  base,
+  "run_name=t",
+  f"base_output_directory={OUT}/out",
+  "dataset_type=synthetic",
+  "steps=3",
+  "per_device_batch_size=1",
+  "max_target_length=32",
+  "base_emb_dim=64",
+  "base_num_query_heads=4",
+  "base_num_kv_heads=4",
+  "base_mlp_dim=128",
+  "base_num_decoder_layers=2",
+  "head_dim=16",
+  "vocab_size=256",
+  "decoder_block=llama2",
+  "enable_checkpointing=false",
+  "enable_goodput_recording=false",
+  "log_period=1",
+  f"metrics_file={OUT}/metrics.jsonl",
+  "remat_policy=custom",
+]
 argv += [f"{t}={value}" for t in TAGS] + EXTRA
 train.main(argv)
 ssd.flush()
 stats = ssd.stats()
 with open(os.path.join(OUT, "metrics.jsonl")) as f:
   losses = [json.loads(line)["learning/loss"] for line in f if line.strip()]
-print(json.dumps({"losses": losses, "installed": ssd_maxtext.installed() is not None,
-                  "stats": {k: stats[k] for k in ("bytes_written", "tensors_written",
-                                                  "bytes_read", "host_tier_bytes_peak",
-                                                  "live_entries")}}, default=str))
+print(
+  json.dumps(
+    {
+      "losses": losses,
+      "installed": ssd_maxtext.installed() is not None,
+      "stats": {
+        k: stats[k]
+        for k in (
+          "bytes_written",
+          "tensors_written",
+          "bytes_read",
+          "host_tier_bytes_peak",
+          "live_entries",
+        )
+      },
+    },
+    default=str,
+  )
+)

@@ -6,6 +6,7 @@ every tag offloaded vs. the single-device grads and vs. the same sharded program
 device; the collectives of both compiled programs; per-device bytes stored vs. the shard bytes
 of each tagged activation; a shard_map program.
 """
+
 import json
 import os
 import re
@@ -15,22 +16,27 @@ import sys
 GPU = os.environ.get("SSD_MD_PLATFORM", "cpu") == "gpu"
 N = int(os.environ.get("SSD_MD_DEVICES", "2" if GPU else "4"))
 if not GPU:
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={N}")
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N}"
+  )
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import jax_ssdtrain as ssd  # noqa: E402
 from models import parallel, training  # noqa: E402
 
 TAGS = ("layer_in", "qkv", "attn", "mlp_up")
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
-LAYOUTS = {"dp": parallel.Parallelism(data=N), "fsdp": parallel.Parallelism(data=N, fsdp=True),
-           "tp": parallel.Parallelism(data=N // 2, model=2)}
+LAYOUTS = {
+  "dp": parallel.Parallelism(data=N),
+  "fsdp": parallel.Parallelism(data=N, fsdp=True),
+  "tp": parallel.Parallelism(data=N // 2, model=2),
+}
 if GPU:  # no TF32: grads compared with the single-device run
   jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -40,13 +46,15 @@ def collectives(hlo: str) -> dict[str, int]:
 
 
 def run_config(locations):
-  return training.RunConfig(preset="tiny", batch=8, seq_len=16, locations=locations, min_bytes=0,
-                            dtype="float32")
+  return training.RunConfig(
+    preset="tiny", batch=8, seq_len=16, locations=locations, min_bytes=0, dtype="float32"
+  )
 
 
 def grad_fn(state):
   def grads(params, tokens):
     return jax.grad(lambda p: state.apply_fn({"params": p}, tokens, None, method="loss")[0])(params)
+
   return grads
 
 
@@ -71,6 +79,7 @@ def grads_of(locations, tokens, par=None):
   ssd.reset_stats()
   out = jax.block_until_ready(compiled(*args))
   from jax_ssdtrain._src import native
+
   live_after_step = native.stats()["live_entries"]  # counted releases, before any sweep
   hlo = compiled.as_text()
   ssd.flush()
@@ -108,28 +117,41 @@ def shard_map_case():
     return jnp.sum(per(w, x))
 
   w = jnp.linspace(-1, 1, 64 * 64, dtype=jnp.float32).reshape(64, 64) / 8
-  x = jax.device_put(jnp.linspace(-1, 1, 32 * 64, dtype=jnp.float32).reshape(32, 64),
-                     NamedSharding(mesh, P(parallel.DATA)))
+  x = jax.device_put(
+    jnp.linspace(-1, 1, 32 * 64, dtype=jnp.float32).reshape(32, 64),
+    NamedSharding(mesh, P(parallel.DATA)),
+  )
   ours = jax.jit(jax.grad(loss), static_argnums=2)
   ssd.reset_stats()
   g = np.asarray(ours(w, x, policy))
   ssd.flush()
-  ref = np.asarray(jax.jit(jax.grad(loss), static_argnums=2)(
-      w, x, jax.checkpoint_policies.save_only_these_names("h")))
-  return {"diff": float(np.max(np.abs(g - ref))), "device_stats": ssd.device_stats(),
-          "expected_shard_bytes": 32 // N * 64 * 4}
+  ref = np.asarray(
+    jax.jit(jax.grad(loss), static_argnums=2)(
+      w, x, jax.checkpoint_policies.save_only_these_names("h")
+    )
+  )
+  return {
+    "diff": float(np.max(np.abs(g - ref))),
+    "device_stats": ssd.device_stats(),
+    "expected_shard_bytes": 32 // N * 64 * 4,
+  }
 
 
 def per_device_directories_case():
   """``{device}`` store directories: each device's tensors land in its own directory only."""
   import tempfile
+
   shard_map = getattr(jax, "shard_map", None)
   if shard_map is None:
     from jax.experimental.shard_map import shard_map
   mesh = parallel.Parallelism(data=N).mesh()
   root = tempfile.mkdtemp(prefix="ssd-md-")
-  cfg = ssd.configure(directory=os.path.join(root, "d{device}"), capacity_bytes=64 << 20,
-                      forwarding=False, host_cache_bytes=1 << 20)
+  cfg = ssd.configure(
+    directory=os.path.join(root, "d{device}"),
+    capacity_bytes=64 << 20,
+    forwarding=False,
+    host_cache_bytes=1 << 20,
+  )
 
   def local(x):  # (16, 64) float32 per device: 4096 bytes, one file block
     h = jax.ad_checkpoint.checkpoint_name(jnp.sin(x) + 1.0, "h")
@@ -137,28 +159,35 @@ def per_device_directories_case():
 
   def loss(x):
     f = jax.checkpoint(local, policy=ssd.offload_policy(["h"], min_bytes=0))
-    return jnp.sum(shard_map(f, mesh=mesh, in_specs=P(parallel.DATA),
-                             out_specs=P(parallel.DATA))(x))
+    return jnp.sum(
+      shard_map(f, mesh=mesh, in_specs=P(parallel.DATA), out_specs=P(parallel.DATA))(x)
+    )
 
-  x = jax.device_put(jnp.linspace(-1, 1, N * 16 * 64, dtype=jnp.float32).reshape(N * 16, 64),
-                     NamedSharding(mesh, P(parallel.DATA)))
+  x = jax.device_put(
+    jnp.linspace(-1, 1, N * 16 * 64, dtype=jnp.float32).reshape(N * 16, 64),
+    NamedSharding(mesh, P(parallel.DATA)),
+  )
   ssd.reset_stats()
   jax.block_until_ready(jax.jit(jax.grad(loss))(x))
   ssd.flush()
   s, per_device = ssd.stats(), ssd.device_stats()
   ssd.configure(directory=os.path.join(root, "after"))  # release the {device} store
   # Local device index i -> directory i (the order {device} expands in).
-  return {"device_groups": cfg.device_groups, "directories": len(cfg.directories),
-          "file_bytes_written": [s[f"file{i}_bytes_written"] for i in range(N)],
-          "file_bytes_read": [s[f"file{i}_bytes_read"] for i in range(N)],
-          "device_bytes_written": [per_device[d.id]["bytes_written"]
-                                   for d in jax.local_devices()[:N]]}
+  return {
+    "device_groups": cfg.device_groups,
+    "directories": len(cfg.directories),
+    "file_bytes_written": [s[f"file{i}_bytes_written"] for i in range(N)],
+    "file_bytes_read": [s[f"file{i}_bytes_read"] for i in range(N)],
+    "device_bytes_written": [per_device[d.id]["bytes_written"] for d in jax.local_devices()[:N]],
+  }
 
 
 def wrong_device_case():
   """A handle moved to another device (ppermute) must be refused by the engine, naming both."""
   from jax._src import core as jax_core
+
   from jax_ssdtrain._src.primitives import load_p, store_p
+
   shard_map = getattr(jax, "shard_map", None)
   if shard_map is None:
     from jax.experimental.shard_map import shard_map
@@ -167,8 +196,12 @@ def wrong_device_case():
   def local(x):
     y, handle = store_p.bind(x, site=10**9, tier=0, name="moved", uses=-1)
     handle = jax.lax.ppermute(handle, parallel.DATA, [(i, (i + 1) % N) for i in range(N)])
-    return load_p.bind(handle, aval=jax_core.ShapedArray(x.shape, x.dtype), site=10**9,
-                       tier=0, name="moved") + y
+    return (
+      load_p.bind(
+        handle, aval=jax_core.ShapedArray(x.shape, x.dtype), site=10**9, tier=0, name="moved"
+      )
+      + y
+    )
 
   f = jax.jit(shard_map(local, mesh=mesh, in_specs=P(parallel.DATA), out_specs=P(parallel.DATA)))
   try:
@@ -192,16 +225,19 @@ def main():
     ours, hlo, stats = grads_of({t: tier for t in TAGS}, tokens, par)
     keep, keep_hlo, _ = keeps[name]
     result["layouts"][f"{name}-{tier}"] = {
-        "vs_single": max_diff(ours, single),
-        "vs_device_saving": max_diff(ours, keep), "collectives": collectives(hlo),
-        "collectives_device_saving": collectives(keep_hlo),
-        "stores_in_hlo": hlo.count('custom_call_target="ssdtrain_store"'),
-        "live_after_step": stats.pop("live_after_step"),
-        "device_stats": {str(k): v for k, v in stats.items()},
-        "expected_shard_bytes": shard_bytes(par)}
+      "vs_single": max_diff(ours, single),
+      "vs_device_saving": max_diff(ours, keep),
+      "collectives": collectives(hlo),
+      "collectives_device_saving": collectives(keep_hlo),
+      "stores_in_hlo": hlo.count('custom_call_target="ssdtrain_store"'),
+      "live_after_step": stats.pop("live_after_step"),
+      "device_stats": {str(k): v for k, v in stats.items()},
+      "expected_shard_bytes": shard_bytes(par),
+    }
   result["shard_map"] = shard_map_case()
-  result["shard_map"]["device_stats"] = {str(k): v for k, v in
-                                         result["shard_map"]["device_stats"].items()}
+  result["shard_map"]["device_stats"] = {
+    str(k): v for k, v in result["shard_map"]["device_stats"].items()
+  }
   result["wrong_device"] = wrong_device_case()
   result["per_device_dirs"] = per_device_directories_case()
   result["devices"] = [str(d.id) for d in jax.devices()[:N]]

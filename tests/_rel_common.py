@@ -1,4 +1,5 @@
 """Shared by tests/test_reliability.py and the subprocesses it starts (imported by path)."""
+
 import os
 
 import jax
@@ -27,21 +28,23 @@ def make_loss(policy, names=NAMES):
 
   def loss(w, x):
     y, _ = jax.lax.scan(lambda c, wi: (f(wi, c), None), x, w)
-    return jnp.sum(y ** 2)
+    return jnp.sum(y**2)
+
   return loss
 
 
 def params(seed=0, n_layers=3, d=64, batch=64):
   ka, kb, kx = jax.random.split(jax.random.key(seed), 3)
-  w = {"a": jax.random.normal(ka, (n_layers, d, d)) / np.sqrt(d),
-       "b": jax.random.normal(kb, (n_layers, d, d)) / np.sqrt(d)}
+  w = {
+    "a": jax.random.normal(ka, (n_layers, d, d)) / np.sqrt(d),
+    "b": jax.random.normal(kb, (n_layers, d, d)) / np.sqrt(d),
+  }
   return w, jax.random.normal(kx, (batch, d))
 
 
 def steps(names=NAMES):
   ours = jax.jit(jax.grad(make_loss(ssd.offload_policy(names, min_bytes=0), names)))
-  ref = jax.jit(jax.grad(make_loss(jax.checkpoint_policies.save_only_these_names(*names),
-                                   names)))
+  ref = jax.jit(jax.grad(make_loss(jax.checkpoint_policies.save_only_these_names(*names), names)))
   return ours, ref
 
 
@@ -64,15 +67,15 @@ def assert_close(a, b):
 
 
 def store(x, site=1, name="t"):
-  return jax.ffi.ffi_call("ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32),
-                          has_side_effect=True)(x, site=np.int64(site), tier=np.int32(0),
-                                                name=name, uses=np.int64(-1))
+  return jax.ffi.ffi_call(
+    "ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32), has_side_effect=True
+  )(x, site=np.int64(site), tier=np.int32(0), name=name, uses=np.int64(-1))
 
 
 def load(h, like, site=1, name="t"):
-  return jax.ffi.ffi_call("ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype),
-                          has_side_effect=True)(h, site=np.int64(site), tier=np.int32(0),
-                                                name=name)
+  return jax.ffi.ffi_call(
+    "ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype), has_side_effect=True
+  )(h, site=np.int64(site), tier=np.int32(0), name=name)
 
 
 def store_fds(directory):

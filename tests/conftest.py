@@ -3,6 +3,7 @@ import pytest
 
 def _has_gpu() -> bool:
   import jax
+
   try:
     return bool(jax.devices("gpu"))
   except RuntimeError:

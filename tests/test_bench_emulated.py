@@ -1,4 +1,5 @@
 """Smoke test of scripts/bench_emulated.py: tiny shape on CPU, one capped RAM store, one point."""
+
 import json
 import os
 import subprocess
@@ -15,9 +16,25 @@ CAP = 0.02  # GB/s: the tiny sweep_4 step writes and reads ~2.4 MB, ~0.1 s each 
 @pytest.mark.slow
 def test_bench_emulated_tiny(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, str(SCRIPT), "--tiny", "--caps", str(CAP), "--points", "4", "--no-disk",
-         "--no-probe", "--steps", "2", "--warmup", "1", "--shm-dir", str(tmp_path / "shm"),
-         "--out", str(tmp_path)]
+  cmd = [
+    sys.executable,
+    str(SCRIPT),
+    "--tiny",
+    "--caps",
+    str(CAP),
+    "--points",
+    "4",
+    "--no-disk",
+    "--no-probe",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--shm-dir",
+    str(tmp_path / "shm"),
+    "--out",
+    str(tmp_path),
+  ]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
   assert proc.returncode == 0, proc.stdout + proc.stderr
 

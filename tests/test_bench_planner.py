@@ -1,4 +1,5 @@
 """Smoke test of scripts/bench_planner.py: tiny stack on CPU, plans that offload, a memory cap."""
+
 import json
 import os
 import subprocess
@@ -14,10 +15,28 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_planner.py"
 @pytest.mark.slow
 def test_bench_planner_tiny(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, str(SCRIPT), "--tiny", "--no-presets", "--steps", "2", "--warmup", "1",
-         "--bandwidth", "100,100", "--cap-gb", "1", "--max-slowdown", "1",
-         "--cap-policies", "keep,recompute,selective,ssd_host_named", "--out", str(tmp_path),
-         "--store-dir", str(tmp_path / "store")]
+  cmd = [
+    sys.executable,
+    str(SCRIPT),
+    "--tiny",
+    "--no-presets",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--bandwidth",
+    "100,100",
+    "--cap-gb",
+    "1",
+    "--max-slowdown",
+    "1",
+    "--cap-policies",
+    "keep,recompute,selective,ssd_host_named",
+    "--out",
+    str(tmp_path),
+    "--store-dir",
+    str(tmp_path / "store"),
+  ]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   (path,) = tmp_path.glob("planner_cpu_*.json")
@@ -43,19 +62,27 @@ def test_bench_planner_tiny(tmp_path):
   assert rows["auto_nvme"]["offload_GB_per_step"] == pytest.approx(plan["nvme_GB"])
   assert rows["auto_nvme"]["device_GB"] < rows["keep"]["device_GB"]
   assert {(r["policy"], r["batch"]) for r in cap["grid"]} == {
-      (n, b) for n in ("keep", "recompute", "selective", "ssd_host_named") for b in (1, 2, 4)}
+    (n, b) for n in ("keep", "recompute", "selective", "ssd_host_named") for b in (1, 2, 4)
+  }
   assert all(r["tokens_per_s"] > 0 for r in cap["grid"])
   ((under,),) = [cap["caps"]]
   rows = {r["policy"]: r for r in under["rows"]}
   assert set(rows) == {"keep", "recompute", "selective", "ssd_host_named", "auto", "auto_nvme"}
   assert all(r["batch"] and r["device_GB"] <= 1 for r in rows.values())
-  best_jax = max(r["tokens_per_s"] for n, r in rows.items() if n in ("keep", "recompute", "selective"))
+  best_jax = max(
+    r["tokens_per_s"] for n, r in rows.items() if n in ("keep", "recompute", "selective")
+  )
   for r in rows.values():
     assert r["x_best_jax"] == pytest.approx(r["tokens_per_s"] / best_jax)
   # the planner's compiles are recorded, and the plan it measured is one of them
-  (mine,) = [c for c in cap["compiles"] if c["batch"] == rows["auto"]["batch"] and
-             c["offload_layers"] == rows["auto"]["plan"]["offload_layers"] and
-             c["locations"] == rows["auto"]["plan"]["locations"] and c["cap_GB"] == 1]
+  (mine,) = [
+    c
+    for c in cap["compiles"]
+    if c["batch"] == rows["auto"]["batch"]
+    and c["offload_layers"] == rows["auto"]["plan"]["offload_layers"]
+    and c["locations"] == rows["auto"]["plan"]["locations"]
+    and c["cap_GB"] == 1
+  ]
   assert mine["device_GB"] == pytest.approx(rows["auto"]["device_GB"]) and mine["device_GB"] <= 1
   assert path.with_name(path.stem + "_cap.png").stat().st_size > 0
   assert "| ssd_host_named | 4 |" in path.with_suffix(".md").read_text()

@@ -1,4 +1,5 @@
 """Smoke test of scripts/bench_rok.py: the tiny preset on CPU, three policies, no probe."""
+
 import json
 import os
 import subprocess
@@ -15,8 +16,20 @@ POLICIES = ("keep", "selective", "ssd_nvme_named")
 @pytest.mark.slow
 def test_bench_rok_tiny(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, str(SCRIPT), "--tiny", "--steps", "2", "--policies", ",".join(POLICIES),
-         "--no-probe", "--out", str(tmp_path), "--store-dir", str(tmp_path / "store")]
+  cmd = [
+    sys.executable,
+    str(SCRIPT),
+    "--tiny",
+    "--steps",
+    "2",
+    "--policies",
+    ",".join(POLICIES),
+    "--no-probe",
+    "--out",
+    str(tmp_path),
+    "--store-dir",
+    str(tmp_path / "store"),
+  ]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
   assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -50,11 +63,28 @@ MULTIGPU = SCRIPT.parent / "bench_multigpu.py"
 @pytest.mark.slow
 def test_bench_multigpu_cpu_smoke(tmp_path):
   """1 vs 2 CPU devices, FSDP, offload only: the script runs end to end and writes its rows."""
-  cmd = [sys.executable, str(MULTIGPU), "--cpu-smoke", "--steps", "2", "--warmup", "1",
-         "--policies", "offload", "--layouts", "fsdp", "--host-cache", "64MiB",
-         "--out", str(tmp_path), "--store-dir", str(tmp_path / "store")]
-  proc = subprocess.run(cmd, capture_output=True, text=True,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=HANG_S)
+  cmd = [
+    sys.executable,
+    str(MULTIGPU),
+    "--cpu-smoke",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--policies",
+    "offload",
+    "--layouts",
+    "fsdp",
+    "--host-cache",
+    "64MiB",
+    "--out",
+    str(tmp_path),
+    "--store-dir",
+    str(tmp_path / "store"),
+  ]
+  proc = subprocess.run(
+    cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=HANG_S
+  )
   assert proc.returncode == 0, proc.stdout + proc.stderr
   (path,) = tmp_path.glob("multigpu_cpu_*.json")
   doc = json.loads(path.read_text())
@@ -65,6 +95,7 @@ def test_bench_multigpu_cpu_smoke(tmp_path):
   # Both devices stored the same (their own) shards; the stores are one directory per device.
   stats = run2["device_stats"]
   assert len(stats) == 2 and len({s["bytes_written"] for s in stats.values()}) == 1
-  assert doc["runs"]["2"]["store_directories"] == [str(tmp_path / "store" / "n2" / f"gpu{i}")
-                                                   for i in range(2)]
+  assert doc["runs"]["2"]["store_directories"] == [
+    str(tmp_path / "store" / "n2" / f"gpu{i}") for i in range(2)
+  ]
   assert "weak-scaling" in proc.stdout

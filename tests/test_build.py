@@ -5,6 +5,7 @@ Slow (downloads jax/jaxlib into a fresh venv and compiles the library): run by `
 `-m slow`. The mismatch itself (handlers of a newer FFI API than the runtime's) is checked fast
 below without a second jaxlib.
 """
+
 import os
 import subprocess
 import sys
@@ -47,15 +48,21 @@ def test_isolated_build_runs_on_an_older_jaxlib(tmp_path):
   env.pop("SSDTRAIN_LIB", None)
   env.pop("PYTHONPATH", None)
   pip = [py, "-m", "pip", "install", "-q"]
-  installed = subprocess.run(pip + [f"jax=={OLDER_JAX}", f"jaxlib=={OLDER_JAX}"],
-                             capture_output=True, text=True, env=env)
+  installed = subprocess.run(
+    pip + [f"jax=={OLDER_JAX}", f"jaxlib=={OLDER_JAX}"], capture_output=True, text=True, env=env
+  )
   if installed.returncode != 0:
     pytest.skip(f"cannot install jax {OLDER_JAX} from the index: {installed.stderr[-500:]}")
   # A plain `pip install <checkout>`: isolated build, whatever jaxlib pip puts in the build env.
   built = subprocess.run(pip + [ROOT], capture_output=True, text=True, env=env)
   assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-4000:]
-  run = subprocess.run([py, "-c", STORE_LOAD], capture_output=True, text=True, cwd=str(tmp_path),
-                       env=dict(env, JAX_PLATFORMS="cpu"))
+  run = subprocess.run(
+    [py, "-c", STORE_LOAD],
+    capture_output=True,
+    text=True,
+    cwd=str(tmp_path),
+    env=dict(env, JAX_PLATFORMS="cpu"),
+  )
   assert run.returncode == 0, run.stderr[-4000:]
   assert f"jax {OLDER_JAX} ffi_api 0.3 stored 1" in run.stdout, run.stdout
   assert str(venv) in run.stdout  # the installed copy, not the checkout

@@ -1,6 +1,7 @@
 """Offload under explicit and auto mesh axis types (``jax.sharding.AxisType``) on 4 CPU devices:
 DP, FSDP and TP grads bitwise equal to the same sharded program saving on the device, each
 device storing exactly its local shard of the tag."""
+
 import json
 import os
 import subprocess
@@ -14,10 +15,15 @@ F32, B, D, LAYERS = 4, 2, 64, 2
 
 
 def _run(mode):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, os.path.join(HERE, "_explicit_worker.py"), mode],
-                        capture_output=True, text=True, env=env)
+  env = dict(
+    os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+  )
+  proc = subprocess.run(
+    [sys.executable, os.path.join(HERE, "_explicit_worker.py"), mode],
+    capture_output=True,
+    text=True,
+    env=env,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -1,5 +1,6 @@
 """What a new user meets in the first hour: the scripts' errors, flush after a step, silent
 no-op policies, the probe CLI."""
+
 import os
 import subprocess
 import sys
@@ -7,10 +8,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import pytest
-
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
@@ -21,15 +21,22 @@ TRAIN = ROOT / "scripts" / "train.py"
 
 
 def _train_cli(*args, **env):
-  return subprocess.run([sys.executable, str(TRAIN), *args], capture_output=True, text=True,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu", **env))
+  return subprocess.run(
+    [sys.executable, str(TRAIN), *args],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, JAX_PLATFORMS="cpu", **env),
+  )
 
 
-@pytest.mark.parametrize("env,message", [
+@pytest.mark.parametrize(
+  "env,message",
+  [
     ({"SSDTRAIN_DIR": "/proc"}, "store directory /proc cannot hold the store's files"),
     ({"SSDTRAIN_HOST_CACHE": "lots"}, "SSDTRAIN_HOST_CACHE: cannot read 'lots' as a size"),
     ({"SSDTRAIN_FORWARDING": "maybe"}, "SSDTRAIN_FORWARDING"),
-])
+  ],
+)
 def test_store_settings_fail_early_in_one_line(env, message):
   proc = _train_cli("--steps", "1", **env)
   assert proc.returncode == 2
@@ -46,6 +53,7 @@ def test_tags_a_model_does_not_have_are_refused():
 def test_help_shows_defaults_and_sizes_accept_suffixes():
   sys.path.insert(0, str(ROOT / "scripts"))
   import train
+
   text = train.build_parser().format_help()
   assert "(default: 30)" in text and "(default: gpt)" in text and "1MiB" in text
   assert train.build_parser().parse_args(["--min-bytes", "64KiB"]).min_bytes == 64 << 10
@@ -56,7 +64,9 @@ def test_auto_plan_without_a_configured_store(monkeypatch):
   # was never configured (AttributeError); the profile now gets the defaults'.
   sys.path.insert(0, str(ROOT / "scripts"))
   import train
+
   from models import training
+
   seen = {}
 
   class Reached(Exception):
@@ -79,9 +89,22 @@ def test_auto_plan_without_a_configured_store(monkeypatch):
 def test_auto_policy_without_store_dir(tmp_path, capsys):
   sys.path.insert(0, str(ROOT / "scripts"))
   import train
+
   ssd.shutdown()  # nothing configured yet, as in a fresh process
-  out = train.main(["--steps", "1", "--batch", "2", "--policy", "auto",
-                    "--bandwidth", "0.9,0.77", "--workdir", str(tmp_path / "run")])
+  out = train.main(
+    [
+      "--steps",
+      "1",
+      "--batch",
+      "2",
+      "--policy",
+      "auto",
+      "--bandwidth",
+      "0.9,0.77",
+      "--workdir",
+      str(tmp_path / "run"),
+    ]
+  )
   text = capsys.readouterr()
   assert out["steps"] == 1
   assert "activation store:" in text.out and "(private, removed at exit)" in text.out
@@ -93,8 +116,9 @@ def test_flush_waits_for_the_dispatched_step(tmp_path):
   with ssd.configured(str(tmp_path / "s"), capacity_bytes=1 << 28):
     ssd.reset_stats()
     w = jnp.ones((512, 512)) / 512
-    f = jax.checkpoint(lambda x: jnp.sin(checkpoint_name(x @ w, "h")),
-                       policy=ssd.offload_policy(["h"], min_bytes=0))
+    f = jax.checkpoint(
+      lambda x: jnp.sin(checkpoint_name(x @ w, "h")), policy=ssd.offload_policy(["h"], min_bytes=0)
+    )
     step = jax.jit(jax.grad(lambda x: jnp.sum(f(f(f(x))))))
     grads = step(jnp.ones((512, 512)))  # kept, not waited for (as a training loop does)
     ssd.flush()
@@ -104,8 +128,10 @@ def test_flush_waits_for_the_dispatched_step(tmp_path):
 
 
 def test_policy_that_offloads_nothing_says_so():
-  f = jax.checkpoint(lambda x: jnp.sin(checkpoint_name(jnp.cos(x), "tiny_tag")),
-                     policy=ssd.offload_policy(["tiny_tag"]))  # 1 MiB floor, 64-byte tag
+  f = jax.checkpoint(
+    lambda x: jnp.sin(checkpoint_name(jnp.cos(x), "tiny_tag")),
+    policy=ssd.offload_policy(["tiny_tag"]),
+  )  # 1 MiB floor, 64-byte tag
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     jax.grad(lambda x: jnp.sum(f(x)))(jnp.ones(16))
@@ -118,8 +144,12 @@ def test_probe_creates_its_directory_and_help_is_plain(tmp_path):
   key = probe._Request.make(target, "8MiB", 2, "4MiB", None)
   assert target.is_dir() and oct(target.stat().st_mode & 0o777) == "0o700"
   assert key.directory == str(target)
-  proc = subprocess.run([sys.executable, "-m", "jax_ssdtrain.probe", "--help"],
-                        capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  proc = subprocess.run(
+    [sys.executable, "-m", "jax_ssdtrain.probe", "--help"],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert proc.returncode == 0 and "``" not in proc.stdout and ":func:" not in proc.stdout
 
 

@@ -1,8 +1,9 @@
 """CUDA handlers: run on the device machine (skipped without a GPU)."""
-import numpy as np
-import pytest
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
@@ -14,8 +15,12 @@ NAMES = ("layer_in", "qkv", "attn", "mlp_up")
 
 @pytest.fixture
 def store(tmp_path):
-  with ssd.configured(directory=tmp_path / "store", capacity_bytes=32 << 30,
-                      host_cache_bytes=1 << 30, staging_bytes=1 << 30) as cfg:
+  with ssd.configured(
+    directory=tmp_path / "store",
+    capacity_bytes=32 << 30,
+    host_cache_bytes=1 << 30,
+    staging_bytes=1 << 30,
+  ) as cfg:
     ssd.reset_stats()
     yield cfg
 
@@ -40,8 +45,12 @@ def gpt_layer(x, p, heads):
 def gpt_stack(h, s, b, layers, dtype=jnp.bfloat16, seed=0):
   k = jax.random.split(jax.random.key(seed), 5)
   init = lambda kk, shape: (jax.random.normal(kk, (layers,) + shape) * 0.02).astype(dtype)
-  p = {"wqkv": init(k[0], (h, 3 * h)), "wo": init(k[1], (h, h)),
-       "w1": init(k[2], (h, 4 * h)), "w2": init(k[3], (4 * h, h))}
+  p = {
+    "wqkv": init(k[0], (h, 3 * h)),
+    "wo": init(k[1], (h, h)),
+    "w1": init(k[2], (h, 4 * h)),
+    "w2": init(k[3], (4 * h, h)),
+  }
   x = jax.random.normal(k[4], (b, s, h), dtype)
   return p, x
 
@@ -50,16 +59,22 @@ def step_fn(policy, heads):
   body = lambda x, p: (gpt_layer(x, p, heads), None)
   if policy is not None:
     body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+
   def loss(p, x):
     y, _ = jax.lax.scan(body, x, p)
     return jnp.mean(y.astype(jnp.float32) ** 2)
+
   return jax.jit(jax.value_and_grad(loss))
 
 
 def max_rel(a, b):
-  return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))) /
-                   (float(jnp.max(jnp.abs(y.astype(jnp.float32)))) + 1e-30))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return max(
+    float(
+      jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
+      / (float(jnp.max(jnp.abs(y.astype(jnp.float32)))) + 1e-30)
+    )
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
 @pytest.mark.parametrize("location", ["nvme", "host"])
@@ -71,7 +86,9 @@ def test_gpu_grads_match_device_saving_and_repeat(store, location):
   first, second = ours(p, x), ours(p, x)
   diff_same_policy = max_rel(first, ref(p, x))
   diff_plain = max_rel(first, plain(p, x))
-  print(f"[{location}] max rel diff vs device saving {diff_same_policy:.3g}, vs plain {diff_plain:.3g}")
+  print(
+    f"[{location}] max rel diff vs device saving {diff_same_policy:.3g}, vs plain {diff_plain:.3g}"
+  )
   assert max_rel(first, second) == 0.0  # identical from run to run
   assert diff_same_policy < 2e-2 and diff_plain < 5e-2
   s = ssd.stats()
@@ -97,12 +114,17 @@ def test_gpu_dtypes_and_odd_sizes(store):
   for dtype in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32):
     for n in (1, 4097, 3 * 4096 + 5):
       x = (jnp.arange(n) % 251).astype(dtype)
+
       def f(x, s):
         y = checkpoint_name(x * s if dtype != jnp.int32 else x + 1, "t")
         return jnp.sum(jnp.sin(y.astype(jnp.float32)) * s)
-      g = lambda pol: jax.jit(jax.grad(jax.checkpoint(f, policy=pol), argnums=1))(x, jnp.float32(1.5))
-      np.testing.assert_array_equal(g(ssd.offload_policy(["t"], min_bytes=0)),
-                                    g(cp.save_only_these_names("t")))
+
+      g = lambda pol: jax.jit(jax.grad(jax.checkpoint(f, policy=pol), argnums=1))(
+        x, jnp.float32(1.5)
+      )
+      np.testing.assert_array_equal(
+        g(ssd.offload_policy(["t"], min_bytes=0)), g(cp.save_only_these_names("t"))
+      )
 
 
 def test_gpu_gpt_stack_memory_and_bytes(store):
@@ -110,8 +132,7 @@ def test_gpu_gpt_stack_memory_and_bytes(store):
   h, s, b, layers = 4096, 2048, 4, 8
   p, x = gpt_stack(h, s, b, layers)
   temp = {}
-  for label, pol in [("recompute", cp.nothing_saveable),
-                     ("ours", ssd.offload_policy(NAMES))]:
+  for label, pol in [("recompute", cp.nothing_saveable), ("ours", ssd.offload_policy(NAMES))]:
     compiled = step_fn(pol, h // 128).lower(p, x).compile()
     temp[label] = compiled.memory_analysis().temp_size_in_bytes
   ours = step_fn(ssd.offload_policy(NAMES), h // 128)
@@ -120,23 +141,25 @@ def test_gpu_gpt_stack_memory_and_bytes(store):
   jax.block_until_ready(ours(p, x))
   st = ssd.stats()
   tagged = layers * b * s * (h + 3 * h + h + 4 * h) * 2
-  print(f"XLA temp: recompute {temp['recompute'] / 1e9:.2f} GB, ours {temp['ours'] / 1e9:.2f} GB; "
-        f"bytes written/step {st['bytes_written'] / 1e9:.3f} GB (tagged {tagged / 1e9:.3f} GB), "
-        f"disk {st['disk_bytes_written'] / 1e9:.3f} GB, skipped {st['write_skipped_bytes'] / 1e9:.3f} GB")
+  print(
+    f"XLA temp: recompute {temp['recompute'] / 1e9:.2f} GB, ours {temp['ours'] / 1e9:.2f} GB; "
+    f"bytes written/step {st['bytes_written'] / 1e9:.3f} GB (tagged {tagged / 1e9:.3f} GB), "
+    f"disk {st['disk_bytes_written'] / 1e9:.3f} GB, skipped {st['write_skipped_bytes'] / 1e9:.3f} GB"
+  )
   assert temp["ours"] <= 1.10 * temp["recompute"]
   assert st["bytes_written"] == tagged and st["bytes_read"] == tagged
 
 
 def _raw_store(x, site):
-  return jax.ffi.ffi_call("ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32),
-                          has_side_effect=True)(x, site=np.int64(site), tier=np.int32(1),
-                                                name="raw", uses=np.int64(-1))
+  return jax.ffi.ffi_call(
+    "ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32), has_side_effect=True
+  )(x, site=np.int64(site), tier=np.int32(1), name="raw", uses=np.int64(-1))
 
 
 def _raw_load(h, like, site):
-  return jax.ffi.ffi_call("ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype),
-                          has_side_effect=True)(h, site=np.int64(site), tier=np.int32(1),
-                                                name="raw")
+  return jax.ffi.ffi_call(
+    "ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype), has_side_effect=True
+  )(h, site=np.int64(site), tier=np.int32(1), name="raw")
 
 
 def test_gpu_loads_predict_their_handles(store):
@@ -147,8 +170,9 @@ def test_gpu_loads_predict_their_handles(store):
   predicted = ours(p, x)
   s = ssd.stats()
   assert s["speculative_loads"] == s["tensors_read"] == 4 * 3 and s["handle_mismatches"] == 0, s
-  with ssd.configured(directory=store.directories[0] + "-exact", capacity_bytes=1 << 30,
-                      exact_loads=True):
+  with ssd.configured(
+    directory=store.directories[0] + "-exact", capacity_bytes=1 << 30, exact_loads=True
+  ):
     ssd.reset_stats()
     exact = step_fn(ssd.offload_policy(NAMES, min_bytes=0, location="host"), 4)(p, x)
     assert ssd.stats()["speculative_loads"] == 0
@@ -171,8 +195,9 @@ def test_gpu_out_of_order_loads_fail_the_step(store):
 
   with pytest.raises(Exception, match="exact_loads"):
     jax.block_until_ready(jax.jit(lambda a, b: oldest_first(a, b, 77))(a, b))
-  with ssd.configured(directory=store.directories[0] + "-exact", capacity_bytes=1 << 30,
-                      exact_loads=True):
+  with ssd.configured(
+    directory=store.directories[0] + "-exact", capacity_bytes=1 << 30, exact_loads=True
+  ):
     la, lb = jax.jit(lambda a, b: oldest_first(a, b, 78))(a, b)
     np.testing.assert_array_equal(np.asarray(la), np.asarray(a))
     np.testing.assert_array_equal(np.asarray(lb), np.asarray(b))
@@ -183,6 +208,7 @@ def test_gpu_entries_released_at_their_last_load(store, location):
   # Counted lifetimes on the GPU: every entry is released after its last load's copy, with no
   # host wait for it (the release is deferred to the copy's event), across new programs.
   from jax_ssdtrain._src import native
+
   policy = ssd.offload_policy(NAMES, min_bytes=0, location=location)
   ref = step_fn(cp.save_only_these_names(*NAMES), 4)
   for batch in (2, 3, 2):
@@ -200,10 +226,15 @@ def test_gpu_entries_released_at_their_last_load(store, location):
 
 def test_gpu_vjp_across_jits_applied_twice_then_swept(store):
   import gc
+
   from jax_ssdtrain._src import native
+
   p, x = gpt_stack(512, 256, 2, 3)
-  body = jax.checkpoint(lambda x, p: (gpt_layer(x, p, 4), None),
-                        policy=ssd.offload_policy(NAMES, min_bytes=0), prevent_cse=False)
+  body = jax.checkpoint(
+    lambda x, p: (gpt_layer(x, p, 4), None),
+    policy=ssd.offload_policy(NAMES, min_bytes=0),
+    prevent_cse=False,
+  )
   f = jax.jit(lambda p, x: jnp.mean(jax.lax.scan(body, x, p)[0].astype(jnp.float32) ** 2))
   _, vjp = jax.vjp(f, p, x)
   first, second = vjp(jnp.float32(1.0)), vjp(jnp.float32(2.0))

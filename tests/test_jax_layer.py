@@ -1,15 +1,14 @@
 """The JAX-facing layer: internals, version guard, exact rounding of offloaded values,
 composition with JAX's policy combinators, and how saved residuals are described."""
-import importlib
+
 import subprocess
 import sys
 import textwrap
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
@@ -20,8 +19,12 @@ cp = jax.checkpoint_policies
 
 @pytest.fixture
 def store(tmp_path):
-  with ssd.configured(str(tmp_path / "store"), capacity_bytes=1 << 30, host_cache_bytes=64 << 20,
-                      host_tier_bytes=64 << 20):
+  with ssd.configured(
+    str(tmp_path / "store"),
+    capacity_bytes=1 << 30,
+    host_cache_bytes=64 << 20,
+    host_tier_bytes=64 << 20,
+  ):
     ssd.reset_stats()
     yield
 
@@ -35,12 +38,29 @@ def assert_bitwise(a, b):
 # JAX internals and the version guard
 
 
-INTERNALS = ["PARTIAL_EVAL_CUSTOM_CACHED", "partial_eval_jaxpr_custom_rules", "dce_rules",
-             "weakref_lru_cache", "SAVE_FROM_BOTH_CODE", "CHECKPOINT_NAME_CLASSES",
-             "SAVED_RESIDUALS_FN", "apply_primitive", "prim_requires_devices_during_lowering",
-             "SPMDAxisContext", "ShardingContext", "GSPMDSharding", "LOWER_JAXPR_TO_MODULE",
-             "SaveableType", "RecomputeType", "Offloadable", "name_p", "DynamicJaxprTrace",
-             "Zero", "DIFFERENTIATING_TRACES", "REMAT_TRANSFORM_MODULES"]
+INTERNALS = [
+  "PARTIAL_EVAL_CUSTOM_CACHED",
+  "partial_eval_jaxpr_custom_rules",
+  "dce_rules",
+  "weakref_lru_cache",
+  "SAVE_FROM_BOTH_CODE",
+  "CHECKPOINT_NAME_CLASSES",
+  "SAVED_RESIDUALS_FN",
+  "apply_primitive",
+  "prim_requires_devices_during_lowering",
+  "SPMDAxisContext",
+  "ShardingContext",
+  "GSPMDSharding",
+  "LOWER_JAXPR_TO_MODULE",
+  "SaveableType",
+  "RecomputeType",
+  "Offloadable",
+  "name_p",
+  "DynamicJaxprTrace",
+  "Zero",
+  "DIFFERENTIATING_TRACES",
+  "REMAT_TRANSFORM_MODULES",
+]
 
 
 @pytest.mark.parametrize("name", INTERNALS)
@@ -52,7 +72,7 @@ def test_internal_is_where_we_expect_it(name):
 def test_hooks_installed_where_jax_calls_them():
   hook = getattr(ji.PE_MODULE, ji.PARTIAL_EVAL_CUSTOM_CACHED)
   assert getattr(hook, "_ssdtrain_hook", False)
-  assert getattr(getattr(ji.SAVED_RESIDUALS_MODULE, ji.SAVED_RESIDUALS_FN), "_ssdtrain_hook")
+  assert getattr(ji.SAVED_RESIDUALS_MODULE, ji.SAVED_RESIDUALS_FN)._ssdtrain_hook
   for cls in ji.CHECKPOINT_NAME_CLASSES:
     assert getattr(cls.remat, "_ssdtrain_hook", False), cls
   ji.check_partial_eval_call_site()  # raises MissingInternal when JAX changed the call
@@ -76,16 +96,21 @@ def _import_with_version(version: str, allow: bool):
           except ImportError as e:
               print("refused:", e)
       """)
-  env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
-         "PYTHONPATH": ":".join(p for p in sys.path if p)}
+  env = {
+    "JAX_PLATFORMS": "cpu",
+    "PATH": "/usr/bin:/bin",
+    "PYTHONPATH": ":".join(p for p in sys.path if p),
+  }
   import os
+
   for k in ("SSDTRAIN_LIB", "HOME"):
     if k in os.environ:
       env[k] = os.environ[k]
   if allow:
     env["SSDTRAIN_ALLOW_UNTESTED_JAX"] = "1"
-  return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        env=env, check=True).stdout
+  return subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+  ).stdout
 
 
 def test_untested_jax_is_refused_with_the_range():
@@ -106,9 +131,10 @@ def test_version_parsing():
 
 def _excess_precision_fn(dtype):
   def f(w, x):
-    h = checkpoint_name(jnp.dot(x, w), "h")                      # low precision
-    e = checkpoint_name(jnp.exp(h.astype(jnp.float32)), "e")     # consumes h in the forward
+    h = checkpoint_name(jnp.dot(x, w), "h")  # low precision
+    e = checkpoint_name(jnp.exp(h.astype(jnp.float32)), "e")  # consumes h in the forward
     return jnp.sum(e * h.astype(jnp.float32))
+
   return f
 
 
@@ -141,8 +167,9 @@ def test_excess_precision_in_a_scan_of_layers(store):
   ws = (0.2 * jax.random.normal(jax.random.key(2), (3, 32, 32))).astype(jnp.bfloat16)
   xs = jax.random.normal(jax.random.key(3), (4, 8, 32)).astype(jnp.bfloat16)
   grad = lambda pol: jax.jit(jax.vmap(jax.grad(lambda ws, x: loss(pol, ws, x)), (None, 0)))(ws, xs)
-  assert_bitwise(grad(ssd.offload_policy(["a", "b"], min_bytes=0)),
-                 grad(cp.save_only_these_names("a", "b")))
+  assert_bitwise(
+    grad(ssd.offload_policy(["a", "b"], min_bytes=0)), grad(cp.save_only_these_names("a", "b"))
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,12 +186,14 @@ def _grads(policy):
   w = 0.1 * jax.random.normal(jax.random.key(4), (32, 32))
   x = jax.random.normal(jax.random.key(5), (16, 32))
   return jax.block_until_ready(
-      jax.jit(jax.grad(jax.checkpoint(_two_tag_fn, policy=policy), argnums=(0, 1)))(w, x))
+    jax.jit(jax.grad(jax.checkpoint(_two_tag_fn, policy=policy), argnums=(0, 1)))(w, x)
+  )
 
 
 def test_save_from_both_with_our_policy_equals_the_single_policy(store):
-  both = cp.save_from_both_policies(ssd.offload_policy(["h"], min_bytes=0),
-                                    cp.save_only_these_names("e"))
+  both = cp.save_from_both_policies(
+    ssd.offload_policy(["h"], min_bytes=0), cp.save_only_these_names("e")
+  )
   single = ssd.offload_policy(["h"], names_to_save=["e"], min_bytes=0)
   assert_bitwise(_grads(both), _grads(single))
   assert_bitwise(_grads(both), _grads(cp.save_only_these_names("h", "e")))
@@ -172,26 +201,38 @@ def test_save_from_both_with_our_policy_equals_the_single_policy(store):
 
 
 def test_save_from_both_nested_and_either_side(store):
-  inner = cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, ssd.location_policy(
-      {"e": "host"}, min_bytes=0))
+  inner = cp.save_from_both_policies(
+    cp.dots_with_no_batch_dims_saveable, ssd.location_policy({"e": "host"}, min_bytes=0)
+  )
   both = cp.save_from_both_policies(cp.save_only_these_names("h"), inner)
   assert_bitwise(_grads(both), _grads(cp.save_only_these_names("h", "e")))
   s = ssd.stats()
   assert s["tensors_written"] == 1 and s["host_tier_bytes_peak"] > 0
 
 
-@pytest.mark.parametrize("other,written", [
-    (cp.save_only_these_names("h"), 0),       # saving on the device wins over the store
-    (cp.save_only_these_names("x"), 1),       # the store wins over recomputing
-    (cp.save_and_offload_only_these_names(    # and over JAX's own host offload
-        names_which_can_be_saved=[], names_which_can_be_offloaded=["h"],
-        offload_src="device", offload_dst="pinned_host"), 1),
-], ids=["device-wins", "store-over-remat", "store-over-jax-offload"])
+@pytest.mark.parametrize(
+  "other,written",
+  [
+    (cp.save_only_these_names("h"), 0),  # saving on the device wins over the store
+    (cp.save_only_these_names("x"), 1),  # the store wins over recomputing
+    (
+      cp.save_and_offload_only_these_names(  # and over JAX's own host offload
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["h"],
+        offload_src="device",
+        offload_dst="pinned_host",
+      ),
+      1,
+    ),
+  ],
+  ids=["device-wins", "store-over-remat", "store-over-jax-offload"],
+)
 def test_composition_precedence(store, other, written):
   both = cp.save_from_both_policies(ssd.offload_policy(["h"], min_bytes=0), other)
   _grads(both)
   assert ssd.stats()["tensors_written"] == written
-  from jax_ssdtrain._src.policies import decision_rank, StoreDecision, Location
+  from jax_ssdtrain._src.policies import Location, StoreDecision, decision_rank
+
   store_rank = decision_rank(StoreDecision(Location.NVME))
   assert decision_rank(True) > store_rank > decision_rank(ji.Offloadable("device", "pinned_host"))
   assert decision_rank(False) == 0
@@ -200,10 +241,12 @@ def test_composition_precedence(store, other, written):
 def test_jax_only_combination_untouched():
   both = cp.save_from_both_policies(cp.save_only_these_names("h"), cp.save_only_these_names("e"))
   from jax_ssdtrain._src.policies import as_offloading
+
   assert as_offloading(both) is None
   with pytest.raises(ValueError, match="boolean"):  # JAX's own answer for non-bool policies
     cp.save_from_both_policies(cp.save_only_these_names("h"), lambda *a, **k: "x")(
-        ji.name_p, jax.core.ShapedArray((2,), jnp.float32), name="h")
+      ji.name_p, jax.core.ShapedArray((2,), jnp.float32), name="h"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,9 +258,11 @@ def test_saved_residuals_name_tag_and_location(store, capsys):
   x = jax.random.normal(jax.random.key(7), (16, 32))
   pol = ssd.location_policy({"h": "nvme", "e": "host"}, min_bytes=0)
   from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals' data
+
   described = [text for _, text in saved_residuals(jax.checkpoint(_two_tag_fn, policy=pol), w, x)]
-  assert any(t.startswith("named 'h' -> nvme from ") and "test_jax_layer.py" in t
-             for t in described), described
+  assert any(
+    t.startswith("named 'h' -> nvme from ") and "test_jax_layer.py" in t for t in described
+  ), described
   assert any(t.startswith("named 'e' -> host from ") for t in described), described
   assert not any("ssd_store" in t for t in described)
   jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(_two_tag_fn, policy=pol), w, x)
@@ -240,8 +285,7 @@ def _sin_tags(x):
 def test_second_order_through_offloaded_tag(store, location, remat3):
   x = jnp.linspace(0.1, 2.0, 64)
   with ji.remat3(remat3):  # jax 0.10 picks the remat implementation when checkpoint is applied
-    f = jax.checkpoint(_sin_tags,
-                       policy=ssd.offload_policy(["s"], min_bytes=0, location=location))
+    f = jax.checkpoint(_sin_tags, policy=ssd.offload_policy(["s"], min_bytes=0, location=location))
     hvp = lambda fn: jax.jvp(jax.grad(fn), (x,), (jnp.ones_like(x),))[1]
     want = hvp(_sin_tags)
     np.testing.assert_allclose(hvp(f), want, rtol=1e-6)
@@ -251,8 +295,9 @@ def test_second_order_through_offloaded_tag(store, location, remat3):
     gjg = lambda fn: jax.grad(lambda x: jnp.sum(jax.jit(jax.grad(fn))(x)))(x)
     np.testing.assert_allclose(gjg(f), gg(_sin_tags), rtol=1e-6)
     if not (remat3 and ji.jax_version() < (0, 11)):  # jax 0.10's CheckpointName has no vmap
-      np.testing.assert_allclose(jax.hessian(f)(x[:8]), jax.hessian(_sin_tags)(x[:8]),
-                                 rtol=1e-6, atol=1e-7)
+      np.testing.assert_allclose(
+        jax.hessian(f)(x[:8]), jax.hessian(_sin_tags)(x[:8]), rtol=1e-6, atol=1e-7
+      )
   assert ssd.stats()["tensors_written"] > 0
   ssd.flush()
   assert ssd.stats()["live_entries"] == 0
@@ -281,8 +326,10 @@ def test_first_order_backward_recomputes_no_more_than_saving(store, remat3):
 def test_second_order_through_a_scanned_checkpoint_refused_clearly(store):
   # A scan body is traced apart from the enclosing differentiation: its backward cannot take
   # the tangent from a recomputation, and forward-mode through its store is refused (not wrong).
-  f = jax.checkpoint(lambda c: jnp.sin(checkpoint_name(jnp.sin(c), "s")),
-                     policy=ssd.offload_policy(["s"], min_bytes=0))
+  f = jax.checkpoint(
+    lambda c: jnp.sin(checkpoint_name(jnp.sin(c), "s")),
+    policy=ssd.offload_policy(["s"], min_bytes=0),
+  )
   loss = lambda x: jnp.sum(jax.lax.scan(lambda c, _: (f(c), None), x, None, length=2)[0])
   with pytest.raises(ssd.HigherOrderOffloadError, match="'s'"):
     jax.grad(lambda x: jnp.sum(jax.grad(loss)(x)))(jnp.ones(4))

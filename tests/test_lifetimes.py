@@ -1,28 +1,36 @@
 """Stored tensors live exactly while a load can still reach them (jax_ssdtrain/_src/lifetimes.py):
 counted per execution at compile time, swept when their handle left the execution."""
-import gc
 
-import numpy as np
-import pytest
+import gc
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
 from jax_ssdtrain._src import jax_internals as ji
-from jax_ssdtrain._src import lifetimes, native
+from jax_ssdtrain._src import native
 from jax_ssdtrain._src.lifetimes import UNCOUNTED, analyze
 
 POLICY = ssd.offload_policy(["h"], min_bytes=0)
-OCCUPANCY = ("live_entries", "file_bytes_in_use", "host_cache_bytes_in_use",
-             "host_tier_bytes_in_use")
+OCCUPANCY = (
+  "live_entries",
+  "file_bytes_in_use",
+  "host_cache_bytes_in_use",
+  "host_tier_bytes_in_use",
+)
 
 
 @pytest.fixture
 def store(tmp_path):
-  with ssd.configured(str(tmp_path / "store"), capacity_bytes=1 << 30, host_cache_bytes=64 << 20,
-                      host_tier_bytes=64 << 20):
+  with ssd.configured(
+    str(tmp_path / "store"),
+    capacity_bytes=1 << 30,
+    host_cache_bytes=64 << 20,
+    host_tier_bytes=64 << 20,
+  ):
     ssd.reset_stats()
     yield
 
@@ -34,7 +42,7 @@ def block(w, x):
 def loss(ws, x, policy=POLICY):
   for w in ws:
     x = jax.checkpoint(block, policy=policy)(w, x)
-  return jnp.sum(x ** 2)
+  return jnp.sum(x**2)
 
 
 def weights(n=3, d=256):
@@ -57,8 +65,9 @@ EMPTY = dict.fromkeys(OCCUPANCY, 0)
 def test_jitted_steps_with_changing_batch_leave_nothing(store):
   ws = weights()
   step = jax.jit(jax.grad(loss))
-  ref = jax.jit(jax.grad(lambda ws, x: loss(ws, x, jax.checkpoint_policies.save_only_these_names(
-      "h"))))
+  ref = jax.jit(
+    jax.grad(lambda ws, x: loss(ws, x, jax.checkpoint_policies.save_only_these_names("h")))
+  )
   for batch in (64, 32, 17, 64, 5):  # each new shape is a new program with new tag sites
     x = jax.random.normal(jax.random.key(batch), (batch, 256))
     got = jax.block_until_ready(step(ws, x))
@@ -109,12 +118,13 @@ def test_vjp_across_jits_lives_while_loadable(store):
   x = jax.random.normal(jax.random.key(4), (16, 64))
   f = jax.jit(loss)
   _, vjp = jax.vjp(f, ws, x)
-  _, ref_vjp = jax.vjp(jax.jit(lambda ws, x: loss(
-      ws, x, jax.checkpoint_policies.save_only_these_names("h"))), ws, x)
+  _, ref_vjp = jax.vjp(
+    jax.jit(lambda ws, x: loss(ws, x, jax.checkpoint_policies.save_only_these_names("h"))), ws, x
+  )
   first = vjp(jnp.float32(1.0))
   _, other = jax.vjp(f, ws, 2 * x)  # another forward of the same program in between
-  ssd.collect()                     # and a sweep: nothing loadable may go
-  second = vjp(jnp.float32(2.0))    # applied twice
+  ssd.collect()  # and a sweep: nothing loadable may go
+  second = vjp(jnp.float32(2.0))  # applied twice
   for got, want in ((first, ref_vjp(jnp.float32(1.0))), (second, ref_vjp(jnp.float32(2.0)))):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -172,7 +182,7 @@ def test_eager_remat3_grad_of_scan_swept(store):
 
   def scanned(ws, x):
     y, _ = jax.lax.scan(lambda c, w: (block(w, c), None), x, ws)
-    return jnp.sum(y ** 2)
+    return jnp.sum(y**2)
 
   with ji.remat3(True):
     f = jax.checkpoint(scanned, policy=POLICY)
@@ -208,16 +218,20 @@ def test_analysis_counts():
   assert _uses(jax.grad(loss), ws, x) == [1, 1]
 
   def scanned(ws, x):  # stacked handles: one entry per iteration, each loaded once
-    y, _ = jax.lax.scan(lambda c, w: (jax.checkpoint(block, policy=POLICY)(w, c), None), x,
-                        jnp.stack(ws))
+    y, _ = jax.lax.scan(
+      lambda c, w: (jax.checkpoint(block, policy=POLICY)(w, c), None), x, jnp.stack(ws)
+    )
     return jnp.sum(y)
+
   assert _uses(jax.grad(scanned), ws, x) == [1]
 
   def nested(ws, xs):  # scan of micro-batches around a scan of layers (grad accumulation)
     g = jax.grad(scanned)
-    acc, _ = jax.lax.scan(lambda a, x: (jax.tree.map(jnp.add, a, g(ws, x)), None),
-                          jax.tree.map(jnp.zeros_like, ws), xs)
+    acc, _ = jax.lax.scan(
+      lambda a, x: (jax.tree.map(jnp.add, a, g(ws, x)), None), jax.tree.map(jnp.zeros_like, ws), xs
+    )
     return acc
+
   assert _uses(nested, ws, jnp.ones((3, 4, 32))) == [1]
   assert _uses(jax.jit(jax.grad(loss)), ws, x) == [1, 1]  # through a nested jit
   assert _uses(jax.vmap(jax.grad(loss), (None, 0)), ws, jnp.ones((2, 4, 32))) == [1, 1]
@@ -231,6 +245,7 @@ def test_analysis_gives_up_where_it_cannot_count():
 
   def in_cond(ws, x, p):
     return jax.lax.cond(p, lambda: jax.grad(loss)(ws, x), lambda: jax.tree.map(jnp.zeros_like, ws))
+
   assert _uses(in_cond, ws, x, True) == [UNCOUNTED]
 
 
@@ -238,8 +253,11 @@ def test_lowering_passes_the_count_to_the_store():
   ws = weights(1, 32)
   text = jax.jit(jax.grad(loss)).lower(ws, jnp.ones((4, 32))).as_text()
   assert "ssdtrain_store" in text and "uses = 1" in text
-  text = jax.jit(lambda ws, x: jax.vjp(lambda ws: loss(ws, x), ws)[1]).lower(
-      ws, jnp.ones((4, 32))).as_text()
+  text = (
+    jax.jit(lambda ws, x: jax.vjp(lambda ws: loss(ws, x), ws)[1])
+    .lower(ws, jnp.ones((4, 32)))
+    .as_text()
+  )
   assert "uses = -1" in text
 
 

@@ -5,34 +5,47 @@ minute each on CPU: they are `slow` and skip, saying why, where MaxText cannot b
 Losses of 3 steps are compared bit for bit with MaxText saving the same tags on the device:
 equal losses after two optimizer updates need equal gradients.
 """
+
 import importlib.util
-import inspect
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from _limits import HANG_S
 
 import jax_ssdtrain.maxtext as ssd_maxtext
-from _limits import HANG_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 HAVE_MAXTEXT = importlib.util.find_spec("maxtext") is not None
 needs_maxtext = pytest.mark.skipif(
-    not HAVE_MAXTEXT, reason="MaxText is not installed (needs Python >= 3.12: "
-    "pip install 'jax_ssdtrain[maxtext]')")
+  not HAVE_MAXTEXT,
+  reason="MaxText is not installed (needs Python >= 3.12: pip install 'jax_ssdtrain[maxtext]')",
+)
 
 
 def run(tmp_path, mode, devices=1, *extra):
   out = tmp_path / mode
   out.mkdir()
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, os.path.join(HERE, "_maxtext_worker.py"), mode,
-                         str(devices), str(out), *extra],
-                        capture_output=True, text=True, env=env, timeout=HANG_S)
+  env = dict(
+    os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+  )
+  proc = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(HERE, "_maxtext_worker.py"),
+      mode,
+      str(devices),
+      str(out),
+      *extra,
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=HANG_S,
+  )
   assert proc.returncode == 0, proc.stderr[-6000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -80,8 +93,13 @@ def test_gradient_accumulation(tmp_path):
 @needs_maxtext
 def test_pipeline_parallelism(tmp_path):
   # The pipeline wraps the policy with save_from_both_policies: composition with ours.
-  same_run(tmp_path, 2, "ici_pipeline_parallelism=2", "num_pipeline_microbatches=2",
-           "per_device_batch_size=2")
+  same_run(
+    tmp_path,
+    2,
+    "ici_pipeline_parallelism=2",
+    "num_pipeline_microbatches=2",
+    "per_device_batch_size=2",
+  )
 
 
 @pytest.mark.slow
@@ -89,20 +107,47 @@ def test_pipeline_parallelism(tmp_path):
 def test_launcher_runs_train_main(tmp_path):
   out = tmp_path / "launch"
   import maxtext
+
   base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = dict(
+    os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+  )
   proc = subprocess.run(
-      [sys.executable, "-m", "jax_ssdtrain.maxtext", "--ssd-location", "host",
-       "--ssd-min-bytes", "0", "--ssd-dir", str(tmp_path / "store"), base, "run_name=l",
-       f"base_output_directory={out}", "dataset_type=synthetic", "steps=2",
-       "per_device_batch_size=1", "max_target_length=32", "base_emb_dim=64",
-       "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128",
-       "base_num_decoder_layers=2", "head_dim=16", "vocab_size=256",
-       "enable_checkpointing=false", "enable_goodput_recording=false",
-       f"metrics_file={tmp_path / 'm.jsonl'}", "remat_policy=custom",
-       "decoder_layer_input=offload"],
-      capture_output=True, text=True, env=env, timeout=HANG_S)
+    [
+      sys.executable,
+      "-m",
+      "jax_ssdtrain.maxtext",
+      "--ssd-location",
+      "host",
+      "--ssd-min-bytes",
+      "0",
+      "--ssd-dir",
+      str(tmp_path / "store"),
+      base,
+      "run_name=l",
+      f"base_output_directory={out}",
+      "dataset_type=synthetic",
+      "steps=2",
+      "per_device_batch_size=1",
+      "max_target_length=32",
+      "base_emb_dim=64",
+      "base_num_query_heads=4",
+      "base_num_kv_heads=4",
+      "base_mlp_dim=128",
+      "base_num_decoder_layers=2",
+      "head_dim=16",
+      "vocab_size=256",
+      "enable_checkpointing=false",
+      "enable_goodput_recording=false",
+      f"metrics_file={tmp_path / 'm.jsonl'}",
+      "remat_policy=custom",
+      "decoder_layer_input=offload",
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=HANG_S,
+  )
   assert proc.returncode == 0, proc.stderr[-6000:]
   assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
 
@@ -112,15 +157,36 @@ def test_launcher_runs_train_main(tmp_path):
 def test_bench_maxtext_tiny_with_a_variants_own_store_options(tmp_path):
   # scripts/bench_maxtext.py as the GPU call runs it: each variant in its own process; the
   # second @host variant's own staging arena overrides --ssd's.
-  variants = ("minimal,minimal_offloaded@host,"
-              "minimal_offloaded@host:staging_bytes=32MiB:host_tier_bytes=256MiB")
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  variants = (
+    "minimal,minimal_offloaded@host,"
+    "minimal_offloaded@host:staging_bytes=32MiB:host_tier_bytes=256MiB"
+  )
+  env = dict(
+    os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+  )
   proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts", "bench_maxtext.py"), "--tiny",
-       "--steps", "3", "--warmup", "1", "--variants", variants, "--ssd", "staging_bytes=16MiB",
-       "--store-dir", str(tmp_path / "work"), "--out", str(tmp_path)],
-      capture_output=True, text=True, env=env, timeout=HANG_S)
+    [
+      sys.executable,
+      os.path.join(ROOT, "scripts", "bench_maxtext.py"),
+      "--tiny",
+      "--steps",
+      "3",
+      "--warmup",
+      "1",
+      "--variants",
+      variants,
+      "--ssd",
+      "staging_bytes=16MiB",
+      "--store-dir",
+      str(tmp_path / "work"),
+      "--out",
+      str(tmp_path),
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=HANG_S,
+  )
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
   (path,) = tmp_path.glob("maxtext_*_tiny.json")
   rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
@@ -143,10 +209,17 @@ def test_bench_maxtext_rejects_bad_variants():
   finally:
     sys.path.pop(0)
   assert bench_maxtext.parse_variant("minimal_offloaded@host:staging_bytes=2GiB") == (
-      "minimal_offloaded", "host", {"staging_bytes": "2GiB"})
+    "minimal_offloaded",
+    "host",
+    {"staging_bytes": "2GiB"},
+  )
   assert bench_maxtext.parse_variant("full") == ("full", None, {})
-  for bad in ("minimal@disk", "@host", "minimal:staging_bytes=1GiB",
-              "minimal_offloaded@nvme:staging_bytes"):
+  for bad in (
+    "minimal@disk",
+    "@host",
+    "minimal:staging_bytes=1GiB",
+    "minimal_offloaded@nvme:staging_bytes",
+  ):
     with pytest.raises(Exception, match="variant"):
       bench_maxtext.parse_variant(bad)
 
@@ -159,7 +232,9 @@ def test_bench_maxtext_rejects_bad_variants():
 def test_install_routes_offload_names_and_restores(monkeypatch):
   from maxtext.layers import nnx_decoders
   from maxtext.utils import maxtext_utils
+
   import jax_ssdtrain as ssd
+
   original = nnx_decoders.NNXDecoder.get_remat_policy
 
   class Cfg:  # the fields get_save_and_offload_names reads
@@ -174,23 +249,30 @@ def test_install_routes_offload_names_and_restores(monkeypatch):
   try:
     policy = nnx_decoders.NNXDecoder.get_remat_policy(Decoder())
     assert isinstance(policy, ssd.OffloadPolicy)
-    assert dict(policy.locations) == {"query_proj": ssd.Location.HOST,
-                                      "decoder_layer_input": ssd.Location.HOST,
-                                      "mlpwo": ssd.Location.DEVICE}
+    assert dict(policy.locations) == {
+      "query_proj": ssd.Location.HOST,
+      "decoder_layer_input": ssd.Location.HOST,
+      "mlpwo": ssd.Location.DEVICE,
+    }
     assert maxtext_utils.get_save_and_offload_names(Cfg()) == ([], [])  # global layers
     ssd_maxtext.install("nvme")  # replaces, does not stack
-    assert dict(nnx_decoders.NNXDecoder.get_remat_policy(Decoder()).locations)[
-        "query_proj"] is ssd.Location.NVME
+    assert (
+      dict(nnx_decoders.NNXDecoder.get_remat_policy(Decoder()).locations)["query_proj"]
+      is ssd.Location.NVME
+    )
   finally:
     ssd_maxtext.uninstall()
   assert nnx_decoders.NNXDecoder.get_remat_policy is original
-  assert maxtext_utils.get_save_and_offload_names(Cfg()) == (["mlpwo"],
-                                                              ["query_proj", "decoder_layer_input"])
+  assert maxtext_utils.get_save_and_offload_names(Cfg()) == (
+    ["mlpwo"],
+    ["query_proj", "decoder_layer_input"],
+  )
 
 
 @needs_maxtext
 def test_install_names_what_a_maxtext_release_changed(monkeypatch):
   from maxtext.utils import maxtext_utils
+
   monkeypatch.setattr(maxtext_utils, "get_save_and_offload_names", lambda cfg, extra: ([], []))
   with pytest.raises(RuntimeError, match=r"get_save_and_offload_names\(cfg, extra\)"):
     ssd_maxtext.install()
@@ -199,6 +281,7 @@ def test_install_names_what_a_maxtext_release_changed(monkeypatch):
 
 def test_install_without_maxtext_says_how(monkeypatch):
   import builtins
+
   real_import = builtins.__import__
 
   def no_maxtext(name, *args, **kwargs):
@@ -207,8 +290,7 @@ def test_install_without_maxtext_says_how(monkeypatch):
     return real_import(name, *args, **kwargs)
 
   monkeypatch.setattr(builtins, "__import__", no_maxtext)
-  monkeypatch.setattr(ssd_maxtext.importlib, "import_module",
-                      lambda name: no_maxtext(name))
+  monkeypatch.setattr(ssd_maxtext.importlib, "import_module", lambda name: no_maxtext(name))
   with pytest.raises(ssd_maxtext.MaxTextMissing, match=r"jax_ssdtrain\[maxtext\]"):
     ssd_maxtext.install()
   with pytest.raises(ValueError, match="location"):

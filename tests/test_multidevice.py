@@ -2,6 +2,7 @@
 set before JAX starts). DP, FSDP and TP on the MLP: grads equal the single-device grads, the
 offloading program has the same collectives as the one saving on the device, every device
 stores exactly its shards."""
+
 import json
 import os
 import subprocess
@@ -15,10 +16,16 @@ ROOT = os.path.dirname(HERE)
 
 
 def _run_worker(**env_vars):
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             **env_vars)
-  proc = subprocess.run([sys.executable, os.path.join(HERE, "_multidevice_worker.py")],
-                        capture_output=True, text=True, env=env, timeout=HANG_S)
+  env = dict(
+    os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env_vars
+  )
+  proc = subprocess.run(
+    [sys.executable, os.path.join(HERE, "_multidevice_worker.py")],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=HANG_S,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -57,7 +64,10 @@ def test_fsdp_gathers_weights_not_activations(result):
   # gathered: no all-to-all of logits, and no more all-reduces than data parallelism's
   # gradient reductions (a vocab-split table made the partitioner exchange logits and
   # all-reduce looked-up rows).
-  fsdp, dp = result["layouts"]["fsdp-nvme"]["collectives"], result["layouts"]["dp-nvme"]["collectives"]
+  fsdp, dp = (
+    result["layouts"]["fsdp-nvme"]["collectives"],
+    result["layouts"]["dp-nvme"]["collectives"],
+  )
   assert fsdp["all-to-all"] == 0, fsdp
   assert fsdp["all-reduce"] <= dp["all-reduce"], (fsdp, dp)
   assert fsdp["all-gather"] > 0, fsdp  # the sharded weights
@@ -78,8 +88,9 @@ def test_shard_map(result):
   assert r["diff"] == 0.0
   # (32, 64) float32 batch over 4 devices: each stores its (8, 64) block.
   assert r["expected_shard_bytes"] == 8 * 64 * 4
-  assert {d: s["bytes_written"] for d, s in r["device_stats"].items()} == \
-      {d: 8 * 64 * 4 for d in result["devices"]}
+  assert {d: s["bytes_written"] for d, s in r["device_stats"].items()} == {
+    d: 8 * 64 * 4 for d in result["devices"]
+  }
 
 
 def test_device_placeholder_gives_each_device_its_own_files(result):
@@ -100,10 +111,15 @@ def test_handle_on_another_device_is_refused(result):
 
 def test_parse_mesh_and_specs():
   from models import parallel
+
   assert parallel.parse_mesh("dp=2, tp=2, fsdp") == parallel.Parallelism(2, 2, True)
   assert parallel.parse_mesh("dp=4") == parallel.Parallelism(data=4)
-  for bad, msg in [("dp=x", "integer"), ("pp=2", "unknown entry"), ("fsdp=1", "no value"),
-                   ("dp=0", "positive")]:
+  for bad, msg in [
+    ("dp=x", "integer"),
+    ("pp=2", "unknown entry"),
+    ("fsdp=1", "no value"),
+    ("dp=0", "positive"),
+  ]:
     with pytest.raises(ValueError, match=msg):
       parallel.parse_mesh(bad)
   par = parallel.Parallelism(data=2, model=2, fsdp=True)
@@ -121,6 +137,7 @@ def test_parse_mesh_and_specs():
 
 def _gpu_count() -> int:
   import jax
+
   try:
     return len(jax.devices("gpu"))
   except RuntimeError:

@@ -1,5 +1,6 @@
 """Two CPU processes on this machine (coordinator on 127.0.0.1), 2 devices each, DP training of
 a tiny GPT with offload; each process uses its own store directory ("{process}")."""
+
 import json
 import os
 import socket
@@ -23,15 +24,24 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_processes_match_single_process(tmp_path):
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu"
+  )
   template = str(tmp_path / "store-{process}")
   port = _free_port()
   outs = [tmp_path / f"out{i}.json" for i in range(3)]
   argv = [[str(i), "2", str(port), template, str(outs[i])] for i in range(2)]
   argv.append(["0", "0", "0", str(tmp_path / "ref-{process}"), str(outs[2])])
-  procs = [subprocess.Popen([sys.executable, WORKER, *a], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for a in argv]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, WORKER, *a],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for a in argv
+  ]
   logs = []
   try:
     for p in procs:

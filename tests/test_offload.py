@@ -1,14 +1,15 @@
 """The core offload path: policies, the partial-eval split, transformations, stats, files."""
+
 import os
 import stat
 
-import numpy as np
-import pytest
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
+import numpy as np
+import pytest
 from jax._src import config as jax_config
 from jax._src.interpreters import partial_eval as pe
+from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
 
@@ -19,8 +20,12 @@ NAMES = ("h", "g")
 @pytest.fixture
 def store(tmp_path):
   # forwarding off: every stored tensor goes to the file and comes back from it.
-  with ssd.configured(directory=tmp_path / "store", capacity_bytes=1 << 30,
-                      host_cache_bytes=64 << 20, forwarding=False) as cfg:
+  with ssd.configured(
+    directory=tmp_path / "store",
+    capacity_bytes=1 << 30,
+    host_cache_bytes=64 << 20,
+    forwarding=False,
+  ) as cfg:
     ssd.reset_stats()
     yield cfg
 
@@ -48,8 +53,10 @@ def make_loss(policy, n_layers=3, scan=True):
 
 def params(key, n_layers=3, d=32, dtype=jnp.float32):
   ka, kb = jax.random.split(key)
-  return {"a": (jax.random.normal(ka, (n_layers, d, d)) / np.sqrt(d)).astype(dtype),
-          "b": (jax.random.normal(kb, (n_layers, d, d)) / np.sqrt(d)).astype(dtype)}
+  return {
+    "a": (jax.random.normal(ka, (n_layers, d, d)) / np.sqrt(d)).astype(dtype),
+    "b": (jax.random.normal(kb, (n_layers, d, d)) / np.sqrt(d)).astype(dtype),
+  }
 
 
 OURS = ssd.offload_policy(NAMES, min_bytes=0)
@@ -63,8 +70,9 @@ def assert_trees_equal(a, b):
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-5):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
-                               rtol=rtol, atol=atol)
+    np.testing.assert_allclose(
+      np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol, atol=atol
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,11 +103,13 @@ def test_int32_residual(store):
   def f(table, x):
     idx = checkpoint_name((jnp.abs(x) * 7).astype(jnp.int32) % table.shape[0], "idx")
     return jnp.sum(jnp.sin(table[idx]) ** 2)
+
   table = jax.random.normal(jax.random.key(4), (50, 3))
   x = jax.random.normal(jax.random.key(5), (1000,))
   grad = lambda pol: jax.jit(jax.grad(jax.checkpoint(f, policy=pol)))(table, x)
-  assert_trees_equal(grad(ssd.offload_policy(["idx"], min_bytes=0)),
-                     grad(cp.save_only_these_names("idx")))
+  assert_trees_equal(
+    grad(ssd.offload_policy(["idx"], min_bytes=0)), grad(cp.save_only_these_names("idx"))
+  )
   s = ssd.stats()
   assert s["tensors_written"] == 1 and s["bytes_written"] == 1000 * 4
 
@@ -109,19 +119,22 @@ def test_sizes_not_multiple_of_4k(store, n):
   def f(w, x):
     h = checkpoint_name(jnp.sin(x * w), "h")
     return jnp.sum(h * h * w)
+
   w, x = jnp.float32(1.3), jax.random.normal(jax.random.key(n), (n,))
   grad = lambda pol: jax.jit(jax.grad(jax.checkpoint(f, policy=pol), argnums=(0, 1)))(w, x)
-  assert_trees_equal(grad(ssd.offload_policy(["h"], min_bytes=0)),
-                     grad(cp.save_only_these_names("h")))
+  assert_trees_equal(
+    grad(ssd.offload_policy(["h"], min_bytes=0)), grad(cp.save_only_these_names("h"))
+  )
   assert ssd.stats()["bytes_written"] == 4 * n
 
 
 TRANSFORMS = {
-    "value_and_grad": lambda loss: jax.jit(jax.value_and_grad(loss)),
-    "grad_no_jit": lambda loss: jax.grad(loss),
-    "vmap_grad": lambda loss: jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0))),
-    "grad_vmap": lambda loss: jax.jit(jax.grad(
-        lambda w, xs: jnp.sum(jax.vmap(loss, in_axes=(None, 0))(w, xs)))),
+  "value_and_grad": lambda loss: jax.jit(jax.value_and_grad(loss)),
+  "grad_no_jit": lambda loss: jax.grad(loss),
+  "vmap_grad": lambda loss: jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0))),
+  "grad_vmap": lambda loss: jax.jit(
+    jax.grad(lambda w, xs: jnp.sum(jax.vmap(loss, in_axes=(None, 0))(w, xs)))
+  ),
 }
 
 
@@ -141,11 +154,14 @@ def test_transformations(store, transform):
 def test_scan_inside_remat(store):
   w = params(jax.random.key(8))
   x = jax.random.normal(jax.random.key(9), (8, 32))
+
   def body(w, x):
     y, _ = jax.lax.scan(lambda c, wi: (layer(wi, c), None), x, w)
     return y
+
   def loss(pol):
     return lambda w, x: jnp.sum(jax.checkpoint(body, policy=pol)(w, x) ** 2)
+
   ours = jax.jit(jax.grad(loss(OURS)))(w, x)
   assert_trees_equal(ours, jax.jit(jax.grad(loss(ON_DEVICE)))(w, x))
   assert ssd.stats()["tensors_written"] == 2 * 3
@@ -153,9 +169,11 @@ def test_scan_inside_remat(store):
 
 def test_jit_inside_checkpoint(store):
   inner = jax.jit(layer)
+
   def loss(pol):
     f = jax.checkpoint(inner, policy=pol)
     return lambda w, x: jnp.sum(f(jax.tree.map(lambda a: a[0], w), x) ** 2)
+
   w = params(jax.random.key(10))
   x = jax.random.normal(jax.random.key(11), (8, 32))
   assert_trees_equal(jax.jit(jax.grad(loss(OURS)))(w, x), jax.jit(jax.grad(loss(ON_DEVICE)))(w, x))
@@ -195,21 +213,27 @@ def test_vjp_applied_twice(store):
 def test_two_grads_in_one_jit(store):
   w = params(jax.random.key(18))
   x = jax.random.normal(jax.random.key(19), (8, 32))
+
   def both(pol):
     loss = make_loss(pol)
     return jax.jit(lambda w, x: (jax.grad(loss)(w, x), jax.grad(loss)(w, 2 * x)))(w, x)
+
   assert_trees_equal(both(OURS), both(ON_DEVICE))
 
 
 def test_gradient_accumulation(store):
   w = params(jax.random.key(20))
   xs = jax.random.normal(jax.random.key(21), (4, 8, 32))
+
   def accumulated(pol):
     g = jax.grad(make_loss(pol))
+
     def step(acc, x):
       return jax.tree.map(jnp.add, acc, g(w, x)), None
+
     total, _ = jax.lax.scan(step, jax.tree.map(jnp.zeros_like, w), xs)
     return total
+
   ours = jax.jit(accumulated, static_argnums=0)(OURS)
   assert_trees_equal(ours, jax.jit(accumulated, static_argnums=0)(ON_DEVICE))
   assert ssd.stats()["tensors_written"] == 4 * 2 * 3
@@ -221,7 +245,9 @@ def test_repeated_steps_reuse_space(store):
   step = jax.jit(jax.grad(make_loss(OURS)))
   ref = jax.jit(jax.grad(make_loss(ON_DEVICE)))(w, x)
   for i in range(5):
-    assert_trees_equal(step(w, x * (i + 1)), jax.jit(jax.grad(make_loss(ON_DEVICE)))(w, x * (i + 1)))
+    assert_trees_equal(
+      step(w, x * (i + 1)), jax.jit(jax.grad(make_loss(ON_DEVICE)))(w, x * (i + 1))
+    )
   assert_trees_equal(step(w, x), ref)
   s = ssd.stats()
   assert s["live_entries"] <= 2 * 3  # the last step's, released at the next store
@@ -250,6 +276,7 @@ def test_saved_residuals_show_handle(store):
   text = str(jaxpr)
   assert "ssd_store" in text and "ssd_load" in text
   from jax._src.ad_checkpoint import saved_residuals
+
   kinds = lambda f: [(a.shape, np.dtype(a.dtype)) for a, _ in saved_residuals(f, w, x)]
   ours, device = kinds(loss), kinds(make_loss(ON_DEVICE, scan=False))
   handle, tagged = ((2,), np.dtype(np.uint32)), ((8, d), np.dtype(np.float32))
@@ -279,8 +306,9 @@ def test_min_bytes_keeps_small_tensors_on_device(store):
   w = params(jax.random.key(30))
   x = jax.random.normal(jax.random.key(31), (8, 32))  # 1 KiB tags
   pol = ssd.offload_policy(NAMES, min_bytes=4096)
-  assert_trees_equal(jax.jit(jax.grad(make_loss(pol)))(w, x),
-                     jax.jit(jax.grad(make_loss(ON_DEVICE)))(w, x))
+  assert_trees_equal(
+    jax.jit(jax.grad(make_loss(pol)))(w, x), jax.jit(jax.grad(make_loss(ON_DEVICE)))(w, x)
+  )
   assert ssd.stats()["tensors_written"] == 0
 
 
@@ -288,8 +316,9 @@ def test_host_location(store):
   w = params(jax.random.key(32))
   x = jax.random.normal(jax.random.key(33), (8, 32))
   pol = ssd.location_policy({"h": "host", "g": "nvme"}, min_bytes=0)
-  assert_trees_equal(jax.jit(jax.grad(make_loss(pol)))(w, x),
-                     jax.jit(jax.grad(make_loss(ON_DEVICE)))(w, x))
+  assert_trees_equal(
+    jax.jit(jax.grad(make_loss(pol)))(w, x), jax.jit(jax.grad(make_loss(ON_DEVICE)))(w, x)
+  )
   ssd.flush()
   s = ssd.stats()
   assert s["tensors_written"] == 6
@@ -307,14 +336,20 @@ def test_flax_scan_remat(store):
       return x + g * h, None
 
   def model(policy):
-    return nn.scan(nn.remat(Block, policy=policy, prevent_cse=False),
-                   variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()
+    return nn.scan(
+      nn.remat(Block, policy=policy, prevent_cse=False),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=3,
+    )()
 
   x = jax.random.normal(jax.random.key(34), (4, 32))
   variables = model(ON_DEVICE).init(jax.random.key(35), x, None)
+
   def grad(policy):
     loss = lambda v: jnp.sum(model(policy).apply(v, x, None)[0] ** 2)
     return jax.jit(jax.grad(loss))(variables)
+
   assert_trees_equal(grad(OURS), grad(ON_DEVICE))
   assert ssd.stats()["tensors_written"] == 6
 
@@ -323,13 +358,23 @@ def test_flax_scan_remat(store):
 # JAX's own policies are untouched by the hook
 
 
-@pytest.mark.parametrize("policy", [
-    cp.nothing_saveable, cp.everything_saveable, cp.dots_saveable,
-    cp.save_only_these_names("h"), cp.save_any_names_but_these("g"),
-    cp.save_and_offload_only_these_names(names_which_can_be_saved=["g"],
-                                         names_which_can_be_offloaded=["h"],
-                                         offload_src="device", offload_dst="pinned_host"),
-], ids=["nothing", "everything", "dots", "save_names", "save_but", "host_offload"])
+@pytest.mark.parametrize(
+  "policy",
+  [
+    cp.nothing_saveable,
+    cp.everything_saveable,
+    cp.dots_saveable,
+    cp.save_only_these_names("h"),
+    cp.save_any_names_but_these("g"),
+    cp.save_and_offload_only_these_names(
+      names_which_can_be_saved=["g"],
+      names_which_can_be_offloaded=["h"],
+      offload_src="device",
+      offload_dst="pinned_host",
+    ),
+  ],
+  ids=["nothing", "everything", "dots", "save_names", "save_but", "host_offload"],
+)
 def test_standard_policies_identical_with_and_without_hook(policy):
   w = params(jax.random.key(36))
   x = jax.random.normal(jax.random.key(37), (8, 32))
@@ -337,8 +382,7 @@ def test_standard_policies_identical_with_and_without_hook(policy):
   hooked = pe._partial_eval_jaxpr_custom_cached
   original = hooked._ssdtrain_original
   n_in = len(closed.jaxpr.invars)
-  args = (closed.jaxpr, (False,) * (n_in - 1) + (True,), (True,) * n_in, (False,), (False,),
-          policy)
+  args = (closed.jaxpr, (False,) * (n_in - 1) + (True,), (True,) * n_in, (False,), (False,), policy)
   a, b = hooked(*args), original(*args)
   assert str(a[0]) == str(b[0]) and str(a[1]) == str(b[1]) and a[2:] == b[2:]
 
@@ -426,8 +470,10 @@ def test_base_policy_decides_untagged_equations(store):
 
 
 def test_directory_placeholders(tmp_path):
-  from jax_ssdtrain._src import config as config_mod
   import jax
+
+  from jax_ssdtrain._src import config as config_mod
+
   expanded = config_mod._directories(str(tmp_path / "p{process}" / "d{device}"))
   assert expanded == tuple(str(tmp_path / "p0" / f"d{i}") for i in range(len(jax.local_devices())))
   assert config_mod._directories(str(tmp_path / "a{{b}}")) == (str(tmp_path / "a{b}"),)
@@ -442,6 +488,7 @@ def test_directory_placeholders(tmp_path):
 
 def test_device_placeholder_sets_device_groups(tmp_path):
   import jax
+
   n = len(jax.local_devices())
   with ssd.configured(directory=[str(tmp_path / "a{device}"), str(tmp_path / "b{device}")]) as cfg:
     assert cfg.device_groups == n and len(cfg.directories) == 2 * n

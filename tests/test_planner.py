@@ -1,4 +1,5 @@
 """Offload planner: profile, timing model, plan, memory-budget mode, split-scan models, CLI."""
+
 import dataclasses
 import math
 import os
@@ -15,7 +16,9 @@ from jax_ssdtrain import Location
 from jax_ssdtrain._src import planner
 from jax_ssdtrain._src.planner import simulate
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+sys.path.insert(
+  0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 T = ssd.TagProfile
@@ -24,8 +27,15 @@ GB = 10**9
 
 def one_tag(read_gbps, write_gbps=1.0, cache=GB, layers=4):
   """A layer of 1 s forward, 1 s backward and one 1 GB tag."""
-  return ssd.Profile(num_layers=layers, forward_s=1.0, backward_s=1.0, tags=(T("a", GB),),
-                     write_gbps=write_gbps, read_gbps=read_gbps, host_cache_bytes=cache)
+  return ssd.Profile(
+    num_layers=layers,
+    forward_s=1.0,
+    backward_s=1.0,
+    tags=(T("a", GB),),
+    write_gbps=write_gbps,
+    read_gbps=read_gbps,
+    host_cache_bytes=cache,
+  )
 
 
 # --------------------------------------------------------------------------- profile
@@ -33,7 +43,7 @@ def one_tag(read_gbps, write_gbps=1.0, cache=GB, layers=4):
 
 def _layer(p, x):  # x (B,S,H)
   x = checkpoint_name(x, "layer_in")
-  h = checkpoint_name(x @ p["w1"], "up")           # (B,S,F)
+  h = checkpoint_name(x @ p["w1"], "up")  # (B,S,F)
   y = checkpoint_name(jnp.tanh(h) @ p["w2"], "down")  # (B,S,H)
   z = checkpoint_name(y * 2.0, "down2")
   return x + z + checkpoint_name(y[..., :3], "down2").sum()  # a name used twice: bytes add
@@ -42,13 +52,19 @@ def _layer(p, x):  # x (B,S,H)
 def test_profile_bytes_are_the_tags_avals():
   B, S, H, F = 2, 8, 16, 64
   k = jax.random.split(jax.random.key(0), 3)
-  p = {"w1": jax.random.normal(k[0], (H, F), jnp.float32),
-       "w2": jax.random.normal(k[1], (F, H), jnp.bfloat16).astype(jnp.float32)}
+  p = {
+    "w1": jax.random.normal(k[0], (H, F), jnp.float32),
+    "w2": jax.random.normal(k[1], (F, H), jnp.bfloat16).astype(jnp.float32),
+  }
   x = jax.random.normal(k[2], (B, S, H), jnp.float32)
   prof = ssd.profile(_layer, p, x, num_layers=3, bandwidth=(2.0, 1.5), repeats=2, warmup=1, batch=B)
   got = {t.name: t.bytes for t in prof.tags}
-  assert got == {"layer_in": B * S * H * 4, "up": B * S * F * 4, "down": B * S * H * 4,
-                 "down2": B * S * H * 4 + B * S * 3 * 4}
+  assert got == {
+    "layer_in": B * S * H * 4,
+    "up": B * S * F * 4,
+    "down": B * S * H * 4,
+    "down2": B * S * H * 4 + B * S * 3 * 4,
+  }
   assert [t.name for t in prof.tags] == ["layer_in", "up", "down", "down2"]  # program order
   assert prof.input_bytes == B * S * H * 4 and prof.num_layers == 3 and prof.batch == B
   assert prof.param_bytes == H * F * 4 * 2
@@ -90,7 +106,9 @@ def test_profile_measures_recompute():
 
 def test_profile_follows_the_input_into_nested_calls():
   inner = jax.jit(lambda v: checkpoint_name(v, "layer_in") * 2.0)
-  sizes, _, input_tag = planner._tagged(lambda p, v: inner(v) @ p, jnp.ones((4, 4)), jnp.ones((2, 4)))
+  sizes, _, input_tag = planner._tagged(
+    lambda p, v: inner(v) @ p, jnp.ones((4, 4)), jnp.ones((2, 4))
+  )
   assert sizes == {"layer_in": 32} and input_tag == "layer_in"
   # a name on the input and on another value does not free the input when offloaded
   both = lambda p, v: checkpoint_name(v, "t") + checkpoint_name(v @ p, "t")  # noqa: E731
@@ -134,8 +152,15 @@ def test_one_more_layer_stalls():
 def test_disk_traffic_of_a_step_fits_in_the_step():
   # 8 layers of 0.1 + 0.1 s (1.6 s per step), 1 GB per layer at 1 GB/s, a cache that holds
   # everything (no reads): k layers write k GB per step, so from k = 2 the step waits k - 1.6 s.
-  prof = ssd.Profile(num_layers=8, forward_s=0.1, backward_s=0.1, tags=(T("a", GB),),
-                     write_gbps=1.0, read_gbps=100.0, host_cache_bytes=100 * GB)
+  prof = ssd.Profile(
+    num_layers=8,
+    forward_s=0.1,
+    backward_s=0.1,
+    tags=(T("a", GB),),
+    write_gbps=1.0,
+    read_gbps=100.0,
+    host_cache_bytes=100 * GB,
+  )
   assert simulate(prof, 1, {"a": Location.NVME}) == (pytest.approx(1.6), 0.0)
   assert simulate(prof, 2, {"a": Location.NVME})[1] == pytest.approx(0.4)
   assert simulate(prof, 8, {"a": Location.NVME})[1] == pytest.approx(6.4)
@@ -145,13 +170,22 @@ def test_disk_traffic_of_a_step_fits_in_the_step():
 
 def test_zero_and_infinite_bandwidth():
   tags = (T("layer_in", GB), T("qkv", 3 * GB, 0.1), T("mlp_up", 4 * GB, 0.1))
-  base = ssd.Profile(num_layers=6, forward_s=1.0, backward_s=2.0, tags=tags, write_gbps=0.0,
-                     read_gbps=0.0, host_gbps=0.0, input_bytes=GB)
+  base = ssd.Profile(
+    num_layers=6,
+    forward_s=1.0,
+    backward_s=2.0,
+    tags=tags,
+    write_gbps=0.0,
+    read_gbps=0.0,
+    host_gbps=0.0,
+    input_bytes=GB,
+  )
   p = ssd.plan(base, allowed=["device", "host", "nvme"])
   assert p.offloaded_bytes == 0 and p.device_bytes == 8 * 6 * GB
   assert all(loc is Location.DEVICE for _, loc in p.locations)
-  inf = dataclasses.replace(base, write_gbps=math.inf, read_gbps=math.inf, host_gbps=math.inf,
-                            host_cache_bytes=0)
+  inf = dataclasses.replace(
+    base, write_gbps=math.inf, read_gbps=math.inf, host_gbps=math.inf, host_cache_bytes=0
+  )
   p = ssd.plan(inf, allowed=["device", "nvme"])
   assert p.offload_layers == 6 and p.device_bytes == 0 and p.stall_s == 0
   assert p.nvme_bytes == 8 * 6 * GB and all(loc is Location.NVME for _, loc in p.locations)
@@ -161,9 +195,15 @@ def test_zero_and_infinite_bandwidth():
 
 
 def test_recompute_only_when_it_fits_the_slowdown():
-  prof = ssd.Profile(num_layers=2, forward_s=1.0, backward_s=2.0,
-                     tags=(T("cheap", GB, 0.01), T("dear", GB, 1.0)), write_gbps=0, read_gbps=0,
-                     input_bytes=GB // 2)
+  prof = ssd.Profile(
+    num_layers=2,
+    forward_s=1.0,
+    backward_s=2.0,
+    tags=(T("cheap", GB, 0.01), T("dear", GB, 1.0)),
+    write_gbps=0,
+    read_gbps=0,
+    input_bytes=GB // 2,
+  )
   p = ssd.plan(prof, max_slowdown=0.02, allowed=["device", "remat"])
   assert p.location_map() == {"cheap": Location.REMAT, "dear": Location.DEVICE}
   assert p.compute_s == pytest.approx(6.02) and p.device_bytes == 2 * GB + 2 * (GB // 2)
@@ -172,9 +212,18 @@ def test_recompute_only_when_it_fits_the_slowdown():
 
 
 def test_offloaded_input_tag_frees_the_input_of_recomputing_layers():
-  prof = ssd.Profile(num_layers=4, forward_s=1.0, backward_s=2.0, write_gbps=0, read_gbps=0,
-                     tags=(T("x", GB // 4), T("h", GB, 0.5)), input_bytes=GB // 4, input_tag="x",
-                     host_gbps=100.0, staging_bytes=0)
+  prof = ssd.Profile(
+    num_layers=4,
+    forward_s=1.0,
+    backward_s=2.0,
+    write_gbps=0,
+    read_gbps=0,
+    tags=(T("x", GB // 4), T("h", GB, 0.5)),
+    input_bytes=GB // 4,
+    input_tag="x",
+    host_gbps=100.0,
+    staging_bytes=0,
+  )
   remat, host, device = Location.REMAT, Location.HOST, Location.DEVICE
   # the smallest plan: every layer's input to the host, "h" recomputed from the loaded input
   least = ssd.frontier(prof, allowed=["device", "remat", "host"], fixed={"h": "remat"})[-1]
@@ -188,7 +237,10 @@ def test_offloaded_input_tag_frees_the_input_of_recomputing_layers():
   assert p.device_bytes == GB
   # a split scan holds the stack's weight gradients twice; an unsplit one does not
   weighty = dataclasses.replace(prof, param_bytes=GB // 8)
-  assert planner._evaluate(weighty, 3, {"x": host, "h": remat}, 12.0, 0).device_bytes == GB // 4 + GB // 2
+  assert (
+    planner._evaluate(weighty, 3, {"x": host, "h": remat}, 12.0, 0).device_bytes
+    == GB // 4 + GB // 2
+  )
   assert planner._evaluate(weighty, 4, {"x": host, "h": remat}, 12.0, 0).device_bytes == 0
   separate = dataclasses.replace(weighty, split_grad_copy=False)  # segments of their own
   assert planner._evaluate(separate, 3, {"x": host, "h": remat}, 12.0, 0).device_bytes == GB // 4
@@ -199,9 +251,19 @@ def test_offloaded_input_tag_frees_the_input_of_recomputing_layers():
 
 
 def test_each_offloaded_tag_costs_offload_s_per_layer():
-  prof = ssd.Profile(num_layers=4, forward_s=1.0, backward_s=2.0, write_gbps=0, read_gbps=0,
-                     tags=(T("x", GB), T("h", GB)), input_bytes=GB, input_tag="x",
-                     host_gbps=1e9, staging_bytes=8 * GB, offload_s=0.5)
+  prof = ssd.Profile(
+    num_layers=4,
+    forward_s=1.0,
+    backward_s=2.0,
+    write_gbps=0,
+    read_gbps=0,
+    tags=(T("x", GB), T("h", GB)),
+    input_bytes=GB,
+    input_tag="x",
+    host_gbps=1e9,
+    staging_bytes=8 * GB,
+    offload_s=0.5,
+  )
   host, device = Location.HOST, Location.DEVICE
   assert simulate(prof, 2, {"x": host, "h": device}) == (pytest.approx(13.0), 0.0)
   assert simulate(prof, 2, {"x": host, "h": host}) == (pytest.approx(14.0), 0.0)
@@ -211,9 +273,18 @@ def test_each_offloaded_tag_costs_offload_s_per_layer():
 
 def test_memory_budget_compiles_the_smallest_of_equally_fast_plans():
   # a fast host link: every split of "a" to the host is predicted within 0.1% of the others
-  base = ssd.Profile(num_layers=8, forward_s=1.0, backward_s=2.0, batch=1,
-                     tags=(T("a", GB, 0.5),), write_gbps=0, read_gbps=0, host_gbps=1e6,
-                     staging_bytes=0, offload_s=1e-3)
+  base = ssd.Profile(
+    num_layers=8,
+    forward_s=1.0,
+    backward_s=2.0,
+    batch=1,
+    tags=(T("a", GB, 0.5),),
+    write_gbps=0,
+    read_gbps=0,
+    host_gbps=1e6,
+    staging_bytes=0,
+    offload_s=1e-3,
+  )
   first = []
 
   def memory(batch, plan):
@@ -223,16 +294,26 @@ def test_memory_budget_compiles_the_smallest_of_equally_fast_plans():
   p = ssd.plan_for_budget(8 * GB, [1], lambda b: base, memory, allowed=["device", "host"])
   assert first == [8] and p.offload_layers == 8 and p.device_bytes == 0  # least memory
   first.clear()
-  p = ssd.plan_for_budget(8 * GB, [1], lambda b: base, memory, allowed=["device", "host"],
-                          tolerance=0.0)
+  p = ssd.plan_for_budget(
+    8 * GB, [1], lambda b: base, memory, allowed=["device", "host"], tolerance=0.0
+  )
   assert first == [0] and p.offload_layers == 0  # the fastest: nothing offloaded
   with pytest.raises(ValueError, match="tolerance"):
     ssd.plan_for_budget(GB, [1], lambda b: base, memory, tolerance=-1)
 
 
 def test_outside_time_scales_with_the_batch_but_the_update_does_not():
-  prof = ssd.Profile(num_layers=2, forward_s=1.0, backward_s=2.0, tags=(T("a", GB, 0.5),),
-                     write_gbps=0, read_gbps=0, other_s=0.5, update_s=0.25, batch=4)
+  prof = ssd.Profile(
+    num_layers=2,
+    forward_s=1.0,
+    backward_s=2.0,
+    tags=(T("a", GB, 0.5),),
+    write_gbps=0,
+    read_gbps=0,
+    other_s=0.5,
+    update_s=0.25,
+    batch=4,
+  )
   assert ssd.plan(prof, allowed=["device"]).step_s == pytest.approx(6.75)
   half = prof.scaled(2)
   assert (half.other_s, half.update_s) == (pytest.approx(0.25), 0.25)
@@ -247,8 +328,16 @@ def test_host_tier_is_pcie_bound(host_gbps, split):
   # ends at max(i + 1, previous) + 1/host_gbps and a store waits while more than 1 GB is not
   # copied yet. At 1 GB/s the copies keep pace (all 4 layers offload); at 0.5 GB/s the second
   # layer's store waits, so only the first offloads (its load comes from staging).
-  prof = ssd.Profile(num_layers=4, forward_s=1.0, backward_s=1.0, tags=(T("a", GB, 1.0),),
-                     write_gbps=0, read_gbps=0, host_gbps=host_gbps, staging_bytes=GB)
+  prof = ssd.Profile(
+    num_layers=4,
+    forward_s=1.0,
+    backward_s=1.0,
+    tags=(T("a", GB, 1.0),),
+    write_gbps=0,
+    read_gbps=0,
+    host_gbps=host_gbps,
+    staging_bytes=GB,
+  )
   p = ssd.plan(prof, max_slowdown=0.0)
   assert p.location_map() == {"a": Location.HOST} and p.offload_layers == split
   assert p.host_bytes == split * GB and p.nvme_bytes == 0
@@ -264,19 +353,31 @@ def test_plan_sizes_its_staging_arena_from_the_bytes_and_the_forward_time():
   # stalls the forward; more buys nothing. The plan takes the smallest arena within
   # STAGING_TOLERANCE of the configured 8 GB one's step (0.2% of ~4.4 s: up to ~44 MB less).
   mib = 1 << 20
-  prof = ssd.Profile(num_layers=4, forward_s=0.1, backward_s=1.0, tags=(T("a", GB, 0.0),),
-                     write_gbps=0, read_gbps=0, host_gbps=5.0, staging_bytes=8 * GB)
+  prof = ssd.Profile(
+    num_layers=4,
+    forward_s=0.1,
+    backward_s=1.0,
+    tags=(T("a", GB, 0.0),),
+    write_gbps=0,
+    read_gbps=0,
+    host_gbps=5.0,
+    staging_bytes=8 * GB,
+  )
   p = planner._evaluate(prof, 4, {"a": Location.HOST}, 4.4, 0)
   assert 2.5 * GB - 50 * 10**6 <= p.staging_bytes <= 2.5 * GB + mib and p.staging_bytes % mib == 0
-  assert p.step_s <= simulate(prof, 4, {"a": Location.HOST})[0] * (1 + planner.STAGING_TOLERANCE) \
-      + simulate(prof, 4, {"a": Location.HOST})[1] * (1 + planner.STAGING_TOLERANCE)
-  assert sum(simulate(dataclasses.replace(prof, staging_bytes=GB), 4, {"a": Location.HOST})) \
-      > p.step_s * 1.05  # a 1 GB arena stalls the forward
+  assert p.step_s <= simulate(prof, 4, {"a": Location.HOST})[0] * (
+    1 + planner.STAGING_TOLERANCE
+  ) + simulate(prof, 4, {"a": Location.HOST})[1] * (1 + planner.STAGING_TOLERANCE)
+  assert (
+    sum(simulate(dataclasses.replace(prof, staging_bytes=GB), 4, {"a": Location.HOST}))
+    > p.step_s * 1.05
+  )  # a 1 GB arena stalls the forward
   assert p.store_options() == {"staging_bytes": p.staging_bytes}
   assert "staging arena" in p.table()
   # a link that keeps pace needs only room for two tensors; a plan offloading nothing, none
-  fast = planner._evaluate(dataclasses.replace(prof, host_gbps=100.0), 4, {"a": Location.HOST},
-                           4.4, 0)
+  fast = planner._evaluate(
+    dataclasses.replace(prof, host_gbps=100.0), 4, {"a": Location.HOST}, 4.4, 0
+  )
   assert fast.staging_bytes == -(-2 * GB // mib) * mib
   kept = planner._evaluate(prof, 0, {"a": Location.HOST}, 4.4, 0)
   assert kept.staging_bytes == 0 and kept.store_options() == {}
@@ -287,6 +388,7 @@ def test_plan_sizes_its_staging_arena_from_the_bytes_and_the_forward_time():
 
 def test_profile_measures_the_link_only_on_a_gpu(monkeypatch):
   from jax_ssdtrain import probe
+
   calls = []
   monkeypatch.setattr(probe, "measure_link", lambda *a, **k: calls.append(a) or None)
   if not any(d.platform == "gpu" for d in jax.local_devices()):
@@ -299,26 +401,51 @@ def test_host_tier_staging_absorbs_the_backlog_and_serves_the_last_layers():
   # host-to-device copy (+1 s). With 1 GB of staging: the copy of layer 0 runs during layer 1,
   # layer 1 is loaded from staging, layer 0's read runs during layer 1's backward: no stall.
   def stall(staging):
-    prof = ssd.Profile(num_layers=2, forward_s=1.0, backward_s=1.0, tags=(T("a", GB, 1.0),),
-                       write_gbps=0, read_gbps=0, host_gbps=1.0, staging_bytes=staging)
+    prof = ssd.Profile(
+      num_layers=2,
+      forward_s=1.0,
+      backward_s=1.0,
+      tags=(T("a", GB, 1.0),),
+      write_gbps=0,
+      read_gbps=0,
+      host_gbps=1.0,
+      staging_bytes=staging,
+    )
     return simulate(prof, 2, {"a": Location.HOST})[1]
+
   assert stall(0) == pytest.approx(3.0)
   assert stall(GB) == pytest.approx(0.0)
   with pytest.raises(ValueError, match="staging_bytes"):
-    ssd.Profile(num_layers=2, forward_s=1.0, backward_s=1.0, tags=(), write_gbps=0,
-                read_gbps=0, staging_bytes=-1)
+    ssd.Profile(
+      num_layers=2,
+      forward_s=1.0,
+      backward_s=1.0,
+      tags=(),
+      write_gbps=0,
+      read_gbps=0,
+      staging_bytes=-1,
+    )
 
 
 def test_host_tensors_of_a_step_fit_the_host_tier():
   # 1 GB per layer to the host tier, PCIe fast enough for all 8 layers; a 3 GB host tier holds
   # 3 layers' tensors (the engine keeps them until their loads), so the plan stops at 3.
-  prof = ssd.Profile(num_layers=8, forward_s=1.0, backward_s=1.0, tags=(T("a", GB, 1.0),),
-                     write_gbps=0, read_gbps=0, host_gbps=100.0, host_tier_bytes=3 * GB)
+  prof = ssd.Profile(
+    num_layers=8,
+    forward_s=1.0,
+    backward_s=1.0,
+    tags=(T("a", GB, 1.0),),
+    write_gbps=0,
+    read_gbps=0,
+    host_gbps=100.0,
+    host_tier_bytes=3 * GB,
+  )
   p = ssd.plan(prof, max_slowdown=0.0, allowed=("device", "host"))
   assert p.location_map() == {"a": Location.HOST} and p.offload_layers == 3
   assert p.host_bytes == 3 * GB
-  roomy = ssd.plan(dataclasses.replace(prof, host_tier_bytes=8 * GB), max_slowdown=0.0,
-                   allowed=("device", "host"))
+  roomy = ssd.plan(
+    dataclasses.replace(prof, host_tier_bytes=8 * GB), max_slowdown=0.0, allowed=("device", "host")
+  )
   assert roomy.offload_layers == 8
   with pytest.raises(ValueError, match="host_tier_bytes"):
     dataclasses.replace(prof, host_tier_bytes=-1)
@@ -331,21 +458,25 @@ def test_policies_follow_the_plan():
   assert dict(rest.locations) == {"a": Location.DEVICE}
 
 
-@pytest.mark.parametrize("call,match", [
+@pytest.mark.parametrize(
+  "call,match",
+  [
     (lambda: ssd.plan(one_tag(1.0), max_slowdown=-0.1), "max_slowdown.*-0.1"),
     (lambda: ssd.plan(one_tag(1.0), fixed={"nope": "nvme"}), "unknown tag 'nope'"),
     (lambda: ssd.plan(one_tag(1.0), fixed={"a": "disk"}), "unknown location 'disk'"),
     (lambda: ssd.plan(one_tag(1.0), allowed=["ssd"]), "unknown location 'ssd'"),
-    (lambda: ssd.plan(one_tag(1.0), allowed=["nvme"], fixed={"a": "nvme"}, min_bytes=2 * GB),
-     None),
+    (lambda: ssd.plan(one_tag(1.0), allowed=["nvme"], fixed={"a": "nvme"}, min_bytes=2 * GB), None),
     (lambda: one_tag(-1.0), "read_gbps.*-1.0"),
     (lambda: one_tag(1.0, layers=0), "num_layers.*0"),
     (lambda: one_tag(1.0, cache=-5), "host_cache_bytes.*-5"),
-    (lambda: ssd.plan_for_budget(-3, [1], lambda b: one_tag(1.0), lambda b, p: 0),
-     "budget_bytes.*-3"),
+    (
+      lambda: ssd.plan_for_budget(-3, [1], lambda b: one_tag(1.0), lambda b, p: 0),
+      "budget_bytes.*-3",
+    ),
     (lambda: ssd.plan_for_budget(GB, [0], lambda b: one_tag(1.0), lambda b, p: 0), "batches.*0"),
     (lambda: one_tag(1.0).scaled(2), "no batch size"),
-])
+  ],
+)
 def test_bad_inputs_raise_value_error(call, match):
   if match is None:  # a tag below min_bytes cannot be offloaded: it stays on the device
     assert call().location_map() == {"a": Location.DEVICE}
@@ -358,9 +489,18 @@ def test_bad_inputs_raise_value_error(call, match):
 
 
 def test_memory_budget_picks_the_fastest_batch_that_fits():
-  base = ssd.Profile(num_layers=4, forward_s=1.0, backward_s=1.0, batch=4,
-                     tags=(T("a", GB, 0.5), T("b", 2 * GB, 0.1)), write_gbps=1.0, read_gbps=0.5,
-                     host_gbps=0.0, host_cache_bytes=GB, input_bytes=GB // 4)
+  base = ssd.Profile(
+    num_layers=4,
+    forward_s=1.0,
+    backward_s=1.0,
+    batch=4,
+    tags=(T("a", GB, 0.5), T("b", 2 * GB, 0.1)),
+    write_gbps=1.0,
+    read_gbps=0.5,
+    host_gbps=0.0,
+    host_cache_bytes=GB,
+    input_bytes=GB // 4,
+  )
   calls = []
 
   def memory(batch, plan):  # fake XLA: 1 GB of parameters + the plan's residuals
@@ -368,8 +508,12 @@ def test_memory_budget_picks_the_fastest_batch_that_fits():
     return GB + plan.device_bytes
 
   def brute_force(budget):
-    fits = [(b / p.step_s, b, p) for b in (1, 2, 4, 8) for p in ssd.frontier(base.scaled(b))
-            if GB + p.device_bytes <= budget]
+    fits = [
+      (b / p.step_s, b, p)
+      for b in (1, 2, 4, 8)
+      for p in ssd.frontier(base.scaled(b))
+      if GB + p.device_bytes <= budget
+    ]
     return max(fits, key=lambda t: t[:2])
 
   picked = []
@@ -390,12 +534,15 @@ def test_memory_budget_picks_the_fastest_batch_that_fits():
 @pytest.mark.slow
 def test_memory_budget_with_real_compiles():
   from models import training
+
   run = training.RunConfig(preset="tiny", batch=4, min_bytes=0)
   prof = training.profile_run(run, bandwidth=(math.inf, math.inf), repeats=1)
   assert prof.input_tag == "layer_in"  # found through flax's calls
 
   def memory(batch, plan):
-    return training.step_memory_bytes(training.apply_plan(dataclasses.replace(run, batch=batch), plan))
+    return training.step_memory_bytes(
+      training.apply_plan(dataclasses.replace(run, batch=batch), plan)
+    )
 
   sizes = {b: memory(b, ssd.plan(prof.scaled(b), min_bytes=0)) for b in (2, 4)}
   assert sizes[2] < sizes[4]
@@ -411,16 +558,24 @@ def test_memory_budget_with_real_compiles():
 def test_split_scan_identical_to_unsplit():
   import models
   from models import training
-  run = training.RunConfig(preset="tiny", batch=2, min_bytes=0, model_overrides={"num_layers": 4},
-                           locations={"layer_in": "nvme", "qkv": "device", "attn": "remat",
-                                      "mlp_up": "host"})
+
+  run = training.RunConfig(
+    preset="tiny",
+    batch=2,
+    min_bytes=0,
+    model_overrides={"num_layers": 4},
+    locations={"layer_in": "nvme", "qkv": "device", "attn": "remat", "mlp_up": "host"},
+  )
   policy = run.remat_policy_object()
   cfg = run.model_config()
   whole = models.build_model("gpt", cfg, policy)
   tok = jax.random.randint(jax.random.key(0), (2, 33), 0, cfg.vocab_size)
   params = whole.init(jax.random.key(1), tok, method="loss")["params"]
-  grads = lambda m: jax.jit(jax.value_and_grad(  # noqa: E731
-      lambda p: m.apply({"params": p}, tok, method="loss")[0]))(params)
+  grads = lambda m: jax.jit(
+    jax.value_and_grad(  # noqa: E731
+      lambda p: m.apply({"params": p}, tok, method="loss")[0]
+    )
+  )(params)
   ref = grads(whole)
   for k in (1, 3):
     split = models.build_model("gpt", cfg, models.SplitPolicy(policy, policy, k))
@@ -444,7 +599,9 @@ def test_split_scan_identical_to_unsplit():
 @pytest.mark.slow
 def test_train_policy_auto(tmp_path, capsys, monkeypatch):
   import train
+
   from models import training
+
   profiled = []
   real = training.profile_run
 
@@ -453,9 +610,24 @@ def test_train_policy_auto(tmp_path, capsys, monkeypatch):
     return real(run, **kw)
 
   monkeypatch.setattr(training, "profile_run", profile_run)
-  out = train.main(["--preset", "tiny", "--batch", "4", "--steps", "3", "--policy", "auto",
-                    "--bandwidth", "100,100", "--store-dir", str(tmp_path / "st"),
-                    "--memory-budget", "1GB"])
+  out = train.main(
+    [
+      "--preset",
+      "tiny",
+      "--batch",
+      "4",
+      "--steps",
+      "3",
+      "--policy",
+      "auto",
+      "--bandwidth",
+      "100,100",
+      "--store-dir",
+      str(tmp_path / "st"),
+      "--memory-budget",
+      "1GB",
+    ]
+  )
   text = capsys.readouterr().out
   assert "predicted step" in text and "device memory of the step (XLA)" in text
   assert out["steps"] == 3 and np.isfinite(out["final_loss"])
@@ -463,14 +635,18 @@ def test_train_policy_auto(tmp_path, capsys, monkeypatch):
   assert profiled == [(4, True), (2, False), (1, False)]
 
 
-@pytest.mark.parametrize("flags,message", [
+@pytest.mark.parametrize(
+  "flags,message",
+  [
     (["--memory-budget", "-1GB"], "memory-budget"),
     (["--memory-budget", "1GB"], "needs --policy auto"),
     (["--policy", "auto", "--bandwidth", "1"], "WRITE,READ"),
     (["--policy", "auto", "--max-slowdown", "-1"], "max-slowdown"),
-])
+  ],
+)
 def test_train_policy_auto_errors(flags, message, capsys):
   import train
+
   with pytest.raises(SystemExit):
     train.main(["--steps", "1"] + flags)
   assert message in capsys.readouterr().err

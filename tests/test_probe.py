@@ -1,4 +1,5 @@
 """The store's bandwidth cap (emulated arrays) and the probe (python -m jax_ssdtrain.probe)."""
+
 import json
 import math
 import os
@@ -9,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _limits import HANG_S
 
 import jax_ssdtrain as ssd
 from jax_ssdtrain import probe
 from jax_ssdtrain._src import native
 from jax_ssdtrain._src.config import parse_bandwidth
-from _limits import HANG_S
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,8 +32,13 @@ def _cli(*args, env=None, timeout=HANG_S):
   env = dict(os.environ if env is None else env)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
   env["JAX_PLATFORMS"] = "cpu"
-  return subprocess.run([sys.executable, "-m", "jax_ssdtrain.probe", *map(str, args)],
-                        capture_output=True, text=True, env=env, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, "-m", "jax_ssdtrain.probe", *map(str, args)],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=timeout,
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,8 +51,15 @@ def test_bandwidth_cap_is_honoured_both_ways(tmp_path, cap):
   n, size = 4, 8 * MiB  # 32 MiB each way: 0.34 s at the cap
   src = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
   dst = np.zeros_like(src)
-  with ssd.configured(tmp_path / "store", capacity_bytes="256MiB", host_cache_bytes="16MiB",
-                      chunk_bytes="1MiB", io_threads=4, forwarding=False, bandwidth_cap=cap):
+  with ssd.configured(
+    tmp_path / "store",
+    capacity_bytes="256MiB",
+    host_cache_bytes="16MiB",
+    chunk_bytes="1MiB",
+    io_threads=4,
+    forwarding=False,
+    bandwidth_cap=cap,
+  ):
     ssd.reset_stats()
     t0 = time.perf_counter()
     handles = [native.store_host(src.ctypes.data, size, i) for i in range(n)]
@@ -113,7 +126,8 @@ def test_measure_through_the_engine_is_cached_per_filesystem(tmp_path, cache_hom
   doc = json.loads((cache_home / "jax_ssdtrain" / "probe.json").read_text())
   # keyed by the filesystem (mount point and device): every directory on it shares the key
   assert len(doc) == 1 and next(iter(doc)).startswith(
-      f"{probe._mount_point(r.directory)}|dev={r.device}|")
+    f"{probe._mount_point(r.directory)}|dev={r.device}|"
+  )
   fresh = probe.measure(store, "32MiB", refresh=True, **kw)
   assert not fresh.cached and fresh.measured_at > r.measured_at
 
@@ -154,10 +168,21 @@ def test_measure_errors_name_the_bad_value(tmp_path, cache_home):
 
 
 def _result(threads, w, r, **kw):
-  return probe.ProbeResult(directory="/d", device=1, size=1 << 30, threads=threads,
-                           tensor_bytes=64 * MiB, bandwidth_cap=None, write_gbps=w, read_gbps=r,
-                           engine_write_gbps=w, engine_read_gbps=r, o_direct=True,
-                           backend="posix", **kw)
+  return probe.ProbeResult(
+    directory="/d",
+    device=1,
+    size=1 << 30,
+    threads=threads,
+    tensor_bytes=64 * MiB,
+    bandwidth_cap=None,
+    write_gbps=w,
+    read_gbps=r,
+    engine_write_gbps=w,
+    engine_read_gbps=r,
+    o_direct=True,
+    backend="posix",
+    **kw,
+  )
 
 
 def test_recommend():
@@ -181,8 +206,9 @@ def test_wear():
   assert w.steps_per_day == pytest.approx(432_000)
   assert w.tb_per_day == pytest.approx(864.0)
   assert w.days_to_rated == pytest.approx(1200 / 864)
-  d = probe.wear(int(1e9), steps_per_day=1000, dwpd=1, capacity_bytes=int(3.84e12),
-                 warranty_years=5)
+  d = probe.wear(
+    int(1e9), steps_per_day=1000, dwpd=1, capacity_bytes=int(3.84e12), warranty_years=5
+  )
   assert d.tb_per_day == pytest.approx(1.0) and d.rated_tbw == pytest.approx(3.84 * 365 * 5)
   assert d.drive_writes_per_day == pytest.approx(1 / 3.84)
   assert probe.wear(0, step_ms=100, tbw=10).days_to_rated == math.inf
@@ -201,8 +227,18 @@ def test_wear():
 def test_cli_json_table_and_plan(tmp_path, cache_home):
   env = dict(os.environ, XDG_CACHE_HOME=str(cache_home))
   common = ["--size", "16MiB", "--tensor-size", "4MiB", "--threads", "1,2"]
-  proc = _cli(tmp_path, *common, "--step-ms", "100", "--bytes-per-step", "1GB", "--tbw", "600",
-              "--json", env=env)
+  proc = _cli(
+    tmp_path,
+    *common,
+    "--step-ms",
+    "100",
+    "--bytes-per-step",
+    "1GB",
+    "--tbw",
+    "600",
+    "--json",
+    env=env,
+  )
   assert proc.returncode == 0, proc.stderr
   doc = json.loads(proc.stdout)
   assert [r["threads"] for r in doc["results"]] == [1, 2]
@@ -212,8 +248,9 @@ def test_cli_json_table_and_plan(tmp_path, cache_home):
   assert doc["wear"]["days_to_rated"] == pytest.approx(600 / 864)
 
   plan = tmp_path / "plan.json"
-  plan.write_text(json.dumps({"summary": {"disk_bytes_written_per_step": 5e8,
-                                          "predicted_step_ms": 200.0}}))
+  plan.write_text(
+    json.dumps({"summary": {"disk_bytes_written_per_step": 5e8, "predicted_step_ms": 200.0}})
+  )
   proc = _cli(tmp_path, *common, "--plan", plan, "--dwpd", "1", "--capacity", "2TB", env=env)
   assert proc.returncode == 0, proc.stderr
   out = proc.stdout
@@ -260,11 +297,16 @@ def test_gpu_offload_through_a_capped_store(tmp_path):
     return jax.jit(jax.grad(lambda w, x: jnp.mean(jax.lax.scan(f, x, w)[0] ** 2)))
 
   k1, k2 = jax.random.split(jax.random.key(0))
-  w = jax.random.normal(k1, (layers, width, width)) / width ** 0.5
+  w = jax.random.normal(k1, (layers, width, width)) / width**0.5
   x = jax.random.normal(k2, (batch, width))
   ref = step(jax.checkpoint_policies.save_only_these_names("h", "out"))(w, x)
-  with ssd.configured(tmp_path / "store", capacity_bytes="1GiB", host_cache_bytes="16MiB",
-                      forwarding=False, bandwidth_cap=cap):
+  with ssd.configured(
+    tmp_path / "store",
+    capacity_bytes="1GiB",
+    host_cache_bytes="16MiB",
+    forwarding=False,
+    bandwidth_cap=cap,
+  ):
     ours = step(ssd.offload_policy(("h", "out"), min_bytes=0, location="nvme"))
     jax.block_until_ready(ours(w, x))
     ssd.reset_stats()

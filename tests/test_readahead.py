@@ -3,6 +3,7 @@ a step) and read-ahead budget (none to unbounded), every byte read from the file
 load (``disk_bytes_read == disk_loaded_bytes``). Programs: a scan of layers, a residual that scan
 hoists out of the loop (stored once, loaded in every layer), loads out of store order, and a
 tensor-parallel scan on 4 CPU devices (a subprocess)."""
+
 import itertools
 import json
 import os
@@ -14,16 +15,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _limits import HANG_S
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
-from _limits import HANG_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 KiB, MiB = 1 << 10, 1 << 20
-KEYS = ("bytes_read", "disk_bytes_read", "disk_loaded_bytes", "disk_unused_bytes",
-        "forwarded_bytes", "prefetch_issued", "prefetch_hits", "bounce_reads")
+KEYS = (
+  "bytes_read",
+  "disk_bytes_read",
+  "disk_loaded_bytes",
+  "disk_unused_bytes",
+  "forwarded_bytes",
+  "prefetch_issued",
+  "prefetch_hits",
+  "bounce_reads",
+)
 
 
 def sweep(run, directory, tensor, step):
@@ -35,17 +44,24 @@ def sweep(run, directory, tensor, step):
   stagings = (0, tensor, 2 * tensor) if jax.default_backend() == "gpu" else (0,)
   out = []
   for cache, budget, staging in itertools.product(caches, budgets, stagings):
-    ssd.configure(directory, capacity_bytes=256 * MiB, host_cache_bytes=cache,
-                  prefetch_bytes=budget, staging_bytes=staging, io_threads=4,
-                  chunk_bytes=64 * KiB)
+    ssd.configure(
+      directory,
+      capacity_bytes=256 * MiB,
+      host_cache_bytes=cache,
+      prefetch_bytes=budget,
+      staging_bytes=staging,
+      io_threads=4,
+      chunk_bytes=64 * KiB,
+    )
     diff = run()
     ssd.flush()
     ssd.reset_stats()
     diff = max(diff, run(), run())
     ssd.flush()
     s = ssd.stats()
-    out.append(dict({k: s[k] for k in KEYS}, cache=cache, budget=budget, staging=staging,
-                    diff=diff))
+    out.append(
+      dict({k: s[k] for k in KEYS}, cache=cache, budget=budget, staging=staging, diff=diff)
+    )
   return out
 
 
@@ -77,16 +93,19 @@ def grad_error(loss, tags, *args):
   """One step of `loss(policy)` offloading `tags`; returns its gradients' error relative to the
   same program saving them on the device."""
   every = tuple(range(len(args)))
-  want = jax.jit(jax.grad(loss(jax.checkpoint_policies.save_only_these_names(*tags)),
-                          argnums=every))(*args)
+  want = jax.jit(
+    jax.grad(loss(jax.checkpoint_policies.save_only_these_names(*tags)), argnums=every)
+  )(*args)
   ours = jax.jit(jax.grad(loss(ssd.offload_policy(tags, min_bytes=0)), argnums=every))
   return lambda: error(ours(*args), want)
 
 
 def error(got, want):
   """The largest difference between two gradient trees, relative to the largest element."""
-  return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(b)))
-             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
+  return max(
+    float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(b)))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+  )
 
 
 def test_scan_of_layers(tmp_path):
@@ -117,8 +136,7 @@ def test_hoisted_residual_loaded_in_every_layer(tmp_path):
       return c + a * inv
 
     f = jax.checkpoint(layer, policy=policy)
-    return lambda w, x, y: jnp.sum(
-        jax.lax.scan(lambda c, wi: (f(wi, c, y), None), x, w)[0] ** 2)
+    return lambda w, x, y: jnp.sum(jax.lax.scan(lambda c, wi: (f(wi, c, y), None), x, w)[0] ** 2)
 
   w = jax.random.normal(jax.random.key(0), (L, H, H)) / 16
   x = jax.random.normal(jax.random.key(1), (B, H))
@@ -131,23 +149,30 @@ def test_hoisted_residual_loaded_in_every_layer(tmp_path):
 
 
 def ffi_store(x, site):
-  return jax.ffi.ffi_call("ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32),
-                          has_side_effect=True)(x, site=np.int64(site), tier=np.int32(0),
-                                                name=f"s{site}", uses=np.int64(-1))
+  return jax.ffi.ffi_call(
+    "ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32), has_side_effect=True
+  )(x, site=np.int64(site), tier=np.int32(0), name=f"s{site}", uses=np.int64(-1))
 
 
 def ffi_load(h, like, site):
-  return jax.ffi.ffi_call("ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype),
-                          has_side_effect=True)(h, site=np.int64(site), tier=np.int32(0),
-                                                name=f"s{site}")
+  return jax.ffi.ffi_call(
+    "ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype), has_side_effect=True
+  )(h, site=np.int64(site), tier=np.int32(0), name=f"s{site}")
 
 
 def test_stores_while_the_cache_holds_reads_ahead(tmp_path):
   # 12 tensors of 32 KiB through a cache of 4: after the newest four are loaded, read-ahead has
   # filled the cache with reads no load has taken. Stores then (a recomputation storing in the
   # backward pass) must neither evict those reads nor wait for them: they write through.
-  ssd.configure(tmp_path / "s", capacity_bytes=64 * MiB, host_cache_bytes=128 * KiB,
-                prefetch_bytes=1 << 30, staging_bytes=0, io_threads=2, chunk_bytes=64 * KiB)
+  ssd.configure(
+    tmp_path / "s",
+    capacity_bytes=64 * MiB,
+    host_cache_bytes=128 * KiB,
+    prefetch_bytes=1 << 30,
+    staging_bytes=0,
+    io_threads=2,
+    chunk_bytes=64 * KiB,
+  )
   xs = [jnp.arange(8 * KiB, dtype=jnp.float32) + i for i in range(16)]
   hs = [ffi_store(x, 950 + i) for i, x in enumerate(xs[:12])]
   ssd.flush()
@@ -158,9 +183,12 @@ def test_stores_while_the_cache_holds_reads_ahead(tmp_path):
   assert held["disk_bytes_read"] - held["disk_loaded_bytes"] == 4 * 32 * KiB, held  # premise
 
   done = []
-  t = threading.Thread(target=lambda: done.append(
-      jax.block_until_ready([ffi_store(x, 950 + i) for i, x in enumerate(xs) if i >= 12])),
-      daemon=True)
+  t = threading.Thread(
+    target=lambda: done.append(
+      jax.block_until_ready([ffi_store(x, 950 + i) for i, x in enumerate(xs) if i >= 12])
+    ),
+    daemon=True,
+  )
   t.start()
   t.join(HANG_S)
   assert done, "stores hung behind reads ahead"
@@ -196,10 +224,19 @@ def test_loads_out_of_store_order(tmp_path):
 
 
 def test_tensor_parallel_on_4_devices(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", SSD_RA_DIR=str(tmp_path / "s"),
-             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, os.path.join(HERE, "_readahead_worker.py")],
-                        capture_output=True, text=True, env=env, timeout=HANG_S)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    SSD_RA_DIR=str(tmp_path / "s"),
+    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+  )
+  proc = subprocess.run(
+    [sys.executable, os.path.join(HERE, "_readahead_worker.py")],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=HANG_S,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   records = json.loads(proc.stdout.strip().splitlines()[-1])
   check(records, 4 * 6 * 96 * KiB)

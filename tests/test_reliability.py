@@ -3,6 +3,7 @@ integrity checks, privacy of the store files, concurrency, and a soak run.
 
 CPU only. Everything that could hang runs in a subprocess with a timeout.
 """
+
 import os
 import signal
 import subprocess
@@ -12,12 +13,9 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_ssdtrain as ssd
-from jax_ssdtrain._src import native
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _rel_common as rc  # noqa: E402
@@ -32,16 +30,26 @@ MiB = 1 << 20
 
 def run_py(code, *, env=None, timeout=HANG_S):
   """Runs `code` in a fresh interpreter (CPU jax); returns the CompletedProcess."""
-  full_env = dict(os.environ, JAX_PLATFORMS=PLATFORM, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-                  PYTHONPATH=HERE + os.pathsep +
-                  os.environ.get("PYTHONPATH", ""))
+  full_env = dict(
+    os.environ,
+    JAX_PLATFORMS=PLATFORM,
+    XLA_PYTHON_CLIENT_PREALLOCATE="false",
+    PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+  )
   full_env.pop("SSDTRAIN_FAULT", None)
   full_env.update(env or {})
-  prelude = "import os, sys, numpy as np, jax, jax.numpy as jnp\n" \
-            "import jax_ssdtrain as ssd\nfrom jax_ssdtrain._src import native\n" \
-            "import _rel_common as rc\n"
-  return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=full_env,
-                        capture_output=True, text=True, timeout=timeout)
+  prelude = (
+    "import os, sys, numpy as np, jax, jax.numpy as jnp\n"
+    "import jax_ssdtrain as ssd\nfrom jax_ssdtrain._src import native\n"
+    "import _rel_common as rc\n"
+  )
+  return subprocess.run(
+    [sys.executable, "-c", prelude + textwrap.dedent(code)],
+    env=full_env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 def ok(p):
@@ -73,8 +81,11 @@ def test_directory_cannot_be_created():
     ssd.configure(directory="/proc/ssdtrain-no-such/store", capacity_bytes=16 * MiB)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="running as root: root can write to any "
-                    "directory, so a read-only directory cannot be tested")
+@pytest.mark.skipif(
+  os.geteuid() == 0,
+  reason="running as root: root can write to any "
+  "directory, so a read-only directory cannot be tested",
+)
 def test_directory_not_writable(tmp_path):
   d = tmp_path / "ro"
   d.mkdir(mode=0o500)
@@ -92,6 +103,7 @@ def test_capacity_not_positive(tmp_path, cap):
 
 def test_capacity_beyond_free_space(tmp_path):
   import shutil
+
   free = shutil.disk_usage(tmp_path).free
   cap = free + (1 << 40)
   with pytest.raises(ValueError, match=rf"capacity_bytes={cap}.*beyond the free space"):
@@ -112,8 +124,9 @@ def test_unknown_option(tmp_path):
     ssd.configure(directory=tmp_path / "s", bogus_option=1)
 
 
-@pytest.mark.parametrize("key,value", [("on_full", "drop"), ("verify", "yes"),
-                                       ("exact_loads", "no")])
+@pytest.mark.parametrize(
+  "key,value", [("on_full", "drop"), ("verify", "yes"), ("exact_loads", "no")]
+)
 def test_bad_new_option_values(tmp_path, key, value):
   with pytest.raises(ValueError, match=f"{key}.*{value}"):
     ssd.configure(directory=tmp_path / "s", capacity_bytes=16 * MiB, **{key: value})
@@ -121,6 +134,7 @@ def test_bad_new_option_values(tmp_path, key, value):
 
 def _shm_has_o_direct():
   import tempfile
+
   try:
     fd, path = tempfile.mkstemp(dir="/dev/shm")
   except OSError:
@@ -138,9 +152,12 @@ def _shm_has_o_direct():
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm (tmpfs) here")
 def test_no_o_direct_falls_back_with_warning():
   import tempfile
+
   if _shm_has_o_direct():
-    pytest.skip("this kernel's tmpfs supports O_DIRECT (Linux >= 6.6): no filesystem without "
-                "O_DIRECT to test the fallback on")
+    pytest.skip(
+      "this kernel's tmpfs supports O_DIRECT (Linux >= 6.6): no filesystem without "
+      "O_DIRECT to test the fallback on"
+    )
   d = tempfile.mkdtemp(prefix="ssdtrain-test-", dir="/dev/shm")
   try:
     with pytest.warns(RuntimeWarning, match="O_DIRECT is not supported.*buffered"):
@@ -155,19 +172,24 @@ def test_no_o_direct_falls_back_with_warning():
   finally:
     ssd.shutdown()
     import shutil
+
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.parametrize("spec", ["write", "write:0:EIO", "frob:1:EIO", "read:1:EWHAT",
-                                  "write:1:0"])
+@pytest.mark.parametrize(
+  "spec", ["write", "write:0:EIO", "frob:1:EIO", "read:1:EWHAT", "write:1:0"]
+)
 def test_bad_fault_spec(tmp_path, spec):
-  p = run_py(f"""
+  p = run_py(
+    f"""
       os.environ["SSDTRAIN_FAULT"] = {spec!r}
       try:
-        ssd.configure(directory={str(tmp_path / 's')!r}, capacity_bytes=16 << 20)
+        ssd.configure(directory={str(tmp_path / "s")!r}, capacity_bytes=16 << 20)
       except ValueError as e:
         print("VALUEERROR", e)
-      """, timeout=HANG_S)
+      """,
+    timeout=HANG_S,
+  )
   ok(p)
   assert "VALUEERROR" in p.stdout and "SSDTRAIN_FAULT" in p.stdout, p.stdout
 
@@ -203,15 +225,19 @@ FAULT_SCRIPT = """
 """
 
 
-@pytest.mark.parametrize("spec,op,errname", [
+@pytest.mark.parametrize(
+  "spec,op,errname",
+  [
     ("write:3:ENOSPC", "pwrite", "No space left on device"),
     ("write:1:EIO", "pwrite", "Input/output error"),
     ("read:1:EIO", "pread", "Input/output error"),
     ("read:2:EROFS", "pread", "Read-only file system"),
-])
+  ],
+)
 def test_injected_io_error(tmp_path, spec, op, errname):
-  p = ok(run_py(FAULT_SCRIPT.format(d=str(tmp_path / "s"), between="pass"),
-                env={"SSDTRAIN_FAULT": spec}))
+  p = ok(
+    run_py(FAULT_SCRIPT.format(d=str(tmp_path / "s"), between="pass"), env={"SSDTRAIN_FAULT": spec})
+  )
   assert "ERROR:" in p.stdout and "LOADED_OK" not in p.stdout, p.stdout
   msg = p.stdout.split("ERROR:", 1)[1]
   assert op in msg and errname in msg and "tag 'act_x'" in msg, msg
@@ -219,11 +245,13 @@ def test_injected_io_error(tmp_path, spec, op, errname):
   assert "TRAINED_OK" in p.stdout
 
 
-@pytest.mark.parametrize("spec", ["shortwrite:2:0", "shortwrite:1:0", "shortread:1:0",
-                                  "shortread:3:0"])
+@pytest.mark.parametrize(
+  "spec", ["shortwrite:2:0", "shortwrite:1:0", "shortread:1:0", "shortread:3:0"]
+)
 def test_short_transfers_are_retried(tmp_path, spec):
-  p = ok(run_py(FAULT_SCRIPT.format(d=str(tmp_path / "s"), between="pass"),
-                env={"SSDTRAIN_FAULT": spec}))
+  p = ok(
+    run_py(FAULT_SCRIPT.format(d=str(tmp_path / "s"), between="pass"), env={"SSDTRAIN_FAULT": spec})
+  )
   assert "LOADED_OK" in p.stdout and "TRAINED_OK" in p.stdout, p.stdout + p.stderr
 
 
@@ -235,9 +263,10 @@ def test_truncated_store_file(tmp_path):
 
 
 def test_write_fault_inside_a_training_step(tmp_path):
-  p = ok(run_py(f"""
+  p = ok(
+    run_py(f"""
       os.environ["SSDTRAIN_FAULT"] = "write:2:EIO"
-      ssd.configure(directory={str(tmp_path / 's')!r}, capacity_bytes=64 << 20, forwarding=False)
+      ssd.configure(directory={str(tmp_path / "s")!r}, capacity_bytes=64 << 20, forwarding=False)
       ours, ref = rc.steps()
       w, x = rc.params(0)
       try:
@@ -247,13 +276,14 @@ def test_write_fault_inside_a_training_step(tmp_path):
       except Exception as e:
         print("ERROR:", e)
       os.environ.pop("SSDTRAIN_FAULT")
-      ssd.configure(directory={str(tmp_path / 's2')!r}, capacity_bytes=64 << 20,
+      ssd.configure(directory={str(tmp_path / "s2")!r}, capacity_bytes=64 << 20,
                     forwarding=False)
       for i in range(3):
         w, x = rc.params(i)
         rc.assert_equal(ours(w, x), ref(w, x))
       print("TRAINED_OK")
-      """))
+      """)
+  )
   assert "ERROR:" in p.stdout and "Input/output error" in p.stdout, p.stdout
   assert "tag 'h'" in p.stdout or "tag 'g'" in p.stdout
   assert "TRAINED_OK" in p.stdout
@@ -272,8 +302,9 @@ def test_on_full_error(tmp_path):
 
 
 def test_on_full_keep(tmp_path):
-  with ssd.configured(directory=tmp_path / "s", capacity_bytes=32 << 10, on_full="keep",
-                      forwarding=False):
+  with ssd.configured(
+    directory=tmp_path / "s", capacity_bytes=32 << 10, on_full="keep", forwarding=False
+  ):
     ours, ref = rc.steps()
     for i in range(3):
       w, x = rc.params(i)
@@ -285,14 +316,16 @@ def test_on_full_keep(tmp_path):
     assert s["file_bytes_peak"] <= 32 << 10  # never more than the capacity in the file
     assert s["disk_tensors_written"] >= 3 * 2
     import warnings
+
     with warnings.catch_warnings():
       warnings.simplefilter("error")  # once per configuration
       ssd.flush()
 
 
 def test_on_full_keep_host_tier_also_full(tmp_path):
-  with ssd.configured(directory=tmp_path / "s", capacity_bytes=32 << 10, on_full="keep",
-                      host_tier_bytes=16 << 10):
+  with ssd.configured(
+    directory=tmp_path / "s", capacity_bytes=32 << 10, on_full="keep", host_tier_bytes=16 << 10
+  ):
     ours, _ = rc.steps()
     w, x = rc.params(0)
     with pytest.raises(Exception, match="host tier has no room"):
@@ -305,9 +338,13 @@ def test_on_full_keep_host_tier_also_full(tmp_path):
 
 @pytest.mark.parametrize("cache", [4 << 20, 64 << 10], ids=["cached_read", "bounce_read"])
 def test_verify_detects_flipped_byte(tmp_path, cache):
-  p = ok(run_py(FAULT_SCRIPT.replace("forwarding=False,", "forwarding=False, verify=True,")
-                .replace("host_cache_bytes=4 << 20", f"host_cache_bytes={cache}")
-                .format(d=str(tmp_path / "s"), between="native.debug_corrupt(1000)")))
+  p = ok(
+    run_py(
+      FAULT_SCRIPT.replace("forwarding=False,", "forwarding=False, verify=True,")
+      .replace("host_cache_bytes=4 << 20", f"host_cache_bytes={cache}")
+      .format(d=str(tmp_path / "s"), between="native.debug_corrupt(1000)")
+    )
+  )
   msg = p.stdout.split("ERROR:", 1)[1]
   assert "checksum mismatch" in msg and "tag 'act_x'" in msg, msg
   assert "TRAINED_OK" in p.stdout
@@ -320,8 +357,13 @@ def test_without_verify_a_flipped_byte_goes_unnoticed(tmp_path):
 
 @pytest.mark.parametrize("forwarding", [True, False])
 def test_verify_grads_and_counters(tmp_path, forwarding):
-  with ssd.configured(directory=tmp_path / "s", capacity_bytes=64 << 20, verify=True,
-                      forwarding=forwarding, host_cache_bytes=64 << 10):
+  with ssd.configured(
+    directory=tmp_path / "s",
+    capacity_bytes=64 << 20,
+    verify=True,
+    forwarding=forwarding,
+    host_cache_bytes=64 << 10,
+  ):
     assert ssd.stats()["verify"] == 1
     ours, ref = rc.steps()
     for i in range(3):
@@ -337,8 +379,10 @@ def test_verify_grads_and_counters(tmp_path, forwarding):
 def test_crc32c_known_answer(tmp_path):
   # The standard check value of crc32c("123456789") is 0xE3069283: store those bytes,
   # corrupt nothing, and compare the engine's crc through a mismatch message instead.
-  p = ok(run_py(f"""
-      ssd.configure(directory={str(tmp_path / 's')!r}, capacity_bytes=16 << 20, verify=True,
+  p = ok(
+    run_py(
+      f"""
+      ssd.configure(directory={str(tmp_path / "s")!r}, capacity_bytes=16 << 20, verify=True,
                     forwarding=False, prefetch_bytes=0)
       x = jnp.asarray(np.frombuffer(b"123456789", np.uint8))
       h = jax.block_until_ready(rc.store(x, site=3, name="kat"))
@@ -348,7 +392,10 @@ def test_crc32c_known_answer(tmp_path):
         rc.load(h, x, site=3, name="kat").block_until_ready()
       except Exception as e:
         print("ERROR:", e)
-      """, env={"SSDTRAIN_CRC_SOFTWARE": "1"}))
+      """,
+      env={"SSDTRAIN_CRC_SOFTWARE": "1"},
+    )
+  )
   assert "0xe3069283 written" in p.stdout, p.stdout
   import zlib  # noqa: F401  (zlib has crc32, not crc32c: the value above is the reference)
 
@@ -360,7 +407,10 @@ def test_crc32c_known_answer(tmp_path):
 def test_kill_9_leaves_nothing_readable(tmp_path):
   d = tmp_path / "store"
   proc = subprocess.Popen(
-      [sys.executable, "-c", textwrap.dedent(f"""
+    [
+      sys.executable,
+      "-c",
+      textwrap.dedent(f"""
           import jax, jax_ssdtrain as ssd, _rel_common as rc
           ssd.configure(directory={str(d)!r}, capacity_bytes=256 << 20, forwarding=False)
           ours, _ = rc.steps()
@@ -370,10 +420,15 @@ def test_kill_9_leaves_nothing_readable(tmp_path):
             if i == 3:
               jax.block_until_ready(g)
               print("READY", flush=True)
-          """)],
-      env=dict(os.environ, JAX_PLATFORMS=PLATFORM,
-                XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=HERE), stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True)
+          """),
+    ],
+    env=dict(
+      os.environ, JAX_PLATFORMS=PLATFORM, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=HERE
+    ),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
     t0 = time.monotonic()
     line = ""
@@ -431,11 +486,20 @@ def test_two_processes_one_directory(tmp_path):
       assert s["disk_tensors_read"] > 0, s
       print("OK", s["disk_tensors_written"])
       """)
-  env = dict(os.environ, JAX_PLATFORMS=PLATFORM,
-                XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=HERE)
+  env = dict(
+    os.environ, JAX_PLATFORMS=PLATFORM, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=HERE
+  )
   env.pop("SSDTRAIN_FAULT", None)
-  procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for _ in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", code],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for _ in range(2)
+  ]
   outs = []
   try:
     for p in procs:
@@ -452,8 +516,9 @@ def test_two_processes_one_directory(tmp_path):
 
 @pytest.mark.parametrize("same_fn", [True, False], ids=["same_jit", "two_jits"])
 def test_two_threads_jitted_steps(tmp_path, same_fn):
-  with ssd.configured(directory=tmp_path / "s", capacity_bytes=256 << 20, forwarding=False,
-                      host_cache_bytes=1 << 20):
+  with ssd.configured(
+    directory=tmp_path / "s", capacity_bytes=256 << 20, forwarding=False, host_cache_bytes=1 << 20
+  ):
     ours1, ref = rc.steps()
     ours2 = ours1 if same_fn else rc.steps(("p", "q"))[0]
     inputs = {s: rc.params(s, d=128, batch=128) for s in [*range(15), *range(100, 115)]}
@@ -471,8 +536,10 @@ def test_two_threads_jitted_steps(tmp_path, same_fn):
       except BaseException as e:  # noqa: BLE001
         errors.append(e)
 
-    ts = [threading.Thread(target=worker, args=(ours1, 0)),
-          threading.Thread(target=worker, args=(ours2, 100))]
+    ts = [
+      threading.Thread(target=worker, args=(ours1, 0)),
+      threading.Thread(target=worker, args=(ours2, 100)),
+    ]
     for t in ts:
       t.start()
     for t in ts:
@@ -488,7 +555,9 @@ def test_two_threads_jitted_steps(tmp_path, same_fn):
 
 def test_soak_1000_steps_flat(tmp_path):
   d = str(tmp_path / "soak")
-  p = ok(run_py(f"""
+  p = ok(
+    run_py(
+      f"""
       import resource
       def rss():
         with open("/proc/self/statm") as f:
@@ -523,5 +592,8 @@ def test_soak_1000_steps_flat(tmp_path):
       assert rc.store_fds({d!r}) == [], rc.store_fds({d!r})
       assert os.listdir({d!r}) == []
       print("SOAK_OK")
-      """, timeout=HANG_S))
+      """,
+      timeout=HANG_S,
+    )
+  )
   assert "SOAK_OK" in p.stdout

@@ -1,4 +1,5 @@
 """Training entry point: loaders, checkpoint round trip, CLI flags and errors."""
+
 import csv
 import importlib.util
 import os
@@ -10,14 +11,17 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)
-from models import data as data_lib, training  # noqa: E402
+from models import data as data_lib  # noqa: E402
+from models import training
 
 
 def _load_train_script():
-    spec = importlib.util.spec_from_file_location("train_script", os.path.join(ROOT, "scripts", "train.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+  spec = importlib.util.spec_from_file_location(
+    "train_script", os.path.join(ROOT, "scripts", "train.py")
+  )
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
 
 
 train_script = _load_train_script()
@@ -25,115 +29,143 @@ train_script = _load_train_script()
 
 @pytest.fixture
 def shards(tmp_path):
-    """Three 1-D uint16 token shards; shard i holds i*10000 + 0..(999 + 10 i)."""
-    for i in range(3):
-        np.save(tmp_path / f"shard_{i}.npy", (np.arange(1000 + 10 * i) + 10000 * i).astype(np.uint16))
-    return str(tmp_path / "*.npy")
+  """Three 1-D uint16 token shards; shard i holds i*10000 + 0..(999 + 10 i)."""
+  for i in range(3):
+    np.save(tmp_path / f"shard_{i}.npy", (np.arange(1000 + 10 * i) + 10000 * i).astype(np.uint16))
+  return str(tmp_path / "*.npy")
 
 
 def _check_windows(batch, length):
-    assert batch.dtype == np.int32 and batch.shape[1] == length
-    for row in batch:  # every row is one contiguous window of one shard
-        np.testing.assert_array_equal(np.diff(row), 1)
-        assert row[0] // 10000 == row[-1] // 10000
+  assert batch.dtype == np.int32 and batch.shape[1] == length
+  for row in batch:  # every row is one contiguous window of one shard
+    np.testing.assert_array_equal(np.diff(row), 1)
+    assert row[0] // 10000 == row[-1] // 10000
 
 
 def test_memmap_loader(shards):
-    loader = data_lib.MemmapLoader(shards, batch=4, length=17, seed=3, prefetch=2)
-    try:
-        batches = [next(loader) for _ in range(5)]
-    finally:
-        loader.close()
-    for b in batches:
-        _check_windows(b, 17)
-        assert b.shape == (4, 17)
-    np.testing.assert_array_equal(batches[3], loader.batch_at(3))  # deterministic per step
-    resumed = data_lib.MemmapLoader(shards, batch=4, length=17, seed=3, start_step=3)
-    np.testing.assert_array_equal(next(resumed), batches[3])
-    resumed.close()
-    # 2-D shards are read as a token stream
-    d = os.path.dirname(shards)
-    np.save(os.path.join(d, "two_d.npy"), np.arange(64, dtype=np.int32).reshape(4, 16))
-    assert next(data_lib.MemmapLoader(os.path.join(d, "two_d.npy"), 2, 20)).shape == (2, 20)
+  loader = data_lib.MemmapLoader(shards, batch=4, length=17, seed=3, prefetch=2)
+  try:
+    batches = [next(loader) for _ in range(5)]
+  finally:
+    loader.close()
+  for b in batches:
+    _check_windows(b, 17)
+    assert b.shape == (4, 17)
+  np.testing.assert_array_equal(batches[3], loader.batch_at(3))  # deterministic per step
+  resumed = data_lib.MemmapLoader(shards, batch=4, length=17, seed=3, start_step=3)
+  np.testing.assert_array_equal(next(resumed), batches[3])
+  resumed.close()
+  # 2-D shards are read as a token stream
+  d = os.path.dirname(shards)
+  np.save(os.path.join(d, "two_d.npy"), np.arange(64, dtype=np.int32).reshape(4, 16))
+  assert next(data_lib.MemmapLoader(os.path.join(d, "two_d.npy"), 2, 20)).shape == (2, 20)
 
 
 def test_memmap_loader_errors(tmp_path, shards):
-    with pytest.raises(data_lib.DataError, match="no data files match"):
-        data_lib.MemmapLoader(str(tmp_path / "missing" / "*.npy"), 2, 8)
-    os.makedirs(tmp_path / "f")
-    np.save(tmp_path / "f" / "float.npy", np.zeros(100, np.float32))
-    with pytest.raises(data_lib.DataError, match="integer"):
-        data_lib.MemmapLoader(str(tmp_path / "f" / "*.npy"), 2, 8)
-    with pytest.raises(data_lib.DataError, match="window"):
-        data_lib.MemmapLoader(shards, 2, 5000)
-    with pytest.raises(data_lib.DataError, match="out of range"):
-        data_lib.MemmapLoader(shards, 2, 8, vocab_size=100).batch_at(0)
+  with pytest.raises(data_lib.DataError, match="no data files match"):
+    data_lib.MemmapLoader(str(tmp_path / "missing" / "*.npy"), 2, 8)
+  os.makedirs(tmp_path / "f")
+  np.save(tmp_path / "f" / "float.npy", np.zeros(100, np.float32))
+  with pytest.raises(data_lib.DataError, match="integer"):
+    data_lib.MemmapLoader(str(tmp_path / "f" / "*.npy"), 2, 8)
+  with pytest.raises(data_lib.DataError, match="window"):
+    data_lib.MemmapLoader(shards, 2, 5000)
+  with pytest.raises(data_lib.DataError, match="out of range"):
+    data_lib.MemmapLoader(shards, 2, 8, vocab_size=100).batch_at(0)
 
 
 def test_dali_loader(shards):
-    pytest.importorskip("nvidia.dali")
-    batches = data_lib.make_batches(shards, "dali", batch=4, length=17, vocab_size=1 << 16)
-    for _ in range(3):
-        b = next(batches)
-        assert b.shape == (4, 17)
-        _check_windows(b, 17)
+  pytest.importorskip("nvidia.dali")
+  batches = data_lib.make_batches(shards, "dali", batch=4, length=17, vocab_size=1 << 16)
+  for _ in range(3):
+    b = next(batches)
+    assert b.shape == (4, 17)
+    _check_windows(b, 17)
 
 
 def test_synthetic_is_deterministic():
-    a = data_lib.synthetic_batches(2, 9, 256, seed=1)
-    first = [next(a) for _ in range(3)]
-    np.testing.assert_array_equal(next(data_lib.synthetic_batches(2, 9, 256, seed=1, start_step=2)), first[2])
-    assert first[0].max() < 255
+  a = data_lib.synthetic_batches(2, 9, 256, seed=1)
+  first = [next(a) for _ in range(3)]
+  np.testing.assert_array_equal(
+    next(data_lib.synthetic_batches(2, 9, 256, seed=1, start_step=2)), first[2]
+  )
+  assert first[0].max() < 255
 
 
 def test_checkpoint_restore_next_step_identical(tmp_path):
-    run = training.RunConfig(model="gpt", batch=4, steps=10, locations="qkv=nvme,mlp_up=nvme", min_bytes=0)
-    cfg = run.model_config()
-    batches = data_lib.synthetic_batches(run.batch, run.example_length(cfg), cfg.vocab_size)
-    data = [next(batches) for _ in range(4)]
-    step, rng = jax.jit(training.train_step), jax.random.key(7)
-    state, _, _ = training.create_train_state(run)
-    for b in data[:3]:
-        state, _ = step(state, b, rng)
-    manager = training.checkpoint_manager(str(tmp_path / "ckpt"))
-    training.save_checkpoint(manager, state)
-    _, expected = step(state, data[3], rng)
+  run = training.RunConfig(
+    model="gpt", batch=4, steps=10, locations="qkv=nvme,mlp_up=nvme", min_bytes=0
+  )
+  cfg = run.model_config()
+  batches = data_lib.synthetic_batches(run.batch, run.example_length(cfg), cfg.vocab_size)
+  data = [next(batches) for _ in range(4)]
+  step, rng = jax.jit(training.train_step), jax.random.key(7)
+  state, _, _ = training.create_train_state(run)
+  for b in data[:3]:
+    state, _ = step(state, b, rng)
+  manager = training.checkpoint_manager(str(tmp_path / "ckpt"))
+  training.save_checkpoint(manager, state)
+  _, expected = step(state, data[3], rng)
 
-    fresh, _, _ = training.create_train_state(training.RunConfig(**{**run.__dict__, "seed": 99}))
-    restored = training.restore_checkpoint(training.checkpoint_manager(str(tmp_path / "ckpt")), fresh)
-    assert int(restored.step) == 3
-    _, got = step(restored, data[3], rng)
-    assert float(got["loss"]) == float(expected["loss"])
+  fresh, _, _ = training.create_train_state(training.RunConfig(**{**run.__dict__, "seed": 99}))
+  restored = training.restore_checkpoint(training.checkpoint_manager(str(tmp_path / "ckpt")), fresh)
+  assert int(restored.step) == 3
+  _, got = step(restored, data[3], rng)
+  assert float(got["loss"]) == float(expected["loss"])
 
 
 def test_cli_default_offload_run_and_restore(tmp_path):
-    work = str(tmp_path / "work")
-    flags = ["--model", "gpt", "--preset", "tiny", "--batch", "4",
-             "--locations", "layer_in=nvme,qkv=nvme,attn=nvme,mlp_up=nvme", "--workdir", work,
-             "--store-dir", str(tmp_path / "store")]
-    s = train_script.main(flags + ["--steps", "6", "--checkpoint-every", "3"])
-    assert s["steps"] == 6 and s["offload"] and np.isfinite(s["final_loss"])
-    assert s["gb_written"] > 0 and s["gb_read"] > 0
-    s2 = train_script.main(flags + ["--steps", "8", "--restore"])
-    assert s2["steps"] == 8
-    rows = list(csv.DictReader(open(os.path.join(work, "metrics.csv"))))
-    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+  work = str(tmp_path / "work")
+  flags = [
+    "--model",
+    "gpt",
+    "--preset",
+    "tiny",
+    "--batch",
+    "4",
+    "--locations",
+    "layer_in=nvme,qkv=nvme,attn=nvme,mlp_up=nvme",
+    "--workdir",
+    work,
+    "--store-dir",
+    str(tmp_path / "store"),
+  ]
+  s = train_script.main(flags + ["--steps", "6", "--checkpoint-every", "3"])
+  assert s["steps"] == 6 and s["offload"] and np.isfinite(s["final_loss"])
+  assert s["gb_written"] > 0 and s["gb_read"] > 0
+  s2 = train_script.main(flags + ["--steps", "8", "--restore"])
+  assert s2["steps"] == 8
+  rows = list(csv.DictReader(open(os.path.join(work, "metrics.csv"))))
+  assert [int(r["step"]) for r in rows] == list(range(1, 9))
 
 
 @pytest.mark.slow
 def test_cli_memmap_data(tmp_path, shards, capsys):
-    os.makedirs(tmp_path / "small")
-    for i in range(2):
-        np.save(tmp_path / "small" / f"{i}.npy", (np.arange(500) % 200).astype(np.int32))
-    flags = ["--model", "bert", "--batch", "2", "--steps", "2", "--remat-policy", "remat", "--seq-len", "16"]
-    s = train_script.main(flags + ["--data", str(tmp_path / "small" / "*.npy")])
-    assert s["steps"] == 2 and np.isfinite(s["final_loss"]) and not s["offload"]
-    with pytest.raises(SystemExit):  # ids up to 20999 do not fit tiny's vocabulary of 256
-        train_script.main(flags + ["--data", shards])
-    assert "out of range" in capsys.readouterr().err
+  os.makedirs(tmp_path / "small")
+  for i in range(2):
+    np.save(tmp_path / "small" / f"{i}.npy", (np.arange(500) % 200).astype(np.int32))
+  flags = [
+    "--model",
+    "bert",
+    "--batch",
+    "2",
+    "--steps",
+    "2",
+    "--remat-policy",
+    "remat",
+    "--seq-len",
+    "16",
+  ]
+  s = train_script.main(flags + ["--data", str(tmp_path / "small" / "*.npy")])
+  assert s["steps"] == 2 and np.isfinite(s["final_loss"]) and not s["offload"]
+  with pytest.raises(SystemExit):  # ids up to 20999 do not fit tiny's vocabulary of 256
+    train_script.main(flags + ["--data", shards])
+  assert "out of range" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, message", [
+@pytest.mark.parametrize(
+  "flags, message",
+  [
     (["--locations", "qkv=ssd"], "unknown location"),
     (["--locations", "foo=nvme"], "unknown tag"),
     (["--locations", "qkv"], "TAG=LOCATION"),
@@ -147,22 +179,23 @@ def test_cli_memmap_data(tmp_path, shards, capsys):
     (["--data", "/nonexistent/*.npy"], "no data files match"),
     (["--restore"], "--restore needs --workdir"),
     (["--seq-len", "4096"], "exceeds the preset's max_len"),
-])
+  ],
+)
 def test_cli_errors(flags, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        train_script.main(flags)
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
+  with pytest.raises(SystemExit) as e:
+    train_script.main(flags)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
 
 
 @pytest.mark.gpu
 def test_gpu_gpt_small_offload_matches_device():
-    run = dict(model="gpt", preset="small", batch=2, seq_len=512, min_bytes=0)
-    tags = "layer_in={0},qkv={0},attn={0},mlp_up={0}"
-    out = {}
-    for loc in ("nvme", "device"):
-        state, _, _ = training.create_train_state(training.RunConfig(locations=tags.format(loc), **run))
-        b = next(data_lib.synthetic_batches(2, 513, 50304, 0))
-        _, m = jax.jit(training.train_step)(state, b, jax.random.key(0))
-        out[loc] = float(m["loss"])
-    np.testing.assert_allclose(out["nvme"], out["device"], rtol=1e-3)
+  run = dict(model="gpt", preset="small", batch=2, seq_len=512, min_bytes=0)
+  tags = "layer_in={0},qkv={0},attn={0},mlp_up={0}"
+  out = {}
+  for loc in ("nvme", "device"):
+    state, _, _ = training.create_train_state(training.RunConfig(locations=tags.format(loc), **run))
+    b = next(data_lib.synthetic_batches(2, 513, 50304, 0))
+    _, m = jax.jit(training.train_step)(state, b, jax.random.key(0))
+    out[loc] = float(m["loss"])
+  np.testing.assert_allclose(out["nvme"], out["device"], rtol=1e-3)

@@ -34,12 +34,13 @@ device, e.g. one NVMe drive per GPU: each device's tensors go to its own directo
 ``capacity_bytes`` is split evenly; ``device_groups`` records it). Configure after
 ``jax.distributed.initialize()`` when using them.
 """
+
 from __future__ import annotations
 
 import atexit
 import contextlib
-import errno as _errno
 import dataclasses
+import errno as _errno
 import os
 import re
 import shutil
@@ -50,8 +51,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jax_ssdtrain._src import lifetimes
-from jax_ssdtrain._src import native
+from jax_ssdtrain._src import lifetimes, native
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -60,6 +60,7 @@ MiB = 1 << 20
 @dataclasses.dataclass(frozen=True)
 class StoreConfig:
   """The store's settings. ``directories`` empty means a private temp dir removed at exit."""
+
   directories: tuple[str, ...] = ()
   capacity_bytes: int | None = None
   host_cache_bytes: int = 1 * GiB
@@ -85,25 +86,31 @@ class UnknownOptionError(TypeError, ValueError):
 
 
 _ENV = {  # option -> (variable, parser)
-    "directories": ("SSDTRAIN_DIR", lambda v: _directories([p for p in v.split(":") if p])),
-    "device_groups": ("SSDTRAIN_DIR", lambda v: _device_groups([p for p in v.split(":") if p])),
-    "capacity_bytes": ("SSDTRAIN_CAPACITY", lambda v: parse_size(v, what="SSDTRAIN_CAPACITY")),
-    "host_cache_bytes": ("SSDTRAIN_HOST_CACHE", lambda v: parse_size(v, what="SSDTRAIN_HOST_CACHE")),
-    "host_tier_bytes": ("SSDTRAIN_HOST_TIER", lambda v: parse_size(v, what="SSDTRAIN_HOST_TIER")),
-    "staging_bytes": ("SSDTRAIN_STAGING", lambda v: parse_size(v, what="SSDTRAIN_STAGING")),
-    "io_threads": ("SSDTRAIN_IO_THREADS", lambda v: _parse_int(v, what="SSDTRAIN_IO_THREADS")),
-    "chunk_bytes": ("SSDTRAIN_CHUNK", lambda v: parse_size(v, what="SSDTRAIN_CHUNK")),
-    "prefetch_bytes": ("SSDTRAIN_PREFETCH", lambda v: parse_size(v, what="SSDTRAIN_PREFETCH")),
-    "o_direct": ("SSDTRAIN_O_DIRECT", lambda v: _parse_switch(v, what="SSDTRAIN_O_DIRECT")),
-    "gds": ("SSDTRAIN_GDS", lambda v: _parse_switch(v, what="SSDTRAIN_GDS")),
-    "forwarding": ("SSDTRAIN_FORWARDING", lambda v: _parse_switch(v, what="SSDTRAIN_FORWARDING",
-                                                                  auto=False)),
-    "on_full": ("SSDTRAIN_ON_FULL", lambda v: v.lower()),
-    "verify": ("SSDTRAIN_VERIFY", lambda v: _parse_switch(v, what="SSDTRAIN_VERIFY", auto=False)),
-    "exact_loads": ("SSDTRAIN_EXACT_LOADS",
-                    lambda v: _parse_switch(v, what="SSDTRAIN_EXACT_LOADS", auto=False)),
-    "bandwidth_cap": ("SSDTRAIN_BANDWIDTH_CAP",
-                      lambda v: parse_bandwidth(v, what="SSDTRAIN_BANDWIDTH_CAP")),
+  "directories": ("SSDTRAIN_DIR", lambda v: _directories([p for p in v.split(":") if p])),
+  "device_groups": ("SSDTRAIN_DIR", lambda v: _device_groups([p for p in v.split(":") if p])),
+  "capacity_bytes": ("SSDTRAIN_CAPACITY", lambda v: parse_size(v, what="SSDTRAIN_CAPACITY")),
+  "host_cache_bytes": ("SSDTRAIN_HOST_CACHE", lambda v: parse_size(v, what="SSDTRAIN_HOST_CACHE")),
+  "host_tier_bytes": ("SSDTRAIN_HOST_TIER", lambda v: parse_size(v, what="SSDTRAIN_HOST_TIER")),
+  "staging_bytes": ("SSDTRAIN_STAGING", lambda v: parse_size(v, what="SSDTRAIN_STAGING")),
+  "io_threads": ("SSDTRAIN_IO_THREADS", lambda v: _parse_int(v, what="SSDTRAIN_IO_THREADS")),
+  "chunk_bytes": ("SSDTRAIN_CHUNK", lambda v: parse_size(v, what="SSDTRAIN_CHUNK")),
+  "prefetch_bytes": ("SSDTRAIN_PREFETCH", lambda v: parse_size(v, what="SSDTRAIN_PREFETCH")),
+  "o_direct": ("SSDTRAIN_O_DIRECT", lambda v: _parse_switch(v, what="SSDTRAIN_O_DIRECT")),
+  "gds": ("SSDTRAIN_GDS", lambda v: _parse_switch(v, what="SSDTRAIN_GDS")),
+  "forwarding": (
+    "SSDTRAIN_FORWARDING",
+    lambda v: _parse_switch(v, what="SSDTRAIN_FORWARDING", auto=False),
+  ),
+  "on_full": ("SSDTRAIN_ON_FULL", lambda v: v.lower()),
+  "verify": ("SSDTRAIN_VERIFY", lambda v: _parse_switch(v, what="SSDTRAIN_VERIFY", auto=False)),
+  "exact_loads": (
+    "SSDTRAIN_EXACT_LOADS",
+    lambda v: _parse_switch(v, what="SSDTRAIN_EXACT_LOADS", auto=False),
+  ),
+  "bandwidth_cap": (
+    "SSDTRAIN_BANDWIDTH_CAP",
+    lambda v: parse_bandwidth(v, what="SSDTRAIN_BANDWIDTH_CAP"),
+  ),
 }
 
 
@@ -117,8 +124,11 @@ def defaults() -> StoreConfig:
   return _validated(StoreConfig(**values))
 
 
-def configure(directory: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-              capacity_bytes: int | str | None = None, **options: Any) -> StoreConfig:
+def configure(
+  directory: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+  capacity_bytes: int | str | None = None,
+  **options: Any,
+) -> StoreConfig:
   """(Re)creates this process's store and returns its configuration.
 
   ``directory``: one directory or a list (one per NVMe drive; tensors are striped across
@@ -126,11 +136,14 @@ def configure(directory: str | os.PathLike | Sequence[str | os.PathLike] | None 
   ``capacity_bytes``: file space in all. Other options are the fields of :class:`StoreConfig`;
   sizes may be strings such as ``"4GiB"``. Reconfiguring drops every stored activation.
   """
-  unknown = sorted(set(options) - {f.name for f in dataclasses.fields(StoreConfig)} -
-                   {"directories"})
+  unknown = sorted(
+    set(options) - {f.name for f in dataclasses.fields(StoreConfig)} - {"directories"}
+  )
   if unknown:
-    raise UnknownOptionError(f"configure: unknown option(s) {unknown}; known: "
-                             f"{[f.name for f in dataclasses.fields(StoreConfig)]}")
+    raise UnknownOptionError(
+      f"configure: unknown option(s) {unknown}; known: "
+      f"{[f.name for f in dataclasses.fields(StoreConfig)]}"
+    )
   with _lock:
     base = _state.config if _state.config is not None else defaults()
     changes = dict(options)
@@ -140,8 +153,14 @@ def configure(directory: str | os.PathLike | Sequence[str | os.PathLike] | None 
         changes["device_groups"] = _device_groups(directory)
     if capacity_bytes is not None:
       changes["capacity_bytes"] = capacity_bytes
-    for key in ("capacity_bytes", "host_cache_bytes", "host_tier_bytes", "staging_bytes",
-                "chunk_bytes", "prefetch_bytes"):
+    for key in (
+      "capacity_bytes",
+      "host_cache_bytes",
+      "host_tier_bytes",
+      "staging_bytes",
+      "chunk_bytes",
+      "prefetch_bytes",
+    ):
       if isinstance(changes.get(key), str):
         changes[key] = parse_size(changes[key], what=key)
     if "bandwidth_cap" in changes:
@@ -188,7 +207,9 @@ def stats() -> dict[str, float]:
   ensure_configured()
   s = native.stats()
   _warn_if_kept(s)
-  s["write_GBps"] = s["disk_bytes_written"] / s["write_seconds"] / 1e9 if s.get("write_seconds") else 0.0
+  s["write_GBps"] = (
+    s["disk_bytes_written"] / s["write_seconds"] / 1e9 if s.get("write_seconds") else 0.0
+  )
   s["read_GBps"] = s["disk_bytes_read"] / s["read_seconds"] / 1e9 if s.get("read_seconds") else 0.0
   return s
 
@@ -228,6 +249,7 @@ def flush() -> None:
   """
   if _state.config is not None:
     import jax
+
     jax.block_until_ready(lifetimes.live_arrays())
     native.flush()
     lifetimes.collect()
@@ -288,11 +310,13 @@ def parse_bandwidth(value: int | float | str | None, *, what: str) -> int | None
     else:
       rate = int(value)
   except (ValueError, TypeError, OverflowError):
-    raise ValueError(f"{what}: cannot read {value!r} as a bandwidth (e.g. 7GB/s, 512MiB/s, "
-                     f"7e9, or 'off')") from None
+    raise ValueError(
+      f"{what}: cannot read {value!r} as a bandwidth (e.g. 7GB/s, 512MiB/s, 7e9, or 'off')"
+    ) from None
   if rate <= 0:
-    raise ValueError(f"{what}: expected a positive bandwidth in bytes/s, got {value!r} "
-                     f"(None or 'off' for no cap)")
+    raise ValueError(
+      f"{what}: expected a positive bandwidth in bytes/s, got {value!r} (None or 'off' for no cap)"
+    )
   return rate
 
 
@@ -328,13 +352,19 @@ def _apply(cfg: StoreConfig) -> None:
   _state.config = cfg
   lifetimes.sweeper.start()
   _state.warned_kept = False
-  if cfg.o_direct is None and native.stats().get("o_direct") == 0 and \
-      directories not in _state.warned_o_direct:
+  if (
+    cfg.o_direct is None
+    and native.stats().get("o_direct") == 0
+    and directories not in _state.warned_o_direct
+  ):
     _state.warned_o_direct.add(directories)
-    warnings.warn(f"jax_ssdtrain: O_DIRECT is not supported by the filesystem of the store "
-                  f"directory {', '.join(directories)} (e.g. tmpfs); using buffered I/O "
-                  f"(o_direct=None/auto). Pass o_direct=False to silence this.",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(
+      f"jax_ssdtrain: O_DIRECT is not supported by the filesystem of the store "
+      f"directory {', '.join(directories)} (e.g. tmpfs); using buffered I/O "
+      f"(o_direct=None/auto). Pass o_direct=False to silence this.",
+      RuntimeWarning,
+      stacklevel=3,
+    )
   if cfg.directories and _state.temp_dir is not None:
     _remove_temp_dir()
 
@@ -343,24 +373,39 @@ def _engine_options(cfg: StoreConfig, directories: tuple[str, ...]) -> dict[str,
   capacity = cfg.capacity_bytes
   free = _free_bytes_total(directories)
   if free < 1 << 20:
-    raise OSError(_errno.ENOSPC, f"store directory {', '.join(directories)} cannot hold the "
-                  f"store's files: its filesystem has {free} bytes free (set SSDTRAIN_DIR or "
-                  "configure(directory=...) to a directory on a local disk)")
+    raise OSError(
+      _errno.ENOSPC,
+      f"store directory {', '.join(directories)} cannot hold the "
+      f"store's files: its filesystem has {free} bytes free (set SSDTRAIN_DIR or "
+      "configure(directory=...) to a directory on a local disk)",
+    )
   if capacity is None:
     capacity = int(0.9 * free)
   elif capacity > free:
-    raise ValueError(f"capacity_bytes={capacity} ({capacity / GiB:.2f} GiB) is beyond the free "
-                     f"space of the store directories {list(directories)}: {free} bytes "
-                     f"({free / GiB:.2f} GiB)")
+    raise ValueError(
+      f"capacity_bytes={capacity} ({capacity / GiB:.2f} GiB) is beyond the free "
+      f"space of the store directories {list(directories)}: {free} bytes "
+      f"({free / GiB:.2f} GiB)"
+    )
   switch = {None: 2, True: 1, False: 0}
-  return dict(directories=":".join(directories), capacity_bytes=capacity,
-              host_cache_bytes=cfg.host_cache_bytes, host_tier_bytes=cfg.host_tier_bytes,
-              staging_bytes=cfg.staging_bytes, io_threads=cfg.io_threads,
-              chunk_bytes=cfg.chunk_bytes, prefetch_bytes=cfg.prefetch_bytes,
-              o_direct=switch[cfg.o_direct], gds=switch[cfg.gds], forwarding=int(cfg.forwarding),
-              on_full=_ON_FULL[cfg.on_full], verify=int(cfg.verify),
-              exact_loads=int(cfg.exact_loads), bandwidth_cap=cfg.bandwidth_cap or 0,
-              device_groups=cfg.device_groups if cfg.directories else 0)
+  return dict(
+    directories=":".join(directories),
+    capacity_bytes=capacity,
+    host_cache_bytes=cfg.host_cache_bytes,
+    host_tier_bytes=cfg.host_tier_bytes,
+    staging_bytes=cfg.staging_bytes,
+    io_threads=cfg.io_threads,
+    chunk_bytes=cfg.chunk_bytes,
+    prefetch_bytes=cfg.prefetch_bytes,
+    o_direct=switch[cfg.o_direct],
+    gds=switch[cfg.gds],
+    forwarding=int(cfg.forwarding),
+    on_full=_ON_FULL[cfg.on_full],
+    verify=int(cfg.verify),
+    exact_loads=int(cfg.exact_loads),
+    bandwidth_cap=cfg.bandwidth_cap or 0,
+    device_groups=cfg.device_groups if cfg.directories else 0,
+  )
 
 
 _ON_FULL = {"error": 0, "keep": 1}
@@ -369,9 +414,13 @@ _ON_FULL = {"error": 0, "keep": 1}
 def _warn_if_kept(s: dict[str, Any]) -> None:
   if s.get("full_kept_tensors") and not _state.warned_kept:
     _state.warned_kept = True
-    warnings.warn(f"jax_ssdtrain: the store was full ({s.get('file_bytes_peak')} bytes of file "
-                  f"space in use at peak); on_full='keep' kept {s['full_kept_tensors']} tensor(s), "
-                  f"{s['full_kept_bytes']} bytes, in host memory", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+      f"jax_ssdtrain: the store was full ({s.get('file_bytes_peak')} bytes of file "
+      f"space in use at peak); on_full='keep' kept {s['full_kept_tensors']} tensor(s), "
+      f"{s['full_kept_bytes']} bytes, in host memory",
+      RuntimeWarning,
+      stacklevel=3,
+    )
 
 
 def _check_directory(directory: str) -> None:
@@ -384,8 +433,10 @@ def _check_directory(directory: str) -> None:
     probe = parent
   if not os.path.isdir(probe):
     what = "is" if probe == directory else "is below"
-    raise NotADirectoryError(_errno.ENOTDIR, f"store directory {directory!r} {what} {probe!r}, "
-                             f"which exists and is not a directory")
+    raise NotADirectoryError(
+      _errno.ENOTDIR,
+      f"store directory {directory!r} {what} {probe!r}, which exists and is not a directory",
+    )
   if not os.access(probe, os.W_OK | os.X_OK):
     if probe == directory:
       msg = f"store directory {directory!r} is not writable"
@@ -403,8 +454,10 @@ def _check_directory(directory: str) -> None:
     except FileExistsError:
       pass
     except OSError as e:
-      raise type(e)(e.errno, f"store directory {directory!r} cannot be created: mkdir({path!r}) "
-                    f"failed: {e.strerror}") from None
+      raise type(e)(
+        e.errno,
+        f"store directory {directory!r} cannot be created: mkdir({path!r}) failed: {e.strerror}",
+      ) from None
 
 
 def _free_bytes_total(directories: Sequence[str]) -> int:
@@ -422,7 +475,9 @@ def _free_bytes_total(directories: Sequence[str]) -> int:
     try:
       total += shutil.disk_usage(probe).free
     except OSError as e:
-      raise OSError(e.errno, f"store directory {d!r}: cannot read free space: {e.strerror}")
+      raise OSError(
+        e.errno, f"store directory {d!r}: cannot read free space: {e.strerror}"
+      ) from None
   return total
 
 
@@ -445,17 +500,25 @@ def _physical_ram() -> int | None:
 
 
 def _validated(cfg: StoreConfig) -> StoreConfig:
-  for key in ("host_cache_bytes", "host_tier_bytes", "staging_bytes", "chunk_bytes",
-              "prefetch_bytes", "io_threads"):
+  for key in (
+    "host_cache_bytes",
+    "host_tier_bytes",
+    "staging_bytes",
+    "chunk_bytes",
+    "prefetch_bytes",
+    "io_threads",
+  ):
     value = getattr(cfg, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
       raise ValueError(f"{key}: expected an integer >= 0, got {value!r}")
   for key in ("io_threads", "chunk_bytes"):
     if getattr(cfg, key) == 0:
       raise ValueError(f"{key}: must be positive, got 0")
-  if cfg.capacity_bytes is not None and (isinstance(cfg.capacity_bytes, bool) or
-                                         not isinstance(cfg.capacity_bytes, int) or
-                                         cfg.capacity_bytes <= 0):
+  if cfg.capacity_bytes is not None and (
+    isinstance(cfg.capacity_bytes, bool)
+    or not isinstance(cfg.capacity_bytes, int)
+    or cfg.capacity_bytes <= 0
+  ):
     raise ValueError(f"capacity_bytes: expected a positive integer, got {cfg.capacity_bytes!r}")
   for key in ("o_direct", "gds"):
     if getattr(cfg, key) not in (None, True, False):
@@ -463,29 +526,38 @@ def _validated(cfg: StoreConfig) -> StoreConfig:
   for key in ("forwarding", "verify", "exact_loads"):
     if not isinstance(getattr(cfg, key), bool):
       raise ValueError(f"{key}: expected a bool, got {getattr(cfg, key)!r}")
-  if cfg.bandwidth_cap is not None and (isinstance(cfg.bandwidth_cap, bool) or
-                                        not isinstance(cfg.bandwidth_cap, int) or
-                                        cfg.bandwidth_cap <= 0):
-    raise ValueError(f"bandwidth_cap: expected a positive integer (bytes/s) or None, got "
-                     f"{cfg.bandwidth_cap!r}")
+  if cfg.bandwidth_cap is not None and (
+    isinstance(cfg.bandwidth_cap, bool)
+    or not isinstance(cfg.bandwidth_cap, int)
+    or cfg.bandwidth_cap <= 0
+  ):
+    raise ValueError(
+      f"bandwidth_cap: expected a positive integer (bytes/s) or None, got {cfg.bandwidth_cap!r}"
+    )
   if cfg.on_full not in _ON_FULL:
     raise ValueError(f"on_full: expected 'error' or 'keep', got {cfg.on_full!r}")
   groups = cfg.device_groups
   if isinstance(groups, bool) or not isinstance(groups, int) or groups < 0:
     raise ValueError(f"device_groups: expected an integer >= 0, got {groups!r}")
   if groups and len(cfg.directories) % groups:
-    raise ValueError(f"device_groups={groups} does not divide the {len(cfg.directories)} store "
-                     f"directories {list(cfg.directories)}")
+    raise ValueError(
+      f"device_groups={groups} does not divide the {len(cfg.directories)} store "
+      f"directories {list(cfg.directories)}"
+    )
   ram = _physical_ram()
   if ram:
     for key in ("host_tier_bytes", "host_cache_bytes"):
       if getattr(cfg, key) > ram:
-        raise ValueError(f"{key}={getattr(cfg, key)} ({getattr(cfg, key) / GiB:.2f} GiB) is "
-                         f"beyond the physical memory of this machine ({ram / GiB:.2f} GiB)")
+        raise ValueError(
+          f"{key}={getattr(cfg, key)} ({getattr(cfg, key) / GiB:.2f} GiB) is "
+          f"beyond the physical memory of this machine ({ram / GiB:.2f} GiB)"
+        )
     both = cfg.host_tier_bytes + cfg.host_cache_bytes
     if both > ram:
-      raise ValueError(f"host_tier_bytes + host_cache_bytes = {both} ({both / GiB:.2f} GiB) is "
-                       f"beyond the physical memory of this machine ({ram / GiB:.2f} GiB)")
+      raise ValueError(
+        f"host_tier_bytes + host_cache_bytes = {both} ({both / GiB:.2f} GiB) is "
+        f"beyond the physical memory of this machine ({ram / GiB:.2f} GiB)"
+      )
   return dataclasses.replace(cfg, directories=_checked_paths(cfg.directories))
 
 
@@ -501,8 +573,10 @@ def _device_groups(value) -> int:
   if not any(per_device):
     return 0
   if not all(per_device):
-    raise ValueError(f"directory: {{device}} must be in every store directory or in none, got "
-                     f"{[os.fspath(i) for i in items]}")
+    raise ValueError(
+      f"directory: {{device}} must be in every store directory or in none, got "
+      f"{[os.fspath(i) for i in items]}"
+    )
   return len(_local_devices())
 
 
@@ -518,8 +592,8 @@ def _directories(value) -> tuple[str, ...]:
 
 # Placeholders of a store directory -> their values (one directory per value).
 _PLACEHOLDERS = {
-    "process": lambda: [str(_process_index())],
-    "device": lambda: [str(i) for i in range(len(_local_devices()))],  # local index
+  "process": lambda: [str(_process_index())],
+  "device": lambda: [str(i) for i in range(len(_local_devices()))],  # local index
 }
 
 
@@ -528,15 +602,20 @@ def _expand_template(path: str) -> list[str]:
   if "{" not in path and "}" not in path:
     return [path]
   try:
-    parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(path)
-              if f is not None]
+    parsed = [
+      (f, spec, conv) for _, f, spec, conv in string.Formatter().parse(path) if f is not None
+    ]
   except ValueError as e:
-    raise ValueError(f"directory: malformed placeholder in {path!r} ({e}); use {{process}} or "
-                     f"{{device}}, and {{{{ }}}} for literal braces") from None
+    raise ValueError(
+      f"directory: malformed placeholder in {path!r} ({e}); use {{process}} or "
+      f"{{device}}, and {{{{ }}}} for literal braces"
+    ) from None
   for field, spec, conv in parsed:
     if field not in _PLACEHOLDERS or spec or conv:
-      raise ValueError(f"directory: unknown placeholder {{{field}}} in {path!r}; known: "
-                       f"{', '.join('{' + k + '}' for k in _PLACEHOLDERS)}")
+      raise ValueError(
+        f"directory: unknown placeholder {{{field}}} in {path!r}; known: "
+        f"{', '.join('{' + k + '}' for k in _PLACEHOLDERS)}"
+      )
   values = {name: _PLACEHOLDERS[name]() for name in sorted({f for f, _, _ in parsed})}
   out = [path]
   for name, choices in values.items():
@@ -547,11 +626,13 @@ def _expand_template(path: str) -> list[str]:
 def _process_index() -> int:
   # The distributed client's id: set by jax.distributed.initialize(), without starting backends.
   from jax_ssdtrain._src import jax_internals
+
   return jax_internals.process_index_without_backends()
 
 
 def _local_devices():
   import jax
+
   return jax.local_devices()
 
 

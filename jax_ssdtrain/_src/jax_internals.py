@@ -10,12 +10,14 @@ checks the same, one test per internal).
 Supported (tested) JAX releases: see ``TESTED_JAX``; ``jax_ssdtrain/__init__.py`` refuses
 others unless ``SSDTRAIN_ALLOW_UNTESTED_JAX=1``.
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.extend.core as _ext_core
@@ -49,8 +51,9 @@ def _get(module: Any, name: str, why: str) -> Any:
   obj = getattr(module, name, None)
   if obj is None:
     raise MissingInternal(
-        f"jax_ssdtrain: jax {jax.__version__} has no {module.__name__}.{name} (needed for: "
-        f"{why}); tested with {TESTED_JAX_TEXT}")
+      f"jax_ssdtrain: jax {jax.__version__} has no {module.__name__}.{name} (needed for: "
+      f"{why}); tested with {TESTED_JAX_TEXT}"
+    )
   return obj
 
 
@@ -84,7 +87,8 @@ PARTIAL_EVAL_CUSTOM_CACHED = "_partial_eval_jaxpr_custom_cached"
 _get(_pe, PARTIAL_EVAL_CUSTOM_CACHED, "the remat partial-eval hook")
 # The store/load split of a tag is this table's rule for our tag primitive.
 partial_eval_jaxpr_custom_rules = _get(
-    _pe, "partial_eval_jaxpr_custom_rules", "the tag primitive's partial-eval rule")
+  _pe, "partial_eval_jaxpr_custom_rules", "the tag primitive's partial-eval rule"
+)
 # A store whose handle nobody loads turns back into a plain tag (DCE rule).
 dce_rules = _get(_pe, "dce_rules", "the store's dead-code rule")
 # The partial-eval cache keys on (jaxpr, ..., policy); our wrapper caches the same way.
@@ -94,9 +98,11 @@ weakref_lru_cache = _get(_util, "weakref_lru_cache", "caching the tag rewrite pe
 def dce_rule(rule: Callable[[list[bool], Any], tuple[list[bool], Any]]) -> Callable:
   """Adapts ``rule(used_outputs, eqn)`` to the DCE-rule signature of the running JAX
   (jax >= 0.12 passes ``(used_outputs, live_inputs, eqn)``)."""
+
   @functools.wraps(rule)
   def adapted(used_outputs, *args):
     return rule(used_outputs, args[-1])
+
   return adapted
 
 
@@ -109,10 +115,11 @@ def check_partial_eval_call_site() -> None:
     source = ""
   if f"{PARTIAL_EVAL_CUSTOM_CACHED}(" not in source or "saveable)" not in source:
     raise MissingInternal(
-        "jax_ssdtrain: partial_eval.partial_eval_jaxpr_stateful no longer calls "
-        f"{PARTIAL_EVAL_CUSTOM_CACHED}(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, "
-        f"ensure_out_inst, saveable); jax {jax.__version__} is not supported "
-        f"(tested: {TESTED_JAX_TEXT})")
+      "jax_ssdtrain: partial_eval.partial_eval_jaxpr_stateful no longer calls "
+      f"{PARTIAL_EVAL_CUSTOM_CACHED}(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, "
+      f"ensure_out_inst, saveable); jax {jax.__version__} is not supported "
+      f"(tested: {TESTED_JAX_TEXT})"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,9 +139,11 @@ def save_from_both_parts(policy: Any) -> tuple[Any, Any] | None:
   try:
     return cells["policy_1"], cells["policy_2"]
   except KeyError:
-    raise MissingInternal("jax_ssdtrain: save_from_both_policies no longer closes over "
-                          f"policy_1/policy_2 (jax {jax.__version__}; got "
-                          f"{SAVE_FROM_BOTH_CODE.co_freevars})") from None
+    raise MissingInternal(
+      "jax_ssdtrain: save_from_both_policies no longer closes over "
+      f"policy_1/policy_2 (jax {jax.__version__}; got "
+      f"{SAVE_FROM_BOTH_CODE.co_freevars})"
+    ) from None
 
 
 del _probe
@@ -142,8 +151,13 @@ del _probe
 # Under jax_remat3 checkpoint_name binds these "hi primitives" instead of name_p; their
 # ``remat`` method decides save / offload / recompute, so ours wraps it (remat.py).
 CHECKPOINT_NAME_CLASSES = tuple(
-    c for c in (getattr(_ad_checkpoint, "CheckpointName", None),
-                getattr(_ad_checkpoint, "CheckpointNameFwd", None)) if c is not None)
+  c
+  for c in (
+    getattr(_ad_checkpoint, "CheckpointName", None),
+    getattr(_ad_checkpoint, "CheckpointNameFwd", None),
+  )
+  if c is not None
+)
 # CheckpointNameFwd's rem ignores the recomputed value (no tangent flows through it).
 CHECKPOINT_NAME_FWD = getattr(_ad_checkpoint, "CheckpointNameFwd", None)
 # jax >= 0.12: remat(self, trace, x) -> (x, residuals, rem(residuals, x_recomputed));
@@ -152,8 +166,10 @@ REMAT3_RETURNS_RESIDUALS = jax_version() >= (0, 12)
 # Primal from the saved value, tangent from the recomputed one (remat3's saved-tag rem).
 primal_left_tangent_right = getattr(_ad_checkpoint, "primal_left_tangent_right", None)
 if CHECKPOINT_NAME_CLASSES and primal_left_tangent_right is None:
-  raise MissingInternal("jax_ssdtrain: jax._src.ad_checkpoint.primal_left_tangent_right is "
-                        f"missing (jax {jax.__version__}); needed under jax_remat3")
+  raise MissingInternal(
+    "jax_ssdtrain: jax._src.ad_checkpoint.primal_left_tangent_right is "
+    f"missing (jax {jax.__version__}); needed under jax_remat3"
+  )
 
 
 # jax_remat3's eager path (``interpreters.remat.remat_transform``, jax 0.10.2 to 0.12.0.1) never
@@ -165,24 +181,30 @@ if CHECKPOINT_NAME_CLASSES and primal_left_tangent_right is None:
 # module, which hijax calls) and invalidates that trace after its ``to_jaxpr``.
 from jax._src import core as _core  # noqa: E402
 from jax._src.interpreters import remat as _remat_src  # noqa: E402
+
 DynamicJaxprTrace = _get(_pe, "DynamicJaxprTrace", "freeing the eager remat3 trace's constants")
 for _method in ("to_jaxpr", "invalidate"):
   _get(DynamicJaxprTrace, _method, "freeing the eager remat3 trace's constants")
 REMAT_TRANSFORM = "remat_transform"
 REMAT_TRANSFORM_MODULES = tuple(
-    m for m in (_remat_src, _ad_checkpoint) if getattr(m, REMAT_TRANSFORM, None) is not None)
+  m for m in (_remat_src, _ad_checkpoint) if getattr(m, REMAT_TRANSFORM, None) is not None
+)
 if CHECKPOINT_NAME_CLASSES and _remat_src not in REMAT_TRANSFORM_MODULES:
-  raise MissingInternal("jax_ssdtrain: jax._src.interpreters.remat.remat_transform is missing "
-                        f"(jax {jax.__version__}); needed under jax_remat3")
+  raise MissingInternal(
+    "jax_ssdtrain: jax._src.interpreters.remat.remat_transform is missing "
+    f"(jax {jax.__version__}); needed under jax_remat3"
+  )
 
 
 # remat3 only keeps a loaded value's tangent path to the recomputation where a differentiation
 # encloses the remat (remat.py): we look for a JVP or linearize trace among the current trace's
 # ancestors (each trace names its parent_trace).
 from jax._src.interpreters import ad as _ad_src  # noqa: E402
+
 DIFFERENTIATING_TRACES = (
-    _get(_ad_src, "JVPTrace", "detecting differentiation around a remat3 tag"),
-    _get(_ad_src, "LinearizeTrace", "detecting differentiation around a remat3 tag"))
+  _get(_ad_src, "JVPTrace", "detecting differentiation around a remat3 tag"),
+  _get(_ad_src, "LinearizeTrace", "detecting differentiation around a remat3 tag"),
+)
 
 
 def under_differentiation() -> bool:
@@ -208,6 +230,7 @@ def remat3_policy(policy_or_trace: Any) -> Any:
 def remat3(enabled: bool):
   """``jax_remat3`` switched on or off inside the block (a no-op where the flag is absent)."""
   from jax._src import config as _config
+
   flag = getattr(_config, "remat3", None)
   if flag is None:
     yield
@@ -229,7 +252,8 @@ _get(_ad_checkpoint, SAVED_RESIDUALS_FN, "naming offloaded residuals in saved_re
 apply_primitive = _get(_dispatch, "apply_primitive", "eager store/load")
 # The partitioned lowering (custom_partitioning) needs the device assignment while lowering.
 prim_requires_devices_during_lowering = _get(
-    _dispatch, "prim_requires_devices_during_lowering", "partitioned store/load lowering")
+  _dispatch, "prim_requires_devices_during_lowering", "partitioned store/load lowering"
+)
 # Is the program being lowered partitioned over several devices (jit) or manual (shard_map)?
 SPMDAxisContext = _get(_sharding_impls, "SPMDAxisContext", "detecting shard_map lowering")
 ShardingContext = _get(_sharding_impls, "ShardingContext", "detecting partitioned jit lowering")
@@ -237,6 +261,7 @@ GSPMDSharding = _get(_sharding_impls, "GSPMDSharding", "the handle's replicated 
 # Compile-time load counts (lifetimes.py) see the whole top-level program here (JAX calls it
 # through jax._src.interpreters.mlir's global, which is what gets wrapped).
 from jax._src.interpreters import mlir as _mlir_src  # noqa: E402
+
 MLIR_MODULE = _mlir_src
 LOWER_JAXPR_TO_MODULE = "lower_jaxpr_to_module"
 _get(_mlir_src, LOWER_JAXPR_TO_MODULE, "counting each stored tensor's loads per program")
@@ -246,6 +271,7 @@ def process_index_without_backends() -> int:
   """This process's index after jax.distributed.initialize(), without starting backends
   (``jax.process_index()`` would; the store is configured before devices are used)."""
   from jax._src import distributed
+
   return int(distributed.global_state.process_id)
 
 

@@ -26,6 +26,7 @@ anyone can observe (an execution with no live outputs is unobservable: its loads
 harmlessly). A daemon thread sweeps when the engine has made enough uncounted entries since
 the last sweep; ``ssd.flush()`` and ``ssd.collect()`` sweep at once.
 """
+
 from __future__ import annotations
 
 import collections
@@ -49,9 +50,9 @@ UNCOUNTED = -1
 @dataclasses.dataclass
 class _Site:
   store_runs: list[int] = dataclasses.field(default_factory=list)  # executions per store eqn
-  load_runs: int = 0      # load executions in all
+  load_runs: int = 0  # load executions in all
   uncertain: bool = False  # a store or load of it runs an unknown number of times
-  escapes: bool = False    # its handle reaches the program's outputs
+  escapes: bool = False  # its handle reaches the program's outputs
 
   def uses(self) -> int:
     if self.escapes or self.uncertain or not self.store_runs:
@@ -124,7 +125,11 @@ def _higher_order(eqn, in_t, runs, uncertain, record, walk):
   if name == "scan":
     body = params["jaxpr"]
     n_consts, n_carry = ji.scan_layout(eqn)
-    consts, carry, xs = in_t[:n_consts], in_t[n_consts:n_consts + n_carry], in_t[n_consts + n_carry:]
+    consts, carry, xs = (
+      in_t[:n_consts],
+      in_t[n_consts : n_consts + n_carry],
+      in_t[n_consts + n_carry :],
+    )
     while True:  # carries' taints to a fixpoint (they only grow)
       out = walk(body, consts + carry + xs, runs * params["length"], uncertain, False)
       grown = [c | o for c, o in zip(carry, out[:n_carry])]
@@ -134,7 +139,7 @@ def _higher_order(eqn, in_t, runs, uncertain, record, walk):
     return walk(body, consts + carry + xs, runs * params["length"], uncertain, record)
   if name == "while":
     n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
-    body_consts, carry = in_t[n_cond:n_cond + n_body], in_t[n_cond + n_body:]
+    body_consts, carry = in_t[n_cond : n_cond + n_body], in_t[n_cond + n_body :]
     while True:
       out = walk(params["body_jaxpr"], body_consts + carry, runs, True, False)
       grown = [c | o for c, o in zip(carry, out)]
@@ -234,6 +239,7 @@ def collect() -> int:
   """Releases every stored tensor no program can load any more (see the module doc); returns
   how many were released. Blocks until the live arrays are ready."""
   import jax
+
   from jax_ssdtrain._src import native
 
   with _sweep_lock:
@@ -250,6 +256,7 @@ _sweep_lock = threading.Lock()
 def live_arrays():
   """Every live ``jax.Array`` on the platforms this process uses."""
   import jax
+
   arrays = []
   for platform in _platforms():
     try:
@@ -261,6 +268,7 @@ def live_arrays():
 
 def _platforms():
   import jax
+
   names = []
   for platform in (None, "cpu"):  # the default backend, and the host's if it is enabled
     try:
@@ -310,6 +318,7 @@ class _Sweeper:
 
   def _run(self) -> None:
     from jax_ssdtrain._src import native
+
     while not self._stop.wait(self.POLL_S):
       try:
         if native.sweep_requested():

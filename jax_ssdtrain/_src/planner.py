@@ -49,9 +49,9 @@ at most ``1 + max_slowdown`` times the all-on-device step (ties: faster, then fe
 moved). ``plan_for_budget`` picks the micro-batch and plan with the most tokens/s whose exact
 device memory (``memory_fn``, e.g. XLA's ``compiled.memory_analysis()``) fits a budget.
 """
+
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import math
@@ -67,7 +67,9 @@ from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, Location, location_pol
 
 DEFAULT_HOST_GBPS = 50.0  # without a GPU to measure: pinned host <-> H100 over PCIe, 41-55 GB/s
 # measured (DESIGN.md §3)
-STAGING_TOLERANCE = 0.002  # a plan's arena: the smallest within this share of the configured one's step
+STAGING_TOLERANCE = (
+  0.002  # a plan's arena: the smallest within this share of the configured one's step
+)
 DEFAULT_HOST_CACHE_BYTES = 1 << 30  # StoreConfig.host_cache_bytes default
 DEFAULT_STAGING_BYTES = 1 << 30  # StoreConfig.staging_bytes default
 DEFAULT_HOST_TIER_BYTES = 8 << 30  # StoreConfig.host_tier_bytes default
@@ -78,6 +80,7 @@ MIN_DIFFERENCE_S = 0.02  # profile: the long and short scans differ by at least 
 @dataclasses.dataclass(frozen=True)
 class TagProfile:
   """One tag name of a layer: bytes per layer (all its occurrences) and recompute time."""
+
   name: str
   bytes: int
   recompute_s: float = 0.0
@@ -86,6 +89,7 @@ class TagProfile:
 @dataclasses.dataclass(frozen=True)
 class Profile:
   """What the planner needs about one layer of the scan, the stack and the store."""
+
   num_layers: int
   forward_s: float
   backward_s: float
@@ -107,8 +111,16 @@ class Profile:
 
   def __post_init__(self):
     _check_int("num_layers", self.num_layers, low=1)
-    for key in ("forward_s", "backward_s", "write_gbps", "read_gbps", "host_gbps", "offload_s",
-                "other_s", "update_s"):
+    for key in (
+      "forward_s",
+      "backward_s",
+      "write_gbps",
+      "read_gbps",
+      "host_gbps",
+      "offload_s",
+      "other_s",
+      "update_s",
+    ):
       _check_number(key, getattr(self, key))
     _check_int("host_cache_bytes", self.host_cache_bytes)
     _check_int("staging_bytes", self.staging_bytes)
@@ -132,10 +144,17 @@ class Profile:
     _check_int("batch", batch, low=1)
     f = batch / self.batch
     return dataclasses.replace(
-        self, forward_s=self.forward_s * f, backward_s=self.backward_s * f,
-        other_s=self.other_s * f, input_bytes=int(self.input_bytes * f), batch=batch,
-        tags=tuple(dataclasses.replace(t, bytes=int(t.bytes * f), recompute_s=t.recompute_s * f)
-                   for t in self.tags))
+      self,
+      forward_s=self.forward_s * f,
+      backward_s=self.backward_s * f,
+      other_s=self.other_s * f,
+      input_bytes=int(self.input_bytes * f),
+      batch=batch,
+      tags=tuple(
+        dataclasses.replace(t, bytes=int(t.bytes * f), recompute_s=t.recompute_s * f)
+        for t in self.tags
+      ),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,15 +165,16 @@ class Plan:
     the others keep those tags on the device. remat tags are recomputed in every layer.
   locations: sorted ``(tag, Location)`` pairs.
   """
+
   profile: Profile
   offload_layers: int
   locations: tuple[tuple[str, Location], ...]
-  compute_s: float        # predicted step without I/O stalls
-  stall_s: float          # predicted I/O stalls per step
-  baseline_s: float       # predicted step with every tag on the device
-  device_bytes: int       # residual bytes on the device, all layers
-  nvme_bytes: int         # per step, to the store files (before forwarding)
-  host_bytes: int         # per step, to the host tier
+  compute_s: float  # predicted step without I/O stalls
+  stall_s: float  # predicted I/O stalls per step
+  baseline_s: float  # predicted step with every tag on the device
+  device_bytes: int  # residual bytes on the device, all layers
+  nvme_bytes: int  # per step, to the store files (before forwarding)
+  host_bytes: int  # per step, to the host tier
   min_bytes: int = DEFAULT_MIN_BYTES
   measured_device_bytes: int | None = None  # the whole step's, from XLA (plan_for_budget)
   staging_bytes: int = 0  # the device staging arena the plan needs (0: it offloads nothing)
@@ -185,8 +205,10 @@ class Plan:
 
   def policies(self) -> tuple[Any, Any]:
     """``(policy of the offloaded layers, policy of the kept layers)`` for jax.checkpoint."""
-    return (location_policy(self.location_map(), min_bytes=self.min_bytes),
-            location_policy(self.kept_location_map(), min_bytes=self.min_bytes))
+    return (
+      location_policy(self.location_map(), min_bytes=self.min_bytes),
+      location_policy(self.kept_location_map(), min_bytes=self.min_bytes),
+    )
 
   def table(self) -> str:
     p, L, k = self.profile, self.profile.num_layers, self.offload_layers
@@ -200,17 +222,25 @@ class Plan:
       rows.append((t.name, f"{t.bytes:,}", loc.value, f"{n}/{L}", io, f"{window:.4f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-    lines.append(f"split: layers 0..{k - 1} offload, {k}..{L - 1} keep" if 0 < k < L else
-                 f"split: all {L} layers {'offload' if k == L else 'keep'}")
-    lines.append(f"predicted step {self.step_s * 1e3:.2f} ms (compute {self.compute_s * 1e3:.2f} "
-                 f"+ stall {self.stall_s * 1e3:.2f}; all on device {self.baseline_s * 1e3:.2f})")
+    lines.append(
+      f"split: layers 0..{k - 1} offload, {k}..{L - 1} keep"
+      if 0 < k < L
+      else f"split: all {L} layers {'offload' if k == L else 'keep'}"
+    )
+    lines.append(
+      f"predicted step {self.step_s * 1e3:.2f} ms (compute {self.compute_s * 1e3:.2f} "
+      f"+ stall {self.stall_s * 1e3:.2f}; all on device {self.baseline_s * 1e3:.2f})"
+    )
     if self.staging_bytes:
-      lines.append(f"device staging arena {self.staging_bytes / 1e9:.3f} GB (link "
-                   f"{p.host_gbps:.1f} GB/s; the profile's arena: {p.staging_bytes / 1e9:.3f} GB)")
-    lines.append(f"residual device memory {self.device_bytes / 1e9:.3f} GB; per step to nvme "
-                 f"{self.nvme_bytes / 1e9:.3f} GB (disk allows {self.allowed_nvme_bytes / 1e9:.3f}"
-                 f" GB), to host {self.host_bytes / 1e9:.3f} GB"
-                 + (f"; batch {p.batch}" if p.batch else ""))
+      lines.append(
+        f"device staging arena {self.staging_bytes / 1e9:.3f} GB (link "
+        f"{p.host_gbps:.1f} GB/s; the profile's arena: {p.staging_bytes / 1e9:.3f} GB)"
+      )
+    lines.append(
+      f"residual device memory {self.device_bytes / 1e9:.3f} GB; per step to nvme "
+      f"{self.nvme_bytes / 1e9:.3f} GB (disk allows {self.allowed_nvme_bytes / 1e9:.3f}"
+      f" GB), to host {self.host_bytes / 1e9:.3f} GB" + (f"; batch {p.batch}" if p.batch else "")
+    )
     if self.measured_device_bytes is not None:
       lines.append(f"device memory of the step (XLA): {self.measured_device_bytes / 1e9:.3f} GB")
     return "\n".join(lines)
@@ -218,10 +248,14 @@ class Plan:
   __str__ = table
 
 
-def plan(profile: Profile, *, max_slowdown: float = 0.02,
-         allowed: Iterable[str | Location] = tuple(Location),
-         fixed: Mapping[str, str | Location] | None = None,
-         min_bytes: int = DEFAULT_MIN_BYTES) -> Plan:
+def plan(
+  profile: Profile,
+  *,
+  max_slowdown: float = 0.02,
+  allowed: Iterable[str | Location] = tuple(Location),
+  fixed: Mapping[str, str | Location] | None = None,
+  min_bytes: int = DEFAULT_MIN_BYTES,
+) -> Plan:
   """The plan with the least residual device memory within ``max_slowdown`` of all-on-device.
 
   allowed: locations the planner may use; fixed: tags whose location is given.
@@ -230,12 +264,18 @@ def plan(profile: Profile, *, max_slowdown: float = 0.02,
   return min(_feasible(profile, max_slowdown, allowed, fixed, min_bytes), key=_rank)
 
 
-def frontier(profile: Profile, *, allowed: Iterable[str | Location] = tuple(Location),
-             fixed: Mapping[str, str | Location] | None = None,
-             min_bytes: int = DEFAULT_MIN_BYTES) -> list[Plan]:
+def frontier(
+  profile: Profile,
+  *,
+  allowed: Iterable[str | Location] = tuple(Location),
+  fixed: Mapping[str, str | Location] | None = None,
+  min_bytes: int = DEFAULT_MIN_BYTES,
+) -> list[Plan]:
   """Pareto front of (predicted step, device memory): fastest first, each smaller than the last."""
-  plans = sorted(_candidates(profile, allowed, fixed, min_bytes),
-                 key=lambda p: (p.step_s, p.device_bytes, p.offloaded_bytes))
+  plans = sorted(
+    _candidates(profile, allowed, fixed, min_bytes),
+    key=lambda p: (p.step_s, p.device_bytes, p.offloaded_bytes),
+  )
   out = []
   for p in plans:
     if not out or p.device_bytes < out[-1].device_bytes:
@@ -243,10 +283,16 @@ def frontier(profile: Profile, *, allowed: Iterable[str | Location] = tuple(Loca
   return out
 
 
-def plan_for_budget(budget_bytes: int, batches: Sequence[int],
-                    profile_fn: Callable[[int], Profile],
-                    memory_fn: Callable[[int, Plan], int], *, max_compiles: int = 3,
-                    tolerance: float = 0.005, **plan_options) -> Plan:
+def plan_for_budget(
+  budget_bytes: int,
+  batches: Sequence[int],
+  profile_fn: Callable[[int], Profile],
+  memory_fn: Callable[[int, Plan], int],
+  *,
+  max_compiles: int = 3,
+  tolerance: float = 0.005,
+  **plan_options,
+) -> Plan:
   """The batch and plan with the most tokens/s whose device memory fits ``budget_bytes``.
 
   profile_fn(batch) -> Profile (e.g. ``base.scaled``); memory_fn(batch, plan) -> exact device
@@ -267,34 +313,49 @@ def plan_for_budget(budget_bytes: int, batches: Sequence[int],
     front = frontier(profile_fn(batch), **plan_options)
     for _ in range(max_compiles):
       # a smaller batch must beat the best tokens/s found so far
-      if not front or (best is not None and
-                       batch / front[0].step_s <= best_batch / best.step_s):
+      if not front or (best is not None and batch / front[0].step_s <= best_batch / best.step_s):
         break
       # the front is sorted by step, smallest last: the last plan within the tolerance
-      cand = front.pop(max(i for i, p in enumerate(front)
-                           if p.step_s <= front[0].step_s * (1 + tolerance)))
+      cand = front.pop(
+        max(i for i, p in enumerate(front) if p.step_s <= front[0].step_s * (1 + tolerance))
+      )
       used = int(memory_fn(batch, cand))
       tried.append((batch, cand.offload_layers, used))
       if used <= budget_bytes:
-        best = dataclasses.replace(cand, measured_device_bytes=used,
-                                   profile=dataclasses.replace(cand.profile, batch=batch))
+        best = dataclasses.replace(
+          cand, measured_device_bytes=used, profile=dataclasses.replace(cand.profile, batch=batch)
+        )
         best_batch = batch
         break
       # only plans whose residual savings can close the gap are worth a compile
       gap = used - budget_bytes
       front = [p for p in front if cand.device_bytes - p.device_bytes >= gap]
   if best is None:
-    raise ValueError(f"budget_bytes={budget_bytes} ({budget_bytes / 1e9:.2f} GB): no batch in "
-                     f"{sorted(set(batches))} fits; measured (batch, offload_layers, bytes): {tried}")
+    raise ValueError(
+      f"budget_bytes={budget_bytes} ({budget_bytes / 1e9:.2f} GB): no batch in "
+      f"{sorted(set(batches))} fits; measured (batch, offload_layers, bytes): {tried}"
+    )
   return best
 
 
-def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
-            directory: str | os.PathLike | None = None,
-            bandwidth: tuple[float, float] | None = None, host_gbps: float | None = None,
-            host_cache_bytes: int | None = None, staging_bytes: int | None = None,
-            host_tier_bytes: int | None = None, other_s: float = 0.0, update_s: float = 0.0,
-            batch: int | None = None, repeats: int = 10, warmup: int = 2) -> Profile:
+def profile(
+  layer_fn: Callable,
+  params: Any,
+  x: Any,
+  *,
+  num_layers: int,
+  directory: str | os.PathLike | None = None,
+  bandwidth: tuple[float, float] | None = None,
+  host_gbps: float | None = None,
+  host_cache_bytes: int | None = None,
+  staging_bytes: int | None = None,
+  host_tier_bytes: int | None = None,
+  other_s: float = 0.0,
+  update_s: float = 0.0,
+  batch: int | None = None,
+  repeats: int = 10,
+  warmup: int = 2,
+) -> Profile:
   """Times one layer ``layer_fn(params, x) -> y`` (``y`` shaped like ``x``: a scan body) as the
   training step runs it, reads the tagged bytes from its jaxpr, and takes the store bandwidth
   (``bandwidth`` as (write, read) GB/s, else ``measured_bandwidth(directory)``).
@@ -321,10 +382,16 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
     bandwidth = measured_bandwidth(directory)
   write_gbps, read_gbps = bandwidth
   from jax_ssdtrain._src import config
+
   cfg = config.current() or config.defaults()  # defaults: SSDTRAIN_* environment
-  sizes = {k: getattr(cfg, k) if v is None else v for k, v in (
-      ("host_cache_bytes", host_cache_bytes), ("staging_bytes", staging_bytes),
-      ("host_tier_bytes", host_tier_bytes))}
+  sizes = {
+    k: getattr(cfg, k) if v is None else v
+    for k, v in (
+      ("host_cache_bytes", host_cache_bytes),
+      ("staging_bytes", staging_bytes),
+      ("host_tier_bytes", host_tier_bytes),
+    )
+  }
   tags, flops, input_tag = _tagged(layer_fn, params, x)
   # the offload cost is measured on the input tag, else the smallest tag the policies offload
   big = [n for n in tags if tags[n] >= DEFAULT_MIN_BYTES] or list(tags)
@@ -332,26 +399,40 @@ def profile(layer_fn: Callable, params: Any, x: Any, *, num_layers: int,
   if host_gbps is None and probe_tag is not None:
     config.reset_stats()
   forward_s, backward_s, recompute_s, offload_s = _layer_times(
-      layer_fn, params, x, tuple(tags), probe_tag, repeats, warmup)
+    layer_fn, params, x, tuple(tags), probe_tag, repeats, warmup
+  )
   if host_gbps is None:
     host_gbps = _achieved_link_gbps() if probe_tag is not None else None
     host_gbps = host_gbps or measured_link_gbps()
   total = sum(flops.values()) or 1.0
   return Profile(
-      num_layers=num_layers, forward_s=forward_s, backward_s=backward_s,
-      tags=tuple(TagProfile(n, b, recompute_s * flops[n] / total) for n, b in tags.items()),
-      write_gbps=float(write_gbps), read_gbps=float(read_gbps), host_gbps=float(host_gbps),
-      **{k: int(v) for k, v in sizes.items()}, input_bytes=_nbytes_tree(x), input_tag=input_tag,
-      param_bytes=_nbytes_tree(params), offload_s=offload_s, other_s=other_s, update_s=update_s,
-      batch=batch)
+    num_layers=num_layers,
+    forward_s=forward_s,
+    backward_s=backward_s,
+    tags=tuple(TagProfile(n, b, recompute_s * flops[n] / total) for n, b in tags.items()),
+    write_gbps=float(write_gbps),
+    read_gbps=float(read_gbps),
+    host_gbps=float(host_gbps),
+    **{k: int(v) for k, v in sizes.items()},
+    input_bytes=_nbytes_tree(x),
+    input_tag=input_tag,
+    param_bytes=_nbytes_tree(params),
+    offload_s=offload_s,
+    other_s=other_s,
+    update_s=update_s,
+    batch=batch,
+  )
 
 
-def _tagged(layer_fn: Callable, params: Any, x: Any
-            ) -> tuple[dict[str, int], dict[str, float], str | None]:
+def _tagged(
+  layer_fn: Callable, params: Any, x: Any
+) -> tuple[dict[str, int], dict[str, float], str | None]:
   """``({tag: bytes per layer}, {tag: forward FLOPs since the previous tag}, input tag)`` from
   the jaxpr; the input tag names the layer input ``x`` itself (a single array), else None."""
   import jax
+
   from jax_ssdtrain._src import jax_internals
+
   with jax_internals.remat3(False):  # under jax_remat3 tags are not name_p eqns
     closed = jax.make_jaxpr(layer_fn)(params, x)
   n_x = len(jax.tree.leaves(x))
@@ -375,12 +456,11 @@ def _tagged(layer_fn: Callable, params: Any, x: Any
   return sizes, flops, input_tag
 
 
-
-
 def _achieved_link_gbps() -> float | None:
   """The slower direction of the host tier's copies since the last reset, in GB/s of copy-
   stream busy time (None where none ran: no GPU, or every copy stayed in staging)."""
   from jax_ssdtrain._src import config
+
   s = config.stats()
   rates = [s[f"link_{d}_GBps"] for d in ("d2h", "h2d") if s.get(f"link_{d}_bytes", 0) >= 1 << 26]
   return min(rates) if rates else None
@@ -391,13 +471,17 @@ def measured_link_gbps(device: int = 0) -> float:
   copies between the engine's kind of host memory and the device (``probe.measure_link``,
   measured once per machine and cached); ``DEFAULT_HOST_GBPS`` where JAX has no GPU."""
   import jax
+
   if not any(d.platform == "gpu" for d in jax.local_devices()):
     return DEFAULT_HOST_GBPS
   from jax_ssdtrain import probe
+
   return probe.measure_link(device).gbps
 
 
-def measured_bandwidth(directory: str | os.PathLike, nbytes: int = 256 << 20) -> tuple[float, float]:
+def measured_bandwidth(
+  directory: str | os.PathLike, nbytes: int = 256 << 20
+) -> tuple[float, float]:
   """(write GB/s, read GB/s) of ``directory`` through the engine (``jax_ssdtrain.probe``).
 
   Measured once per directory and size, then cached on disk (``probe.measure``'s cache).
@@ -407,6 +491,7 @@ def measured_bandwidth(directory: str | os.PathLike, nbytes: int = 256 << 20) ->
     raise ValueError(f"directory: {directory!r} is not a directory")
   _check_int("nbytes", nbytes, low=4096)
   from jax_ssdtrain import probe
+
   size = nbytes // 4096 * 4096
   result = probe.measure(path, size=size, tensor_bytes=min(size, 64 << 20))
   return result.write_gbps, result.read_gbps
@@ -416,16 +501,16 @@ def measured_bandwidth(directory: str | os.PathLike, nbytes: int = 256 << 20) ->
 # Implementation
 
 
-def simulate(profile: Profile, offload_layers: int,
-             locations: Mapping[str, Location]) -> tuple[float, float]:
+def simulate(
+  profile: Profile, offload_layers: int, locations: Mapping[str, Location]
+) -> tuple[float, float]:
   """``(compute_s, stall_s)`` per step under the timing model of the module docstring."""
   p, L, k = profile, profile.num_layers, offload_layers
   recompute = sum(t.recompute_s for t in p.tags if locations[t.name] is Location.REMAT)
   per_layer = {loc: sum(t.bytes for t in p.tags if locations[t.name] is loc) for loc in OFFLOADED}
   # host-side work of the offloaded layers' stores (forward) and loads (backward)
   calls = p.offload_s / 2 * sum(locations[t.name] in OFFLOADED for t in p.tags) if k else 0.0
-  compute = (L * (p.forward_s + p.backward_s + recompute) + 2 * k * calls + p.other_s
-             + p.update_s)
+  compute = L * (p.forward_s + p.backward_s + recompute) + 2 * k * calls + p.other_s + p.update_s
   if k == 0 or not any(per_layer.values()):
     return compute, 0.0
   nv, hb = per_layer[Location.NVME], per_layer[Location.HOST]
@@ -484,24 +569,38 @@ def _device_bytes(profile: Profile, k: int, locations: Mapping[str, Location]) -
   if any(loc is Location.REMAT for loc in locations.values()):
     # recomputation needs the layer input; a tagged input is already counted where it lives
     # (device: every layer; host/nvme: the kept layers), else it is saved on the device
-    tagged_input = profile.input_tag is not None and \
-        locations[profile.input_tag] is not Location.REMAT
+    tagged_input = (
+      profile.input_tag is not None and locations[profile.input_tag] is not Location.REMAT
+    )
     total += 0 if tagged_input else profile.input_bytes * L
   if 0 < k < L and profile.split_grad_copy:  # two scans' weight gradients, then their concat
     total += profile.param_bytes * L
   return total
 
 
-def _evaluate(profile: Profile, k: int, locations: Mapping[str, Location], baseline: float,
-              min_bytes: int) -> Plan:
+def _evaluate(
+  profile: Profile, k: int, locations: Mapping[str, Location], baseline: float, min_bytes: int
+) -> Plan:
   staging = _staging_needed(profile, k, locations)
-  compute, stall = simulate(dataclasses.replace(profile, staging_bytes=staging) if staging
-                            else profile, k, locations)
-  moved = {loc: sum(t.bytes for t in profile.tags if locations[t.name] is loc) * k
-           for loc in OFFLOADED}
-  return Plan(profile, k, tuple(sorted(locations.items())), compute, stall, baseline,
-              _device_bytes(profile, k, locations), moved[Location.NVME], moved[Location.HOST],
-              min_bytes, staging_bytes=staging)
+  compute, stall = simulate(
+    dataclasses.replace(profile, staging_bytes=staging) if staging else profile, k, locations
+  )
+  moved = {
+    loc: sum(t.bytes for t in profile.tags if locations[t.name] is loc) * k for loc in OFFLOADED
+  }
+  return Plan(
+    profile,
+    k,
+    tuple(sorted(locations.items())),
+    compute,
+    stall,
+    baseline,
+    _device_bytes(profile, k, locations),
+    moved[Location.NVME],
+    moved[Location.HOST],
+    min_bytes,
+    staging_bytes=staging,
+  )
 
 
 def _staging_needed(profile: Profile, k: int, locations: Mapping[str, Location]) -> int:
@@ -561,11 +660,15 @@ def _candidates(profile: Profile, allowed, fixed, min_bytes) -> Iterable[Plan]:
 
 def _feasible(profile, max_slowdown, allowed, fixed, min_bytes) -> list[Plan]:
   _check_number("max_slowdown", max_slowdown)
-  out = [p for p in _candidates(profile, allowed, fixed, min_bytes)
-         if p.step_s <= p.baseline_s * (1 + max_slowdown) * (1 + 1e-12)]
+  out = [
+    p
+    for p in _candidates(profile, allowed, fixed, min_bytes)
+    if p.step_s <= p.baseline_s * (1 + max_slowdown) * (1 + 1e-12)
+  ]
   if not out:
-    raise ValueError(f"max_slowdown={max_slowdown}: no plan within it with allowed locations; "
-                     "allow 'device'")
+    raise ValueError(
+      f"max_slowdown={max_slowdown}: no plan within it with allowed locations; allow 'device'"
+    )
   return out
 
 
@@ -579,8 +682,9 @@ def _walk(jaxpr, aliases: frozenset | set = frozenset()) -> Iterable[tuple[Any, 
   whose inputs are its equation's operands (pjit, closed_call: same count)."""
   for eqn in jaxpr.eqns:
     subs = [v for v in eqn.params.values() if _is_jaxpr(v)]
-    subs += [s for v in eqn.params.values() if isinstance(v, (tuple, list)) for s in v
-             if _is_jaxpr(s)]
+    subs += [
+      s for v in eqn.params.values() if isinstance(v, (tuple, list)) for s in v if _is_jaxpr(s)
+    ]
     if subs and eqn.primitive is not name_p:
       sub = getattr(subs[0], "jaxpr", subs[0])  # branches/fwd-bwd pairs: the first is the forward
       inner = set()
@@ -622,12 +726,16 @@ def _nbytes(aval) -> int:
 
 def _nbytes_tree(tree) -> int:
   import jax
-  return sum(int(np.prod(np.shape(a), dtype=np.int64)) * np.dtype(a.dtype).itemsize
-             for a in jax.tree.leaves(tree))
+
+  return sum(
+    int(np.prod(np.shape(a), dtype=np.int64)) * np.dtype(a.dtype).itemsize
+    for a in jax.tree.leaves(tree)
+  )
 
 
-def _layer_times(layer_fn, params, x, names, probe_tag, repeats: int, warmup: int
-                 ) -> tuple[float, float, float, float]:
+def _layer_times(
+  layer_fn, params, x, names, probe_tag, repeats: int, warmup: int
+) -> tuple[float, float, float, float]:
   """(forward, backward, recompute, offload) seconds of one layer inside a scan: forward and
   backward with every tag saved on the device; recompute: what the backward adds when nothing
   is saved; offload: what the step adds when ``probe_tag`` goes to the host tier (0 if None)."""
@@ -643,6 +751,7 @@ def _layer_times(layer_fn, params, x, names, probe_tag, repeats: int, warmup: in
     def train(ps, v):
       y, pullback = jax.vjp(stack, ps, v)
       return pullback(jnp.ones_like(y))
+
     return jax.jit(train)
 
   on_device = {n: Location.DEVICE for n in names}
@@ -651,8 +760,9 @@ def _layer_times(layer_fn, params, x, names, probe_tag, repeats: int, warmup: in
   remat_bwd = train_of(stack_of(jax.checkpoint_policies.nothing_saveable))
   fns = [fwd, fwd_bwd, remat_bwd]
   if probe_tag is not None:
-    fns.append(train_of(stack_of(location_policy(
-        {**on_device, probe_tag: Location.HOST}, min_bytes=0))))
+    fns.append(
+      train_of(stack_of(location_policy({**on_device, probe_tag: Location.HOST}, min_bytes=0)))
+    )
   v = jnp.asarray(x)
 
   def times_at(n):  # median seconds of each function on a scan of n layers
@@ -674,12 +784,17 @@ def _layer_times(layer_fn, params, x, names, probe_tag, repeats: int, warmup: in
     d = [b / hi for b in long]
   f, t, r = d[:3]
   # recomputing costs at least nothing and at most a forward (timing noise either way)
-  return (f, (t - f if t > f else t / 2), min(max(r - t, 0.0), f),
-          max(d[3] - t, 0.0) if probe_tag is not None else 0.0)
+  return (
+    f,
+    (t - f if t > f else t / 2),
+    min(max(r - t, 0.0), f),
+    max(d[3] - t, 0.0) if probe_tag is not None else 0.0,
+  )
 
 
 def _median_time(fn, repeats: int, warmup: int) -> float:
   import jax
+
   for _ in range(warmup + 1):
     jax.block_until_ready(fn())
   times = []
@@ -696,6 +811,10 @@ def _check_int(what: str, value, low: int = 0) -> None:
 
 
 def _check_number(what: str, value) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
-      or math.isnan(value) or value < 0:
+  if (
+    isinstance(value, bool)
+    or not isinstance(value, (int, float, np.floating, np.integer))
+    or math.isnan(value)
+    or value < 0
+  ):
     raise ValueError(f"{what}: expected a number >= 0, got {value!r}")

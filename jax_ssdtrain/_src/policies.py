@@ -3,6 +3,7 @@
 Public API first (factories and the ready policy), implementation after. A policy is a
 small frozen, hashable dataclass: JAX's partial-eval cache keys on it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,10 +22,11 @@ DEFAULT_MIN_BYTES = 1 << 20
 
 class Location(enum.Enum):
   """Where a tagged activation lives between the forward and the backward pass."""
-  REMAT = "remat"    # recomputed in the backward pass
+
+  REMAT = "remat"  # recomputed in the backward pass
   DEVICE = "device"  # saved in device memory (JAX's own saving)
-  HOST = "host"      # the engine's pinned host-memory tier
-  NVME = "nvme"      # the store files, through the host cache
+  HOST = "host"  # the engine's pinned host-memory tier
+  NVME = "nvme"  # the store files, through the host cache
 
   @classmethod
   def parse(cls, value: str | Location, *, what: str = "location") -> Location:
@@ -37,10 +39,14 @@ class Location(enum.Enum):
       raise ValueError(f"{what}: unknown location {value!r}; expected one of {choices}") from None
 
 
-def offload_policy(names_to_offload: Iterable[str], names_to_save: Iterable[str] = (), *,
-                   min_bytes: int = DEFAULT_MIN_BYTES,
-                   base: Callable[..., Any] | None = None,
-                   location: str | Location = Location.NVME) -> OffloadPolicy:
+def offload_policy(
+  names_to_offload: Iterable[str],
+  names_to_save: Iterable[str] = (),
+  *,
+  min_bytes: int = DEFAULT_MIN_BYTES,
+  base: Callable[..., Any] | None = None,
+  location: str | Location = Location.NVME,
+) -> OffloadPolicy:
   """Counterpart of ``jax.checkpoint_policies.save_and_offload_only_these_names``.
 
   Tensors tagged with ``checkpoint_name`` and listed in ``names_to_offload`` go to the store
@@ -59,13 +65,17 @@ def offload_policy(names_to_offload: Iterable[str], names_to_save: Iterable[str]
   if base is not None and not callable(base):
     raise TypeError(f"base: expected a remat policy (callable) or None, got {base!r}")
   locations = {n: loc for n in offload} | {n: Location.DEVICE for n in save}
-  return OffloadPolicy(_freeze(locations), _min_bytes(min_bytes), default=None,
-                       below_min=Location.DEVICE, base=base)
+  return OffloadPolicy(
+    _freeze(locations), _min_bytes(min_bytes), default=None, below_min=Location.DEVICE, base=base
+  )
 
 
-def location_policy(locations: Mapping[str, str | Location], *,
-                    min_bytes: int = DEFAULT_MIN_BYTES,
-                    default: str | Location = Location.REMAT) -> OffloadPolicy:
+def location_policy(
+  locations: Mapping[str, str | Location],
+  *,
+  min_bytes: int = DEFAULT_MIN_BYTES,
+  default: str | Location = Location.REMAT,
+) -> OffloadPolicy:
   """A policy from a per-name location map (``remat | device | host | nvme``).
 
   Tagged names that are not in ``locations`` get ``default``; untagged values are recomputed.
@@ -73,11 +83,17 @@ def location_policy(locations: Mapping[str, str | Location], *,
   """
   if not isinstance(locations, Mapping):
     raise TypeError(f"locations: expected a mapping of tag name to location, got {locations!r}")
-  parsed = {_names("locations", [k])[0]: Location.parse(v, what=f"locations[{k!r}]")
-            for k, v in locations.items()}
-  return OffloadPolicy(_freeze(parsed), _min_bytes(min_bytes),
-                       default=Location.parse(default, what="default"),
-                       below_min=Location.DEVICE, base=None)
+  parsed = {
+    _names("locations", [k])[0]: Location.parse(v, what=f"locations[{k!r}]")
+    for k, v in locations.items()
+  }
+  return OffloadPolicy(
+    _freeze(parsed),
+    _min_bytes(min_bytes),
+    default=Location.parse(default, what="default"),
+    below_min=Location.DEVICE,
+    base=None,
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,6 +107,7 @@ class StoreDecision:
   JAX itself never sees it: the partial-eval hook (``remat.py``) rewrites those tags into a
   store/load pair first. Were the hook bypassed, JAX would reject it loudly (TypeError).
   """
+
   location: Location
 
 
@@ -104,6 +121,7 @@ class OffloadPolicy:
   base: policy for untagged equations and, when ``default`` is None, unlisted names
     (None: recompute).
   """
+
   locations: tuple[tuple[str, Location], ...]
   min_bytes: int
   default: Location | None
@@ -125,8 +143,9 @@ class OffloadPolicy:
     return self.base(prim, *avals, **params) if self.base is not None else False
 
   def offloads(self) -> bool:
-    return any(loc in (Location.NVME, Location.HOST) for _, loc in self.locations) or \
-        self.default in (Location.NVME, Location.HOST)
+    return any(
+      loc in (Location.NVME, Location.HOST) for _, loc in self.locations
+    ) or self.default in (Location.NVME, Location.HOST)
 
   def too_small(self, name: str, aval) -> bool:
     """True when ``name`` is meant for the store but ``aval`` is below ``min_bytes``."""
@@ -134,13 +153,17 @@ class OffloadPolicy:
     return loc in (Location.NVME, Location.HOST) and _nbytes(aval) < self.min_bytes
 
 
-_DECISIONS = {Location.REMAT: False, Location.DEVICE: True,
-              Location.HOST: StoreDecision(Location.HOST),
-              Location.NVME: StoreDecision(Location.NVME)}
+_DECISIONS = {
+  Location.REMAT: False,
+  Location.DEVICE: True,
+  Location.HOST: StoreDecision(Location.HOST),
+  Location.NVME: StoreDecision(Location.NVME),
+}
 
 # Every tagged tensor of at least 1 MiB goes to the store; everything else is recomputed.
-ssd_offload_policy = OffloadPolicy((), DEFAULT_MIN_BYTES, default=Location.NVME,
-                                   below_min=Location.REMAT, base=None)
+ssd_offload_policy = OffloadPolicy(
+  (), DEFAULT_MIN_BYTES, default=Location.NVME, below_min=Location.REMAT, base=None
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +175,7 @@ class ComposedPolicy:
   Built by the partial-eval hook when one of the two policies (at any depth) is ours; JAX's
   own combinator would reject our answers ("should be a boolean").
   """
+
   parts: tuple[Callable[..., Any], Callable[..., Any]]
 
   def __call__(self, prim, *avals, **params):
@@ -180,9 +204,11 @@ def decision_rank(decision) -> int:
     return 3
   if decision is False or decision is None or isinstance(decision, ji.RecomputeType):
     return 0
-  raise TypeError(f"remat policy returned {decision!r}; expected a bool, "
-                  "jax.checkpoint_policies' Saveable/Recompute/Offloadable, or a jax_ssdtrain "
-                  "decision")
+  raise TypeError(
+    f"remat policy returned {decision!r}; expected a bool, "
+    "jax.checkpoint_policies' Saveable/Recompute/Offloadable, or a jax_ssdtrain "
+    "decision"
+  )
 
 
 def as_offloading(policy) -> OffloadPolicy | ComposedPolicy | None:

@@ -6,17 +6,17 @@ backward pass. Both lower to XLA FFI custom calls with ``has_side_effect=True`` 
 older JAX rejects effects inside remat); their order comes from the handle data dependency.
 Each primitive's rules are registered right after it.
 """
+
 from __future__ import annotations
 
 import functools
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ssdtrain._src import jax_internals as ji
-from jax_ssdtrain._src import lifetimes
-from jax_ssdtrain._src import sharded
+from jax_ssdtrain._src import lifetimes, sharded
 from jax_ssdtrain._src.policies import Location, name_p
 
 HANDLE_AVAL = jax.core.ShapedArray((2,), np.dtype(np.uint32))
@@ -36,6 +36,7 @@ class HigherOrderOffloadError(NotImplementedError):
 def _ensure_engine():
   # Imported lazily: configuring the engine creates the default store directory.
   from jax_ssdtrain._src import config
+
   config.ensure_configured()
 
 
@@ -59,10 +60,13 @@ def _store_abstract_eval(x, *, site, tier, name, uses, recomputed=False):
 
 
 store_p.def_abstract_eval(_store_abstract_eval)
+
+
 def _store_impl(x, **params):
   # An eager store's handle leaves its (one-primitive) execution: sweeps release it. Sweep here,
   # outside any execution, when enough of them piled up.
   from jax_ssdtrain._src import native
+
   if native.available() and native.sweep_requested():
     lifetimes.collect()
   return ji.apply_primitive(store_p, x, **params)
@@ -86,17 +90,25 @@ def _store_lowering(ctx, x, *, site, tier, name, uses, recomputed=False):
     # As JAX does for residuals saved on the device (its PR 22244): the stored value and the
     # forward pass's own uses of it are the same, rounded to the dtype. Without this, XLA may
     # keep an excess-precision (e.g. f32) value for the forward while the store gets bf16.
-    (x,) = ji.lower_fun(_round_to_dtype, multiple_results=False)(
-        ctx.replace(avals_out=[aval]), x)
+    (x,) = ji.lower_fun(_round_to_dtype, multiple_results=False)(ctx.replace(avals_out=[aval]), x)
   if sharded.needs_partitioning(ctx):  # each device stores its own shard
-    lowered = ji.lower_fun(functools.partial(sharded.store_handle, store_p=store_p, site=site,
-                                             tier=tier, name=name, uses=uses),
-                           multiple_results=False)
-    handle, = lowered(ctx.replace(avals_out=[HANDLE_AVAL]), x)
+    lowered = ji.lower_fun(
+      functools.partial(
+        sharded.store_handle, store_p=store_p, site=site, tier=tier, name=name, uses=uses
+      ),
+      multiple_results=False,
+    )
+    (handle,) = lowered(ctx.replace(avals_out=[HANDLE_AVAL]), x)
     return [x, handle]
   call = jax.ffi.ffi_lowering(STORE_TARGET, has_side_effect=True)
-  handle, = call(ctx.replace(avals_out=[HANDLE_AVAL]), x,
-                 site=np.int64(site), tier=np.int32(tier), name=name, uses=np.int64(uses))
+  (handle,) = call(
+    ctx.replace(avals_out=[HANDLE_AVAL]),
+    x,
+    site=np.int64(site),
+    tier=np.int32(tier),
+    name=name,
+    uses=np.int64(uses),
+  )
   # The first result is the operand itself: no copy, and XLA keeps x alive until the call.
   return [x, handle]
 
@@ -115,11 +127,12 @@ def _store_jvp(primals, tangents, **params):
     y, handle = store_p.bind(x, **params)
     return [y, handle], [tx, ji.Zero(HANDLE_AVAL.to_tangent_aval())]
   raise HigherOrderOffloadError(
-      f"jax_ssdtrain: forward-mode differentiation (e.g. jvp(grad(f)), hessian, grad(grad(f))) "
-      f"through the SSD-offloaded activation {params['name']!r} is not supported: its tangent "
-      f"would not reach the backward pass. Use a policy that saves or recomputes that tag for "
-      f"higher-order derivatives there (they work where the outer differentiation encloses the "
-      f"checkpoint directly, not through a scan body differentiated twice).")
+    f"jax_ssdtrain: forward-mode differentiation (e.g. jvp(grad(f)), hessian, grad(grad(f))) "
+    f"through the SSD-offloaded activation {params['name']!r} is not supported: its tangent "
+    f"would not reach the backward pass. Use a policy that saves or recomputes that tag for "
+    f"higher-order derivatives there (they work where the outer differentiation encloses the "
+    f"checkpoint directly, not through a scan body differentiated twice)."
+  )
 
 
 ji.primitive_jvps[store_p] = _store_jvp
@@ -143,8 +156,9 @@ def _store_dce(used_outputs, eqn):
   if used_handle:
     return [True], eqn
   if used_y:  # nobody loads it: the forward pass writes nothing, the tag stays a tag
-    return [True], eqn.replace(primitive=name_p, params=dict(name=eqn.params["name"]),
-                               outvars=eqn.outvars[:1])
+    return [True], eqn.replace(
+      primitive=name_p, params=dict(name=eqn.params["name"]), outvars=eqn.outvars[:1]
+    )
   return [False], None
 
 
@@ -169,8 +183,10 @@ load_p.def_impl(lambda h, **params: ji.apply_primitive(load_p, h, **params))
 def _load_lowering(ctx, handle, *, aval, site, tier, name):
   _ensure_engine()
   if sharded.needs_partitioning(ctx):  # each device loads its own shard
-    return ji.lower_fun(functools.partial(sharded.load, load_p=load_p, aval=aval, site=site,
-                                            tier=tier, name=name), multiple_results=False)(ctx, handle)
+    return ji.lower_fun(
+      functools.partial(sharded.load, load_p=load_p, aval=aval, site=site, tier=tier, name=name),
+      multiple_results=False,
+    )(ctx, handle)
   call = jax.ffi.ffi_lowering(LOAD_TARGET, has_side_effect=True)
   return call(ctx, handle, site=np.int64(site), tier=np.int32(tier), name=name)
 
@@ -204,8 +220,9 @@ ji.primitive_batchers[load_p] = _load_batch
 # emitted then (remat.py decides).
 
 reload_p = ji.Primitive("ssd_reload")
-reload_p.def_abstract_eval(lambda handle, recomputed, **params: _load_abstract_eval(
-    handle, **params))
+reload_p.def_abstract_eval(
+  lambda handle, recomputed, **params: _load_abstract_eval(handle, **params)
+)
 reload_p.def_impl(lambda h, r, **params: ji.apply_primitive(reload_p, h, r, **params))
 
 
@@ -233,8 +250,9 @@ def _reload_batch(args, dims, *, aval, site, tier, name):
   (handle, recomputed), (dh, dr) = args, dims
   if dh is None:  # not mapped: the store saw an unbatched value: so did the recomputation
     raise NotImplementedError(
-        f"jax_ssdtrain: tag {name!r}: vmap of a reload whose handle is not batched but whose "
-        "recomputed value is; please report this with the program")
+      f"jax_ssdtrain: tag {name!r}: vmap of a reload whose handle is not batched but whose "
+      "recomputed value is; please report this with the program"
+    )
   size = handle.shape[dh]
   handle = jax.lax.index_in_dim(handle, 0, axis=dh, keepdims=False)
   batched = aval.update(shape=(size,) + tuple(aval.shape))

@@ -13,6 +13,7 @@ Under ``jax_remat3`` tags bind ``CheckpointName`` (and ``CheckpointNameFwd``) in
 
 ``saved_residuals`` / ``print_saved_residuals`` name our residuals: ``named 'qkv' -> nvme``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,8 +23,7 @@ import warnings
 
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.policies import StoreDecision, as_offloading, name_p
-from jax_ssdtrain._src.primitives import (TIER_CODES, TIER_NAMES, load_p, reload_p, store_p,
-                                          tag_p)
+from jax_ssdtrain._src.primitives import TIER_CODES, TIER_NAMES, load_p, reload_p, store_p, tag_p
 
 _site_ids = itertools.count(1)
 _site_lock = threading.Lock()
@@ -50,20 +50,31 @@ def install() -> None:
 
 def _make_hook(original):
   @ji.weakref_lru_cache
-  def offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, policy,
-                 nested):
-    return original(_rewrite_tags(jaxpr, policy, nested), in_unknowns, in_inst,
-                    ensure_out_unknowns, ensure_out_inst, policy)
+  def offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, policy, nested):
+    return original(
+      _rewrite_tags(jaxpr, policy, nested),
+      in_unknowns,
+      in_inst,
+      ensure_out_unknowns,
+      ensure_out_inst,
+      policy,
+    )
 
   def hook(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, saveable):
     ours = as_offloading(saveable)
     if ours is not None:
       # nested: a differentiation encloses this one (grad(grad(f)), jvp(grad(f))): the
       # backward then reloads with the recomputed value's tangent (primitives.reload_p).
-      return offloading(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, ours,
-                        ji.under_differentiation())
-    return original(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst,
-                    saveable)
+      return offloading(
+        jaxpr,
+        in_unknowns,
+        in_inst,
+        ensure_out_unknowns,
+        ensure_out_inst,
+        ours,
+        ji.under_differentiation(),
+      )
+    return original(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, saveable)
 
   hook._ssdtrain_hook = True
   hook._ssdtrain_original = original
@@ -78,9 +89,15 @@ def _rewrite_tags(jaxpr, policy, nested=False):
       aval = eqn.invars[0].aval
       decision = policy(name_p, aval, **eqn.params)
       if isinstance(decision, StoreDecision):
-        eqn = eqn.replace(primitive=tag_p, params=dict(
-            name=eqn.params["name"], site=new_site_id(), tier=TIER_CODES[decision.location],
-            nested=nested))
+        eqn = eqn.replace(
+          primitive=tag_p,
+          params=dict(
+            name=eqn.params["name"],
+            site=new_site_id(),
+            tier=TIER_CODES[decision.location],
+            nested=nested,
+          ),
+        )
         changed = True
       elif policy.too_small(eqn.params["name"], aval):
         small[eqn.params["name"]] = _nbytes(aval)
@@ -100,14 +117,18 @@ def _warn_nothing_offloaded(policy, small: dict[str, int]) -> None:
   _warned.add(key)
   sizes = ", ".join(f"{name!r} ({n} bytes)" for name, n in sorted(small.items()))
   floor = getattr(policy, "min_bytes", None)
-  warnings.warn(f"jax_ssdtrain: this checkpoint offloads nothing: the tags {sizes} are below the "
-                f"policy's min_bytes{'=' + str(floor) if floor is not None else ''} and stay on "
-                "the device; lower min_bytes (e.g. min_bytes=0) to offload them", RuntimeWarning,
-                stacklevel=2)
+  warnings.warn(
+    f"jax_ssdtrain: this checkpoint offloads nothing: the tags {sizes} are below the "
+    f"policy's min_bytes{'=' + str(floor) if floor is not None else ''} and stay on "
+    "the device; lower min_bytes (e.g. min_bytes=0) to offload them",
+    RuntimeWarning,
+    stacklevel=2,
+  )
 
 
 def _nbytes(aval) -> int:
   import numpy as np
+
   return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
@@ -139,8 +160,9 @@ def _install_remat3(cls) -> None:
       # loaded value's tangent). CheckpointNameFwd's rem has no usable recomputed value.
       nested = not forward_only and ji.under_differentiation()
       x, handle = store_p.bind(x, uses=None, **params, **({"recomputed": True} if nested else {}))
-      reload = functools.partial(_reload, aval=aval, params=params, forward_only=forward_only,
-                                 nested=nested)
+      reload = functools.partial(
+        _reload, aval=aval, params=params, forward_only=forward_only, nested=nested
+      )
       if ji.REMAT3_RETURNS_RESIDUALS:
         return x, handle, reload
       return x, functools.partial(reload, handle)
@@ -151,7 +173,8 @@ def _install_remat3(cls) -> None:
       return x, (), lambda _, x_rem: x_rem
     if saved:
       return x, (lambda _: x) if forward_only else functools.partial(
-          ji.primal_left_tangent_right, x)
+        ji.primal_left_tangent_right, x
+      )
     return x, lambda x_rem: x_rem
 
   remat._ssdtrain_hook = True
@@ -180,6 +203,7 @@ def _install_trace_release() -> None:
   cls = ji.DynamicJaxprTrace
   original_to_jaxpr = cls.to_jaxpr
   if not getattr(original_to_jaxpr, "_ssdtrain_hook", False):
+
     @functools.wraps(original_to_jaxpr)
     def to_jaxpr(self, *args, **kwargs):
       out = original_to_jaxpr(self, *args, **kwargs)
@@ -259,5 +283,5 @@ def _name_stored(jaxpr, results):
   out = list(results)
   for i, where in zip(described, ours):
     aval, text = out[i]
-    out[i] = (aval, where + text[text.index(f"of {store_p.name} ") + len(store_p.name) + 3:])
+    out[i] = (aval, where + text[text.index(f"of {store_p.name} ") + len(store_p.name) + 3 :])
   return out

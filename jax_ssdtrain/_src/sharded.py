@@ -23,13 +23,15 @@ shardings from several threads at once is not supported. Under GSPMD
 (``jax_use_shardy_partitioner=False``) the same callbacks partition the calls; the load's
 sharding is then guessed before partitioning and XLA may reshard around it.
 """
+
 from __future__ import annotations
 
 import threading
 
-from jax_ssdtrain._src import jax_internals as ji
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_ssdtrain._src import jax_internals as ji
 
 _HANDLE_FACTOR = "ssd_handle"
 
@@ -93,9 +95,11 @@ def _store_fn(store_p, site, tier, name, uses):
   def rule(mesh, operand_types, result_types):
     del mesh, result_types
     ndim = len(operand_types[0].shape)
-    return SdyShardingRule(operand_mappings=(_factors("x", ndim),),
-                           result_mappings=((_HANDLE_FACTOR,),),
-                           need_replication_factors=(_HANDLE_FACTOR,))
+    return SdyShardingRule(
+      operand_mappings=(_factors("x", ndim),),
+      result_mappings=((_HANDLE_FACTOR,),),
+      need_replication_factors=(_HANDLE_FACTOR,),
+    )
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
@@ -109,8 +113,12 @@ def _store_fn(store_p, site, tier, name, uses):
     return _replicated(mesh, arg_shapes[0].sharding)
 
   fn = custom_partitioning(local_store)
-  fn.def_partition(partition=partition, sharding_rule=rule, infer_sharding_from_operands=infer,
-                   propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding)
+  fn.def_partition(
+    partition=partition,
+    sharding_rule=rule,
+    infer_sharding_from_operands=infer,
+    propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
+  )
   return fn
 
 
@@ -121,9 +129,11 @@ def _load_fn(load_p, aval, site, tier, name):
   def rule(mesh, operand_types, result_types):
     del mesh, operand_types
     ndim = len(result_types[0].shape)
-    return SdyShardingRule(operand_mappings=((_HANDLE_FACTOR,),),
-                           result_mappings=(_factors("y", ndim),),
-                           need_replication_factors=(_HANDLE_FACTOR,))
+    return SdyShardingRule(
+      operand_mappings=((_HANDLE_FACTOR,),),
+      result_mappings=(_factors("y", ndim),),
+      need_replication_factors=(_HANDLE_FACTOR,),
+    )
 
   def partition(mesh, arg_shapes, result_shape):
     proposed = result_shape.sharding
@@ -148,7 +158,10 @@ def _load_fn(load_p, aval, site, tier, name):
     return stored if stored is not None else _replicated(mesh, arg_shapes[0].sharding)
 
   fn = custom_partitioning(local_load)
-  fn.def_partition(partition=partition, sharding_rule=rule, infer_sharding_from_operands=infer,
-                   propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding)
+  fn.def_partition(
+    partition=partition,
+    sharding_rule=rule,
+    infer_sharding_from_operands=infer,
+    propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
+  )
   return fn
-

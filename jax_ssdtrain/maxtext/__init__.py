@@ -22,6 +22,7 @@ device because pinned-host residuals cannot cross their one-trip scan; our handl
 they use the decoder's policy instead). The pipeline wraps the policy with
 ``save_from_both_policies``, which composes with ours (device saving wins).
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,8 @@ __all__ = ["DEFAULT_MIN_BYTES", "install", "uninstall", "installed", "MaxTextMis
 
 # (module, attribute path, the parameters we rely on)
 _PATCHED = (
-    ("maxtext.layers.nnx_decoders", "NNXDecoder.get_remat_policy", ("self",)),
-    ("maxtext.utils.maxtext_utils", "get_save_and_offload_names", ("config",)),
+  ("maxtext.layers.nnx_decoders", "NNXDecoder.get_remat_policy", ("self",)),
+  ("maxtext.utils.maxtext_utils", "get_save_and_offload_names", ("config",)),
 )
 
 
@@ -47,8 +48,12 @@ class MaxTextMissing(ImportError):
 _state: dict[str, Any] = {}
 
 
-def install(location: str | Location = Location.NVME, *, min_bytes: int = DEFAULT_MIN_BYTES,
-            store: dict[str, Any] | None = None) -> None:
+def install(
+  location: str | Location = Location.NVME,
+  *,
+  min_bytes: int = DEFAULT_MIN_BYTES,
+  store: dict[str, Any] | None = None,
+) -> None:
   """Routes MaxText's offloaded tags to our store (see the module doc). Idempotent; a second
   call with other arguments replaces the first. ``store``: options for
   :func:`jax_ssdtrain.configure` (e.g. ``{"directory": "/nvme/ssd", "host_tier_bytes":
@@ -60,6 +65,7 @@ def install(location: str | Location = Location.NVME, *, min_bytes: int = DEFAUL
   targets = _targets()
   if store:
     import jax_ssdtrain as ssd
+
     ssd.configure(**store)
   uninstall()
   decoder_cls, get_policy = targets["NNXDecoder.get_remat_policy"]
@@ -80,8 +86,14 @@ def install(location: str | Location = Location.NVME, *, min_bytes: int = DEFAUL
   get_remat_policy._ssdtrain = get_save_and_offload_names._ssdtrain = True
   decoder_cls.get_remat_policy = get_remat_policy
   utils.get_save_and_offload_names = get_save_and_offload_names
-  _state.update(decoder_cls=decoder_cls, get_policy=get_policy, utils=utils,
-                get_names=get_names, location=loc, min_bytes=min_bytes)
+  _state.update(
+    decoder_cls=decoder_cls,
+    get_policy=get_policy,
+    utils=utils,
+    get_names=get_names,
+    location=loc,
+    min_bytes=min_bytes,
+  )
 
 
 def uninstall() -> None:
@@ -103,8 +115,10 @@ def _targets() -> dict[str, tuple[Any, Any]]:
   try:
     importlib.import_module("maxtext")
   except ImportError as e:
-    raise MaxTextMissing(f"jax_ssdtrain.maxtext needs MaxText (pip install "
-                         f"'jax_ssdtrain[maxtext]', Python >= 3.12): {e}") from None
+    raise MaxTextMissing(
+      f"jax_ssdtrain.maxtext needs MaxText (pip install "
+      f"'jax_ssdtrain[maxtext]', Python >= 3.12): {e}"
+    ) from None
   out, problems = {}, []
   for module_name, path, params in _PATCHED:
     try:
@@ -113,19 +127,26 @@ def _targets() -> dict[str, tuple[Any, Any]]:
       for p in parents:
         owner = getattr(owner, p)
       fn = getattr(owner, name)
-      fn = _state.get("get_policy" if name == "get_remat_policy" else "get_names", fn) \
-          if getattr(fn, "_ssdtrain", False) else fn
+      fn = (
+        _state.get("get_policy" if name == "get_remat_policy" else "get_names", fn)
+        if getattr(fn, "_ssdtrain", False)
+        else fn
+      )
       got = tuple(inspect.signature(fn).parameters)
       if got != params:
-        problems.append(f"{module_name}.{path}{inspect.signature(fn)} (expected "
-                        f"({', '.join(params)}))")
+        problems.append(
+          f"{module_name}.{path}{inspect.signature(fn)} (expected ({', '.join(params)}))"
+        )
         continue
       out[path] = (owner, fn)
     except (ImportError, AttributeError) as e:
       problems.append(f"{module_name}.{path} ({e})")
   if problems:
     import maxtext
+
     version = getattr(maxtext, "__version__", "?")
-    raise RuntimeError(f"jax_ssdtrain.maxtext: this MaxText ({version}) changed what the SSD "
-                       f"offload patches: {'; '.join(problems)}")
+    raise RuntimeError(
+      f"jax_ssdtrain.maxtext: this MaxText ({version}) changed what the SSD "
+      f"offload patches: {'; '.join(problems)}"
+    )
   return out

@@ -172,8 +172,8 @@ SSD_EXPORT int ssdtrain_debug_corrupt(uint64_t offset, char* err, size_t errlen)
 
 // Stores / loads a host buffer through the engine, as the CPU handlers do (the
 // probe drives the engine with these; handle is uint32[2]).
-SSD_EXPORT int ssdtrain_store_host(const void* src, uint64_t nbytes, int64_t site,
-                                   int64_t uses, uint32_t* handle, char* err, size_t errlen) {
+SSD_EXPORT int ssdtrain_store_host(const void* src, uint64_t nbytes, int64_t site, int64_t uses,
+                                   uint32_t* handle, char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
     auto e = ssdtrain::PeekEngine();
     if (!e) return Status(EINVAL, "the store is not configured");
@@ -203,8 +203,8 @@ SSD_EXPORT int ssdtrain_sweep_requested(void) {
   }
 }
 
-SSD_EXPORT int ssdtrain_load_host(const uint32_t* handle, void* dst, uint64_t nbytes,
-                                  int64_t site, char* err, size_t errlen) {
+SSD_EXPORT int ssdtrain_load_host(const uint32_t* handle, void* dst, uint64_t nbytes, int64_t site,
+                                  char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
     auto e = ssdtrain::PeekEngine();
     if (!e) return Status(EINVAL, "the store is not configured");

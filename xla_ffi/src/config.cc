@@ -41,12 +41,14 @@ Status ParseInt(const std::string& key, const std::string& v, int64_t* out) {
 
 std::string HumanBytes(uint64_t n) {
   char buf[64];
-  if (n >= kGiB) snprintf(buf, sizeof buf, "%.2f GiB", n / double(kGiB));
-  else if (n >= kMiB) snprintf(buf, sizeof buf, "%.2f MiB", n / double(kMiB));
-  else snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(n));
+  if (n >= kGiB)
+    snprintf(buf, sizeof buf, "%.2f GiB", n / double(kGiB));
+  else if (n >= kMiB)
+    snprintf(buf, sizeof buf, "%.2f MiB", n / double(kMiB));
+  else
+    snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(n));
   return buf;
 }
-
 
 // ---------------------------------------------------------------------------
 // Config
@@ -89,8 +91,7 @@ Status Config::Parse(std::string_view kv, Config* out) {
         }
         p = q + 1;
       }
-      if (c.directories.empty())
-        return Status(EINVAL, "configure: 'directories' is empty");
+      if (c.directories.empty()) return Status(EINVAL, "configure: 'directories' is empty");
       continue;
     }
     int64_t x = 0;
@@ -100,14 +101,21 @@ Status Config::Parse(std::string_view kv, Config* out) {
       int64_t max;
     };
     static const IntKey keys[] = {
-        {"capacity_bytes", 1, INT64_MAX},   {"host_cache_bytes", 1, INT64_MAX},
-        {"host_tier_bytes", 0, INT64_MAX},  {"staging_bytes", 0, INT64_MAX},
-        {"io_threads", 1, 256},             {"chunk_bytes", 1, 1LL << 32},
-        {"o_direct", 0, 2},                 {"gds", 0, 2},
-        {"prefetch_bytes", 0, INT64_MAX},   {"forwarding", 0, 1},
-        {"on_full", 0, 1},                  {"verify", 0, 1},
+        {"capacity_bytes", 1, INT64_MAX},
+        {"host_cache_bytes", 1, INT64_MAX},
+        {"host_tier_bytes", 0, INT64_MAX},
+        {"staging_bytes", 0, INT64_MAX},
+        {"io_threads", 1, 256},
+        {"chunk_bytes", 1, 1LL << 32},
+        {"o_direct", 0, 2},
+        {"gds", 0, 2},
+        {"prefetch_bytes", 0, INT64_MAX},
+        {"forwarding", 0, 1},
+        {"on_full", 0, 1},
+        {"verify", 0, 1},
         {"exact_loads", 0, 1},
-        {"bandwidth_cap", 0, INT64_MAX},    {"device_groups", 0, 4096},
+        {"bandwidth_cap", 0, INT64_MAX},
+        {"device_groups", 0, 4096},
     };
     const IntKey* k = nullptr;
     for (const auto& cand : keys)
@@ -115,27 +123,44 @@ Status Config::Parse(std::string_view kv, Config* out) {
     if (!k) return Status(EINVAL, "configure: unknown key '" + key + "'");
     SSD_RETURN_IF_ERROR(ParseInt(key, val, &x));
     if (x < k->min || x > k->max) {
-      std::string want = k->min == 1 ? "a positive integer" : k->min == 0 && k->max == INT64_MAX
-                                                                  ? "a non-negative integer"
-                                                                  : "in [" + std::to_string(k->min) + ", " + std::to_string(k->max) + "]";
-      return Status(EINVAL, "configure: invalid value for '" + key + "': " + val + " (must be " +
-                                want + ")");
+      std::string want =
+          k->min == 1 ? "a positive integer"
+          : k->min == 0 && k->max == INT64_MAX
+              ? "a non-negative integer"
+              : "in [" + std::to_string(k->min) + ", " + std::to_string(k->max) + "]";
+      return Status(
+          EINVAL, "configure: invalid value for '" + key + "': " + val + " (must be " + want + ")");
     }
-    if (key == "capacity_bytes") c.capacity_bytes = x;
-    else if (key == "host_cache_bytes") c.host_cache_bytes = x;
-    else if (key == "host_tier_bytes") c.host_tier_bytes = x;
-    else if (key == "staging_bytes") c.staging_bytes = x;
-    else if (key == "io_threads") c.io_threads = static_cast<int>(x);
-    else if (key == "chunk_bytes") c.chunk_bytes = x;
-    else if (key == "o_direct") c.o_direct = static_cast<int>(x);
-    else if (key == "gds") c.gds = static_cast<int>(x);
-    else if (key == "prefetch_bytes") c.prefetch_bytes = x;
-    else if (key == "forwarding") c.forwarding = x != 0;
-    else if (key == "on_full") c.on_full = static_cast<int>(x);
-    else if (key == "verify") c.verify = x != 0;
-    else if (key == "exact_loads") c.exact_loads = x != 0;
-    else if (key == "bandwidth_cap") c.bandwidth_cap = x;
-    else if (key == "device_groups") c.device_groups = static_cast<int>(x);
+    if (key == "capacity_bytes")
+      c.capacity_bytes = x;
+    else if (key == "host_cache_bytes")
+      c.host_cache_bytes = x;
+    else if (key == "host_tier_bytes")
+      c.host_tier_bytes = x;
+    else if (key == "staging_bytes")
+      c.staging_bytes = x;
+    else if (key == "io_threads")
+      c.io_threads = static_cast<int>(x);
+    else if (key == "chunk_bytes")
+      c.chunk_bytes = x;
+    else if (key == "o_direct")
+      c.o_direct = static_cast<int>(x);
+    else if (key == "gds")
+      c.gds = static_cast<int>(x);
+    else if (key == "prefetch_bytes")
+      c.prefetch_bytes = x;
+    else if (key == "forwarding")
+      c.forwarding = x != 0;
+    else if (key == "on_full")
+      c.on_full = static_cast<int>(x);
+    else if (key == "verify")
+      c.verify = x != 0;
+    else if (key == "exact_loads")
+      c.exact_loads = x != 0;
+    else if (key == "bandwidth_cap")
+      c.bandwidth_cap = x;
+    else if (key == "device_groups")
+      c.device_groups = static_cast<int>(x);
   }
   if (c.chunk_bytes % kAlign != 0)
     return Status(EINVAL, "configure: invalid value for 'chunk_bytes': " +
@@ -162,15 +187,23 @@ Status FaultSpec::Parse(const char* spec, FaultSpec* out) {
   size_t a = s.find(':'), b = a == std::string::npos ? a : s.find(':', a + 1);
   if (b == std::string::npos) return bad("expected three ':'-separated fields");
   std::string op = s.substr(0, a), n = s.substr(a + 1, b - a - 1), err = s.substr(b + 1);
-  if (op == "write") out->op = kWrite;
-  else if (op == "read") out->op = kRead;
-  else if (op == "shortwrite") out->op = kShortWrite;
-  else if (op == "shortread") out->op = kShortRead;
-  else return bad("unknown op '" + op + "'");
+  if (op == "write")
+    out->op = kWrite;
+  else if (op == "read")
+    out->op = kRead;
+  else if (op == "shortwrite")
+    out->op = kShortWrite;
+  else if (op == "shortread")
+    out->op = kShortRead;
+  else
+    return bad("unknown op '" + op + "'");
   int64_t k = 0;
   if (!ParseInt("n", n, &k).ok() || k < 1) return bad("n must be a positive integer");
   out->n = static_cast<uint64_t>(k);
-  static const struct { const char* name; int code; } names[] = {
+  static const struct {
+    const char* name;
+    int code;
+  } names[] = {
       {"EIO", EIO},       {"ENOSPC", ENOSPC}, {"EDQUOT", EDQUOT}, {"EROFS", EROFS},
       {"EBADF", EBADF},   {"EFBIG", EFBIG},   {"EINTR", EINTR},   {"EAGAIN", EAGAIN},
       {"ENOMEM", ENOMEM}, {"EINVAL", EINVAL}, {"ENXIO", ENXIO},   {"EFAULT", EFAULT},

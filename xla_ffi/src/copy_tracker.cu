@@ -16,8 +16,7 @@ constexpr int kOps = static_cast<int>(CopyOp::kCount);
 constexpr size_t kFoldAt = 1 << 16;
 
 double HostNow() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 bool Complete(cudaEvent_t ev) {
@@ -30,10 +29,13 @@ bool Complete(cudaEvent_t ev) {
 // Direction of an operation over the PCIe link (-1: none).
 int LinkDirection(CopyOp op) {
   switch (op) {
-    case CopyOp::kD2H: return 0;
+    case CopyOp::kD2H:
+      return 0;
     case CopyOp::kReadAhead:
-    case CopyOp::kLoadHost: return 1;
-    default: return -1;
+    case CopyOp::kLoadHost:
+      return 1;
+    default:
+      return -1;
   }
 }
 
@@ -70,8 +72,8 @@ std::vector<std::pair<double, double>> Merge(std::vector<std::pair<double, doubl
 }  // namespace
 
 const char* CopyOpName(CopyOp op) {
-  static const char* const kNames[kOps] = {"stage_in", "d2h", "read_ahead", "load_staged",
-                                           "load_host", "compute_wait"};
+  static const char* const kNames[kOps] = {"stage_in",    "d2h",       "read_ahead",
+                                           "load_staged", "load_host", "compute_wait"};
   int i = static_cast<int>(op);
   return i >= 0 && i < kOps ? kNames[i] : "?";
 }

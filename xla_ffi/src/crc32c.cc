@@ -53,7 +53,7 @@ uint32_t Software(uint32_t crc, const unsigned char* p, uint64_t len) {
 
 #if defined(__x86_64__)
 __attribute__((target("sse4.2"))) uint32_t Hardware(uint32_t crc, const unsigned char* p,
-                                                     uint64_t len) {
+                                                    uint64_t len) {
   uint64_t c = crc;
   while (len && (reinterpret_cast<uintptr_t>(p) & 7)) {
     c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
@@ -83,8 +83,7 @@ uint32_t Crc32c(uint32_t crc, const void* data, uint64_t len) {
   crc = ~crc;
 #if defined(__x86_64__)
   static const bool hw = HaveSse42() && !getenv("SSDTRAIN_CRC_SOFTWARE");
-  if (hw)
-    return ~Hardware(crc, p, len);
+  if (hw) return ~Hardware(crc, p, len);
 #endif
   return ~Software(crc, p, len);
 }

@@ -75,7 +75,8 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
     return Status(EINVAL, "store of tag '" + std::string(name) + "': invalid tier " +
                               std::to_string(tier) + " (0 = nvme, 1 = host)");
   if (uses == 0)
-    return Status(EINVAL, "store of tag '" + std::string(name) + "': uses=0 keeps nothing "
+    return Status(EINVAL, "store of tag '" + std::string(name) +
+                              "': uses=0 keeps nothing "
                               "(write the null handle instead)");
   Lock lk(mu);
   SSD_RETURN_IF_ERROR(TakePendingError());
@@ -101,8 +102,8 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
       got = AllocHost(1, e->padded, &off);
     }
     if (!got) {
-      return Status(ENOMEM, "host tier full: " + std::to_string(e->padded) +
-                                " bytes requested, " + std::to_string(tier_.alloc.free_bytes()) +
+      return Status(ENOMEM, "host tier full: " + std::to_string(e->padded) + " bytes requested, " +
+                                std::to_string(tier_.alloc.free_bytes()) +
                                 " free (host_tier_bytes=" + std::to_string(cfg_.host_tier_bytes) +
                                 ") storing tag '" + e->name + "'");
     }
@@ -119,13 +120,16 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
     }
     if (!got_slot) {
       const RangeAllocator& group = space_.Group(e->device);
-      full = Status(ENOSPC, "No space left in the ssdtrain store for tag '" + e->name +
-                                "': " + std::to_string(e->padded) + " bytes requested, " +
-                                std::to_string(group.free_bytes()) + " free (largest extent " +
-                                std::to_string(group.largest_free()) + ", capacity_bytes=" +
-                                std::to_string(cfg_.capacity_bytes) +
-                                (space_.groups() > 1 ? ", split over " +
-                                     std::to_string(space_.groups()) + " devices" : "") + ")");
+      full =
+          Status(ENOSPC, "No space left in the ssdtrain store for tag '" + e->name +
+                             "': " + std::to_string(e->padded) + " bytes requested, " +
+                             std::to_string(group.free_bytes()) + " free (largest extent " +
+                             std::to_string(group.largest_free()) +
+                             ", capacity_bytes=" + std::to_string(cfg_.capacity_bytes) +
+                             (space_.groups() > 1
+                                  ? ", split over " + std::to_string(space_.groups()) + " devices"
+                                  : "") +
+                             ")");
     } else {
       Status s = space_.Reserve(off, e->padded);
       if (!s.ok()) {
@@ -146,8 +150,10 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
       if (cfg_.on_full != 1 || !fs_full) return full;
       // on_full=keep: hold the tensor in the host tier instead (never overwrites live data).
       if (!AllocHost(1, e->padded, &off))
-        return Status(ENOSPC, full.message() + "; on_full=keep: the host tier has no room "
-                                  "either (" + std::to_string(tier_.alloc.free_bytes()) +
+        return Status(ENOSPC, full.message() +
+                                  "; on_full=keep: the host tier has no room "
+                                  "either (" +
+                                  std::to_string(tier_.alloc.free_bytes()) +
                                   " bytes free, host_tier_bytes=" +
                                   std::to_string(cfg_.host_tier_bytes) + ")");
       e->tier = 1;
@@ -202,8 +208,8 @@ Status Engine::WriteThrough(const EntryPtr& e,
       std::min<uint64_t>(e->padded, std::max<uint64_t>(cfg_.chunk_bytes * 8, 64 * kMiB));
   void* raw = nullptr;
   if (posix_memalign(&raw, kAlign, window) != 0)
-    return Status(ENOMEM, "allocating a " + HumanBytes(window) + " bounce buffer for tag '" +
-                              e->name + "'");
+    return Status(
+        ENOMEM, "allocating a " + HumanBytes(window) + " bounce buffer for tag '" + e->name + "'");
   char* bounce = static_cast<char*>(raw);
   auto t0 = Clock::now();
   Status s;
@@ -245,8 +251,7 @@ void Engine::AbortStore(const EntryPtr& e) {
 }
 
 Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int tier,
-                             std::string_view name, uint32_t handle[2], int device,
-                             int64_t uses) {
+                             std::string_view name, uint32_t handle[2], int device, int64_t uses) {
   if (uses == 0) {
     CountUnusedStore(nbytes, device);
     MakeNullHandle(handle);
@@ -463,6 +468,5 @@ std::shared_ptr<Engine> PeekEngine() {
   std::lock_guard<std::mutex> g(g_engine_mu);
   return g_engine;
 }
-
 
 }  // namespace ssdtrain

@@ -76,8 +76,8 @@ Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int
   return Status::Ok();
 }
 
-bool Engine::PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes,
-                         uint32_t h[2], uint64_t* left) const {
+bool Engine::PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes, uint32_t h[2],
+                         uint64_t* left) const {
   auto ids = by_site_.find({device, site});
   if (ids == by_site_.end()) return false;
   const Entry* best = nullptr;
@@ -142,8 +142,8 @@ Status Engine::Sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit
   // (at least 64 entries, or an eighth of the host tier / file space in bytes).
   uncounted_since_sweep_ = uncounted_bytes_since_sweep_ = 0;
   sweep_mark_entries_ = std::max<uint64_t>(64, survivors);
-  const uint64_t room = std::min<uint64_t>(std::max<uint64_t>(cfg_.host_tier_bytes, kGiB),
-                                           cfg_.capacity_bytes);
+  const uint64_t room =
+      std::min<uint64_t>(std::max<uint64_t>(cfg_.host_tier_bytes, kGiB), cfg_.capacity_bytes);
   sweep_mark_bytes_ = std::max<uint64_t>(room / 8, survivor_bytes);
   return Status::Ok();
 }
@@ -151,8 +151,8 @@ Status Engine::Sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit
 bool Engine::SweepRequested() {
   Lock lk(mu);
   if (sweep_mark_bytes_ == 0) {
-    const uint64_t room = std::min<uint64_t>(std::max<uint64_t>(cfg_.host_tier_bytes, kGiB),
-                                             cfg_.capacity_bytes);
+    const uint64_t room =
+        std::min<uint64_t>(std::max<uint64_t>(cfg_.host_tier_bytes, kGiB), cfg_.capacity_bytes);
     sweep_mark_bytes_ = room / 8;
   }
   return uncounted_since_sweep_ >= sweep_mark_entries_ ||

@@ -13,10 +13,15 @@ inline xla::ffi::Error ToFfiError(const Status& s) {
   if (s.ok()) return ffi::Error::Success();
   ffi::ErrorCode code = ffi::ErrorCode::kInternal;
   switch (s.code()) {
-    case EINVAL: code = ffi::ErrorCode::kInvalidArgument; break;
+    case EINVAL:
+      code = ffi::ErrorCode::kInvalidArgument;
+      break;
     case ENOSPC:
-    case ENOMEM: code = ffi::ErrorCode::kResourceExhausted; break;
-    default: break;
+    case ENOMEM:
+      code = ffi::ErrorCode::kResourceExhausted;
+      break;
+    default:
+      break;
   }
   std::string msg = "ssdtrain: " + s.message();
   if (s.code() != EINVAL) msg += " [" + ErrnoString(s.code()) + "]";

@@ -6,9 +6,8 @@ namespace ffi = xla::ffi;
 namespace ssdtrain {
 namespace {
 
-ffi::Error StoreCpuImpl(int32_t device, ffi::AnyBuffer x,
-                        ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
-                        std::string_view name, int64_t uses) {
+ffi::Error StoreCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> handle,
+                        int64_t site, int32_t tier, std::string_view name, int64_t uses) {
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
     Status st;
@@ -42,20 +41,20 @@ extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainLoadCpu(XLA_FFI_CallFrame* call_fra
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainStoreCpu, ssdtrain::StoreCpuImpl,
     ffi::Ffi::Bind()
-        .Ctx<ffi::DeviceOrdinal>()            // device of the call (per-device sites, stats)
-        .Arg<ffi::AnyBuffer>()                // x: the activation to store
-        .Ret<ffi::Buffer<ffi::U32>>()         // handle: uint32[2] = {id, check word}
-        .Attr<int64_t>("site")                // tag site id (shared by store and load)
-        .Attr<int32_t>("tier")                // 0 = nvme via host cache, 1 = host tier
-        .Attr<std::string_view>("name")       // tag name, for messages only
-        .Attr<int64_t>("uses"));              // loads per entry in this execution, -1: uncounted
+        .Ctx<ffi::DeviceOrdinal>()       // device of the call (per-device sites, stats)
+        .Arg<ffi::AnyBuffer>()           // x: the activation to store
+        .Ret<ffi::Buffer<ffi::U32>>()    // handle: uint32[2] = {id, check word}
+        .Attr<int64_t>("site")           // tag site id (shared by store and load)
+        .Attr<int32_t>("tier")           // 0 = nvme via host cache, 1 = host tier
+        .Attr<std::string_view>("name")  // tag name, for messages only
+        .Attr<int64_t>("uses"));         // loads per entry in this execution, -1: uncounted
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCpu, ssdtrain::LoadCpuImpl,
     ffi::Ffi::Bind()
-        .Ctx<ffi::DeviceOrdinal>()            // device of the call (must be the store's)
-        .Arg<ffi::Buffer<ffi::U32>>()         // handle: from the matching store
-        .Ret<ffi::AnyBuffer>()                // out: receives the stored bytes
-        .Attr<int64_t>("site")                // tag site id (must match the store)
-        .Attr<int32_t>("tier")                // tier of the matching store
-        .Attr<std::string_view>("name"));     // tag name, for messages only
+        .Ctx<ffi::DeviceOrdinal>()         // device of the call (must be the store's)
+        .Arg<ffi::Buffer<ffi::U32>>()      // handle: from the matching store
+        .Ret<ffi::AnyBuffer>()             // out: receives the stored bytes
+        .Attr<int64_t>("site")             // tag site id (must match the store)
+        .Attr<int32_t>("tier")             // tier of the matching store
+        .Attr<std::string_view>("name"));  // tag name, for messages only

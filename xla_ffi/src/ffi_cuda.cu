@@ -35,8 +35,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <unordered_map>
@@ -101,12 +101,12 @@ struct DevEntry {
   bool d2h_deferred = false;  // a store's staging copy whose D2H is not issued yet (lazy host copy)
   uint64_t stage_off = 0, stage_len = 0;
   char* stage_ptr = nullptr;
-  cudaEvent_t stage_ready = nullptr;         // the staging copy is complete after this
-  cudaEvent_t stage_d2h = nullptr;           // the D2H read of the staging copy is done
-  std::vector<cudaEvent_t> stage_fences;     // async users of the staging region
+  cudaEvent_t stage_ready = nullptr;      // the staging copy is complete after this
+  cudaEvent_t stage_d2h = nullptr;        // the D2H read of the staging copy is done
+  std::vector<cudaEvent_t> stage_fences;  // async users of the staging region
   // Host copy.
-  cudaEvent_t host_ready = nullptr;          // D2H into the host buffer done (E2)
-  std::vector<cudaEvent_t> host_fences;      // async H2D readers of the host buffer
+  cudaEvent_t host_ready = nullptr;      // D2H into the host buffer done (E2)
+  std::vector<cudaEvent_t> host_fences;  // async H2D readers of the host buffer
 };
 
 struct DeviceState {
@@ -432,7 +432,7 @@ class CudaModule final : public DeviceHooks {
           best_busy = raw;
         }
       }
-      Entry* victim = best          ? best
+      Entry* victim = best            ? best
                       : best_busy     ? best_busy
                       : best_deferred ? best_deferred
                                       : best_unused;
@@ -463,8 +463,8 @@ class CudaModule final : public DeviceHooks {
     }
     if (d->stage_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->copy, d->stage_ready, 0));
     SSD_RETURN_IF_ERROR(Tracked(ds->device, ds->copy, CopyOp::kD2H, e.nbytes, e.name, [&] {
-      SSD_CHECK_CUDA(cudaMemcpyAsync(e.host_ptr, d->stage_ptr, e.nbytes, cudaMemcpyDeviceToHost,
-                                     ds->copy));
+      SSD_CHECK_CUDA(
+          cudaMemcpyAsync(e.host_ptr, d->stage_ptr, e.nbytes, cudaMemcpyDeviceToHost, ds->copy));
       return Status::Ok();
     }));
     cudaEvent_t e2, e3;
@@ -549,8 +549,8 @@ class CudaModule final : public DeviceHooks {
     DevEntry* d = D(e);
     if (d && d->d2h_deferred)  // only a load on the storing GPU can take a deferred copy
       return Status(EINVAL, "the bytes of " + DescribeTag(e.name, e.site, e.id) +
-                                " are in the device staging of GPU " +
-                                std::to_string(d->device) + " (no host copy yet): load it there");
+                                " are in the device staging of GPU " + std::to_string(d->device) +
+                                " (no host copy yet): load it there");
     if (d && d->host_ready) SSD_CHECK_CUDA(cudaEventSynchronize(d->host_ready));
     return Status::Ok();
   }
@@ -642,8 +642,7 @@ class CudaModule final : public DeviceHooks {
   // Lock held: copies the next predicted entries that sit in host memory
   // into device staging on the h2d stream.
   Status StagePrefetch(DeviceState* ds) {
-    const uint64_t budget =
-        std::min<uint64_t>(eng_->config().prefetch_bytes, ds->staging_size);
+    const uint64_t budget = std::min<uint64_t>(eng_->config().prefetch_bytes, ds->staging_size);
     if (!budget) return Status::Ok();
     // Only this device's entries: staging, streams and events belong to one device.
     for (const EntryPtr& e : eng_->PredictNext(budget, ds->device)) {
@@ -663,12 +662,12 @@ class CudaModule final : public DeviceHooks {
       d->stage_unused = true;
       Status s = [&]() -> Status {
         if (d->host_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->h2d, d->host_ready, 0));
-        SSD_RETURN_IF_ERROR(Tracked(ds->device, ds->h2d, CopyOp::kReadAhead, e->nbytes, e->name,
-                                    [&] {
-          SSD_CHECK_CUDA(cudaMemcpyAsync(d->stage_ptr, e->host_ptr, e->nbytes,
-                                         cudaMemcpyHostToDevice, ds->h2d));
-          return Status::Ok();
-        }));
+        SSD_RETURN_IF_ERROR(
+            Tracked(ds->device, ds->h2d, CopyOp::kReadAhead, e->nbytes, e->name, [&] {
+              SSD_CHECK_CUDA(cudaMemcpyAsync(d->stage_ptr, e->host_ptr, e->nbytes,
+                                             cudaMemcpyHostToDevice, ds->h2d));
+              return Status::Ok();
+            }));
         cudaEvent_t ready;
         SSD_RETURN_IF_ERROR(NewEvent(ds, &ready));
         d->stage_ready = ready;
@@ -852,8 +851,7 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
     CudaModule* mod = Module(*eng);
     SSD_RETURN_IF_ERROR(mod->TakeMismatch());
     mod->ReclaimReleases(false);
-    predicted = !eng->config().exact_loads &&
-                eng->PredictLoad(site, run_id, dev, nbytes, h, &left);
+    predicted = !eng->config().exact_loads && eng->PredictLoad(site, run_id, dev, nbytes, h, &left);
   }
   double sync_s = 0;
   if (!predicted) {
@@ -896,8 +894,7 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
     d->device = dev;
     e->dev = d;
   }
-  if (d->staged && mod->StagingUsable(*e, *d) && d->device == dev && !e->filling &&
-      e->error.ok()) {
+  if (d->staged && mod->StagingUsable(*e, *d) && d->device == dev && !e->filling && e->error.ok()) {
     // Forwarded from the store, or prefetched into staging (then the read-ahead's H2D may still
     // run: a wait of the compute stream).
     if (d->stage_from_store) {
@@ -906,8 +903,7 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
       SSD_RETURN_IF_ERROR(mod->WaitTracked(dev, stream, d->stage_ready, name));
     }
     SSD_RETURN_IF_ERROR(mod->Tracked(dev, stream, CopyOp::kLoadStaged, nbytes, name, [&] {
-      SSD_CHECK_CUDA(
-          cudaMemcpyAsync(dst, d->stage_ptr, nbytes, cudaMemcpyDeviceToDevice, stream));
+      SSD_CHECK_CUDA(cudaMemcpyAsync(dst, d->stage_ptr, nbytes, cudaMemcpyDeviceToDevice, stream));
       return Status::Ok();
     }));
     SSD_RETURN_IF_ERROR(mod->AddFence(ds, &d->stage_fences, stream));
@@ -992,14 +988,13 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
 ffi::Error StoreCudaImpl(int32_t dev, cudaStream_t stream, ffi::RunId run, ffi::AnyBuffer x,
                          ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
                          std::string_view name, int64_t uses) {
-  return Guarded([&] {
-    return StoreCuda(dev, stream, run.run_id, x, handle, site, tier, name, uses);
-  });
+  return Guarded(
+      [&] { return StoreCuda(dev, stream, run.run_id, x, handle, site, tier, name, uses); });
 }
 
 ffi::Error LoadCudaImpl(int32_t dev, cudaStream_t stream, ffi::RunId run,
-                        ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out,
-                        int64_t site, int32_t tier, std::string_view name) {
+                        ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out, int64_t site,
+                        int32_t tier, std::string_view name) {
   return Guarded([&] { return LoadCuda(dev, stream, run.run_id, handle, out, site, tier, name); });
 }
 
@@ -1020,7 +1015,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("site")                     // tag site id (shared by store and load)
         .Attr<int32_t>("tier")                     // 0 = nvme via host cache, 1 = host tier
         .Attr<std::string_view>("name")            // tag name, for messages only
-        .Attr<int64_t>("uses"));                   // loads per entry in this execution, -1: uncounted
+        .Attr<int64_t>("uses"));  // loads per entry in this execution, -1: uncounted
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCuda, ssdtrain::LoadCudaImpl,

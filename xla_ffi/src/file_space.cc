@@ -29,16 +29,16 @@ Status PrepareDirectory(const std::string& dir) {
     struct stat st;
     if (stat(cur.c_str(), &st) == 0) {
       if (!S_ISDIR(st.st_mode))
-        return Status(ENOTDIR, "store directory '" + dir + "': '" + cur +
-                                   "' exists and is not a directory");
+        return Status(ENOTDIR,
+                      "store directory '" + dir + "': '" + cur + "' exists and is not a directory");
       continue;
     }
     if (errno != ENOENT)
       return SysError(errno, "stat('" + cur + "') for store directory '" + dir + "'", __FILE__,
                       __LINE__);
     if (mkdir(cur.c_str(), 0700) != 0 && errno != EEXIST)
-      return SysError(errno, "mkdir('" + cur + "') for store directory '" + dir + "'",
-                      __FILE__, __LINE__);
+      return SysError(errno, "mkdir('" + cur + "') for store directory '" + dir + "'", __FILE__,
+                      __LINE__);
   }
   if (access(dir.c_str(), W_OK | X_OK) != 0)
     return SysError(errno, "store directory '" + dir + "' is not writable: access()", __FILE__,
@@ -91,16 +91,18 @@ Status FileSpace::OpenFiles() {
       buf.push_back('\0');
       int fd = mkostemp(buf.data(), O_CLOEXEC);
       if (fd < 0) {
-        Status s = SysError(errno, "creating the store file in '" + dir + "' (mkstemp)",
-                            __FILE__, __LINE__);
+        Status s = SysError(errno, "creating the store file in '" + dir + "' (mkstemp)", __FILE__,
+                            __LINE__);
         for (auto& g : files_) close(g.fd);
         files_.clear();
         return s;
       }
       f.fd = fd;
       if (fchmod(fd, 0600) != 0 || unlink(buf.data()) != 0) {
-        Status s = SysError(errno, "making the store file '" + std::string(buf.data()) +
-                                       "' private (fchmod/unlink)", __FILE__, __LINE__);
+        Status s = SysError(
+            errno,
+            "making the store file '" + std::string(buf.data()) + "' private (fchmod/unlink)",
+            __FILE__, __LINE__);
         unlink(buf.data());
         close(fd);
         for (auto& g : files_) close(g.fd);
@@ -116,15 +118,15 @@ Status FileSpace::OpenFiles() {
       if (fl < 0 || fcntl(f.fd, F_SETFL, fl | O_DIRECT) < 0) {
         int err = errno;
         if (cfg_.o_direct == 1) {
-          Status s = SysError(err, "enabling O_DIRECT on the store file in '" + f.dir +
-                                       "' (o_direct=1; use o_direct=2 to fall back)",
+          Status s = SysError(err,
+                              "enabling O_DIRECT on the store file in '" + f.dir +
+                                  "' (o_direct=1; use o_direct=2 to fall back)",
                               __FILE__, __LINE__);
           for (auto& g : files_) close(g.fd);
           files_.clear();
           return s;
         }
-        fprintf(stderr,
-                "ssdtrain: O_DIRECT not supported for '%s' (%s); using buffered I/O\n",
+        fprintf(stderr, "ssdtrain: O_DIRECT not supported for '%s' (%s); using buffered I/O\n",
                 f.dir.c_str(), strerror(err));
         direct_ok = false;
         break;
@@ -200,7 +202,8 @@ std::vector<FileSpace::Piece> FileSpace::Pieces(uint64_t loff, uint64_t len) con
 
 Status FileSpace::Reserve(uint64_t loff, uint64_t len) {
   std::vector<uint64_t> need(files_.size(), 0);
-  for (const Piece& p : Pieces(loff, len)) need[p.file] = std::max(need[p.file], p.file_off + p.len);
+  for (const Piece& p : Pieces(loff, len))
+    need[p.file] = std::max(need[p.file], p.file_off + p.len);
   for (size_t i = 0; i < files_.size(); ++i) {
     StoreFile& f = files_[i];
     if (need[i] <= f.size) continue;
@@ -213,8 +216,8 @@ Status FileSpace::Reserve(uint64_t loff, uint64_t len) {
     if (rc != 0) {
       int err = errno;
       return Status(err, "No space left for ssdtrain store file in '" + f.dir +
-                             "': growing it to " + HumanBytes(target) + " failed: " +
-                             ErrnoString(err));
+                             "': growing it to " + HumanBytes(target) +
+                             " failed: " + ErrnoString(err));
     }
     f.size = target;
   }
@@ -260,8 +263,9 @@ Status FileSpace::DebugCorrupt(uint64_t loff) {
   Status s;
   if (r != static_cast<ssize_t>(kAlign)) {
     s = r < 0 ? SysError(errno, "debug_corrupt pread", __FILE__, __LINE__)
-              : Status(EIO, "debug_corrupt: offset " + std::to_string(loff) + " is past the end "
-                                                                            "of the store file");
+              : Status(EIO, "debug_corrupt: offset " + std::to_string(loff) +
+                                " is past the end "
+                                "of the store file");
   } else {
     p[foff - base] ^= 0x5A;
     if (pwrite(f.fd, p, kAlign, static_cast<off_t>(base)) != static_cast<ssize_t>(kAlign))

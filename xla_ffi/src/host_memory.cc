@@ -68,11 +68,11 @@ Status HostArena::Init(uint64_t bytes, const char* what) {
   size = RoundUp(bytes, kAlign);
   alloc.Reset(size, kAlign);
   if (size == 0) return Status::Ok();
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
   if (p == MAP_FAILED)
-    return SysError(errno, std::string("mmap of ") + what + " (" + HumanBytes(size) + ")",
-                    __FILE__, __LINE__);
+    return SysError(errno, std::string("mmap of ") + what + " (" + HumanBytes(size) + ")", __FILE__,
+                    __LINE__);
   base = static_cast<char*>(p);
   return Status::Ok();
 }

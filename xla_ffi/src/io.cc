@@ -17,8 +17,7 @@ void Engine::EnqueueWrite(const EntryPtr& e) {
   e->w_pending = static_cast<int>(pieces.size());
   e->w_io_left = static_cast<int>(pieces.size());
   writes_inflight_++;
-  for (const FileSpace::Piece& p : pieces)
-    pool_->Submit([this, e, p] { WritePiece(e, p); }, false);
+  for (const FileSpace::Piece& p : pieces) pool_->Submit([this, e, p] { WritePiece(e, p); }, false);
 }
 
 void Engine::WritePiece(const EntryPtr& e, const FileSpace::Piece& p) {
@@ -64,8 +63,7 @@ void Engine::FinishWrite(const EntryPtr& e) {
     stats.disk_bytes_written += e->nbytes;
     stats.disk_tensors_written++;
     // Without forwarding, loads read the file: drop the store's copy once it is written.
-    if (!cfg_.forwarding && e->tier == 0 && e->host_from_store && e->pins == 0)
-      FreeHostBuffer(*e);
+    if (!cfg_.forwarding && e->tier == 0 && e->host_from_store && e->pins == 0) FreeHostBuffer(*e);
   }
   MaybeFree(e);
   cv.notify_all();
@@ -78,8 +76,7 @@ void Engine::StartRead(const EntryPtr& e, bool demand) {
   e->r_pending = static_cast<int>(pieces.size());
   e->r_io_left = static_cast<int>(pieces.size());
   reads_inflight_++;
-  for (const FileSpace::Piece& p : pieces)
-    pool_->Submit([this, e, p] { ReadPiece(e, p); }, demand);
+  for (const FileSpace::Piece& p : pieces) pool_->Submit([this, e, p] { ReadPiece(e, p); }, demand);
 }
 
 void Engine::ReadPiece(const EntryPtr& e, const FileSpace::Piece& p) {
@@ -128,7 +125,8 @@ Status Engine::CheckCrc(const Entry& e, const char* buf) {
   snprintf(hex, sizeof hex, "crc32c 0x%08x read, 0x%08x written", got, e.crc);
   return Status(EIO, "checksum mismatch reading " + DescribeTag(e.name, e.site, e.id) + ": " + hex +
                          " (" + std::to_string(e.nbytes) + " bytes at store offset " +
-                         std::to_string(e.file_off) + "); the store file was modified or the "
+                         std::to_string(e.file_off) +
+                         "); the store file was modified or the "
                          "disk returned bad data");
 }
 
@@ -143,23 +141,24 @@ Status Engine::SyncIo(bool write, char* buf, uint64_t loff, uint64_t len) {
   const std::vector<FileSpace::Piece> pieces = space_.Pieces(loff, len);
   latch->left = static_cast<int>(pieces.size());
   for (const FileSpace::Piece& p : pieces) {
-    pool_->Submit([this, latch, write, buf, f = p.file, foff = p.file_off, boff = p.buf_off,
-                   plen = p.len] {
-      {
-        Lock lk(mu);
-        BusyBegin(write);
-      }
-      Status s = write ? backend_->Write(f, buf + boff, plen, foff)
-                       : backend_->Read(f, buf + boff, plen, foff);
-      {
-        Lock lk(mu);
-        BusyEnd(write);
-        if (s.ok()) space_.CountIo(write, f, plen);
-      }
-      std::lock_guard<std::mutex> g(latch->m);
-      if (!s.ok() && latch->st.ok()) latch->st = s;
-      if (--latch->left == 0) latch->c.notify_all();
-    }, true);
+    pool_->Submit(
+        [this, latch, write, buf, f = p.file, foff = p.file_off, boff = p.buf_off, plen = p.len] {
+          {
+            Lock lk(mu);
+            BusyBegin(write);
+          }
+          Status s = write ? backend_->Write(f, buf + boff, plen, foff)
+                           : backend_->Read(f, buf + boff, plen, foff);
+          {
+            Lock lk(mu);
+            BusyEnd(write);
+            if (s.ok()) space_.CountIo(write, f, plen);
+          }
+          std::lock_guard<std::mutex> g(latch->m);
+          if (!s.ok() && latch->st.ok()) latch->st = s;
+          if (--latch->left == 0) latch->c.notify_all();
+        },
+        true);
   }
   std::unique_lock<std::mutex> g(latch->m);
   latch->c.wait(g, [&] { return latch->left == 0; });

@@ -67,8 +67,7 @@ class KvikioBackend final : public IoBackend {
 }  // namespace
 
 std::unique_ptr<IoBackend> MakeKvikioBackend(const std::vector<StoreFile>* files, int gds,
-                                             bool o_direct, int io_threads,
-                                             std::string* why_not) {
+                                             bool o_direct, int io_threads, std::string* why_not) {
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {

@@ -108,8 +108,10 @@ double Median(std::vector<double> v) {
 Status ProbeLink(int device, uint64_t bytes, int repeats, int host_kind, void (*on_ready)(),
                  double out[5]) {
   if (host_kind < 0 || host_kind > 2)
-    return Status(EINVAL, "probe_link: host_kind must be 0 (cudaHostAlloc), 1 (registered mmap) "
-                          "or 2 (registered mmap, huge pages), got " + std::to_string(host_kind));
+    return Status(EINVAL,
+                  "probe_link: host_kind must be 0 (cudaHostAlloc), 1 (registered mmap) "
+                  "or 2 (registered mmap, huge pages), got " +
+                      std::to_string(host_kind));
   if (bytes == 0 || repeats < 1)
     return Status(EINVAL, "probe_link: bytes and repeats must be positive (got " +
                               std::to_string(bytes) + ", " + std::to_string(repeats) + ")");

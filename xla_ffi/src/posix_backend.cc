@@ -72,8 +72,7 @@ class PosixBackend final : public IoBackend {
 
 }  // namespace
 
-std::unique_ptr<IoBackend> MakePosixBackend(const std::vector<StoreFile>* files,
-                                            FaultSpec* fault) {
+std::unique_ptr<IoBackend> MakePosixBackend(const std::vector<StoreFile>* files, FaultSpec* fault) {
   return std::make_unique<PosixBackend>(files, fault);
 }
 

@@ -28,9 +28,9 @@ struct Config {
   int gds = 2;       // 0 off, 1 on, 2 auto (kvikio builds only)
   uint64_t prefetch_bytes = 1 * kGiB;
   bool forwarding = true;
-  int on_full = 0;      // store full: 0 error, 1 keep the tensor in the host tier
-  bool verify = false;  // crc32c of every tensor written, checked after every disk read
-  bool exact_loads = false;  // device loads read the handle first (a sync) instead of predicting
+  int on_full = 0;             // store full: 0 error, 1 keep the tensor in the host tier
+  bool verify = false;         // crc32c of every tensor written, checked after every disk read
+  bool exact_loads = false;    // device loads read the handle first (a sync) instead of predicting
   uint64_t bandwidth_cap = 0;  // bytes/s per direction of the file I/O, 0 = none
   // > 0: directory i serves only device (i % device_groups): each device's tensors go to its
   // own files, with capacity_bytes split evenly. 0: every tensor striped over all directories.

@@ -44,10 +44,10 @@ struct Entry {
   uint32_t id = 0;
   int64_t site = 0;
   int device = 0;  // XLA device ordinal of the store; only that device may load it
-  int tier = 0;  // 0 nvme (through host cache), 1 host tier
+  int tier = 0;    // 0 nvme (through host cache), 1 host tier
   uint64_t nbytes = 0, padded = 0, seq = 0;
   std::string name;
-  bool filling = true;   // the store is still copying bytes in
+  bool filling = true;  // the store is still copying bytes in
   bool released = false;
   bool freed = false;
   int loads = 0;
@@ -75,15 +75,15 @@ struct Entry {
   bool unconsumed_read = false;
   int r_pending = 0;
   Status r_status;
-  int pins = 0;   // loads copying out of the host buffer
-  int loading = 0;  // loads in progress (the site's next store must not release it)
+  int pins = 0;            // loads copying out of the host buffer
+  int loading = 0;         // loads in progress (the site's next store must not release it)
   bool kept_full = false;  // on_full=keep: held in the host tier because the files were full
   // verify: crc32c of the nbytes, set before (or by the last piece of) the write.
   bool crc_set = false;
   uint32_t crc = 0;
   std::atomic<int> w_io_left{0}, r_io_left{0};  // pieces whose syscalls are not done
-  Status error;   // sticky (failed write)
-  void* dev = nullptr;  // owned by the device module
+  Status error;                                 // sticky (failed write)
+  void* dev = nullptr;                          // owned by the device module
 };
 using EntryPtr = std::shared_ptr<Entry>;
 
@@ -141,7 +141,6 @@ struct DeviceStats {
   uint64_t bytes_written = 0, tensors_written = 0, bytes_read = 0, tensors_read = 0;
 };
 
-
 class Engine {
  public:
   using Clock = std::chrono::steady_clock;
@@ -169,8 +168,8 @@ class Engine {
   // host buffer and file slot. e->host_ptr == nullptr means "no host buffer": use
   // WriteThrough. A store nobody loads (uses == 0) keeps nothing: the caller writes the
   // null handle (MakeNullHandle) instead.
-  Status BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_view name,
-                    EntryPtr* out, int device = 0, int64_t uses = -1);
+  Status BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_view name, EntryPtr* out,
+                    int device = 0, int64_t uses = -1);
   static void MakeNullHandle(uint32_t h[2]) { h[0] = h[1] = 0; }
   // Counts a store nobody loads (uses == 0).
   void CountUnusedStore(uint64_t nbytes, int device);
@@ -207,8 +206,8 @@ class Engine {
   struct HostRef {
     EntryPtr e;
     const char* ptr = nullptr;
-    bool pinned = false;      // e->pins was incremented
-    char* bounce = nullptr;   // owned aligned buffer (free with free())
+    bool pinned = false;     // e->pins was incremented
+    char* bounce = nullptr;  // owned aligned buffer (free with free())
   };
   // Makes the bytes of `e` available in host memory (waits for a running
   // read-ahead, or reads from the file). Lock held (may be released while
@@ -255,7 +254,7 @@ class Engine {
   Status Init(const Config& cfg);
 
   // ---- entries and their lifetimes (entries.cc) --------------------------
-  void Release(const EntryPtr& e);  // no load can reach it any more
+  void Release(const EntryPtr& e);    // no load can reach it any more
   void MaybeFree(const EntryPtr& e);  // frees a released entry once nothing uses its buffers
   // ---- host memory (host_memory.cc) ---------------------------------------
   bool AllocHost(int arena, uint64_t padded, uint64_t* off);
@@ -296,9 +295,9 @@ class Engine {
   uint32_t salt_ = 0;
   uint32_t next_id_ = 1;
   uint64_t next_seq_ = 1;
-  std::unordered_map<uint32_t, EntryPtr> entries_;               // live entries
+  std::unordered_map<uint32_t, EntryPtr> entries_;                 // live entries
   std::map<std::pair<int, int64_t>, std::set<uint32_t>> by_site_;  // live ids per (device, site)
-  std::map<uint64_t, EntryPtr> unloaded_;                        // by store seq
+  std::map<uint64_t, EntryPtr> unloaded_;                          // by store seq
   // Uncounted entries (and bytes) stored since the last sweep; a sweep is due past the marks.
   uint64_t uncounted_since_sweep_ = 0, uncounted_bytes_since_sweep_ = 0;
   uint64_t sweep_mark_entries_ = 64, sweep_mark_bytes_ = 0;

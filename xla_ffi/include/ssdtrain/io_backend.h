@@ -46,8 +46,7 @@ std::unique_ptr<IoBackend> MakeThrottledBackend(std::unique_ptr<IoBackend> inner
 // Returns nullptr (and a reason) when kvikio cannot be used; the caller falls
 // back to POSIX. `io_threads`: the engine's I/O threads, the least size of kvikio's pool.
 std::unique_ptr<IoBackend> MakeKvikioBackend(const std::vector<StoreFile>* files, int gds,
-                                             bool o_direct, int io_threads,
-                                             std::string* why_not);
+                                             bool o_direct, int io_threads, std::string* why_not);
 #endif
 
 // crc32c (Castagnoli), hardware (SSE4.2) where available, else slicing-by-8.

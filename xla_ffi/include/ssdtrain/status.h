@@ -49,16 +49,16 @@ inline Status SysError(int e, const std::string& what, const char* file, int lin
 #define SSD_STRINGIFY(x) SSD_STRINGIFY2(x)
 
 // Returns an errno Status if `expr` evaluates to a negative value.
-#define SSD_CHECK_SYS(expr, what)                                        \
-  do {                                                                   \
-    if ((expr) < 0) {                                                    \
-      int ssd_errno_ = errno;                                            \
+#define SSD_CHECK_SYS(expr, what)                                          \
+  do {                                                                     \
+    if ((expr) < 0) {                                                      \
+      int ssd_errno_ = errno;                                              \
       return ::ssdtrain::SysError(ssd_errno_, (what), __FILE__, __LINE__); \
-    }                                                                    \
+    }                                                                      \
   } while (0)
 
-#define SSD_RETURN_IF_ERROR(expr)                  \
-  do {                                             \
-    ::ssdtrain::Status ssd_status_ = (expr);       \
-    if (!ssd_status_.ok()) return ssd_status_;     \
+#define SSD_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::ssdtrain::Status ssd_status_ = (expr);   \
+    if (!ssd_status_.ok()) return ssd_status_; \
   } while (0)

@@ -21,12 +21,12 @@
 namespace ssdtrain {
 
 enum class CopyOp : int {
-  kStageIn = 0,   // store: device -> device staging, on the compute stream
-  kD2H,           // store: staging -> pinned host, on the copy stream
-  kReadAhead,     // read-ahead: pinned host -> staging, on the read-ahead stream
-  kLoadStaged,    // load: staging -> device, on the compute stream
-  kLoadHost,      // load: pinned host -> device, on the compute stream (read-ahead missed)
-  kComputeWait,   // the compute stream waited for staging room (its previous user's copy)
+  kStageIn = 0,  // store: device -> device staging, on the compute stream
+  kD2H,          // store: staging -> pinned host, on the copy stream
+  kReadAhead,    // read-ahead: pinned host -> staging, on the read-ahead stream
+  kLoadStaged,   // load: staging -> device, on the compute stream
+  kLoadHost,     // load: pinned host -> device, on the compute stream (read-ahead missed)
+  kComputeWait,  // the compute stream waited for staging room (its previous user's copy)
   kCount
 };
 
@@ -106,7 +106,7 @@ class CopyTracker {
   uint64_t count_[static_cast<int>(CopyOp::kCount)] = {};
   double seconds_[static_cast<int>(CopyOp::kCount)] = {};
   double link_busy_[2] = {}, link_overlap_ = 0;  // folded link times (see LinkTimes)
-  double first_start_ = -1, last_end_ = 0;  // span of the harvested operations
+  double first_start_ = -1, last_end_ = 0;       // span of the harvested operations
   std::deque<Record> timeline_;
 };
 

@@ -46,6 +46,7 @@ if _native.available():  # a checkout without a built library fails at first use
   _native.check_ffi_api()
 from jax_ssdtrain._src.config import (
   StoreConfig,
+  StoreShutDownError,
   collect,
   configure,
   configured,
@@ -94,6 +95,7 @@ __all__ = [
   "Location",
   "OffloadPolicy",
   "StoreConfig",
+  "StoreShutDownError",
   "collect",
   "configure",
   "configured",

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from _limits import HANG_S
 
+from jax_ssdtrain._src import options
+
 try:
   from jax_ssdtrain._src import native
 except ImportError as e:  # pragma: no cover - only when the package itself is broken
@@ -38,8 +40,10 @@ def _targets():
   native.shutdown()
 
 
-def cfg(tmp_path, **kw):
-  base = dict(
+def settings(tmp_path, **kw):
+  """Every engine key (the engine has no defaults), from the option table: small sizes, the
+  store in tmp_path/store, ``kw`` (StoreConfig fields) over them."""
+  fields = dict(
     directories=[str(tmp_path / "store")],
     capacity_bytes=256 * MiB,
     host_cache_bytes=16 * MiB,
@@ -47,13 +51,19 @@ def cfg(tmp_path, **kw):
     staging_bytes=8 * MiB,
     io_threads=4,
     chunk_bytes=64 * 1024,
-    o_direct=2,
+    o_direct=None,
     prefetch_bytes=8 * MiB,
-    forwarding=1,
+    forwarding=True,
   )
-  base.update(kw)
-  native.configure(base)
-  return base
+  fields.update(kw)
+  config = options.check(options.StoreConfig(**options.read_changes(fields)))
+  return options.engine_options(config, config.directories)
+
+
+def cfg(tmp_path, **kw):
+  sent = settings(tmp_path, **kw)
+  native.configure(sent)
+  return sent
 
 
 def store(x, site=1, tier=0, name="t", uses=-1):
@@ -372,31 +382,31 @@ def test_capacity_enospc(tmp_path):
 def test_configure_validation(tmp_path):
   f = tmp_path / "afile"
   f.write_text("x")
+  base = settings(tmp_path, directories=[str(tmp_path / "d")])
   with pytest.raises(OSError, match="afile"):
-    native.configure({"directories": str(f)})
+    native.configure({**base, "directories": str(f)})
   with pytest.raises(OSError, match="afile"):
-    native.configure({"directories": str(f / "sub")})
-  with pytest.raises(ValueError, match="bogus_key"):
-    native.configure({"directories": str(tmp_path / "d"), "bogus_key": 1})
+    native.configure({**base, "directories": str(f / "sub")})
+  with pytest.raises(ValueError, match="unknown key 'bogus_key'"):
+    native.configure({**base, "bogus_key": 1})
   for key, val in [
     ("capacity_bytes", 0),
+    ("capacity_bytes", 4095),
     ("host_cache_bytes", -5),
     ("io_threads", 0),
+    ("io_threads", 257),
     ("chunk_bytes", 1000),
+    ("chunk_bytes", 4096 + 1),
     ("o_direct", 3),
+    ("on_full", 2),
+    ("device_groups", -1),
     ("capacity_bytes", "lots"),
   ]:
-    with pytest.raises(ValueError, match=key):
-      native.configure({"directories": str(tmp_path / "d"), key: val})
+    with pytest.raises(ValueError, match=f"'{key}': {val}|'{key}' is not an integer: '{val}'"):
+      native.configure({**base, key: val})
   # Zero is allowed where it means "off".
   native.configure(
-    {
-      "directories": str(tmp_path / "d"),
-      "host_tier_bytes": 0,
-      "prefetch_bytes": 0,
-      "staging_bytes": 0,
-      "forwarding": False,
-    }
+    {**base, "host_tier_bytes": 0, "prefetch_bytes": 0, "staging_bytes": 0, "forwarding": 0}
   )
   x = rand((5000,), jnp.uint8)
   same(load(store(x, site=1), x, site=1), x)
@@ -431,7 +441,7 @@ def test_files_private_and_removed(tmp_path):
 
 def test_striping_two_directories(tmp_path):
   a, b = tmp_path / "a", tmp_path / "b"
-  cfg(tmp_path, directories=[str(a), str(b)], chunk_bytes=64 * 1024, forwarding=0)
+  cfg(tmp_path, directories=[str(a), str(b)], chunk_bytes=64 * 1024, forwarding=False)
   xs = [rand((1 * MiB,), jnp.uint8, seed=i) for i in range(4)]
   hs = [store(x, site=i) for i, x in enumerate(xs)]
   jax.block_until_ready(hs)
@@ -457,7 +467,7 @@ def test_striping_two_directories(tmp_path):
 
 
 def test_forwarding_off_writes_everything(tmp_path):
-  cfg(tmp_path, forwarding=0)
+  cfg(tmp_path, forwarding=False)
   xs = [rand((50000,), jnp.uint8, seed=i) for i in range(8)]
   hs = [store(x, site=i) for i, x in enumerate(xs)]
   for i in reversed(range(8)):
@@ -632,7 +642,7 @@ def test_gpu_host_tier_and_forwarding(tmp_path):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("forwarding", [1, 0])
+@pytest.mark.parametrize("forwarding", [True, False])
 @pytest.mark.parametrize("staging", [3 * MiB, 64 * MiB])
 def test_gpu_lazy_host_copies(tmp_path, forwarding, staging):
   """Host-tier stores keep their newest copies in staging only (forwarding on): each tensor

@@ -15,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
 from jax_ssdtrain import probe
+from jax_ssdtrain._src import config
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "train.py"
@@ -77,7 +78,7 @@ def test_auto_plan_without_a_configured_store(monkeypatch):
     raise Reached
 
   monkeypatch.setattr(training, "profile_run", profile_run)
-  ssd.shutdown()
+  config.reset_to_unconfigured()  # as in a fresh process
   args = train.build_parser().parse_args(["--policy", "auto", "--bandwidth", "0.9,0.77"])
   with pytest.raises(Reached):
     train.auto_plan(training.RunConfig(preset="tiny", batch=2), args)
@@ -90,7 +91,7 @@ def test_auto_policy_without_store_dir(tmp_path, capsys):
   sys.path.insert(0, str(ROOT / "scripts"))
   import train
 
-  ssd.shutdown()  # nothing configured yet, as in a fresh process
+  config.reset_to_unconfigured()  # nothing configured yet, as in a fresh process
   out = train.main(
     [
       "--steps",

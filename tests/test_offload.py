@@ -472,15 +472,15 @@ def test_base_policy_decides_untagged_equations(store):
 def test_directory_placeholders(tmp_path):
   import jax
 
-  from jax_ssdtrain._src import config as config_mod
+  from jax_ssdtrain._src import options
 
-  expanded = config_mod._directories(str(tmp_path / "p{process}" / "d{device}"))
+  expanded = options._directories(str(tmp_path / "p{process}" / "d{device}"))
   assert expanded == tuple(str(tmp_path / "p0" / f"d{i}") for i in range(len(jax.local_devices())))
-  assert config_mod._directories(str(tmp_path / "a{{b}}")) == (str(tmp_path / "a{b}"),)
+  assert options._directories(str(tmp_path / "a{{b}}")) == (str(tmp_path / "a{b}"),)
   with pytest.raises(ValueError, match=r"unknown placeholder \{host\}"):
-    config_mod._directories(str(tmp_path / "{host}"))
+    options._directories(str(tmp_path / "{host}"))
   with pytest.raises(ValueError, match="malformed placeholder"):
-    config_mod._directories(str(tmp_path / "{process"))
+    options._directories(str(tmp_path / "{process"))
   with ssd.configured(directory=str(tmp_path / "store-{process}")) as cfg:
     assert cfg.directories == (str(tmp_path / "store-0"),)
     assert os.path.isdir(tmp_path / "store-0")

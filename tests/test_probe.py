@@ -14,7 +14,7 @@ from _limits import HANG_S
 
 import jax_ssdtrain as ssd
 from jax_ssdtrain import probe
-from jax_ssdtrain._src import native
+from jax_ssdtrain._src import native, options
 from jax_ssdtrain._src.config import parse_bandwidth
 
 MiB = 1 << 20
@@ -101,7 +101,8 @@ def test_bandwidth_cap_values(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="SSDTRAIN_BANDWIDTH_CAP.*quick"):
     ssd.default_config()
   with pytest.raises(ValueError, match="bandwidth_cap.*-5"):  # the engine checks it too
-    native.configure(directories=str(tmp_path), capacity_bytes=1 << 30, bandwidth_cap=-5)
+    sent = options.engine_options(ssd.StoreConfig(capacity_bytes=1 << 30), (str(tmp_path),))
+    native.configure({**sent, "bandwidth_cap": -5})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,32 +1,15 @@
-"""The process-wide store: configuration, defaults from ``SSDTRAIN_*`` variables, statistics.
+"""The process-wide store: configuration, statistics, shutdown.
 
 ``configure()`` (re)creates the engine of this process; the first offloading program configures
-it from the defaults when nobody has. Defaults come from environment variables:
+it from the defaults when nobody has. The options, their ``SSDTRAIN_*`` environment variables
+and defaults are one table, ``options.OPTIONS`` (the docs' Store options page is generated from
+it); this module reads them through it.
 
-=========================== ======================================== =====================
-variable                    option                                   default
-=========================== ======================================== =====================
-``SSDTRAIN_DIR``            ``directory`` (``:``-separated: striped)  private temp dir
-``SSDTRAIN_CAPACITY``       ``capacity_bytes`` (file space, total)    90% of free space
-``SSDTRAIN_HOST_CACHE``     ``host_cache_bytes`` (write-behind,       1 GiB
-                            forwarding and read-ahead buffers)
-``SSDTRAIN_HOST_TIER``      ``host_tier_bytes`` (``host`` location)   8 GiB
-``SSDTRAIN_STAGING``        ``staging_bytes`` (GPU staging arena)     1 GiB
-``SSDTRAIN_IO_THREADS``     ``io_threads``                            8
-``SSDTRAIN_CHUNK``          ``chunk_bytes`` (one I/O request)         8 MiB
-``SSDTRAIN_PREFETCH``       ``prefetch_bytes`` (read-ahead budget)    1 GiB
-``SSDTRAIN_O_DIRECT``       ``o_direct`` (auto / on / off)            auto
-``SSDTRAIN_GDS``            ``gds`` (auto / on / off)                 auto
-``SSDTRAIN_FORWARDING``     ``forwarding`` (on / off)                 on
-``SSDTRAIN_ON_FULL``        ``on_full`` (error / keep)                error
-``SSDTRAIN_VERIFY``         ``verify`` (crc32c checks, on / off)      off
-``SSDTRAIN_EXACT_LOADS``    ``exact_loads`` (GPU loads read their     off
-                            handle first instead of predicting it)
-``SSDTRAIN_BANDWIDTH_CAP``  ``bandwidth_cap`` (bytes/s per direction  none
-                            of the file I/O, e.g. ``7GB/s``)
-=========================== ======================================== =====================
-
-Sizes accept suffixes (``512MiB``, ``4G``, ``1.5GB``). Host memory is taken lazily, as used.
+The store has three states. *Never configured* (a fresh process, or after a
+``configured(...)`` block that opened the first store): the first program that offloads, or
+``stats()``, opens a store from the defaults. *Open*: after ``configure()``. *Shut down* by the
+user (``shutdown()``): nothing opens a store by itself any more; a program that offloads, old or
+new, and ``stats()`` raise an error saying so until ``configure()`` is called again.
 
 A directory may contain ``{process}`` (this process's index, ``jax.process_index()``: one
 store per process of a multi-host job) and ``{device}`` (expanded to one directory per local
@@ -44,7 +27,6 @@ import errno as _errno
 import os
 import re
 import shutil
-import string
 import tempfile
 import threading
 import warnings
@@ -52,76 +34,31 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jax_ssdtrain._src import lifetimes, native
-
-GiB = 1 << 30
-MiB = 1 << 20
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreConfig:
-  """The store's settings. ``directories`` empty means a private temp dir removed at exit."""
-
-  directories: tuple[str, ...] = ()
-  capacity_bytes: int | None = None
-  host_cache_bytes: int = 1 * GiB
-  host_tier_bytes: int = 8 * GiB
-  staging_bytes: int = 1 * GiB
-  io_threads: int = 8
-  chunk_bytes: int = 8 * MiB
-  prefetch_bytes: int = 1 * GiB
-  o_direct: bool | None = None
-  gds: bool | None = None
-  forwarding: bool = True
-  on_full: str = "error"
-  verify: bool = False
-  exact_loads: bool = False
-  bandwidth_cap: int | None = None  # bytes/s each way (emulates a slower array), None: no cap
-  # Set by a ``{device}`` directory: directory i holds only local device i % device_groups's
-  # tensors (its own files; capacity split evenly). 0: every tensor striped over all of them.
-  device_groups: int = 0
+from jax_ssdtrain._src import options as _options
+from jax_ssdtrain._src.options import (  # noqa: F401 - re-exported
+  GiB,
+  MiB,
+  StoreConfig,
+  UnknownOptionError,
+  parse_bandwidth,
+  parse_size,
+)
 
 
-class UnknownOptionError(TypeError, ValueError):
-  """``configure()`` got an option it does not know (both a TypeError and a ValueError)."""
+class StoreShutDownError(RuntimeError):
+  """The store was shut down by ``jax_ssdtrain.shutdown()`` and not configured again."""
 
 
-_ENV = {  # option -> (variable, parser)
-  "directories": ("SSDTRAIN_DIR", lambda v: _directories([p for p in v.split(":") if p])),
-  "device_groups": ("SSDTRAIN_DIR", lambda v: _device_groups([p for p in v.split(":") if p])),
-  "capacity_bytes": ("SSDTRAIN_CAPACITY", lambda v: parse_size(v, what="SSDTRAIN_CAPACITY")),
-  "host_cache_bytes": ("SSDTRAIN_HOST_CACHE", lambda v: parse_size(v, what="SSDTRAIN_HOST_CACHE")),
-  "host_tier_bytes": ("SSDTRAIN_HOST_TIER", lambda v: parse_size(v, what="SSDTRAIN_HOST_TIER")),
-  "staging_bytes": ("SSDTRAIN_STAGING", lambda v: parse_size(v, what="SSDTRAIN_STAGING")),
-  "io_threads": ("SSDTRAIN_IO_THREADS", lambda v: _parse_int(v, what="SSDTRAIN_IO_THREADS")),
-  "chunk_bytes": ("SSDTRAIN_CHUNK", lambda v: parse_size(v, what="SSDTRAIN_CHUNK")),
-  "prefetch_bytes": ("SSDTRAIN_PREFETCH", lambda v: parse_size(v, what="SSDTRAIN_PREFETCH")),
-  "o_direct": ("SSDTRAIN_O_DIRECT", lambda v: _parse_switch(v, what="SSDTRAIN_O_DIRECT")),
-  "gds": ("SSDTRAIN_GDS", lambda v: _parse_switch(v, what="SSDTRAIN_GDS")),
-  "forwarding": (
-    "SSDTRAIN_FORWARDING",
-    lambda v: _parse_switch(v, what="SSDTRAIN_FORWARDING", auto=False),
-  ),
-  "on_full": ("SSDTRAIN_ON_FULL", lambda v: v.lower()),
-  "verify": ("SSDTRAIN_VERIFY", lambda v: _parse_switch(v, what="SSDTRAIN_VERIFY", auto=False)),
-  "exact_loads": (
-    "SSDTRAIN_EXACT_LOADS",
-    lambda v: _parse_switch(v, what="SSDTRAIN_EXACT_LOADS", auto=False),
-  ),
-  "bandwidth_cap": (
-    "SSDTRAIN_BANDWIDTH_CAP",
-    lambda v: parse_bandwidth(v, what="SSDTRAIN_BANDWIDTH_CAP"),
-  ),
-}
+SHUT_DOWN_MESSAGE = (
+  "jax_ssdtrain: the store was shut down (jax_ssdtrain.shutdown()); call "
+  "jax_ssdtrain.configure(...) to open a store again before running or compiling a program "
+  "that offloads, or reading its statistics"
+)
 
 
 def defaults() -> StoreConfig:
   """The configuration given by the environment (``SSDTRAIN_*``) over the built-in defaults."""
-  values = {}
-  for option, (var, parse) in _ENV.items():
-    raw = os.environ.get(var)
-    if raw is not None and raw.strip():
-      values[option] = parse(raw.strip())
-  return _validated(StoreConfig(**values))
+  return _options.from_environment()
 
 
 def configure(
@@ -133,65 +70,53 @@ def configure(
 
   ``directory``: one directory or a list (one per NVMe drive; tensors are striped across
   them); None keeps the current one (initially ``$SSDTRAIN_DIR`` or a private temp dir).
-  ``capacity_bytes``: file space in all. Other options are the fields of :class:`StoreConfig`;
-  sizes may be strings such as ``"4GiB"``. Reconfiguring drops every stored activation.
+  ``capacity_bytes``: file space in all; None keeps the current one. The other options are the
+  fields of :class:`StoreConfig` (the docs' Store options page lists them); sizes may be
+  strings such as ``"4GiB"``. Options not given keep their current values (initially the
+  defaults and ``SSDTRAIN_*`` variables). Reconfiguring drops every stored activation; after
+  :func:`shutdown`, it opens the store again.
   """
-  unknown = sorted(
-    set(options) - {f.name for f in dataclasses.fields(StoreConfig)} - {"directories"}
-  )
-  if unknown:
-    raise UnknownOptionError(
-      f"configure: unknown option(s) {unknown}; known: "
-      f"{[f.name for f in dataclasses.fields(StoreConfig)]}"
-    )
+  given = dict(options)
+  if directory is not None:
+    given["directory"] = directory
+  if capacity_bytes is not None:
+    given["capacity_bytes"] = capacity_bytes
+  changes = _options.read_changes(given)
   with _lock:
     base = _state.config if _state.config is not None else defaults()
-    changes = dict(options)
-    if directory is not None:
-      changes["directories"] = _directories(directory)
-      if "device_groups" not in options:  # else given explicitly: directory i -> device i % it
-        changes["device_groups"] = _device_groups(directory)
-    if capacity_bytes is not None:
-      changes["capacity_bytes"] = capacity_bytes
-    for key in (
-      "capacity_bytes",
-      "host_cache_bytes",
-      "host_tier_bytes",
-      "staging_bytes",
-      "chunk_bytes",
-      "prefetch_bytes",
-    ):
-      if isinstance(changes.get(key), str):
-        changes[key] = parse_size(changes[key], what=key)
-    if "bandwidth_cap" in changes:
-      changes["bandwidth_cap"] = parse_bandwidth(changes["bandwidth_cap"], what="bandwidth_cap")
-    cfg = _validated(dataclasses.replace(base, **changes))
+    cfg = _options.check(dataclasses.replace(base, **changes))
     _apply(cfg)
     return cfg
 
 
 def current() -> StoreConfig | None:
-  """The configuration in force, or None before the store is first used."""
+  """The configuration in force, or None before the store is first used (or after shutdown)."""
   return _state.config
 
 
 def ensure_configured() -> StoreConfig:
+  """The configuration in force; a store that was never configured opens from the defaults.
+  Raises :class:`StoreShutDownError` after :func:`shutdown` until :func:`configure`."""
   with _lock:
     if _state.config is None:
+      if _state.shut_down:
+        raise StoreShutDownError(SHUT_DOWN_MESSAGE)
       _apply(defaults())
     return _state.config
 
 
 @contextlib.contextmanager
 def configured(directory=None, capacity_bytes=None, **options) -> Iterator[StoreConfig]:
-  """Scoped configuration (for tests): the previous one is restored on exit."""
-  previous = _state.config
+  """Scoped configuration (for tests): the previous one is restored on exit (where there was
+  none, the store closes and the process is as before: never configured, or shut down)."""
+  previous, was_shut_down = _state.config, _state.shut_down
   try:
     yield configure(directory, capacity_bytes, **options)
   finally:
     with _lock:
       if previous is None:
         _shutdown_locked()
+        _state.shut_down = was_shut_down
       else:
         _apply(previous)
 
@@ -278,46 +203,25 @@ def release_all() -> None:
 
 
 def shutdown() -> None:
-  """Closes the store and deletes its files (and the private temp dir)."""
+  """Closes the store and deletes its files (and the private temp dir). Until the next
+  :func:`configure`, programs that offload (compiled before or after) and :func:`stats` raise
+  an error saying so, instead of opening a store of their own."""
   with _lock:
     _shutdown_locked()
+    _state.shut_down = True
 
 
-def parse_size(value: int | str, *, what: str) -> int:
-  """``"512MiB"``, ``"4G"``, ``"1.5GB"``, ``1048576`` -> bytes."""
-  if isinstance(value, bool):
-    raise ValueError(f"{what}: expected a size in bytes, got {value!r}")
-  if isinstance(value, int):
-    return value
-  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*", str(value), re.IGNORECASE)
-  if not m:
-    raise ValueError(f"{what}: cannot read {value!r} as a size (e.g. 1048576, 512MiB, 4G)")
-  number, prefix, suffix = m.groups()
-  power = "kmgt".find(prefix.lower()) + 1 if prefix else 0
-  unit = (1024 if (suffix.lower().startswith("i") or suffix == "") else 1000) ** power
-  return int(float(number) * unit)
+def is_shut_down() -> bool:
+  """True after :func:`shutdown` until the next :func:`configure`."""
+  return _state.shut_down
 
 
-def parse_bandwidth(value: int | float | str | None, *, what: str) -> int | None:
-  """``"7GB/s"``, ``"512MiB/s"``, ``7e9`` -> bytes/s; None, ``"off"``, ``"none"`` -> None (no cap)."""
-  if value is None or (isinstance(value, str) and value.strip().lower() in ("", "off", "none")):
-    return None
-  if isinstance(value, bool):
-    raise ValueError(f"{what}: expected a bandwidth in bytes/s (e.g. 7GB/s), got {value!r}")
-  try:
-    if isinstance(value, str):
-      rate = parse_size(re.sub(r"/s\s*$", "", value.strip(), flags=re.IGNORECASE), what=what)
-    else:
-      rate = int(value)
-  except (ValueError, TypeError, OverflowError):
-    raise ValueError(
-      f"{what}: cannot read {value!r} as a bandwidth (e.g. 7GB/s, 512MiB/s, 7e9, or 'off')"
-    ) from None
-  if rate <= 0:
-    raise ValueError(
-      f"{what}: expected a positive bandwidth in bytes/s, got {value!r} (None or 'off' for no cap)"
-    )
-  return rate
+def reset_to_unconfigured() -> None:
+  """Closes the store and returns the process to its first state, never configured (the next
+  program that offloads opens a store from the defaults). For tests; ``atexit`` does this."""
+  with _lock:
+    _shutdown_locked()
+    _state.shut_down = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,6 +230,7 @@ def parse_bandwidth(value: int | float | str | None, *, what: str) -> int | None
 
 class _State:
   config: StoreConfig | None = None
+  shut_down = False  # by shutdown(): nothing opens a store by itself until configure()
   temp_dir: str | None = None
   targets_registered = False
   warned_kept = False
@@ -348,8 +253,16 @@ def _apply(cfg: StoreConfig) -> None:
   if cfg.directories:
     for d in cfg.directories:
       _check_directory(d)
-  native.configure(_engine_options(cfg, directories))
+  settings = _options.engine_options(cfg, directories)
+  try:
+    native.configure(settings)
+  except BaseException:
+    # The engine dropped the previous store before it failed to open this one.
+    _state.config = None
+    lifetimes.sweeper.stop()
+    raise
   _state.config = cfg
+  _state.shut_down = False
   lifetimes.sweeper.start()
   _state.warned_kept = False
   if (
@@ -367,48 +280,6 @@ def _apply(cfg: StoreConfig) -> None:
     )
   if cfg.directories and _state.temp_dir is not None:
     _remove_temp_dir()
-
-
-def _engine_options(cfg: StoreConfig, directories: tuple[str, ...]) -> dict[str, Any]:
-  capacity = cfg.capacity_bytes
-  free = _free_bytes_total(directories)
-  if free < 1 << 20:
-    raise OSError(
-      _errno.ENOSPC,
-      f"store directory {', '.join(directories)} cannot hold the "
-      f"store's files: its filesystem has {free} bytes free (set SSDTRAIN_DIR or "
-      "configure(directory=...) to a directory on a local disk)",
-    )
-  if capacity is None:
-    capacity = int(0.9 * free)
-  elif capacity > free:
-    raise ValueError(
-      f"capacity_bytes={capacity} ({capacity / GiB:.2f} GiB) is beyond the free "
-      f"space of the store directories {list(directories)}: {free} bytes "
-      f"({free / GiB:.2f} GiB)"
-    )
-  switch = {None: 2, True: 1, False: 0}
-  return dict(
-    directories=":".join(directories),
-    capacity_bytes=capacity,
-    host_cache_bytes=cfg.host_cache_bytes,
-    host_tier_bytes=cfg.host_tier_bytes,
-    staging_bytes=cfg.staging_bytes,
-    io_threads=cfg.io_threads,
-    chunk_bytes=cfg.chunk_bytes,
-    prefetch_bytes=cfg.prefetch_bytes,
-    o_direct=switch[cfg.o_direct],
-    gds=switch[cfg.gds],
-    forwarding=int(cfg.forwarding),
-    on_full=_ON_FULL[cfg.on_full],
-    verify=int(cfg.verify),
-    exact_loads=int(cfg.exact_loads),
-    bandwidth_cap=cfg.bandwidth_cap or 0,
-    device_groups=cfg.device_groups if cfg.directories else 0,
-  )
-
-
-_ON_FULL = {"error": 0, "keep": 1}
 
 
 def _warn_if_kept(s: dict[str, Any]) -> None:
@@ -460,212 +331,6 @@ def _check_directory(directory: str) -> None:
       ) from None
 
 
-def _free_bytes_total(directories: Sequence[str]) -> int:
-  """Free space of the directories' filesystems, each filesystem counted once."""
-  seen, total = set(), 0
-  for d in directories:
-    probe = _existing(d)
-    try:
-      dev = os.stat(probe).st_dev
-    except OSError:
-      dev = probe
-    if dev in seen:
-      continue
-    seen.add(dev)
-    try:
-      total += shutil.disk_usage(probe).free
-    except OSError as e:
-      raise OSError(
-        e.errno, f"store directory {d!r}: cannot read free space: {e.strerror}"
-      ) from None
-  return total
-
-
-def _existing(directory: str) -> str:
-  """The directory, or its nearest existing parent when it is not created yet."""
-  probe = directory
-  while not os.path.exists(probe):
-    parent = os.path.dirname(os.path.abspath(probe))
-    if parent == probe:
-      break
-    probe = parent
-  return probe
-
-
-def _physical_ram() -> int | None:
-  try:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  except (ValueError, OSError, AttributeError):
-    return None
-
-
-def _validated(cfg: StoreConfig) -> StoreConfig:
-  for key in (
-    "host_cache_bytes",
-    "host_tier_bytes",
-    "staging_bytes",
-    "chunk_bytes",
-    "prefetch_bytes",
-    "io_threads",
-  ):
-    value = getattr(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-      raise ValueError(f"{key}: expected an integer >= 0, got {value!r}")
-  for key in ("io_threads", "chunk_bytes"):
-    if getattr(cfg, key) == 0:
-      raise ValueError(f"{key}: must be positive, got 0")
-  if cfg.capacity_bytes is not None and (
-    isinstance(cfg.capacity_bytes, bool)
-    or not isinstance(cfg.capacity_bytes, int)
-    or cfg.capacity_bytes <= 0
-  ):
-    raise ValueError(f"capacity_bytes: expected a positive integer, got {cfg.capacity_bytes!r}")
-  for key in ("o_direct", "gds"):
-    if getattr(cfg, key) not in (None, True, False):
-      raise ValueError(f"{key}: expected True, False or None (auto), got {getattr(cfg, key)!r}")
-  for key in ("forwarding", "verify", "exact_loads"):
-    if not isinstance(getattr(cfg, key), bool):
-      raise ValueError(f"{key}: expected a bool, got {getattr(cfg, key)!r}")
-  if cfg.bandwidth_cap is not None and (
-    isinstance(cfg.bandwidth_cap, bool)
-    or not isinstance(cfg.bandwidth_cap, int)
-    or cfg.bandwidth_cap <= 0
-  ):
-    raise ValueError(
-      f"bandwidth_cap: expected a positive integer (bytes/s) or None, got {cfg.bandwidth_cap!r}"
-    )
-  if cfg.on_full not in _ON_FULL:
-    raise ValueError(f"on_full: expected 'error' or 'keep', got {cfg.on_full!r}")
-  groups = cfg.device_groups
-  if isinstance(groups, bool) or not isinstance(groups, int) or groups < 0:
-    raise ValueError(f"device_groups: expected an integer >= 0, got {groups!r}")
-  if groups and len(cfg.directories) % groups:
-    raise ValueError(
-      f"device_groups={groups} does not divide the {len(cfg.directories)} store "
-      f"directories {list(cfg.directories)}"
-    )
-  ram = _physical_ram()
-  if ram:
-    for key in ("host_tier_bytes", "host_cache_bytes"):
-      if getattr(cfg, key) > ram:
-        raise ValueError(
-          f"{key}={getattr(cfg, key)} ({getattr(cfg, key) / GiB:.2f} GiB) is "
-          f"beyond the physical memory of this machine ({ram / GiB:.2f} GiB)"
-        )
-    both = cfg.host_tier_bytes + cfg.host_cache_bytes
-    if both > ram:
-      raise ValueError(
-        f"host_tier_bytes + host_cache_bytes = {both} ({both / GiB:.2f} GiB) is "
-        f"beyond the physical memory of this machine ({ram / GiB:.2f} GiB)"
-      )
-  return dataclasses.replace(cfg, directories=_checked_paths(cfg.directories))
-
-
-def _as_list(value) -> list:
-  """``directory=``: one path or a list of paths."""
-  return [value] if isinstance(value, (str, os.PathLike)) else list(value)
-
-
-def _device_groups(value) -> int:
-  """The number of local devices when every directory has ``{device}``; 0 when none has."""
-  items = _as_list(value)
-  per_device = ["{device}" in os.fspath(item) for item in items]
-  if not any(per_device):
-    return 0
-  if not all(per_device):
-    raise ValueError(
-      f"directory: {{device}} must be in every store directory or in none, got "
-      f"{[os.fspath(i) for i in items]}"
-    )
-  return len(_local_devices())
-
-
-def _directories(value) -> tuple[str, ...]:
-  items = _as_list(value)
-  out = []
-  for item in items:
-    if not isinstance(item, (str, os.PathLike)) or not os.fspath(item):
-      raise ValueError(f"directory: expected a path or a list of paths, got {item!r}")
-    out.extend(_expand_template(os.fspath(item)))
-  return _checked_paths(out)
-
-
-# Placeholders of a store directory -> their values (one directory per value).
-_PLACEHOLDERS = {
-  "process": lambda: [str(_process_index())],
-  "device": lambda: [str(i) for i in range(len(_local_devices()))],  # local index
-}
-
-
-def _expand_template(path: str) -> list[str]:
-  """``{process}`` / ``{device}`` in a directory -> the directories they stand for."""
-  if "{" not in path and "}" not in path:
-    return [path]
-  try:
-    parsed = [
-      (f, spec, conv) for _, f, spec, conv in string.Formatter().parse(path) if f is not None
-    ]
-  except ValueError as e:
-    raise ValueError(
-      f"directory: malformed placeholder in {path!r} ({e}); use {{process}} or "
-      f"{{device}}, and {{{{ }}}} for literal braces"
-    ) from None
-  for field, spec, conv in parsed:
-    if field not in _PLACEHOLDERS or spec or conv:
-      raise ValueError(
-        f"directory: unknown placeholder {{{field}}} in {path!r}; known: "
-        f"{', '.join('{' + k + '}' for k in _PLACEHOLDERS)}"
-      )
-  values = {name: _PLACEHOLDERS[name]() for name in sorted({f for f, _, _ in parsed})}
-  out = [path]
-  for name, choices in values.items():
-    out = [p.replace("{" + name + "}", v) for p in out for v in choices]
-  return [p.replace("{{", "{").replace("}}", "}") for p in out]
-
-
-def _process_index() -> int:
-  # The distributed client's id: set by jax.distributed.initialize(), without starting backends.
-  from jax_ssdtrain._src import jax_internals
-
-  return jax_internals.process_index_without_backends()
-
-
-def _local_devices():
-  import jax
-
-  return jax.local_devices()
-
-
-def _checked_paths(paths) -> tuple[str, ...]:
-  out = []
-  for raw in paths:
-    path = os.path.abspath(raw)
-    if ":" in path:
-      raise ValueError(f"directory: a path may not contain ':', got {path!r}")
-    out.append(path)
-  if len(set(out)) != len(out):
-    raise ValueError(f"directory: the same directory is listed twice: {out}")
-  return tuple(out)
-
-
-def _parse_int(value: str, *, what: str) -> int:
-  try:
-    return int(value)
-  except ValueError:
-    raise ValueError(f"{what}: expected an integer, got {value!r}") from None
-
-
-def _parse_switch(value: str, *, what: str, auto: bool = True) -> bool | None:
-  v = value.lower()
-  if v in ("1", "on", "true", "yes"):
-    return True
-  if v in ("0", "off", "false", "no"):
-    return False
-  if auto and v == "auto":
-    return None
-  raise ValueError(f"{what}: expected on/off{'/auto' if auto else ''}, got {value!r}")
-
-
 def _shutdown_locked() -> None:
   lifetimes.sweeper.stop()
   if _state.config is not None:
@@ -680,4 +345,4 @@ def _remove_temp_dir() -> None:
     _state.temp_dir = None
 
 
-atexit.register(shutdown)
+atexit.register(reset_to_unconfigured)

@@ -32,6 +32,7 @@ __all__ = [
   "register_targets",
   "build_info",
   "configure",
+  "engine_config",
   "stats",
   "reset_stats",
   "flush",
@@ -113,6 +114,7 @@ def lib() -> ctypes.CDLL:
     for fn, args in [
       ("ssdtrain_configure", [c_char_p, c_char_p, c_size_t]),
       ("ssdtrain_stats", [c_char_p, c_size_t]),
+      ("ssdtrain_config", [c_char_p, c_size_t]),
       ("ssdtrain_flush", [c_char_p, c_size_t]),
       ("ssdtrain_release_all", [c_char_p, c_size_t]),
       ("ssdtrain_shutdown", [c_char_p, c_size_t]),
@@ -322,20 +324,23 @@ def _format_value(key: str, value: object) -> str:
 
 
 def configure(kv: Mapping[str, object] | None = None, **kwargs: object) -> None:
-  """(Re)creates the process-wide engine.
+  """(Re)creates the process-wide engine from ``key=value`` settings.
 
-  Keys: directories (str with ':' separators, or a list), capacity_bytes,
-  host_cache_bytes, host_tier_bytes, staging_bytes, io_threads, chunk_bytes,
-  o_direct (0/1/2=auto), gds (0/1/2), prefetch_bytes, forwarding (bool),
-  on_full (0 error, 1 keep in the host tier), verify (bool: crc32c checks).
-  The test hook $SSDTRAIN_FAULT ("op:n:errno") is read here.
-  Unknown keys or bad values raise ValueError; system errors raise OSError.
+  The engine has no defaults: every key of the option table (``options.engine_options``
+  gives them all) is required, and a missing or unknown key or a bad value raises ValueError;
+  system errors raise OSError. The test hook $SSDTRAIN_FAULT ("op:n:errno") is read here.
   Reconfiguring drains in-flight I/O and drops every stored activation.
   """
   items = dict(kv or {})
   items.update(kwargs)
   text = "".join(f"{k}={_format_value(k, v)}\n" for k, v in items.items() if v is not None)
   _call_err(lib().ssdtrain_configure, text.encode())
+
+
+def engine_config() -> dict[str, str]:
+  """The settings the engine runs with, as it parsed them (``{}`` when no store is open)."""
+  text = _call_out(lib().ssdtrain_config)
+  return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
 
 
 def stats() -> dict[str, Any]:

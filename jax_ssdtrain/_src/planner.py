@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_ssdtrain._src import options
 from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, Location, location_policy, name_p
 
 DEFAULT_HOST_GBPS = 50.0  # without a GPU to measure: pinned host <-> H100 over PCIe, 41-55 GB/s
@@ -70,9 +71,10 @@ DEFAULT_HOST_GBPS = 50.0  # without a GPU to measure: pinned host <-> H100 over 
 STAGING_TOLERANCE = (
   0.002  # a plan's arena: the smallest within this share of the configured one's step
 )
-DEFAULT_HOST_CACHE_BYTES = 1 << 30  # StoreConfig.host_cache_bytes default
-DEFAULT_STAGING_BYTES = 1 << 30  # StoreConfig.staging_bytes default
-DEFAULT_HOST_TIER_BYTES = 8 << 30  # StoreConfig.host_tier_bytes default
+# The store's defaults (the option table's).
+DEFAULT_HOST_CACHE_BYTES = options.default("host_cache_bytes")
+DEFAULT_STAGING_BYTES = options.default("staging_bytes")
+DEFAULT_HOST_TIER_BYTES = options.default("host_tier_bytes")
 OFFLOADED = (Location.HOST, Location.NVME)
 MIN_DIFFERENCE_S = 0.02  # profile: the long and short scans differ by at least this much
 

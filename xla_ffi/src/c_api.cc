@@ -63,6 +63,17 @@ SSD_EXPORT int ssdtrain_configure(const char* kv, char* err, size_t errlen) {
   });
 }
 
+// The configuration the engine runs with, as "key=value" lines (Config::ToString); empty when
+// no store is open.
+SSD_EXPORT int ssdtrain_config(char* out, size_t outlen) {
+  try {
+    auto e = ssdtrain::PeekEngine();
+    return CopyOut(e ? e->config().ToString() : std::string(), out, outlen);
+  } catch (...) {
+    return CopyOut("", out, outlen), EIO;
+  }
+}
+
 SSD_EXPORT int ssdtrain_stats(char* out, size_t outlen) {
   try {
     auto e = ssdtrain::PeekEngine();
@@ -175,8 +186,9 @@ SSD_EXPORT int ssdtrain_debug_corrupt(uint64_t offset, char* err, size_t errlen)
 SSD_EXPORT int ssdtrain_store_host(const void* src, uint64_t nbytes, int64_t site, int64_t uses,
                                    uint32_t* handle, char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
-    auto e = ssdtrain::PeekEngine();
-    if (!e) return Status(EINVAL, "the store is not configured");
+    Status st;
+    auto e = ssdtrain::CurrentEngine(&st);
+    if (!e) return st;
     return e->StoreFromHost(src, nbytes, site, 0, "probe", handle, 0, uses);
   });
 }
@@ -206,8 +218,9 @@ SSD_EXPORT int ssdtrain_sweep_requested(void) {
 SSD_EXPORT int ssdtrain_load_host(const uint32_t* handle, void* dst, uint64_t nbytes, int64_t site,
                                   char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
-    auto e = ssdtrain::PeekEngine();
-    if (!e) return Status(EINVAL, "the store is not configured");
+    Status st;
+    auto e = ssdtrain::CurrentEngine(&st);
+    if (!e) return st;
     return e->LoadToHost(handle, dst, nbytes, site, "probe");
   });
 }

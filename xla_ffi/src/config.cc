@@ -1,7 +1,6 @@
-// Config::Parse (the "key=value" lines configure() sends) and the SSDTRAIN_FAULT test hook.
+// Config::Parse (the "key=value" lines configure() sends: every option, no defaults here) and
+// the SSDTRAIN_FAULT test hook.
 #include "ssdtrain/config.h"
-
-#include <unistd.h>
 
 #include <cctype>
 #include <cerrno>
@@ -53,21 +52,82 @@ std::string HumanBytes(uint64_t n) {
 // ---------------------------------------------------------------------------
 // Config
 // ---------------------------------------------------------------------------
-Config Config::Defaults() {
-  Config c;
-  const char* env = getenv("SSDTRAIN_DIR");
-  if (env && *env) {
-    c.directories = {env};
-  } else {
-    const char* tmp = getenv("TMPDIR");
-    std::string base = (tmp && *tmp) ? tmp : "/tmp";
-    c.directories = {base + "/ssdtrain-" + std::to_string(getuid())};
+namespace {
+
+constexpr const char* kDirectoriesKey = "directories";
+
+// An integer field of Config: its key, the range the engine accepts, how it is set and read.
+struct IntField {
+  const char* key;
+  int64_t min, max;
+  void (*set)(Config&, int64_t);
+  int64_t (*get)(const Config&);
+};
+
+#define SSD_INT_FIELD(name, lo, hi)                                                         \
+  IntField {                                                                                \
+    #name, lo, hi, [](Config& c, int64_t v) { c.name = static_cast<decltype(c.name)>(v); }, \
+        [](const Config& c) { return static_cast<int64_t>(c.name); }                        \
   }
-  return c;
+
+// Every key but "directories", in the order Python sends them.
+const IntField kIntFields[] = {
+    SSD_INT_FIELD(capacity_bytes, static_cast<int64_t>(kAlign), INT64_MAX),
+    SSD_INT_FIELD(host_cache_bytes, 1, INT64_MAX),
+    SSD_INT_FIELD(host_tier_bytes, 0, INT64_MAX),
+    SSD_INT_FIELD(staging_bytes, 0, INT64_MAX),
+    SSD_INT_FIELD(io_threads, 1, 256),
+    SSD_INT_FIELD(chunk_bytes, static_cast<int64_t>(kAlign), 1LL << 32),
+    SSD_INT_FIELD(prefetch_bytes, 0, INT64_MAX),
+    SSD_INT_FIELD(o_direct, 0, 2),
+    SSD_INT_FIELD(gds, 0, 2),
+    SSD_INT_FIELD(forwarding, 0, 1),
+    SSD_INT_FIELD(on_full, 0, 1),
+    SSD_INT_FIELD(verify, 0, 1),
+    SSD_INT_FIELD(exact_loads, 0, 1),
+    SSD_INT_FIELD(bandwidth_cap, 0, INT64_MAX),
+    SSD_INT_FIELD(device_groups, 0, 4096),
+};
+
+#undef SSD_INT_FIELD
+
+std::string Expected(const IntField& f) {
+  if (f.max == INT64_MAX) {
+    if (f.min == 0) return "a non-negative integer";
+    if (f.min == 1) return "a positive integer";
+    return "an integer >= " + std::to_string(f.min);
+  }
+  return "in [" + std::to_string(f.min) + ", " + std::to_string(f.max) + "]";
 }
 
+std::string KnownKeys() {
+  std::string out = kDirectoriesKey;
+  for (const auto& f : kIntFields) out += std::string(", ") + f.key;
+  return out;
+}
+
+Status ParseDirectories(const std::string& val, std::vector<std::string>* out) {
+  out->clear();
+  size_t p = 0;
+  while (p <= val.size()) {
+    size_t q = val.find(':', p);
+    if (q == std::string::npos) q = val.size();
+    std::string d = Trim(val.substr(p, q - p));
+    if (!d.empty()) {
+      while (d.size() > 1 && d.back() == '/') d.pop_back();
+      out->push_back(d);
+    }
+    p = q + 1;
+  }
+  if (out->empty()) return Status(EINVAL, "configure: 'directories' is empty");
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status Config::Parse(std::string_view kv, Config* out) {
-  Config c = Defaults();
+  Config c;
+  std::vector<std::string> seen;
   std::string all(kv);
   std::istringstream in(all);
   std::string line;
@@ -78,98 +138,54 @@ Status Config::Parse(std::string_view kv, Config* out) {
     if (eq == std::string::npos)
       return Status(EINVAL, "configure: expected key=value, got '" + t + "'");
     std::string key = Trim(t.substr(0, eq)), val = Trim(t.substr(eq + 1));
-    if (key == "directories") {
-      c.directories.clear();
-      size_t p = 0;
-      while (p <= val.size()) {
-        size_t q = val.find(':', p);
-        if (q == std::string::npos) q = val.size();
-        std::string d = Trim(val.substr(p, q - p));
-        if (!d.empty()) {
-          while (d.size() > 1 && d.back() == '/') d.pop_back();
-          c.directories.push_back(d);
-        }
-        p = q + 1;
-      }
-      if (c.directories.empty()) return Status(EINVAL, "configure: 'directories' is empty");
+    for (const auto& k : seen)
+      if (k == key) return Status(EINVAL, "configure: key '" + key + "' given twice");
+    seen.push_back(key);
+    if (key == kDirectoriesKey) {
+      SSD_RETURN_IF_ERROR(ParseDirectories(val, &c.directories));
       continue;
     }
+    const IntField* f = nullptr;
+    for (const auto& cand : kIntFields)
+      if (key == cand.key) f = &cand;
+    if (!f)
+      return Status(EINVAL, "configure: unknown key '" + key + "' (known: " + KnownKeys() + ")");
     int64_t x = 0;
-    struct IntKey {
-      const char* name;
-      int64_t min;
-      int64_t max;
-    };
-    static const IntKey keys[] = {
-        {"capacity_bytes", 1, INT64_MAX},
-        {"host_cache_bytes", 1, INT64_MAX},
-        {"host_tier_bytes", 0, INT64_MAX},
-        {"staging_bytes", 0, INT64_MAX},
-        {"io_threads", 1, 256},
-        {"chunk_bytes", 1, 1LL << 32},
-        {"o_direct", 0, 2},
-        {"gds", 0, 2},
-        {"prefetch_bytes", 0, INT64_MAX},
-        {"forwarding", 0, 1},
-        {"on_full", 0, 1},
-        {"verify", 0, 1},
-        {"exact_loads", 0, 1},
-        {"bandwidth_cap", 0, INT64_MAX},
-        {"device_groups", 0, 4096},
-    };
-    const IntKey* k = nullptr;
-    for (const auto& cand : keys)
-      if (key == cand.name) k = &cand;
-    if (!k) return Status(EINVAL, "configure: unknown key '" + key + "'");
     SSD_RETURN_IF_ERROR(ParseInt(key, val, &x));
-    if (x < k->min || x > k->max) {
-      std::string want =
-          k->min == 1 ? "a positive integer"
-          : k->min == 0 && k->max == INT64_MAX
-              ? "a non-negative integer"
-              : "in [" + std::to_string(k->min) + ", " + std::to_string(k->max) + "]";
-      return Status(
-          EINVAL, "configure: invalid value for '" + key + "': " + val + " (must be " + want + ")");
-    }
-    if (key == "capacity_bytes")
-      c.capacity_bytes = x;
-    else if (key == "host_cache_bytes")
-      c.host_cache_bytes = x;
-    else if (key == "host_tier_bytes")
-      c.host_tier_bytes = x;
-    else if (key == "staging_bytes")
-      c.staging_bytes = x;
-    else if (key == "io_threads")
-      c.io_threads = static_cast<int>(x);
-    else if (key == "chunk_bytes")
-      c.chunk_bytes = x;
-    else if (key == "o_direct")
-      c.o_direct = static_cast<int>(x);
-    else if (key == "gds")
-      c.gds = static_cast<int>(x);
-    else if (key == "prefetch_bytes")
-      c.prefetch_bytes = x;
-    else if (key == "forwarding")
-      c.forwarding = x != 0;
-    else if (key == "on_full")
-      c.on_full = static_cast<int>(x);
-    else if (key == "verify")
-      c.verify = x != 0;
-    else if (key == "exact_loads")
-      c.exact_loads = x != 0;
-    else if (key == "bandwidth_cap")
-      c.bandwidth_cap = x;
-    else if (key == "device_groups")
-      c.device_groups = static_cast<int>(x);
+    if (x < f->min || x > f->max)
+      return Status(EINVAL, "configure: invalid value for '" + key + "': " + val + " (must be " +
+                                Expected(*f) + ")");
+    f->set(c, x);
   }
+  // No defaults: the library and the Python package that configures it come together, and the
+  // package sends every key.
+  auto missing = [](const std::string& key) {
+    return Status(EINVAL, "configure: missing key '" + key +
+                              "' (jax_ssdtrain sends every option: is libssdtrain.so from "
+                              "another version of the package?)");
+  };
+  auto given = [&](const char* key) {
+    for (const auto& k : seen)
+      if (k == key) return true;
+    return false;
+  };
+  if (!given(kDirectoriesKey)) return missing(kDirectoriesKey);
+  for (const auto& f : kIntFields)
+    if (!given(f.key)) return missing(f.key);
   if (c.chunk_bytes % kAlign != 0)
     return Status(EINVAL, "configure: invalid value for 'chunk_bytes': " +
                               std::to_string(c.chunk_bytes) + " (must be a multiple of 4096)");
-  if (c.capacity_bytes < kAlign)
-    return Status(EINVAL, "configure: invalid value for 'capacity_bytes': " +
-                              std::to_string(c.capacity_bytes) + " (must be >= 4096)");
   *out = c;
   return Status::Ok();
+}
+
+std::string Config::ToString() const {
+  std::string out = std::string(kDirectoriesKey) + "=";
+  for (size_t i = 0; i < directories.size(); ++i) out += (i ? ":" : "") + directories[i];
+  out += "\n";
+  for (const auto& f : kIntFields)
+    out += std::string(f.key) + "=" + std::to_string(f.get(*this)) + "\n";
+  return out;
 }
 
 // ---------------------------------------------------------------------------

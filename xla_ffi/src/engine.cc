@@ -429,28 +429,34 @@ std::string Engine::FilePaths() {
 namespace {
 std::mutex g_engine_mu;
 std::shared_ptr<Engine> g_engine;
+// Why there is no engine (the error a handler gets): an engine is only ever created from a
+// configuration Python sends, never with defaults of its own.
+const char* g_no_engine =
+    "no store is configured in this process: call jax_ssdtrain.configure(...) first";
 }  // namespace
 
 std::shared_ptr<Engine> CurrentEngine(Status* st) {
   std::lock_guard<std::mutex> g(g_engine_mu);
   if (!g_engine) {
-    Status s = Engine::Create(Config::Defaults(), &g_engine);
-    if (!s.ok()) {
-      *st = s.With("creating the default ssdtrain engine (call configure() first)");
-      return nullptr;
-    }
+    *st = Status(EINVAL, g_no_engine);
+    return nullptr;
   }
   *st = Status::Ok();
   return g_engine;
 }
 
-// Used by c_api.cc.
+// Used by c_api.cc. cfg == nullptr: shut the store down.
 Status ReplaceEngine(const Config* cfg) {
   std::shared_ptr<Engine> old;
   {
     std::lock_guard<std::mutex> g(g_engine_mu);
     old = std::move(g_engine);
     g_engine.reset();
+    if (!cfg)
+      g_no_engine =
+          "the store was shut down (jax_ssdtrain.shutdown(), or the end of a "
+          "jax_ssdtrain.configured(...) block) before this program ran; call "
+          "jax_ssdtrain.configure(...) to open a store again";
   }
   if (old) {
     old->ReleaseAll();
@@ -458,8 +464,14 @@ Status ReplaceEngine(const Config* cfg) {
   }
   if (!cfg) return Status::Ok();
   std::shared_ptr<Engine> fresh;
-  SSD_RETURN_IF_ERROR(Engine::Create(*cfg, &fresh));
+  Status s = Engine::Create(*cfg, &fresh);
   std::lock_guard<std::mutex> g(g_engine_mu);
+  if (!s.ok()) {
+    g_no_engine =
+        "the store's last configuration failed (jax_ssdtrain.configure raised): call "
+        "jax_ssdtrain.configure(...) again";
+    return s;
+  }
   g_engine = std::move(fresh);
   return Status::Ok();
 }

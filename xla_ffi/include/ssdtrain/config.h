@@ -16,29 +16,34 @@ constexpr uint64_t kAlign = 4096;
 constexpr uint64_t kKiB = 1024, kMiB = 1024 * kKiB, kGiB = 1024 * kMiB;
 inline uint64_t RoundUp(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
 
+// Every field is set by Parse from the lines Python sends (jax_ssdtrain/_src/options/ holds
+// the options, their defaults and checks): there are no defaults here, and a missing key is an
+// error. A new option is a field here and its line in config.cc's table.
 struct Config {
   std::vector<std::string> directories;
-  uint64_t capacity_bytes = 64 * kGiB;
-  uint64_t host_cache_bytes = 2 * kGiB;
-  uint64_t host_tier_bytes = 1 * kGiB;
-  uint64_t staging_bytes = 1 * kGiB;
-  int io_threads = 8;
-  uint64_t chunk_bytes = 8 * kMiB;
-  int o_direct = 2;  // 0 off, 1 on, 2 auto
-  int gds = 2;       // 0 off, 1 on, 2 auto (kvikio builds only)
-  uint64_t prefetch_bytes = 1 * kGiB;
-  bool forwarding = true;
-  int on_full = 0;             // store full: 0 error, 1 keep the tensor in the host tier
-  bool verify = false;         // crc32c of every tensor written, checked after every disk read
-  bool exact_loads = false;    // device loads read the handle first (a sync) instead of predicting
-  uint64_t bandwidth_cap = 0;  // bytes/s per direction of the file I/O, 0 = none
+  uint64_t capacity_bytes{};
+  uint64_t host_cache_bytes{};
+  uint64_t host_tier_bytes{};
+  uint64_t staging_bytes{};
+  int io_threads{};
+  uint64_t chunk_bytes{};
+  int o_direct{};  // 0 off, 1 on, 2 auto
+  int gds{};       // 0 off, 1 on, 2 auto (kvikio builds only)
+  uint64_t prefetch_bytes{};
+  bool forwarding{};
+  int on_full{};             // store full: 0 error, 1 keep the tensor in the host tier
+  bool verify{};             // crc32c of every tensor written, checked after every disk read
+  bool exact_loads{};        // device loads read the handle first (a sync) instead of predicting
+  uint64_t bandwidth_cap{};  // bytes/s per direction of the file I/O, 0 = none
   // > 0: directory i serves only device (i % device_groups): each device's tensors go to its
   // own files, with capacity_bytes split evenly. 0: every tensor striped over all directories.
-  int device_groups = 0;
+  int device_groups{};
 
-  static Config Defaults();
-  // Parses "key=value" lines on top of the defaults. EINVAL on bad input.
+  // Parses "key=value" lines, one per field, each exactly once. EINVAL naming the key on a
+  // missing, unknown, repeated or bad one.
   static Status Parse(std::string_view kv, Config* out);
+  // The fields as "key=value" lines, in Parse's order (what the engine runs with).
+  std::string ToString() const;
 };
 
 // Test hook: SSDTRAIN_FAULT="op:n:errno" (op in write, read, shortwrite,

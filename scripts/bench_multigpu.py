@@ -142,7 +142,7 @@ def plot(plt, doc: dict, path: Path) -> bool:
     )
   ax.axhline(100, color="k", lw=0.6)
   ax.set(
-    ylim=(0, 115),
+    ylim=(0, 125),
     ylabel=f"tokens/s per GPU, {n} GPUs / 1 GPU (%)",
     title=f"weak scaling, GPT {cfg['preset']}, {cfg['batch_per_gpu']} x {cfg['seq']} tokens "
     f"per GPU, {doc['env'].get('device_kind')}",

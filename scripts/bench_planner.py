@@ -679,28 +679,31 @@ def plot(doc: dict, path: Path) -> str | None:
   ]
   if not rows:
     return None
-  fig, ax = plt.subplots(figsize=(6.5, 6))
-  for label, r in rows:
-    ax.scatter(r["step_ms"], r["predicted_ms"], s=40)
+  # predicted / measured per row, one bar each: readable whatever the step times' scale
+  fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.3 * len(rows)))
+  ys = list(range(len(rows)))[::-1]
+  err = [100 * (r["predicted_ms"] / r["step_ms"] - 1) for _, r in rows]
+  ax.barh(ys, err, color=["tab:red" if abs(e) > 10 else "tab:blue" for e in err])
+  for y, e, (_, r) in zip(ys, err, rows):
     ax.annotate(
-      f"{label} {r['policy']}",
-      (r["step_ms"], r["predicted_ms"]),
+      f" {r['predicted_ms']:.1f} / {r['step_ms']:.1f} ms",
+      (e, y),
+      va="center",
+      ha="left" if e >= 0 else "right",
       fontsize=7,
-      xytext=(3, 3),
-      textcoords="offset points",
     )
-  hi = max(max(r["step_ms"], r["predicted_ms"]) for _, r in rows) * 1.1
-  ax.plot([0, hi], [0, hi], "k-", lw=0.7, label="exact")
-  ax.fill_between([0, hi], [0, hi * 0.9], [0, hi * 1.1], alpha=0.15, label="±10%")
+  ax.set_yticks(ys, [f"{label} {r['policy']}" for label, r in rows], fontsize=7)
+  for x in (-10, 10):
+    ax.axvline(x, color="grey", ls=":", lw=0.8)
+  ax.axvline(0, color="k", lw=0.7)
+  lim = max(15.0, 1.4 * max(abs(e) for e in err))
   ax.set(
-    xlabel="measured step ms",
-    ylabel="predicted step ms",
-    xlim=(0, hi),
-    ylim=(0, hi),
+    xlim=(-lim, lim),
+    xlabel="predicted / measured step - 1 (%); labels: predicted / measured",
     title=f"planner model, {doc['env'].get('device_kind')}",
   )
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
+  ax.title.set_fontsize(9)
+  ax.grid(alpha=0.3, axis="x")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)

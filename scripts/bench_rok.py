@@ -403,19 +403,27 @@ def _ok(row):
 
 
 def derive(doc: dict) -> None:
-  """Fields relative to other rows or to the probe (recomputed on merge and replot)."""
-  probe = doc.get("probe") or {}
-  selective = {_key(r)[1:]: r for r in doc["rows"] if r.get("policy") == "selective" and _ok(r)}
+  """Fields relative to other rows or to the probes (recomputed on merge and replot). Each row
+  is compared with the ``selective`` row and the probes of its own run (of merged runs: the
+  run in ``sources`` that its ``source`` names)."""
+  sources = doc.get("sources") or [doc]
+  src = lambda r: sources[r.get("source", 0)] if "sources" in doc else doc  # noqa: E731
+  selective = {
+    (r.get("source", 0), _key(r)[1:]): r
+    for r in doc["rows"]
+    if r.get("policy") == "selective" and _ok(r)
+  }
   for r in doc["rows"]:
     if not _ok(r):
       continue
-    sel = selective.get(_key(r)[1:])
+    sel = selective.get((r.get("source", 0), _key(r)[1:]))
     r["x_selective"] = r["step_ms_median"] / sel["step_ms_median"] if sel else None
     r["device_GB"] = (r.get("temp_GB") or 0) + (r.get("staging_GB_peak") or 0)
+    probe = src(r).get("probe") or {}
     for io in ("write", "read"):
       engine, raw = r.get(f"{io}_GBps"), probe.get(f"{io}_GBps")
       r[f"{io}_vs_probe"] = engine / raw if engine and raw else None
-    link = doc.get("link") or {}
+    link = src(r).get("link") or {}
     for way in ("d2h", "h2d"):
       engine, raw = r.get(f"link_{way}_GBps"), link.get(f"{way}_gbps")
       r[f"link_{way}_vs_probe"] = engine / raw if engine and raw else None
@@ -497,21 +505,25 @@ def table(doc: dict) -> str:
     for i in range(len(head))
   ]
   fmt = lambda ln: "  ".join(str(v).ljust(w) for v, w in zip(ln, widths)).rstrip()  # noqa: E731
-  probe = doc.get("probe") or {}
-  foot = (
-    f"probe ({probe.get('dir')}): best O_DIRECT write {probe['write_GBps']:.2f} GB/s, "
-    f"read {probe['read_GBps']:.2f} GB/s"
-    if probe.get("write_GBps")
-    else f"probe: {probe.get('note', 'not run')}"
-  )
-  link = doc.get("link") or {}
-  if link.get("d2h_gbps"):
-    foot += (
-      f"\nlink probe (pinned, {link['size'] / 2**30:.0f} GiB copies): D2H "
-      f"{link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} alone; "
-      f"{link['duplex_d2h_gbps']:.1f}/{link['duplex_h2d_gbps']:.1f} both at once"
+  foot = []
+  for src in doc.get("sources") or [doc]:
+    if "sources" in doc:
+      foot.append(f"{src['file']} ({src['date']}):")
+    probe = src.get("probe") or {}
+    foot.append(
+      f"probe ({probe.get('dir')}): best O_DIRECT write {probe['write_GBps']:.2f} GB/s, "
+      f"read {probe['read_GBps']:.2f} GB/s"
+      if probe.get("write_GBps")
+      else f"probe: {probe.get('note', 'not run')}"
     )
-  return "\n".join([fmt(head)] + [fmt(ln) for ln in lines] + [foot])
+    link = src.get("link") or {}
+    if link.get("d2h_gbps"):
+      foot.append(
+        f"link probe (pinned, {link['size'] / 2**30:.0f} GiB copies): D2H "
+        f"{link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} alone; "
+        f"{link['duplex_d2h_gbps']:.1f}/{link['duplex_h2d_gbps']:.1f} both at once"
+      )
+  return "\n".join([fmt(head)] + [fmt(ln) for ln in lines] + foot)
 
 
 def plot(doc: dict, path: Path) -> str | None:
@@ -519,11 +531,15 @@ def plot(doc: dict, path: Path) -> str | None:
   plt = common.pyplot()
   if plt is None:
     return "no plot: matplotlib is not installed"
-  shapes = sorted({_key(r)[1:] for r in doc["rows"] if _ok(r)})
+  # a pair of panels per shape of each run (merged runs: see replot)
+  shapes = sorted({(r.get("source", 0), *_key(r)[1:]) for r in doc["rows"] if _ok(r)})
   if not shapes:
     return "no plot: no successful rows"
-  probe_w = (doc.get("probe") or {}).get("write_GBps")
-  fig, axes = plt.subplots(len(shapes), 2, figsize=(14, 5.2 * len(shapes)), squeeze=False)
+  sources = doc.get("sources") or [doc]
+  # the right-hand panel (the NVMe sweep) only where a run has sweep rows
+  sweeps = any(r["policy"].startswith("ssd_nvme_sweep") for r in doc["rows"] if _ok(r))
+  cols = 2 if sweeps else 1
+  fig, axes = plt.subplots(len(shapes), cols, figsize=(7 * cols, 5.2 * len(shapes)), squeeze=False)
   markers = {
     "keep": "o",
     "recompute": "s",
@@ -533,8 +549,13 @@ def plot(doc: dict, path: Path) -> str | None:
     "ssd_nvme_sweep": "P",
     "ssd_nvme": "*",
   }
-  for (rok, ovh), shape in zip(axes, shapes):
-    rows = {r["policy"]: r for r in doc["rows"] if _ok(r) and _key(r)[1:] == shape}
+  for (rok, *right), (source, *shape) in zip(axes, shapes):
+    probe_w = (sources[source].get("probe") or {}).get("write_GBps")
+    rows = {
+      r["policy"]: r
+      for r in doc["rows"]
+      if _ok(r) and (r.get("source", 0), *_key(r)[1:]) == (source, *shape)
+    }
     for name, r in rows.items():
       family = next(f for f in markers if name.startswith(f))
       rok.scatter(
@@ -556,11 +577,15 @@ def plot(doc: dict, path: Path) -> str | None:
     rok.set(
       xlabel="device memory GB (XLA temp + engine staging peak)",
       ylabel="model TFLOP/s",
-      title=f"ROK  H,S,B,L = {','.join(map(str, shape))}",
+      title=f"ROK  H,S,B,L = {','.join(map(str, shape))}"
+      + (f"  ({sources[source].get('date')})" if "sources" in doc else ""),
     )
     rok.grid(alpha=0.3)
     rok.legend(fontsize=7, loc="best")
 
+    if not right:
+      continue
+    (ovh,) = right
     sel = rows.get("selective")
     pts = [r for r in sweep if r["policy"] != "selective"]
     if sel is None or not pts:
@@ -616,17 +641,21 @@ def report(doc: dict, json_path: Path) -> None:
 
 
 def replot(paths: list[Path], out: Path) -> int:
+  """Table and plot of saved runs. One JSON is rewritten in place; several are merged into
+  OUT/rok_<device>_<date of the first>.json: their rows in order, each with the index of its
+  run in ``sources`` (that run's file, date, environment, arguments and probes)."""
   docs = [json.loads(p.read_text()) for p in paths]
-  doc = docs[0]
-  for other in docs[1:]:
-    doc["rows"] = common.merge_rows(doc["rows"], other["rows"], _key)
-    if (other.get("probe") or {}).get("write_GBps"):
-      doc["probe"] = other["probe"]
   if len(paths) == 1:
-    report(doc, paths[0])
+    report(docs[0], paths[0])
     return 0
+  keys = ("date", "env", "args", "probe", "link")
+  doc = {
+    "date": docs[0]["date"],
+    "env": docs[0]["env"],
+    "sources": [{"file": p.name} | {k: d.get(k) for k in keys} for p, d in zip(paths, docs)],
+    "rows": [r | {"source": i} for i, d in enumerate(docs) for r in d["rows"]],
+  }
   out.mkdir(parents=True, exist_ok=True)
-  doc["merged_from"] = [str(p) for p in paths]
   report(doc, out / f"rok_{common.slug(doc['env'].get('device_kind'))}_{doc['date']}.json")
   return 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -197,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--num-processes", type=_positive(int), default=None, help="(--distributed)")
   p.add_argument("--process-id", type=_non_negative_int, default=None, help="(--distributed)")
   p.add_argument("--log-every", type=_positive(int), default=1, help="steps between metric fetches")
+  p.add_argument(
+    "--summary-json",
+    default=None,
+    metavar="PATH",
+    help="also write the run's summary (the numbers of the last line) as JSON to PATH",
+  )
   return p
 
 
@@ -489,6 +496,15 @@ def main(argv=None) -> dict:
     + (f"  peak device memory {summary['peak_device_gb']:.2f} GB" if mem else ""),
     flush=True,
   )
+  if args.summary_json:
+    record = {
+      "argv": sys.argv[1:] if argv is None else list(argv),
+      "device_kind": jax.devices()[0].device_kind,
+      "jax": jax.__version__,
+      "store_env": {k: v for k, v in os.environ.items() if k.startswith("SSDTRAIN_")},
+    }
+    with open(args.summary_json, "w") as f:
+      json.dump(summary | record, f, indent=1)
   return summary
 
 

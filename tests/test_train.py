@@ -1,6 +1,7 @@
 """Training entry point: loaders, checkpoint round trip, CLI flags and errors."""
 
 import csv
+import json
 import os
 import re
 
@@ -119,8 +120,11 @@ def test_cli_default_offload_run_and_restore(tmp_path):
   s = train_script.main(flags + ["--steps", "6", "--checkpoint-every", "3"])
   assert s["steps"] == 6 and s["offload"] and np.isfinite(s["final_loss"])
   assert s["gb_written"] > 0 and s["gb_read"] > 0
-  s2 = train_script.main(flags + ["--steps", "8", "--restore"])
+  summary = tmp_path / "summary.json"
+  s2 = train_script.main(flags + ["--steps", "8", "--restore", "--summary-json", str(summary)])
   assert s2["steps"] == 8
+  written = json.loads(summary.read_text())
+  assert {k: written[k] for k in s2} == s2 and written["argv"][-1] == str(summary)
   rows = list(csv.DictReader(open(os.path.join(work, "metrics.csv"))))
   assert [int(r["step"]) for r in rows] == list(range(1, 9))
 

@@ -115,7 +115,8 @@ def run_json_child(cmd: list[str], timeout: float, env: dict | None = None) -> d
 
 
 # ---------------------------------------------------------------------------------------------
-# Storage probe (/work/shared/tools/storage_probe.py, run as a subprocess, never copied here)
+# Raw O_DIRECT probe of a store directory: shared/tools/storage_probe.py beside or inside the
+# checkout (not part of this repository; optional), run as a subprocess
 
 _PROBE_LINE = re.compile(
   r"threads=(\d+) block=(\d+)MiB O_DIRECT write ([\d.]+) GB/s "

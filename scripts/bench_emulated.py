@@ -154,7 +154,7 @@ def rok_args(args, cap_gbps: float | None):
 
 def check_space(args, shm_dir: str) -> None:
   """The RAM store must hold a step's offload (slots are reused across steps) and the probe."""
-  from jax_ssdtrain._src.config import parse_size  # imports JAX; starts no backend
+  from jax_ssdtrain import parse_size  # imports JAX; starts no backend
 
   min_bytes = args.min_bytes if args.min_bytes is not None else (0 if args.tiny else 1 << 20)
   step = max(

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
   )
   bench_common.add_out_option(p)
   args = p.parse_args(argv)
-  from jax_ssdtrain._src.config import parse_size
+  from jax_ssdtrain import parse_size
 
   try:
     size = parse_size(args.size, what="--size")

@@ -1,11 +1,15 @@
-"""Helpers shared by the benchmark scripts: child processes, the storage probe, output files.
+"""What the benchmark scripts share: the GPT-like layer stack they measure and its policies, child
+processes, the storage probe, the output directory and the files written there.
 
-Nothing here imports JAX: a benchmark's parent process must not touch the accelerator (JAX
-would reserve most of its memory); only its child processes do.
+Importing this module imports no JAX (the stack's functions import it when called): a
+benchmark's parent process must not touch the accelerator (JAX would reserve most of its
+memory); only its child processes do.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -14,9 +18,36 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Where results go unless --out says otherwise: outside the source tree.
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "jax_ssdtrain-benchmarks"
+
+
+def add_out_option(parser: argparse.ArgumentParser) -> None:
+  """``--out DIR``: where the JSON, table and plot go (default: DEFAULT_OUT)."""
+  parser.add_argument(
+    "--out",
+    type=Path,
+    default=DEFAULT_OUT,
+    help=f"directory of the results: JSON, table, plot (default: {DEFAULT_OUT})",
+  )
+
+
+def child_env(env: dict | None = None) -> dict:
+  """``env`` (default: this process's environment) with the repository root first on
+  PYTHONPATH, so that a ``python -m scripts.NAME`` child imports this checkout's ``scripts``,
+  ``models`` and ``jax_ssdtrain`` whatever its working directory."""
+  env = dict(os.environ if env is None else env)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+  return env
+
+
+def module_command(module: str, *args: str) -> list[str]:
+  """The command line running ``module`` (e.g. ``scripts.bench_rok``) with this interpreter."""
+  return [sys.executable, "-m", module, *args]
 
 
 def tail(text, n: int = 3000) -> str:
@@ -61,9 +92,10 @@ def today() -> str:
 
 
 def run_json_child(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
-  """Runs ``cmd``; returns the last JSON object it printed on stdout, else ``{"error": ...}``."""
+  """Runs ``cmd`` (environment: ``child_env(env)``); returns the last JSON object it printed on
+  stdout, else ``{"error": ...}``."""
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(env))
   except subprocess.TimeoutExpired as e:
     return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": tail(e.stderr)}
   for line in reversed(proc.stdout.splitlines()):
@@ -83,7 +115,8 @@ def run_json_child(cmd: list[str], timeout: float, env: dict | None = None) -> d
 
 
 # ---------------------------------------------------------------------------------------------
-# Storage probe (/work/shared/tools/storage_probe.py, run as a subprocess, never copied here)
+# Raw O_DIRECT probe of a store directory: shared/tools/storage_probe.py beside or inside the
+# checkout (not part of this repository; optional), run as a subprocess
 
 _PROBE_LINE = re.compile(
   r"threads=(\d+) block=(\d+)MiB O_DIRECT write ([\d.]+) GB/s "
@@ -174,3 +207,155 @@ def merge_rows(old: list[dict], new: list[dict], key) -> list[dict]:
   """``old`` rows not replaced by a ``new`` row with the same key, then ``new`` rows."""
   fresh = {key(r) for r in new}
   return [r for r in old if key(r) not in fresh] + list(new)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPT-like layer stack of bench_rok, bench_planner and bench_emulated: bf16, heads of 128,
+# ``lax.scan`` over layers; tags ``layer_in``, ``qkv``, ``attn``, ``mlp_up``.
+
+NAMES = ("layer_in", "qkv", "attn", "mlp_up")
+WIDTH = {"layer_in": 1, "qkv": 3, "attn": 1, "mlp_up": 4}  # tensor elements per token, in H
+# ssd_nvme_sweep_K: the first K of these tag sets to nvme, the rest saved on the device
+SWEEP = (("layer_in",), ("layer_in", "attn"), ("layer_in", "attn", "qkv"), NAMES)
+DEFAULT_SHAPES = ((4096, 2048, 4, 8), (8192, 2048, 2, 4))  # H, S, B, L
+TINY_SHAPES = ((256, 128, 2, 2),)
+HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """Where a policy puts the four tags. Untagged values are always recomputed."""
+
+  offloaded: tuple[str, ...] = ()  # tags that leave the device
+  saved: tuple[str, ...] = ()  # tags saved on the device
+  via: str = "pinned_host"  # offload target: JAX's pinned_host, or ssd "host" / "nvme"
+  remat: bool = True  # False: no jax.checkpoint at all
+  small_cache: bool = False  # host cache of bench_rok's --sweep-host-cache
+
+  @property
+  def ssd(self) -> bool:
+    return self.via in ("host", "nvme")
+
+  def policy(self, min_bytes: int):
+    import jax
+
+    cp = jax.checkpoint_policies
+    if not self.remat:
+      return None
+    if self.ssd:
+      import jax_ssdtrain as ssd
+
+      return ssd.offload_policy(self.offloaded, self.saved, min_bytes=min_bytes, location=self.via)
+    if self.offloaded:
+      return cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(self.saved),
+        names_which_can_be_offloaded=list(self.offloaded),
+        offload_src="device",
+        offload_dst="pinned_host",
+      )
+    return cp.save_only_these_names(*self.saved) if self.saved else cp.nothing_saveable
+
+
+def _rest(names):
+  return tuple(n for n in NAMES if n not in names)
+
+
+POLICIES = {
+  "keep": Spec(remat=False),
+  "recompute": Spec(),
+  "selective": Spec(saved=NAMES),
+  "jax_host_layer_in": Spec(offloaded=("layer_in",)),
+  "jax_host_named": Spec(offloaded=NAMES),
+  "ssd_host_named": Spec(offloaded=NAMES, via="host"),
+  "ssd_host_layer_in": Spec(offloaded=("layer_in",), via="host"),
+  "ssd_nvme_named": Spec(offloaded=NAMES, via="nvme"),
+  "ssd_nvme_layer_in": Spec(offloaded=("layer_in",), via="nvme"),
+  **{
+    f"ssd_nvme_sweep_{k}": Spec(offloaded=s, saved=_rest(s), via="nvme", small_cache=True)
+    for k, s in enumerate(SWEEP, 1)
+  },
+}
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+  """``"H,S,B,L"`` -> ``(H, S, B, L)``; an argparse type (H a multiple of HEAD_DIM)."""
+  try:
+    shape = tuple(int(v) for v in text.split(","))
+  except ValueError:
+    shape = ()
+  if len(shape) != 4 or min(shape) <= 0 or shape[0] % HEAD_DIM:
+    raise argparse.ArgumentTypeError(
+      f"expected H,S,B,L with H a multiple of {HEAD_DIM}, got {text!r}"
+    )
+  return shape
+
+
+def model_flops(H, S, B, L):
+  """Forward + backward FLOPs of the stack, causal attention."""
+  return L * (24 * B * S * H * H + 2 * B * S * S * H) * 3
+
+
+def offload_bytes(spec: Spec, H, S, B, L, min_bytes) -> int:
+  """Bytes per step that the policy sends off the device, from the shapes."""
+  sizes = [WIDTH[n] * B * S * H * 2 for n in spec.offloaded]  # bf16
+  return L * sum(b for b in sizes if b >= min_bytes or not spec.ssd)
+
+
+def make_layer(heads: int, attention_impl):
+  """One block of the stack: ``layer(x, p) -> x`` with x (B, S, H) and p one layer's weights."""
+  import jax
+  import jax.numpy as jnp
+  from jax.ad_checkpoint import checkpoint_name
+
+  def rms(x):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+  def layer(x, p):
+    B, S, H = x.shape
+    x = checkpoint_name(x, "layer_in")
+    qkv = checkpoint_name(rms(x) @ p["wqkv"], "qkv")
+    q, k, v = jnp.split(qkv.reshape(B, S, 3 * heads, H // heads), 3, axis=2)
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
+    a = checkpoint_name(a.reshape(B, S, H), "attn")
+    x = x + a @ p["wo"]
+    u = checkpoint_name(rms(x) @ p["w1"], "mlp_up")
+    return x + jax.nn.gelu(u) @ p["w2"]
+
+  return layer
+
+
+def make_step(policy, heads: int, attention_impl):
+  """jit(value_and_grad) of the whole stack, each layer under ``policy`` (None: no remat)."""
+  import jax
+  import jax.numpy as jnp
+
+  layer = make_layer(heads, attention_impl)
+  body = lambda x, p: (layer(x, p), None)  # noqa: E731
+  if policy is not None:
+    body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+
+  def loss(params, x):
+    y, _ = jax.lax.scan(body, x, params)
+    return jnp.mean(y.astype(jnp.float32) ** 2)
+
+  return jax.jit(jax.value_and_grad(loss))
+
+
+def stack_params(H, S, B, L):
+  """``(params, x)``: the stacked weights of L layers (leading axis L) and an input (B, S, H)."""
+  import jax
+  import jax.numpy as jnp
+
+  k = jax.random.split(jax.random.key(0), 5)
+
+  def w(kk, shape):
+    return (jax.random.normal(kk, (L,) + shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
+
+  params = {
+    "wqkv": w(k[0], (H, 3 * H)),
+    "wo": w(k[1], (H, H)),
+    "w1": w(k[2], (H, 4 * H)),
+    "w2": w(k[3], (4 * H, H)),
+  }
+  return params, jax.random.normal(k[4], (B, S, H), jnp.bfloat16)

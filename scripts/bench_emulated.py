@@ -1,20 +1,20 @@
-#!/usr/bin/env python
 """ROK curves for faster arrays, emulated: step time and model TFLOP/s against offloaded bytes
 per step, for stores on RAM (``/dev/shm``) capped at 7, 14 and 28 GB/s per direction
 (``bandwidth_cap``), and the real disk uncapped.
 
-The points are the ``ssd_nvme_sweep_*`` policies of ``bench_rok.py`` (growing subsets of the
-tags sent to the store, the rest saved on the device; host cache of ``--sweep-host-cache`` so
-that the store is really used), each in a process of its own through bench_rok's child; the
+The points are the ``ssd_nvme_sweep_*`` policies of the benchmarks' stack (growing subsets of
+the tags sent to the store, the rest saved on the device; host cache of ``--sweep-host-cache`` so
+that the store is really used), each in a process of its own through
+``scripts.bench_rok.run_policy``; the
 ``selective`` policy (nothing offloaded) is the baseline. Each store is probed first
 (``jax_ssdtrain.probe``, through the engine, with its cap). Writes ``emulated_<device>_<date>
 .json``, a table and a PNG to ``--out``. ``--budget-s`` skips the points left when the run
 has taken that long (default 330 s, so that the run ends within about 6 minutes).
 
-    python scripts/bench_emulated.py            # 4096,2048,4,8; sweep 2,3,4; 7/14/28 GB/s; disk
-    python scripts/bench_emulated.py --caps 7,28 --points 2,4 --no-disk
-    python scripts/bench_emulated.py --tiny --caps 0.02 --points 4 --no-disk --no-probe  # CPU smoke
-    python scripts/bench_emulated.py --replot benchmarks/emulated_*.json
+    python -m scripts.bench_emulated          # 4096,2048,4,8; sweep 2,3,4; 7/14/28 GB/s; disk
+    python -m scripts.bench_emulated --caps 7,28 --points 2,4 --no-disk
+    python -m scripts.bench_emulated --tiny --caps 0.02 --points 4 --no-disk --no-probe  # CPU smoke
+    python -m scripts.bench_emulated --replot benchmarks/emulated.json   # table and plot again
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common as common  # noqa: E402
-import bench_rok as rok  # noqa: E402  (puts the checkout's jax_ssdtrain on sys.path)
+from scripts import bench_common as common
+from scripts import bench_rok
 
 DEFAULT_SHAPE = (4096, 2048, 4, 8)
 DEFAULT_CAPS = (7.0, 14.0, 28.0)  # GB/s
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
     for s in stores:
       s["probe"] = probe(args, s)
     base_args = rok_args(args, None)
-    rows.append(row_of(rok.run_policy(base_args, BASELINE, args.shape, shm_dir, rows), None))
+    rows.append(row_of(bench_rok.run_policy(base_args, BASELINE, args.shape, shm_dir, rows), None))
     for s in stores:
       run_args = rok_args(args, s["cap_GBps"])
       for k in args.points:
@@ -81,7 +80,9 @@ def main(argv=None) -> int:
             )
           )
           continue
-        rows.append(row_of(rok.run_policy(run_args, name, args.shape, store_dirs(s), rows), s))
+        rows.append(
+          row_of(bench_rok.run_policy(run_args, name, args.shape, store_dirs(s), rows), s)
+        )
   finally:
     for d in made:
       shutil.rmtree(d, ignore_errors=True)
@@ -148,16 +149,16 @@ def rok_args(args, cap_gbps: float | None):
     options.append(f"bandwidth_cap={int(cap_gbps * 1e9)}")
   for opt in options:
     argv += ["--ssd", opt]
-  return rok.parse_args(argv)
+  return bench_rok.parse_args(argv)
 
 
 def check_space(args, shm_dir: str) -> None:
   """The RAM store must hold a step's offload (slots are reused across steps) and the probe."""
-  from jax_ssdtrain._src.config import parse_size  # imports JAX; starts no backend
+  from jax_ssdtrain import parse_size  # imports JAX; starts no backend
 
   min_bytes = args.min_bytes if args.min_bytes is not None else (0 if args.tiny else 1 << 20)
   step = max(
-    rok.offload_bytes(rok.POLICIES[f"ssd_nvme_sweep_{k}"], *args.shape, min_bytes)
+    common.offload_bytes(common.POLICIES[f"ssd_nvme_sweep_{k}"], *args.shape, min_bytes)
     for k in args.points
   )
   probe_bytes = 0 if args.no_probe else parse_size(args.probe_size, what="--probe-size")
@@ -373,9 +374,9 @@ def _points(text: str):
     points = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
   except ValueError:
     points = ()
-  if not points or not set(points) <= set(range(1, len(rok.SWEEP) + 1)):
+  if not points or not set(points) <= set(range(1, len(common.SWEEP) + 1)):
     raise argparse.ArgumentTypeError(
-      f"expected sweep points among 1..{len(rok.SWEEP)} separated by commas, got {text!r}"
+      f"expected sweep points among 1..{len(common.SWEEP)} separated by commas, got {text!r}"
     )
   return points
 
@@ -386,7 +387,7 @@ def parse_args(argv=None):
   )
   p.add_argument(
     "--shape",
-    type=rok._shape,
+    type=common.parse_shape,
     default=None,
     help="H,S,B,L (default 4096,2048,4,8; --tiny: 256,128,2,2)",
   )
@@ -402,7 +403,7 @@ def parse_args(argv=None):
     type=_points,
     default=DEFAULT_POINTS,
     help="ssd_nvme_sweep_K points (default 2,3,4): "
-    + "; ".join(f"{k}: {'+'.join(s)}" for k, s in enumerate(rok.SWEEP, 1)),
+    + "; ".join(f"{k}: {'+'.join(s)}" for k, s in enumerate(common.SWEEP, 1)),
   )
   p.add_argument(
     "--stripes",
@@ -449,7 +450,7 @@ def parse_args(argv=None):
     help="skip the points left once the run has taken this long (default 330)",
   )
   p.add_argument("--child-timeout", type=float, default=300)
-  p.add_argument("--out", type=Path, default=common.REPO_ROOT / "benchmarks")
+  common.add_out_option(p)
   p.add_argument(
     "--replot", type=Path, nargs="+", metavar="JSON", help="table and plot of saved JSON(s) again"
   )
@@ -457,7 +458,7 @@ def parse_args(argv=None):
   if args.steps < 1 or args.warmup < 1:
     p.error("--steps and --warmup must be >= 1")
   if args.shape is None:
-    args.shape = rok.TINY_SHAPES[0] if args.tiny else DEFAULT_SHAPE
+    args.shape = common.TINY_SHAPES[0] if args.tiny else DEFAULT_SHAPE
   for opt in args.ssd:
     if "=" not in opt:
       p.error(f"--ssd: expected KEY=VALUE, got {opt!r}")

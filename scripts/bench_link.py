@@ -1,6 +1,6 @@
 """The PCIe link next to running kernels: what a plain pinned copy reaches while the GPU computes.
 
-    python scripts/bench_link.py --out benchmarks [--size 1GiB] [--repeats 10] [--load-s 2]
+    python -m scripts.bench_link [--out DIR] [--size 1GiB] [--repeats 10] [--load-s 2]
 
 The engine's host-tier copies run next to the step's kernels. This measures the reference they
 should be held to: ``cudaMemcpyAsync`` between registered host memory (as the engine's arenas)
@@ -15,7 +15,7 @@ Each loaded row dispatches the loop (sized to run ``--load-s`` seconds alone) on
 buffers are ready (``probe_link``'s ``on_ready``: allocating pinned and device memory may wait
 for running kernels), and checks that the loop was still running when the last copy ended (else
 the row is marked ``overlap: false`` and the script exits 1). Writes
-OUT/link_load_<device>_<date>.json, .md and .png.
+OUT/link_load_<device>_<date>.json, .md and .png (``--out``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_common  # noqa: E402
+from scripts import bench_common
 
 LOADS = ("idle", "matmul", "hbm")
 
@@ -186,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     default=2.0,
     help="seconds the loaded loops run alone (the copies must fit inside)",
   )
-  p.add_argument("--out", type=Path, default=Path("benchmarks"))
+  bench_common.add_out_option(p)
   args = p.parse_args(argv)
-  from jax_ssdtrain._src.config import parse_size
+  from jax_ssdtrain import parse_size
 
   try:
     size = parse_size(args.size, what="--size")
@@ -206,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
   args.out.mkdir(parents=True, exist_ok=True)
   stem = args.out / f"link_load_{bench_common.slug(device)}_{bench_common.today()}"
   doc = {
+    "date": bench_common.today(),
     "env": bench_common.host_env(),
     "device": device,
     "size": size,

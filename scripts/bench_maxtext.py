@@ -1,6 +1,6 @@
 """MaxText's own trainer: its remat presets, its pinned-host offload and ours, side by side.
 
-    python scripts/bench_maxtext.py --out benchmarks [--set minimal|qkv|all | --variants V,V,...]
+    python -m scripts.bench_maxtext [--out DIR] [--set minimal|qkv|all | --variants V,V,...]
         [--steps 10] [--warmup 3] [--budget-s S] [--store-dir DIR] [--ssd KEY=VALUE ...] [--tiny]
         [MaxText key=value ...]
 
@@ -37,8 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_common  # noqa: E402
+from scripts import bench_common
 
 # Each set: its variants (most wanted first: a run cut short by --budget-s keeps those) and the
 # variant whose step time the others are compared with (MaxText saving the same tags on device).
@@ -309,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
   )
   p.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke runs)")
   p.add_argument("--timeout", type=float, default=1800, help="per variant, seconds")
-  p.add_argument("--out", type=Path, default=Path("benchmarks"))
+  bench_common.add_out_option(p)
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
   p.add_argument("--config", default=None, help=argparse.SUPPRESS)
   args, maxtext_args = p.parse_known_args(argv)
@@ -352,7 +351,13 @@ def main(argv: list[str] | None = None) -> int:
   args.out.mkdir(parents=True, exist_ok=True)
   set_suffix = "" if args.variants or args.set == "minimal" else f"_{args.set}"
   stem = args.out / f"maxtext_{bench_common.today()}{set_suffix}{'_tiny' if args.tiny else ''}"
-  result = {"env": bench_common.host_env(), "config": config, "reference": reference, "rows": []}
+  result = {
+    "date": bench_common.today(),
+    "env": bench_common.host_env(),
+    "config": config,
+    "reference": reference,
+    "rows": [],
+  }
   t_start = time.monotonic()
   longest = 0.0
   for v in variants:
@@ -373,7 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== {v}: MaxText train.main, {args.steps} steps", flush=True)
     t0 = time.monotonic()
     row = bench_common.run_json_child(
-      [sys.executable, __file__, "--child", v, "--config", json.dumps(config)], timeout=timeout
+      bench_common.module_command(
+        "scripts.bench_maxtext", "--child", v, "--config", json.dumps(config)
+      ),
+      timeout=timeout,
     )
     row.setdefault("variant", v)
     row["process_s"] = time.monotonic() - t0

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Weak scaling of GPT training with offload over 1 and 2 GPUs of one host (DP and FSDP).
 
 Per-GPU work is fixed (``--batch-per-gpu`` sequences of ``--seq`` tokens); each GPU stores its
@@ -12,11 +11,13 @@ efficiency (tokens/s per GPU with N GPUs / with 1 GPU), plus the no-offload refe
   the run must stay under 6 minutes with its compilations).
 
 One child process per GPU count (``CUDA_VISIBLE_DEVICES``) runs its configurations one after
-the other; this process only orchestrates and writes ``multigpu_<device>_<date>.json`` + a table.
+the other; this process only orchestrates and writes ``multigpu_<device>_<date>.json``, a table
+(``.md``) and a plot (``.png``) to ``--out``.
 
-    python scripts/bench_multigpu.py                       # 2 H200: ~4-5 min with compiles
-    python scripts/bench_multigpu.py --preset medium --batch-per-gpu 8 --steps 10
-    python scripts/bench_multigpu.py --cpu-smoke           # 2 CPU devices, tiny preset
+    python -m scripts.bench_multigpu                       # 2 H200: ~4-5 min with compiles
+    python -m scripts.bench_multigpu --preset medium --batch-per-gpu 8 --steps 10
+    python -m scripts.bench_multigpu --cpu-smoke           # 2 CPU devices, tiny preset
+    python -m scripts.bench_multigpu --replot benchmarks/multigpu.json   # table and plot again
 """
 
 from __future__ import annotations
@@ -29,11 +30,9 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common as common  # noqa: E402
-
-sys.path.append(str(common.REPO_ROOT))  # jax_ssdtrain and models from the checkout
+from scripts import bench_common as common
 
 POLICIES = ("offload", "remat", "keep")
 LAYOUTS = ("dp", "fsdp")
@@ -43,6 +42,10 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   if args.child:
     return child(json.loads(args.child))
+  if args.replot:
+    doc = json.loads(args.replot.read_text())
+    write(doc, str(args.replot))
+    return 0
   store_root = args.store_dir or tempfile.mkdtemp(prefix="ssd_multigpu-")
   try:
     return _orchestrate(args, store_root)
@@ -83,7 +86,7 @@ def _orchestrate(args, store_root: str) -> int:
     else:
       env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
     out = common.run_json_child(
-      [sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)],
+      common.module_command("scripts.bench_multigpu", "--child", json.dumps(cfg)),
       timeout=args.child_timeout,
       env=env,
     )
@@ -96,6 +99,7 @@ def _orchestrate(args, store_root: str) -> int:
       print(out.get("stderr_tail", ""), file=sys.stderr)
   rows = scaling_rows(results, args.gpus)
   doc = {
+    "date": common.today(),
     "env": common.host_env() | {"device_kind": results[1].get("device_kind")},
     "config": base | {"gpus": args.gpus, "store_dir": store_root},
     "runs": results,
@@ -104,15 +108,51 @@ def _orchestrate(args, store_root: str) -> int:
   }
   os.makedirs(args.out, exist_ok=True)
   kind = common.slug(results[1].get("device_kind") or "unknown")
-  path = os.path.join(args.out, f"multigpu_{kind}_{common.today()}.json")
-  with open(path, "w") as f:
-    json.dump(doc, f, indent=1)
-  table = format_table(rows, args.gpus)
-  with open(path[:-5] + ".md", "w") as f:
-    f.write(table + "\n")
-  print(table)
-  print(f"wrote {path} (+ .md); wall {doc['wall_s']:.0f} s")
+  write(doc, os.path.join(args.out, f"multigpu_{kind}_{doc['date']}.json"))
+  print(f"wall {doc['wall_s']:.0f} s")
   return 1 if any(r.get("error") for r in results.values()) else 0
+
+
+def write(doc: dict, path: str) -> None:
+  """PATH (the JSON), PATH's .md (the table) and, with matplotlib, its .png."""
+  gpus = doc["config"]["gpus"]
+  stem = Path(path).with_suffix("")
+  common.write_results(
+    stem, doc, format_table(doc["rows"], gpus), lambda plt, png: plot(plt, doc, png)
+  )
+  print(f"wrote {stem}.json (+ .md)")
+
+
+def plot(plt, doc: dict, path: Path) -> bool:
+  """Weak-scaling efficiency per layout and policy, each bar labelled with its step times."""
+  rows = [r for r in doc["rows"] if r.get("efficiency")]
+  if not rows:
+    return False
+  n, cfg = doc["config"]["gpus"], doc["config"]
+  fig, ax = plt.subplots(figsize=(7, 4))
+  labels = [f"{r['layout']} {r['policy']}" for r in rows]
+  bars = ax.bar(labels, [100 * r["efficiency"] for r in rows], color="tab:blue")
+  for bar, r in zip(bars, rows):
+    ax.annotate(
+      f"{100 * r['efficiency']:.1f}%\n{r['step_ms_1']:.0f} -> {r['step_ms_n']:.0f} ms",
+      (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+      ha="center",
+      va="bottom",
+      fontsize=8,
+    )
+  ax.axhline(100, color="k", lw=0.6)
+  ax.set(
+    ylim=(0, 125),
+    ylabel=f"tokens/s per GPU, {n} GPUs / 1 GPU (%)",
+    title=f"weak scaling, GPT {cfg['preset']}, {cfg['batch_per_gpu']} x {cfg['seq']} tokens "
+    f"per GPU, {doc['env'].get('device_kind')}",
+  )
+  ax.title.set_fontsize(9)
+  ax.grid(alpha=0.3, axis="y")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,13 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--host-cache", default="4GiB", help="engine host cache per process")
   p.add_argument("--store-dir", default=None, help="root of the per-GPU store directories")
-  p.add_argument("--out", default=str(common.REPO_ROOT / "benchmarks"))
+  common.add_out_option(p)
   p.add_argument("--child-timeout", type=float, default=330)
   p.add_argument(
     "--cpu-smoke",
     action="store_true",
     help="CPU devices and the tiny preset (tests the script, not the speed)",
   )
+  p.add_argument("--replot", type=Path, metavar="JSON", help="table and plot of a saved JSON again")
   p.add_argument("--child", help=argparse.SUPPRESS)
   return p
 

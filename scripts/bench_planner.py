@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Is the planner's model honest? Predicted vs measured step time, and a device-memory cap.
 
-For the GPT-like stack of ``bench_rok.py`` (its layer and weights, reused) and the models'
-GPT presets: profile one layer (``jax_ssdtrain.profile``), plan (``auto``: every location;
+For the GPT-like stack of the benchmarks (``scripts.bench_common``: bench_rok's layer and
+weights) and the models' GPT presets: profile one layer (``jax_ssdtrain.profile``), plan (``auto``: every location;
 ``auto_nvme``: device / remat / nvme only), and measure side by side in one process:
 ``keep`` (no remat), ``selective`` (every tag saved on the device), ``auto``, ``auto_nvme``.
 Reports predicted vs measured step ms, step over keep, and the share of the disk's allowance
@@ -16,11 +15,12 @@ staging arena for ours); then, under each cap, every policy's best fitting batch
 and ``auto_nvme`` from ``jax_ssdtrain.plan_for_budget`` measured beside them.
 
 Writes ``planner_<device>_<date>.json``, a markdown table (``.md``) and plots (``.png``,
-``_cap.png``).
+``_cap.png``) to ``--out``; ``--replot`` merges saved runs into one (their parts in order).
 
-    python scripts/bench_planner.py --store-dir /var/tmp/plan          # everything (~8 min H100)
-    python scripts/bench_planner.py --shape 4096,2048,4,8 --no-presets --no-cap
-    python scripts/bench_planner.py --tiny --steps 2 --warmup 1 --out /tmp/p   # CPU smoke
+    python -m scripts.bench_planner --store-dir /var/tmp/plan          # everything (~8 min H100)
+    python -m scripts.bench_planner --shape 4096,2048,4,8 --no-presets --no-cap
+    python -m scripts.bench_planner --tiny --steps 2 --warmup 1 --out /tmp/p   # CPU smoke
+    python -m scripts.bench_planner --replot a.json b.json --out DIR  # one table and plot
 """
 
 from __future__ import annotations
@@ -36,13 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common as common  # noqa: E402
-import bench_rok as rok  # noqa: E402
+from scripts import bench_common as common
+from scripts.bench_common import HEAD_DIM, POLICIES, make_layer, model_flops, stack_params
 
-sys.path.append(str(common.REPO_ROOT))  # jax_ssdtrain and models/ from the checkout
-
-TINY_SHAPES = ((256, 128, 2, 2),)
+TINY_SHAPES = common.TINY_SHAPES
 
 
 def split_step(layer, policies, split: int):
@@ -100,14 +97,13 @@ def time_steps(fn, args, steps: int, warmup: int) -> list[float]:
 
 
 def host_all_plan(prof, min_bytes: int):
-  """Every tag of every layer in the host tier (bench_rok's ssd_host_named), as the planner
-  predicts it, with the staging arena it sizes for it (``Plan.staging_bytes``)."""
-  from jax_ssdtrain import Location
-  from jax_ssdtrain._src import planner
+  """Every tag (of at least ``min_bytes``) of every layer in the host tier (bench_rok's
+  ssd_host_named), as the planner predicts it, with the staging arena it sizes for it
+  (``Plan.staging_bytes``): of the plans that use the host tier alone, the one with the least
+  device memory (the last of their Pareto front)."""
+  import jax_ssdtrain as ssd
 
-  locations = {t.name: Location.HOST for t in prof.tags}
-  baseline = planner.simulate(prof, 0, locations)[0]
-  return planner._evaluate(prof, prof.num_layers, locations, baseline, min_bytes)
+  return ssd.frontier(prof, allowed=("host",), min_bytes=min_bytes)[-1]
 
 
 STACK_POLICIES = ("keep", "selective", "auto", "auto_nvme", "host_all")
@@ -159,8 +155,8 @@ def run_stack(args, shape, bandwidth) -> dict:
 
   H, S, B, L = shape
   impl = "cudnn" if jax.default_backend() == "gpu" else None
-  layer = rok.make_layer(H // rok.HEAD_DIM, impl)
-  params, x = rok.init(*shape)
+  layer = make_layer(H // HEAD_DIM, impl)
+  params, x = stack_params(*shape)
   one = jax.tree.map(lambda a: a[0], params)
   t0 = time.perf_counter()
   prof = ssd.profile(
@@ -215,7 +211,7 @@ def run_stack(args, shape, bandwidth) -> dict:
         "step_ms": ms,
         "step_ms_all": [t * 1e3 for t in times],
         "device_GB": device_bytes(compiled) / 1e9,
-        "model_tflops": rok.model_flops(*shape) / ms / 1e9,
+        "model_tflops": model_flops(*shape) / ms / 1e9,
         "offload_GB_per_step": st.get("bytes_written", 0) / 1e9 / (args.steps + args.warmup),
         "disk_MB_written_per_step": st.get("disk_bytes_written", 0)
         / 1e6
@@ -347,7 +343,7 @@ CAP_SSD_POLICIES = ("ssd_host_layer_in", "ssd_host_named")
 def run_cap(args, shape, bandwidth) -> dict:
   """Policy x batch x tokens/s, then the best of each under every cap in ``--cap-gb``.
 
-  Grid: every fixed policy (JAX's and two of ours, ``bench_rok.POLICIES``) at every batch of
+  Grid: every fixed policy (JAX's and two of ours, ``bench_POLICIES``) at every batch of
   ``--cap-batches`` whose compiled step fits the largest cap of ``--cap-gb`` (device bytes
   from XLA's memory analysis, plus the engine's staging arena for ours). Under each cap: each
   policy's best fitting batch, and ``auto`` / ``auto_nvme`` from ``plan_for_budget`` with a
@@ -361,10 +357,10 @@ def run_cap(args, shape, bandwidth) -> dict:
   caps = sorted(args.cap_gb)
   ceiling = int(caps[-1] * 1e9)
   impl = "cudnn" if jax.default_backend() == "gpu" else None
-  layer = rok.make_layer(H // rok.HEAD_DIM, impl)
+  layer = make_layer(H // HEAD_DIM, impl)
   staging = ssd.current_config().staging_bytes if jax.default_backend() == "gpu" else 0
   batches = sorted(set(args.cap_batches))
-  params, _ = rok.init(H, S, 1, L)
+  params, _ = stack_params(H, S, 1, L)
   xs = {
     b: jax.random.normal(jax.random.key(b), (b, S, H), jax.numpy.bfloat16) for b in batches
   }  # (b,S,H)
@@ -388,7 +384,7 @@ def run_cap(args, shape, bandwidth) -> dict:
 
   grid = []
   for name in args.cap_policies:
-    spec = rok.POLICIES[name]
+    spec = POLICIES[name]
     pol = spec.policy(args.min_bytes)
     for b in batches:  # ascending: once a batch exceeds the largest cap, larger ones do too
       step, step_args, used = compiled((name, b), (pol, pol), 0, b, spec.ssd)
@@ -476,9 +472,7 @@ def run_cap(args, shape, bandwidth) -> dict:
       ):
         best[r["policy"]] = r
     rows = [
-      best.get(
-        n, {"policy": n, "jax": not rok.POLICIES[n].ssd, "batch": None, "note": "no batch fits"}
-      )
+      best.get(n, {"policy": n, "jax": not POLICIES[n].ssd, "batch": None, "note": "no batch fits"})
       for n in args.cap_policies
     ]
     for name, allowed in (
@@ -536,8 +530,10 @@ def run_cap(args, shape, bandwidth) -> dict:
 
 def table(doc: dict) -> str:
   out = [
-    f"store bandwidth (GB/s): write {doc['bandwidth'][0]:.2f}, read {doc['bandwidth'][1]:.2f}"
-    f" ({doc['bandwidth_source']})"
+    f"store bandwidth (GB/s): write {src['bandwidth'][0]:.2f}, read {src['bandwidth'][1]:.2f}"
+    f" ({src['bandwidth_source']})"
+    + (f", {src['date']}: {src.get('file')}" if "sources" in doc else "")
+    for src in doc.get("sources", [doc])
   ]
   modelled = [part for part in doc["parts"] if part["kind"] != "cap" and "error" not in part]
   if modelled:
@@ -683,28 +679,31 @@ def plot(doc: dict, path: Path) -> str | None:
   ]
   if not rows:
     return None
-  fig, ax = plt.subplots(figsize=(6.5, 6))
-  for label, r in rows:
-    ax.scatter(r["step_ms"], r["predicted_ms"], s=40)
+  # predicted / measured per row, one bar each: readable whatever the step times' scale
+  fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.3 * len(rows)))
+  ys = list(range(len(rows)))[::-1]
+  err = [100 * (r["predicted_ms"] / r["step_ms"] - 1) for _, r in rows]
+  ax.barh(ys, err, color=["tab:red" if abs(e) > 10 else "tab:blue" for e in err])
+  for y, e, (_, r) in zip(ys, err, rows):
     ax.annotate(
-      f"{label} {r['policy']}",
-      (r["step_ms"], r["predicted_ms"]),
+      f" {r['predicted_ms']:.1f} / {r['step_ms']:.1f} ms",
+      (e, y),
+      va="center",
+      ha="left" if e >= 0 else "right",
       fontsize=7,
-      xytext=(3, 3),
-      textcoords="offset points",
     )
-  hi = max(max(r["step_ms"], r["predicted_ms"]) for _, r in rows) * 1.1
-  ax.plot([0, hi], [0, hi], "k-", lw=0.7, label="exact")
-  ax.fill_between([0, hi], [0, hi * 0.9], [0, hi * 1.1], alpha=0.15, label="±10%")
+  ax.set_yticks(ys, [f"{label} {r['policy']}" for label, r in rows], fontsize=7)
+  for x in (-10, 10):
+    ax.axvline(x, color="grey", ls=":", lw=0.8)
+  ax.axvline(0, color="k", lw=0.7)
+  lim = max(15.0, 1.4 * max(abs(e) for e in err))
   ax.set(
-    xlabel="measured step ms",
-    ylabel="predicted step ms",
-    xlim=(0, hi),
-    ylim=(0, hi),
+    xlim=(-lim, lim),
+    xlabel="predicted / measured step - 1 (%); labels: predicted / measured",
     title=f"planner model, {doc['env'].get('device_kind')}",
   )
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
+  ax.title.set_fontsize(9)
+  ax.grid(alpha=0.3, axis="x")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -737,10 +736,10 @@ def _numbers(kind):
 
 def _cap_policies(text):
   out = [v for v in text.split(",") if v]
-  unknown = [v for v in out if v not in rok.POLICIES]
+  unknown = [v for v in out if v not in POLICIES]
   if not out or unknown:
     raise argparse.ArgumentTypeError(
-      f"unknown policies {unknown} in {text!r}; known: {sorted(rok.POLICIES)}"
+      f"unknown policies {unknown} in {text!r}; known: {sorted(POLICIES)}"
     )
   return out
 
@@ -751,7 +750,7 @@ def parse_args(argv=None):
   )
   p.add_argument(
     "--shape",
-    type=rok._shape,
+    type=common.parse_shape,
     action="append",
     help="H,S,B,L of the bench_rok stack (default: 4096,2048,4,8 and 8192,2048,2,4)",
   )
@@ -774,7 +773,7 @@ def parse_args(argv=None):
   )
   p.add_argument(
     "--cap-shape",
-    type=rok._shape,
+    type=common.parse_shape,
     default=(4096, 2048, 4, 8),
     help="H,S,_,L of the cap experiment (the batch comes from --cap-batches)",
   )
@@ -816,13 +815,21 @@ def parse_args(argv=None):
   )
   p.add_argument("--store-dir", default=None, help="default: $SSDTRAIN_DIR or a temp dir")
   p.add_argument("--tiny", action="store_true", help="CPU smoke: tiny shapes, preset tiny")
-  p.add_argument("--out", type=Path, default=common.REPO_ROOT / "benchmarks")
+  p.add_argument(
+    "--replot",
+    type=Path,
+    nargs="+",
+    metavar="JSON",
+    help="table and plots of saved JSON(s) again; several are merged into "
+    "--out/planner_<device>_<date>.json",
+  )
+  common.add_out_option(p)
   args = p.parse_args(argv)
   if args.steps < 1 or args.warmup < 1:
     p.error("--steps and --warmup must be >= 1")
   if args.cap_at is not None and args.cap_at not in args.cap_policies:
     p.error(f"--cap-at {args.cap_at!r} is not one of --cap-policies {args.cap_policies}")
-  args.shapes = args.shape or (TINY_SHAPES if args.tiny else rok.DEFAULT_SHAPES)
+  args.shapes = args.shape or (TINY_SHAPES if args.tiny else common.DEFAULT_SHAPES)
   args.preset_list = [] if args.no_presets else [s for s in args.presets.split(",") if s]
   if args.min_bytes is None:
     args.min_bytes = 0 if args.tiny else 1 << 20
@@ -833,8 +840,40 @@ def parse_args(argv=None):
   return args
 
 
+def replot(paths: list[Path], out: Path) -> int:
+  """Saved runs as one: their parts in order, each run's date, store bandwidth and arguments
+  in ``sources``; written to OUT/planner_<device>_<date of the first>.json (.md, .png)."""
+  docs = [json.loads(path.read_text()) for path in paths]
+  if len(docs) == 1:
+    doc, path = docs[0], paths[0]
+  else:
+    keys = ("date", "env", "bandwidth", "bandwidth_source", "args")
+    doc = {
+      "date": docs[0]["date"],
+      "env": docs[0]["env"],
+      "sources": [
+        {"file": path.name} | {k: d.get(k) for k in keys} for path, d in zip(paths, docs)
+      ],
+      "parts": [part for d in docs for part in d["parts"]],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"planner_{common.slug(doc['env'].get('device_kind'))}_{doc['date']}.json"
+  write(doc, path)
+  return 0
+
+
+def write(doc: dict, path: Path) -> None:
+  path.write_text(json.dumps(doc, indent=1) + "\n")
+  text = table(doc)
+  path.with_suffix(".md").write_text(text + "\n")
+  print(text)
+  print(plot(doc, path.with_suffix(".png")) or f"wrote {path} (.md, .png)")
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.replot:
+    return replot(args.replot, args.out)
   import jax
 
   import jax_ssdtrain as ssd
@@ -877,12 +916,7 @@ def main(argv=None) -> int:
     "wall_s": time.perf_counter() - t0,
   }
   args.out.mkdir(parents=True, exist_ok=True)
-  path = args.out / f"planner_{common.slug(device)}_{doc['date']}.json"
-  path.write_text(json.dumps(doc, indent=1) + "\n")
-  text = table(doc)
-  path.with_suffix(".md").write_text(text + "\n")
-  print(text)
-  print(plot(doc, path.with_suffix(".png")) or f"wrote {path} (.md, .png)")
+  write(doc, args.out / f"planner_{common.slug(device)}_{doc['date']}.json")
   return 1 if any("error" in p for p in parts) else 0
 
 

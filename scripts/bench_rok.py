@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """ROK benchmark (Runtime / Offload / Keep): step time against device memory, per policy.
 
 A GPT-like block stack (bf16, heads of 128, ``lax.scan`` over layers; tags ``layer_in``,
@@ -7,13 +6,15 @@ selective, JAX pinned-host offload) and jax_ssdtrain's (host tier, NVMe, and a s
 growing subsets of the tags to NVMe, the rest saved on the device as in ``selective``). Each
 policy runs in a process of its own, so the peak memory is that policy's alone; this process
 only orchestrates, probes the store directory's raw bandwidth, and writes
-``rok_<device>_<date>.json``, a table and a ROK plot (PNG).
+``rok_<device>_<date>.json``, a table and a ROK plot (PNG) to ``--out``. The stack and the
+policies are ``scripts.bench_common``'s; ``run_policy`` (one policy in its own processes) is
+also what ``scripts.bench_emulated`` runs. From the repository root:
 
-    python scripts/bench_rok.py                              # DESIGN.md §3 shapes, every policy
-    python scripts/bench_rok.py --shape 4096,2048,4,8 --policies 'selective,ssd_nvme_sweep_*'
-    python scripts/bench_rok.py --merge ...                  # add rows to today's JSON in --out
-    python scripts/bench_rok.py --tiny --steps 2 --no-probe  # CPU smoke
-    python scripts/bench_rok.py --replot a.json b.json --out benchmarks   # merge runs
+    python -m scripts.bench_rok                        # 4096,2048,4,8 and 8192,2048,2,4, every policy
+    python -m scripts.bench_rok --shape 4096,2048,4,8 --policies 'selective,ssd_nvme_sweep_*'
+    python -m scripts.bench_rok --merge ...            # add rows to today's JSON in --out
+    python -m scripts.bench_rok --tiny --steps 2 --no-probe      # CPU smoke
+    python -m scripts.bench_rok --replot a.json b.json --out DIR  # runs merged: table and plot
 
 Policies: keep, recompute, selective (save the 4 tags), jax_host_layer_in, jax_host_named
 (JAX ``save_and_offload_only_these_names`` to pinned_host), ssd_host_named, ssd_nvme_named,
@@ -42,146 +43,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common as common  # noqa: E402
+from scripts import bench_common as common
+from scripts.bench_common import HEAD_DIM, POLICIES, make_step, model_flops, offload_bytes
 
-sys.path.append(str(common.REPO_ROOT))  # jax_ssdtrain from the checkout when not installed
-
-NAMES = ("layer_in", "qkv", "attn", "mlp_up")
-WIDTH = {"layer_in": 1, "qkv": 3, "attn": 1, "mlp_up": 4}  # tensor elements per token, in H
-SWEEP = (("layer_in",), ("layer_in", "attn"), ("layer_in", "attn", "qkv"), NAMES)
-DEFAULT_SHAPES = ((4096, 2048, 4, 8), (8192, 2048, 2, 4))  # H, S, B, L (DESIGN.md §3)
-TINY_SHAPES = ((256, 128, 2, 2),)
-HEAD_DIM = 128
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-  """Where a policy puts the four tags. Untagged values are always recomputed."""
-
-  offloaded: tuple[str, ...] = ()  # tags that leave the device
-  saved: tuple[str, ...] = ()  # tags saved on the device
-  via: str = "pinned_host"  # offload target: JAX's pinned_host, or ssd "host" / "nvme"
-  remat: bool = True  # False: no jax.checkpoint at all
-  small_cache: bool = False  # host cache of --sweep-host-cache
-
-  @property
-  def ssd(self) -> bool:
-    return self.via in ("host", "nvme")
-
-  def policy(self, min_bytes: int):
-    import jax
-
-    cp = jax.checkpoint_policies
-    if not self.remat:
-      return None
-    if self.ssd:
-      import jax_ssdtrain as ssd
-
-      return ssd.offload_policy(self.offloaded, self.saved, min_bytes=min_bytes, location=self.via)
-    if self.offloaded:
-      return cp.save_and_offload_only_these_names(
-        names_which_can_be_saved=list(self.saved),
-        names_which_can_be_offloaded=list(self.offloaded),
-        offload_src="device",
-        offload_dst="pinned_host",
-      )
-    return cp.save_only_these_names(*self.saved) if self.saved else cp.nothing_saveable
-
-
-def _rest(names):
-  return tuple(n for n in NAMES if n not in names)
-
-
-POLICIES = {
-  "keep": Spec(remat=False),
-  "recompute": Spec(),
-  "selective": Spec(saved=NAMES),
-  "jax_host_layer_in": Spec(offloaded=("layer_in",)),
-  "jax_host_named": Spec(offloaded=NAMES),
-  "ssd_host_named": Spec(offloaded=NAMES, via="host"),
-  "ssd_host_layer_in": Spec(offloaded=("layer_in",), via="host"),
-  "ssd_nvme_named": Spec(offloaded=NAMES, via="nvme"),
-  "ssd_nvme_layer_in": Spec(offloaded=("layer_in",), via="nvme"),
-  **{
-    f"ssd_nvme_sweep_{k}": Spec(offloaded=s, saved=_rest(s), via="nvme", small_cache=True)
-    for k, s in enumerate(SWEEP, 1)
-  },
-}
-
-
-def model_flops(H, S, B, L):
-  """fwd + bwd of the stack, causal attention (the formula of jax_rok_baseline.py)."""
-  return L * (24 * B * S * H * H + 2 * B * S * S * H) * 3
-
-
-def offload_bytes(spec: Spec, H, S, B, L, min_bytes) -> int:
-  """Bytes per step that the policy sends off the device, from the shapes."""
-  sizes = [WIDTH[n] * B * S * H * 2 for n in spec.offloaded]  # bf16
-  return L * sum(b for b in sizes if b >= min_bytes or not spec.ssd)
+DEFAULT_SHAPES, TINY_SHAPES = common.DEFAULT_SHAPES, common.TINY_SHAPES
 
 
 # ---------------------------------------------------------------------------------------------
 # Child: one policy, one shape, one JSON line
-
-
-def make_layer(heads: int, attention_impl):
-  """One block of the stack: ``layer(x, p) -> x`` with x (B, S, H) and p one layer's weights."""
-  import jax
-  import jax.numpy as jnp
-  from jax.ad_checkpoint import checkpoint_name
-
-  def rms(x):
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)).astype(x.dtype)
-
-  def layer(x, p):
-    B, S, H = x.shape
-    x = checkpoint_name(x, "layer_in")
-    qkv = checkpoint_name(rms(x) @ p["wqkv"], "qkv")
-    q, k, v = jnp.split(qkv.reshape(B, S, 3 * heads, H // heads), 3, axis=2)
-    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
-    a = checkpoint_name(a.reshape(B, S, H), "attn")
-    x = x + a @ p["wo"]
-    u = checkpoint_name(rms(x) @ p["w1"], "mlp_up")
-    return x + jax.nn.gelu(u) @ p["w2"]
-
-  return layer
-
-
-def make_step(policy, heads: int, attention_impl):
-  import jax
-  import jax.numpy as jnp
-
-  layer = make_layer(heads, attention_impl)
-  body = lambda x, p: (layer(x, p), None)  # noqa: E731
-  if policy is not None:
-    body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-
-  def loss(params, x):
-    y, _ = jax.lax.scan(body, x, params)
-    return jnp.mean(y.astype(jnp.float32) ** 2)
-
-  return jax.jit(jax.value_and_grad(loss))
-
-
-def init(H, S, B, L):
-  import jax
-  import jax.numpy as jnp
-
-  k = jax.random.split(jax.random.key(0), 5)
-  w = lambda kk, shape: (
-    (
-      jax.random.normal(kk, (L,) + shape, jnp.float32) * 0.02  # noqa: E731
-    ).astype(jnp.bfloat16)
-  )
-  params = {
-    "wqkv": w(k[0], (H, 3 * H)),
-    "wo": w(k[1], (H, H)),
-    "w1": w(k[2], (H, 4 * H)),
-    "w2": w(k[3], (4 * H, H)),
-  }
-  return params, jax.random.normal(k[4], (B, S, H), jnp.bfloat16)
 
 
 def _compare_fn():
@@ -302,7 +171,7 @@ def child(cfg: dict) -> int:
       options["host_cache_bytes"] = cfg["sweep_host_cache"]
     options.update(own_options)
     row["store_config"] = dataclasses.asdict(ssd.configure(directory=cfg["store_dir"], **options))
-  params, x0 = init(*shape)
+  params, x0 = common.stack_params(*shape)
   impl = "cudnn" if dev.platform == "gpu" else None
   compile_ = lambda policy: make_step(policy, H // HEAD_DIM, impl).lower(params, x0).compile()  # noqa: E731
   t0 = time.perf_counter()
@@ -373,18 +242,6 @@ def child(cfg: dict) -> int:
 # Parent: orchestration, table, plot
 
 
-def _shape(text: str):
-  try:
-    shape = tuple(int(v) for v in text.split(","))
-  except ValueError:
-    shape = ()
-  if len(shape) != 4 or min(shape) <= 0 or shape[0] % HEAD_DIM:
-    raise argparse.ArgumentTypeError(
-      f"expected H,S,B,L with H a multiple of {HEAD_DIM}, got {text!r}"
-    )
-  return shape
-
-
 def _policies(text: str):
   out = []
   for item in (p.strip() for p in text.split(",") if p.strip()):
@@ -425,7 +282,7 @@ def parse_args(argv=None):
   )
   p.add_argument(
     "--shape",
-    type=_shape,
+    type=common.parse_shape,
     action="append",
     help="H,S,B,L (repeatable; default: 4096,2048,4,8 and 8192,2048,2,4)",
   )
@@ -510,7 +367,7 @@ def parse_args(argv=None):
     action="store_true",
     help="record one timed step's device copies of every ssd row (Chrome trace)",
   )
-  p.add_argument("--out", type=Path, default=common.REPO_ROOT / "benchmarks")
+  common.add_out_option(p)
   p.add_argument(
     "--merge",
     action="store_true",
@@ -546,19 +403,27 @@ def _ok(row):
 
 
 def derive(doc: dict) -> None:
-  """Fields relative to other rows or to the probe (recomputed on merge and replot)."""
-  probe = doc.get("probe") or {}
-  selective = {_key(r)[1:]: r for r in doc["rows"] if r.get("policy") == "selective" and _ok(r)}
+  """Fields relative to other rows or to the probes (recomputed on merge and replot). Each row
+  is compared with the ``selective`` row and the probes of its own run (of merged runs: the
+  run in ``sources`` that its ``source`` names)."""
+  sources = doc.get("sources") or [doc]
+  src = lambda r: sources[r.get("source", 0)] if "sources" in doc else doc  # noqa: E731
+  selective = {
+    (r.get("source", 0), _key(r)[1:]): r
+    for r in doc["rows"]
+    if r.get("policy") == "selective" and _ok(r)
+  }
   for r in doc["rows"]:
     if not _ok(r):
       continue
-    sel = selective.get(_key(r)[1:])
+    sel = selective.get((r.get("source", 0), _key(r)[1:]))
     r["x_selective"] = r["step_ms_median"] / sel["step_ms_median"] if sel else None
     r["device_GB"] = (r.get("temp_GB") or 0) + (r.get("staging_GB_peak") or 0)
+    probe = src(r).get("probe") or {}
     for io in ("write", "read"):
       engine, raw = r.get(f"{io}_GBps"), probe.get(f"{io}_GBps")
       r[f"{io}_vs_probe"] = engine / raw if engine and raw else None
-    link = doc.get("link") or {}
+    link = src(r).get("link") or {}
     for way in ("d2h", "h2d"):
       engine, raw = r.get(f"link_{way}_GBps"), link.get(f"{way}_gbps")
       r[f"link_{way}_vs_probe"] = engine / raw if engine and raw else None
@@ -640,21 +505,25 @@ def table(doc: dict) -> str:
     for i in range(len(head))
   ]
   fmt = lambda ln: "  ".join(str(v).ljust(w) for v, w in zip(ln, widths)).rstrip()  # noqa: E731
-  probe = doc.get("probe") or {}
-  foot = (
-    f"probe ({probe.get('dir')}): best O_DIRECT write {probe['write_GBps']:.2f} GB/s, "
-    f"read {probe['read_GBps']:.2f} GB/s"
-    if probe.get("write_GBps")
-    else f"probe: {probe.get('note', 'not run')}"
-  )
-  link = doc.get("link") or {}
-  if link.get("d2h_gbps"):
-    foot += (
-      f"\nlink probe (pinned, {link['size'] / 2**30:.0f} GiB copies): D2H "
-      f"{link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} alone; "
-      f"{link['duplex_d2h_gbps']:.1f}/{link['duplex_h2d_gbps']:.1f} both at once"
+  foot = []
+  for src in doc.get("sources") or [doc]:
+    if "sources" in doc:
+      foot.append(f"{src['file']} ({src['date']}):")
+    probe = src.get("probe") or {}
+    foot.append(
+      f"probe ({probe.get('dir')}): best O_DIRECT write {probe['write_GBps']:.2f} GB/s, "
+      f"read {probe['read_GBps']:.2f} GB/s"
+      if probe.get("write_GBps")
+      else f"probe: {probe.get('note', 'not run')}"
     )
-  return "\n".join([fmt(head)] + [fmt(ln) for ln in lines] + [foot])
+    link = src.get("link") or {}
+    if link.get("d2h_gbps"):
+      foot.append(
+        f"link probe (pinned, {link['size'] / 2**30:.0f} GiB copies): D2H "
+        f"{link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} alone; "
+        f"{link['duplex_d2h_gbps']:.1f}/{link['duplex_h2d_gbps']:.1f} both at once"
+      )
+  return "\n".join([fmt(head)] + [fmt(ln) for ln in lines] + foot)
 
 
 def plot(doc: dict, path: Path) -> str | None:
@@ -662,11 +531,15 @@ def plot(doc: dict, path: Path) -> str | None:
   plt = common.pyplot()
   if plt is None:
     return "no plot: matplotlib is not installed"
-  shapes = sorted({_key(r)[1:] for r in doc["rows"] if _ok(r)})
+  # a pair of panels per shape of each run (merged runs: see replot)
+  shapes = sorted({(r.get("source", 0), *_key(r)[1:]) for r in doc["rows"] if _ok(r)})
   if not shapes:
     return "no plot: no successful rows"
-  probe_w = (doc.get("probe") or {}).get("write_GBps")
-  fig, axes = plt.subplots(len(shapes), 2, figsize=(14, 5.2 * len(shapes)), squeeze=False)
+  sources = doc.get("sources") or [doc]
+  # the right-hand panel (the NVMe sweep) only where a run has sweep rows
+  sweeps = any(r["policy"].startswith("ssd_nvme_sweep") for r in doc["rows"] if _ok(r))
+  cols = 2 if sweeps else 1
+  fig, axes = plt.subplots(len(shapes), cols, figsize=(7 * cols, 5.2 * len(shapes)), squeeze=False)
   markers = {
     "keep": "o",
     "recompute": "s",
@@ -676,8 +549,13 @@ def plot(doc: dict, path: Path) -> str | None:
     "ssd_nvme_sweep": "P",
     "ssd_nvme": "*",
   }
-  for (rok, ovh), shape in zip(axes, shapes):
-    rows = {r["policy"]: r for r in doc["rows"] if _ok(r) and _key(r)[1:] == shape}
+  for (rok, *right), (source, *shape) in zip(axes, shapes):
+    probe_w = (sources[source].get("probe") or {}).get("write_GBps")
+    rows = {
+      r["policy"]: r
+      for r in doc["rows"]
+      if _ok(r) and (r.get("source", 0), *_key(r)[1:]) == (source, *shape)
+    }
     for name, r in rows.items():
       family = next(f for f in markers if name.startswith(f))
       rok.scatter(
@@ -699,11 +577,15 @@ def plot(doc: dict, path: Path) -> str | None:
     rok.set(
       xlabel="device memory GB (XLA temp + engine staging peak)",
       ylabel="model TFLOP/s",
-      title=f"ROK  H,S,B,L = {','.join(map(str, shape))}",
+      title=f"ROK  H,S,B,L = {','.join(map(str, shape))}"
+      + (f"  ({sources[source].get('date')})" if "sources" in doc else ""),
     )
     rok.grid(alpha=0.3)
     rok.legend(fontsize=7, loc="best")
 
+    if not right:
+      continue
+    (ovh,) = right
     sel = rows.get("selective")
     pts = [r for r in sweep if r["policy"] != "selective"]
     if sel is None or not pts:
@@ -759,17 +641,21 @@ def report(doc: dict, json_path: Path) -> None:
 
 
 def replot(paths: list[Path], out: Path) -> int:
+  """Table and plot of saved runs. One JSON is rewritten in place; several are merged into
+  OUT/rok_<device>_<date of the first>.json: their rows in order, each with the index of its
+  run in ``sources`` (that run's file, date, environment, arguments and probes)."""
   docs = [json.loads(p.read_text()) for p in paths]
-  doc = docs[0]
-  for other in docs[1:]:
-    doc["rows"] = common.merge_rows(doc["rows"], other["rows"], _key)
-    if (other.get("probe") or {}).get("write_GBps"):
-      doc["probe"] = other["probe"]
   if len(paths) == 1:
-    report(doc, paths[0])
+    report(docs[0], paths[0])
     return 0
+  keys = ("date", "env", "args", "probe", "link")
+  doc = {
+    "date": docs[0]["date"],
+    "env": docs[0]["env"],
+    "sources": [{"file": p.name} | {k: d.get(k) for k in keys} for p, d in zip(paths, docs)],
+    "rows": [r | {"source": i} for i, d in enumerate(docs) for r in d["rows"]],
+  }
   out.mkdir(parents=True, exist_ok=True)
-  doc["merged_from"] = [str(p) for p in paths]
   report(doc, out / f"rok_{common.slug(doc['env'].get('device_kind'))}_{doc['date']}.json")
   return 0
 
@@ -850,7 +736,7 @@ def run_policy(args, name: str, shape, store_dir: str, done: list[dict]) -> dict
     "ssd_options": dict(args.ssd),
     "mode": "time",
   } | {k: getattr(args, k) for k in CHILD_KEYS}
-  cmd = [sys.executable, os.path.abspath(__file__), "--child"]
+  cmd = common.module_command("scripts.bench_rok", "--child")
   t0 = time.perf_counter()
   row = dict(zip(("policy", "H", "S", "B", "L"), (name, *shape)))
   row |= common.run_json_child(cmd + [json.dumps(cfg)], args.child_timeout)

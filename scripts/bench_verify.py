@@ -1,7 +1,9 @@
 """Store/load throughput with verify (crc32c) on and off, CPU (native FFI calls).
 
-python scripts/bench_verify.py [--mib 256] [--iters 5] [--dir DIR]
-Loads read the file back (forwarding off, host cache smaller than the tensor).
+    python -m scripts.bench_verify [--mib 256] [--iters 5] [--dir DIR]
+
+Loads read the file back (forwarding off, host cache smaller than the tensor). Prints one line
+per setting; writes nothing.
 """
 
 import argparse

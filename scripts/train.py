@@ -1,9 +1,10 @@
-#!/usr/bin/env python
 """Train GPT / BERT / T5 with activations placed per tag (remat | device | host | nvme).
 
-    python scripts/train.py --model gpt --preset tiny --steps 30 --locations layer_in=nvme,qkv=nvme
-    python scripts/train.py --model gpt --preset tiny --locations layer_in=host --workdir runs/a
-    python scripts/train.py --model gpt --preset gpt-1.3b --policy auto --memory-budget 20GB
+From the repository root:
+
+    python -m scripts.train --model gpt --preset tiny --steps 30 --locations layer_in=nvme,qkv=nvme
+    python -m scripts.train --model gpt --preset tiny --locations layer_in=host --workdir runs/a
+    python -m scripts.train --model gpt --preset gpt-1.3b --policy auto --memory-budget 20GB
 
 Tags and locations are documented in models/common.py.
 """
@@ -13,17 +14,16 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import json
 import os
 import sys
 import time
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root: models/
+import jax
 
-import jax  # noqa: E402
-
-import models  # noqa: E402
-from models import data as data_lib  # noqa: E402
-from models import training  # noqa: E402
+import models
+from models import data as data_lib
+from models import training
 
 
 def _positive(kind):
@@ -51,9 +51,15 @@ def _non_negative_int(s):
 
 def _locations(s):
   try:
-    return models.parse_locations(s)
+    locations = models.parse_locations(s)
   except ValueError as e:
     raise argparse.ArgumentTypeError(str(e)) from None
+  if not locations:  # "" would train with nothing placed, silently
+    raise argparse.ArgumentTypeError(
+      f"expected TAG=LOCATION[,TAG=LOCATION...] (e.g. layer_in=nvme), got {s!r}; to train "
+      "without placing any tag, leave --locations out (or use --remat-policy)"
+    )
+  return locations
 
 
 def _mesh(s):
@@ -192,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--num-processes", type=_positive(int), default=None, help="(--distributed)")
   p.add_argument("--process-id", type=_non_negative_int, default=None, help="(--distributed)")
   p.add_argument("--log-every", type=_positive(int), default=1, help="steps between metric fetches")
+  p.add_argument(
+    "--summary-json",
+    default=None,
+    metavar="PATH",
+    help="also write the run's summary (the numbers of the last line) as JSON to PATH",
+  )
   return p
 
 
@@ -413,12 +425,14 @@ def main(argv=None) -> dict:
     "compiling the training step (the first step takes longer) ...", file=sys.stderr, flush=True
   )
   start = int(state.step)
-  bar = tqdm(range(start, run.steps), initial=start, total=run.steps, dynamic_ncols=True)
+  # Advanced by hand after each step: a bar iterating the range would count in a local variable
+  # and show a stale count whenever the postfix (loss, tokens/s) refreshes it.
+  bar = tqdm(initial=start, total=run.steps, dynamic_ncols=True)
   tokens_per_step = run.batch * (run.seq_len or cfg.max_len)  # model input positions
   tokens_done, t0, loss = 0, None, float("nan")
   # the second half of the run (its steady state: allocations and first-use costs behind it)
   mid_step, t_mid, tokens_mid = start + max(1, (run.steps - start) // 2), None, 0
-  for step in bar:
+  for step in range(start, run.steps):
     try:
       tokens = next(batches)
     except data_lib.DataError as e:
@@ -434,6 +448,7 @@ def main(argv=None) -> dict:
     if step + 1 == mid_step and step + 1 < run.steps:
       jax.block_until_ready(metrics)
       t_mid, tokens_mid = time.perf_counter(), tokens_done
+    bar.update(1)
     if (step + 1) % args.log_every == 0 or step + 1 == run.steps:
       loss = float(metrics["loss"])
       dt = time.perf_counter() - t0
@@ -481,6 +496,15 @@ def main(argv=None) -> dict:
     + (f"  peak device memory {summary['peak_device_gb']:.2f} GB" if mem else ""),
     flush=True,
   )
+  if args.summary_json:
+    record = {
+      "argv": sys.argv[1:] if argv is None else list(argv),
+      "device_kind": jax.devices()[0].device_kind,
+      "jax": jax.__version__,
+      "store_env": {k: v for k, v in os.environ.items() if k.startswith("SSDTRAIN_")},
+    }
+    with open(args.summary_json, "w") as f:
+      json.dump(summary | record, f, indent=1)
   return summary
 
 

@@ -16,7 +16,6 @@ EXTRA = sys.argv[4:]
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
 )
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import maxtext  # noqa: E402
 from maxtext.trainers.pre_train import train  # noqa: E402

@@ -10,7 +10,6 @@ of each tagged activation; a shard_map program.
 import json
 import os
 import re
-import sys
 
 # SSD_MD_DEVICES GPUs instead (tests/test_multidevice.py's gpu test): 2 by default there.
 GPU = os.environ.get("SSD_MD_PLATFORM", "cpu") == "gpu"
@@ -19,7 +18,6 @@ if not GPU:
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N}"
   )
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

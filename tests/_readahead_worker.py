@@ -5,12 +5,10 @@ the same sharded program saving on the device."""
 
 import json
 import os
-import sys
 
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 )
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from _limits import HANG_S
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_emulated.py"
+ROOT = Path(__file__).resolve().parents[1]
 CAP = 0.02  # GB/s: the tiny sweep_4 step writes and reads ~2.4 MB, ~0.1 s each way at the cap
 
 
@@ -18,7 +18,8 @@ def test_bench_emulated_tiny(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   cmd = [
     sys.executable,
-    str(SCRIPT),
+    "-m",
+    "scripts.bench_emulated",
     "--tiny",
     "--caps",
     str(CAP),
@@ -35,7 +36,7 @@ def test_bench_emulated_tiny(tmp_path):
     "--out",
     str(tmp_path),
   ]
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_S)
   assert proc.returncode == 0, proc.stdout + proc.stderr
 
   (path,) = tmp_path.glob("emulated_cpu_*.json")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from _limits import HANG_S
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_planner.py"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -17,7 +17,8 @@ def test_bench_planner_tiny(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   cmd = [
     sys.executable,
-    str(SCRIPT),
+    "-m",
+    "scripts.bench_planner",
     "--tiny",
     "--no-presets",
     "--steps",
@@ -37,7 +38,7 @@ def test_bench_planner_tiny(tmp_path):
     "--store-dir",
     str(tmp_path / "store"),
   ]
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_S)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   (path,) = tmp_path.glob("planner_cpu_*.json")
   assert path.with_suffix(".png").stat().st_size > 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from _limits import HANG_S
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_rok.py"
+ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("keep", "selective", "ssd_nvme_named")
 
 
@@ -18,7 +18,8 @@ def test_bench_rok_tiny(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   cmd = [
     sys.executable,
-    str(SCRIPT),
+    "-m",
+    "scripts.bench_rok",
     "--tiny",
     "--steps",
     "2",
@@ -30,7 +31,7 @@ def test_bench_rok_tiny(tmp_path):
     "--store-dir",
     str(tmp_path / "store"),
   ]
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_S)
   assert proc.returncode == 0, proc.stdout + proc.stderr
 
   (path,) = tmp_path.glob("rok_cpu_*.json")
@@ -57,15 +58,13 @@ def test_bench_rok_tiny(tmp_path):
   assert "ssd_nvme_named" in proc.stdout and "x sel" in proc.stdout  # the table
 
 
-MULTIGPU = SCRIPT.parent / "bench_multigpu.py"
-
-
 @pytest.mark.slow
 def test_bench_multigpu_cpu_smoke(tmp_path):
   """1 vs 2 CPU devices, FSDP, offload only: the script runs end to end and writes its rows."""
   cmd = [
     sys.executable,
-    str(MULTIGPU),
+    "-m",
+    "scripts.bench_multigpu",
     "--cpu-smoke",
     "--steps",
     "2",
@@ -83,7 +82,12 @@ def test_bench_multigpu_cpu_smoke(tmp_path):
     str(tmp_path / "store"),
   ]
   proc = subprocess.run(
-    cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=HANG_S
+    cmd,
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    timeout=HANG_S,
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr
   (path,) = tmp_path.glob("multigpu_cpu_*.json")

@@ -1,6 +1,9 @@
 """Tests of the native engine (libssdtrain.so) through jax.ffi.ffi_call and its C ABI.
 
-CPU only; they must pass with both a CPU-only and a CUDA-enabled build of the library.
+The tests without the ``gpu`` mark call the handlers on JAX's default device: the CPU handlers
+where JAX has no GPU (or runs with ``JAX_PLATFORMS=cpu``), the CUDA handlers where its default
+device is a GPU. They must pass with both a CPU-only and a CUDA-enabled build of the library.
+The ``gpu`` tests at the end put their arrays on a GPU and are skipped where JAX has none.
 """
 
 from __future__ import annotations

@@ -18,14 +18,14 @@ from jax_ssdtrain import probe
 from jax_ssdtrain._src import config
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "scripts" / "train.py"
 
 
 def _train_cli(*args, **env):
   return subprocess.run(
-    [sys.executable, str(TRAIN), *args],
+    [sys.executable, "-m", "scripts.train", *args],
     capture_output=True,
     text=True,
+    cwd=ROOT,
     env=dict(os.environ, JAX_PLATFORMS="cpu", **env),
   )
 
@@ -52,8 +52,7 @@ def test_tags_a_model_does_not_have_are_refused():
 
 
 def test_help_shows_defaults_and_sizes_accept_suffixes():
-  sys.path.insert(0, str(ROOT / "scripts"))
-  import train
+  from scripts import train
 
   text = train.build_parser().format_help()
   assert "(default: 30)" in text and "(default: gpt)" in text and "1MiB" in text
@@ -63,10 +62,8 @@ def test_help_shows_defaults_and_sizes_accept_suffixes():
 def test_auto_plan_without_a_configured_store(monkeypatch):
   # --policy auto with --bandwidth and no --store-dir read the store's sizes from a store that
   # was never configured (AttributeError); the profile now gets the defaults'.
-  sys.path.insert(0, str(ROOT / "scripts"))
-  import train
-
   from models import training
+  from scripts import train
 
   seen = {}
 
@@ -88,8 +85,7 @@ def test_auto_plan_without_a_configured_store(monkeypatch):
 
 @pytest.mark.slow
 def test_auto_policy_without_store_dir(tmp_path, capsys):
-  sys.path.insert(0, str(ROOT / "scripts"))
-  import train
+  from scripts import train
 
   config.reset_to_unconfigured()  # nothing configured yet, as in a fresh process
   out = train.main(

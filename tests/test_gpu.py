@@ -128,7 +128,7 @@ def test_gpu_dtypes_and_odd_sizes(store):
 
 
 def test_gpu_gpt_stack_memory_and_bytes(store):
-  """DESIGN.md section 3 stack (4096, 2048, 4, 8), 4 names offloaded."""
+  """The ROK benchmark's stack (H, S, B, L = 4096, 2048, 4, 8), 4 names offloaded."""
   h, s, b, layers = 4096, 2048, 4, 8
   p, x = gpt_stack(h, s, b, layers)
   temp = {}

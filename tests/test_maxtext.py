@@ -167,7 +167,8 @@ def test_bench_maxtext_tiny_with_a_variants_own_store_options(tmp_path):
   proc = subprocess.run(
     [
       sys.executable,
-      os.path.join(ROOT, "scripts", "bench_maxtext.py"),
+      "-m",
+      "scripts.bench_maxtext",
       "--tiny",
       "--steps",
       "3",
@@ -184,6 +185,7 @@ def test_bench_maxtext_tiny_with_a_variants_own_store_options(tmp_path):
     ],
     capture_output=True,
     text=True,
+    cwd=ROOT,
     env=env,
     timeout=HANG_S,
   )
@@ -203,11 +205,8 @@ def test_bench_maxtext_tiny_with_a_variants_own_store_options(tmp_path):
 
 
 def test_bench_maxtext_rejects_bad_variants():
-  sys.path.insert(0, os.path.join(ROOT, "scripts"))
-  try:
-    import bench_maxtext
-  finally:
-    sys.path.pop(0)
+  from scripts import bench_maxtext
+
   assert bench_maxtext.parse_variant("minimal_offloaded@host:staging_bytes=2GiB") == (
     "minimal_offloaded",
     "host",

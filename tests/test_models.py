@@ -1,16 +1,12 @@
 """Models: tags, presets, training on `tiny`, nvme offload bit-exact against device saving."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import models  # noqa: E402
-from models import data as data_lib  # noqa: E402
+import models
+from models import data as data_lib
 from models import training
 
 TAGS_BY_MODEL = {

@@ -3,7 +3,6 @@
 import dataclasses
 import math
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +14,6 @@ import jax_ssdtrain as ssd
 from jax_ssdtrain import Location
 from jax_ssdtrain._src import planner
 from jax_ssdtrain._src.planner import simulate
-
-sys.path.insert(
-  0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 T = ssd.TagProfile
 GB = 10**9
@@ -598,9 +592,8 @@ def test_split_scan_identical_to_unsplit():
 
 @pytest.mark.slow
 def test_train_policy_auto(tmp_path, capsys, monkeypatch):
-  import train
-
   from models import training
+  from scripts import train
 
   profiled = []
   real = training.profile_run
@@ -645,7 +638,7 @@ def test_train_policy_auto(tmp_path, capsys, monkeypatch):
   ],
 )
 def test_train_policy_auto_errors(flags, message, capsys):
-  import train
+  from scripts import train
 
   with pytest.raises(SystemExit):
     train.main(["--steps", "1"] + flags)

@@ -1,7 +1,10 @@
-"""Issue 6, reliability and security: bad configuration, injected I/O faults, a full store,
+"""Reliability and security: bad configuration, injected I/O faults, a full store,
 integrity checks, privacy of the store files, concurrency, and a soak run.
 
-CPU only. Everything that could hang runs in a subprocess with a timeout.
+Everything that could hang runs in a subprocess with a timeout. The subprocesses run on JAX's
+CPU backend, or on the backend named by ``SSDTRAIN_TEST_PLATFORM`` (``cuda`` on a GPU machine:
+through the CUDA handlers); the steps run in this process use JAX's default backend (the CUDA
+handlers wherever JAX has a GPU).
 """
 
 import os
@@ -12,14 +15,12 @@ import textwrap
 import threading
 import time
 
+import _rel_common as rc
 import jax
 import pytest
+from _limits import HANG_S
 
 import jax_ssdtrain as ssd
-
-sys.path.insert(0, os.path.dirname(__file__))
-import _rel_common as rc  # noqa: E402
-from _limits import HANG_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Backend of the subprocesses: cpu here; `SSDTRAIN_TEST_PLATFORM=cuda` on a GPU machine runs

@@ -1,30 +1,17 @@
 """Training entry point: loaders, checkpoint round trip, CLI flags and errors."""
 
 import csv
-import importlib.util
+import json
 import os
-import sys
+import re
 
 import jax
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.append(ROOT)
-from models import data as data_lib  # noqa: E402
+from models import data as data_lib
 from models import training
-
-
-def _load_train_script():
-  spec = importlib.util.spec_from_file_location(
-    "train_script", os.path.join(ROOT, "scripts", "train.py")
-  )
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
-train_script = _load_train_script()
+from scripts import train as train_script
 
 
 @pytest.fixture
@@ -133,10 +120,29 @@ def test_cli_default_offload_run_and_restore(tmp_path):
   s = train_script.main(flags + ["--steps", "6", "--checkpoint-every", "3"])
   assert s["steps"] == 6 and s["offload"] and np.isfinite(s["final_loss"])
   assert s["gb_written"] > 0 and s["gb_read"] > 0
-  s2 = train_script.main(flags + ["--steps", "8", "--restore"])
+  summary = tmp_path / "summary.json"
+  s2 = train_script.main(flags + ["--steps", "8", "--restore", "--summary-json", str(summary)])
   assert s2["steps"] == 8
+  written = json.loads(summary.read_text())
+  assert {k: written[k] for k in s2} == s2 and written["argv"][-1] == str(summary)
   rows = list(csv.DictReader(open(os.path.join(work, "metrics.csv"))))
   assert [int(r["step"]) for r in rows] == list(range(1, 9))
+
+
+def test_progress_bar_counts_every_step(tmp_path, capsys):
+  # Each refresh of the bar that shows a step's loss shows that step's count: 1/5 ... 5/5 (a
+  # bar iterating the range kept showing 1/5 while the losses of later steps were logged).
+  train_script.main(
+    ["--steps", "5", "--batch", "2", "--log-every", "1", "--store-dir", str(tmp_path / "s")]
+  )
+  frames = re.split(r"[\r\n]", capsys.readouterr().err)
+  counts = {}  # loss shown -> the counts shown beside it
+  for frame in frames:
+    shown = re.search(r"\b(\d+)/5\b.*loss=([\d.]+)", frame)
+    if shown:
+      counts.setdefault(shown[2], set()).add(int(shown[1]))
+  assert len(counts) == 5, frames
+  assert sorted(min(c) for c in counts.values()) == [1, 2, 3, 4, 5], counts
 
 
 @pytest.mark.slow
@@ -169,6 +175,8 @@ def test_cli_memmap_data(tmp_path, shards, capsys):
     (["--locations", "qkv=ssd"], "unknown location"),
     (["--locations", "foo=nvme"], "unknown tag"),
     (["--locations", "qkv"], "TAG=LOCATION"),
+    (["--locations", ""], "expected TAG=LOCATION[,TAG=LOCATION...] (e.g. layer_in=nvme), got ''"),
+    (["--locations", " , "], "leave --locations out"),
     (["--batch", "0"], "must be > 0"),
     (["--steps", "x"], "expected a int"),
     (["--preset", "huge"], "invalid choice"),

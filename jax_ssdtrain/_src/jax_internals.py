@@ -4,8 +4,8 @@ The library plugs into ``jax.checkpoint`` (remat), AD, batching, lowering and sh
 public module exports what is needed (``jax.extend.core``, ``jax.interpreters.*``) it is used;
 what only ``jax._src`` has is named below. Differences between the supported JAX releases are
 resolved here and nowhere else. Importing this module checks that every internal is where we
-expect it and raises ImportError naming the one that moved (``tests/test_jax_internals.py``
-checks the same, one test per internal).
+expect it and raises ImportError naming the one that moved (``tests/test_jax_layer.py``,
+``test_internal_is_where_we_expect_it``, checks the same, one test per internal).
 
 Supported (tested) JAX releases: see ``TESTED_JAX``; ``jax_ssdtrain/__init__.py`` refuses
 others unless ``SSDTRAIN_ALLOW_UNTESTED_JAX=1``.
@@ -126,7 +126,7 @@ def check_partial_eval_call_site() -> None:
 # Remat policies and jax_remat3 (jax._src.ad_checkpoint).
 
 # jax.checkpoint_policies.save_from_both_policies returns a closure over the two policies; we
-# recognise it by its code object to compose our policies with it (see policies.compose).
+# recognise it by its code object to compose our policies with it (policies.as_offloading).
 _probe = _ad_checkpoint.save_from_both_policies(lambda *a, **k: False, lambda *a, **k: False)
 SAVE_FROM_BOTH_CODE = _probe.__code__
 

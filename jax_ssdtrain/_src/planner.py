@@ -67,7 +67,7 @@ from jax_ssdtrain._src import options
 from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, Location, location_policy, name_p
 
 DEFAULT_HOST_GBPS = 50.0  # without a GPU to measure: pinned host <-> H100 over PCIe, 41-55 GB/s
-# measured (DESIGN.md §3)
+# measured (jax_ssdtrain.probe --link)
 STAGING_TOLERANCE = (
   0.002  # a plan's arena: the smallest within this share of the configured one's step
 )

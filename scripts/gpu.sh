@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# The GPU runs behind BENCHMARKS.md: builds this checkout for the GPU, then runs the stages named
+# on the command line in order, each writing its log and results under OUT.
+#
+#   bash scripts/gpu.sh [--out DIR] STAGE [STAGE ...]      (from the repository root)
+#
+# OUT: --out, else $OUT, else /tmp/jax_ssdtrain-gpu. $OUT/summary.log gets one line per stage.
+# Each stage has its own time limit (below); long stages take a call of ~10 minutes each.
+# `maxtext` stops starting variants LIMIT_S (default 570) seconds after this script started.
+#
+# Stages (results page section in brackets):
+#   tests        the GPU test suite: pytest -m gpu tests                           [Tests]
+#   reliability  tests/test_reliability.py through the CUDA handlers               [Tests]
+#   jaxlayer     tests/test_jax_layer.py and tests/test_lifetimes.py on the GPU     [Tests]
+#   rok          bench_rok, 4096,2048,4,8, every policy                             [rok]
+#   rok8192      bench_rok, 8192,2048,2,4, JAX's policies and the host tier         [rok]
+#   hosttier     bench_rok with the link probe and timeline: 32k and 8192 stacks    [host_tier]
+#   link         bench_link: plain pinned copies idle and next to running kernels   [link]
+#   planner      bench_planner, 4096 stack and gpt-1.3b, host tier                  [planner]
+#   planner32k   bench_planner, 2048,32768,1,24 stack                               [planner]
+#   planner8192  bench_planner, 8192 stack                                          [planner]
+#   plannernvme  bench_planner, 4096 and 8192 stacks, keep/selective/auto/auto_nvme [planner_nvme]
+#   cap          bench_planner under device-memory caps, 512,1024,_,96 stack        [planner_cap]
+#   emulated     bench_emulated: RAM store capped at 7, 14, 28 GB/s                 [emulated]
+#   train        scripts.train, gpt-1.3b: keep vs the 4 tags in the host tier       [train]
+#   maxtext      bench_maxtext: MaxText's trainer, its presets and ours (carry .whl/) [maxtext]
+#   multigpu     bench_multigpu: 1 vs 2 GPUs, DP and FSDP (needs 2 GPUs)            [multigpu]
+#
+# What must be carried to the GPU machine besides the checkout (git-ignored, e.g. in .whl/):
+#   .whl/*.whl            optional: libkvikio-cu13, kvikio-cu13, rapids-logger wheels: the build
+#                         then links kvikio (used when GPUDirect Storage is active); without
+#                         them the engine's POSIX backend is built, which is what the results ran.
+#   .whl/mx/*.whl         for `maxtext`: MaxText and the packages it imports that the machine
+#                         lacks (`pip download --no-deps`, ~25 MB; list in MX_WHEELS below);
+#   .whl/xprof_min.tar.xz for `maxtext`: xprof's Python files and its profiler plugin library
+#                         (tokamax imports xprof when MaxText is imported).
+#   shared/tools/storage_probe.py  optional, for `rok`: the raw O_DIRECT probe of the store
+#                         directory behind the "x probe" column (skipped when absent).
+# Everything else (jax, flax, optax, orbax, cmake, ninja, nvcc) is the machine's own.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1 SSDTRAIN_CUDA_ARCHITECTURES=${SSDTRAIN_CUDA_ARCHITECTURES:-90}
+OUT=${OUT:-/tmp/jax_ssdtrain-gpu}
+LIMIT_S=${LIMIT_S:-570}
+if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
+STAGES=("$@")
+KNOWN=(tests reliability jaxlayer rok rok8192 hosttier link planner planner32k planner8192
+  plannernvme cap emulated train maxtext multigpu)
+if [ ${#STAGES[@]} -eq 0 ]; then
+  sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
+  exit 2
+fi
+for stage in "${STAGES[@]}"; do
+  [[ " ${KNOWN[*]} " == *" $stage "* ]] \
+    || { echo "gpu.sh: unknown stage '$stage' (bash scripts/gpu.sh for the list)" >&2; exit 2; }
+done
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+log() { echo "$@" | tee -a "$OUT/summary.log"; }
+
+# --- build: the checkout's CUDA handlers against the machine's jaxlib; no pip install (a warm
+# machine may hold an older install: removed so that this checkout is imported) ---
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.txt"
+$PY -m pip uninstall -y -q jax_ssdtrain > /dev/null 2>&1
+SITE=""
+if ls .whl/*.whl > /dev/null 2>&1; then  # kvikio's wheels: importable by CMake's probe and at run time
+  SITE=/tmp/jax_ssdtrain-site
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    .whl/*.whl > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+fi
+t0=$SECONDS
+PYTHONPATH="$SITE" cmake -S xla_ffi -B build-gpu -G Ninja -DSSDTRAIN_CUDA=ON \
+  -DPython_EXECUTABLE="$(command -v "$PY")" \
+  -DSSDTRAIN_XLA_FFI_INCLUDE_DIR="$($PY -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
+  > "$OUT/build.log" 2>&1 && cmake --build build-gpu >> "$OUT/build.log" 2>&1 \
+  || { echo "gpu.sh: build failed"; tail -30 "$OUT/build.log"; exit 1; }
+export SSDTRAIN_LIB="$PWD/build-gpu/libssdtrain.so" PYTHONPATH="$PWD${SITE:+:$SITE}"
+$PY -c "import jax, jax_ssdtrain._src.native as n; print('jax', jax.__version__, jax.devices(), n.build_info())" \
+  | tee -a "$OUT/env.txt"
+log "built in $((SECONDS - t0)) s"
+
+# run NAME LIMIT_S COMMAND...: COMMAND's output in OUT/NAME.log, a summary line
+run() {
+  local name=$1 limit=$2; shift 2
+  local t=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  log "== $name (rc $?, $((SECONDS - t)) s): $(tail -1 "$OUT/$name.log")"
+}
+ROK=(--steps 10 --warmup 3)
+LINK=(--ssd prefetch_bytes=2560MiB --ssd host_tier_bytes=32GiB --timeline --link-probe --no-probe)
+planner() {  # planner NAME STAGING bench_planner args...: predicted vs measured, host tier
+  local name=$1 staging=$2; shift 2
+  SSDTRAIN_STAGING=$staging SSDTRAIN_HOST_TIER=32GiB run "$name" 280 $PY -m scripts.bench_planner \
+    --no-cap --store-dir /var/tmp/plan --stack-policies selective,auto,host_all \
+    --out "$OUT/$name" "$@"
+}
+
+for stage in "${STAGES[@]}"; do
+  case "$stage" in
+    tests)
+      run tests 900 $PY -m pytest -q -ra -s -p no:cacheprovider -m gpu tests ;;
+    reliability)
+      SSDTRAIN_TEST_PLATFORM=cuda run reliability 900 $PY -m pytest -q -ra -p no:cacheprovider \
+        tests/test_reliability.py ;;
+    jaxlayer)
+      run jaxlayer 400 $PY -m pytest -q -ra -p no:cacheprovider tests/test_jax_layer.py \
+        tests/test_lifetimes.py ;;
+    rok)
+      run rok 900 $PY -m scripts.bench_rok --shape 4096,2048,4,8 "${ROK[@]}" \
+        --policies 'keep,recompute,selective,jax_host_layer_in,jax_host_named,ssd_host_named,ssd_nvme_layer_in,ssd_nvme_sweep_*' \
+        --check-budget-s 40 --ssd staging_bytes=2560MiB --ssd prefetch_bytes=2560MiB \
+        --store-dir /var/tmp/rok --out "$OUT/rok" ;;
+    rok8192)
+      run rok8192 600 $PY -m scripts.bench_rok --shape 8192,2048,2,4 "${ROK[@]}" \
+        --policies keep,recompute,selective,jax_host_named,ssd_host_named --check-budget-s 20 \
+        --ssd staging_bytes=2560MiB --ssd prefetch_bytes=2560MiB --no-probe \
+        --store-dir /var/tmp/rok --out "$OUT/rok8192" ;;
+    hosttier)  # 2.5 GiB of staging against 14 GiB (32k) and 768 MiB (8192); then one table
+      run hosttier_32k 280 $PY -m scripts.bench_rok --shape 2048,32768,1,24 --no-check "${ROK[@]}" \
+        "${LINK[@]}" --ssd staging_bytes=2560MiB --store-dir /var/tmp/rok_32k \
+        --policies 'selective,ssd_host_named,ssd_host_named:staging_bytes=14GiB' \
+        --out "$OUT/hosttier_32k"
+      run hosttier_8192 240 $PY -m scripts.bench_rok --shape 8192,2048,2,4 --no-check "${ROK[@]}" \
+        "${LINK[@]}" --ssd staging_bytes=2560MiB --store-dir /var/tmp/rok_8192 \
+        --policies 'recompute,selective,ssd_host_named,ssd_host_named:staging_bytes=768MiB' \
+        --out "$OUT/hosttier_8192"
+      # shellcheck disable=SC2046  # one JSON per run, no spaces in the names
+      run hosttier 60 $PY -m scripts.bench_rok --out "$OUT/hosttier" --replot \
+        $(ls "$OUT"/hosttier_32k/rok_*.json "$OUT"/hosttier_8192/rok_*.json | grep -v /rok_timeline_) ;;
+    link)
+      run link 180 $PY -m scripts.bench_link --out "$OUT/link" ;;
+    planner)
+      planner planner 8GiB --shape 4096,2048,4,8 --presets gpt-1.3b ;;
+    planner32k)  # keep does not fit this stack on an 80 GB GPU
+      planner planner32k 16GiB --shape 2048,32768,1,24 --no-presets ;;
+    planner8192)
+      planner planner8192 2560MiB --shape 8192,2048,2,4 --no-presets ;;
+    plannernvme)
+      run plannernvme 600 $PY -m scripts.bench_planner --store-dir /var/tmp/plan --no-presets \
+        --no-cap --out "$OUT/plannernvme" ;;
+    cap)
+      SSDTRAIN_STAGING=64MiB SSDTRAIN_HOST_TIER=16GiB run cap 600 $PY -m scripts.bench_planner \
+        --no-stack --no-presets --store-dir /var/tmp/plan --cap-shape 512,1024,1,96 \
+        --cap-batches 1,2,4,8,16,32 --cap-gb 3.5 --cap-at recompute \
+        --cap-policies keep,recompute,selective,jax_host_layer_in,ssd_host_layer_in \
+        --steps 10 --warmup 2 --out "$OUT/cap" ;;
+    emulated)
+      run emulated 300 $PY -m scripts.bench_emulated --caps 7,14,28 --points 2,3,4 --no-disk \
+        --budget-s 240 --out "$OUT/emulated" ;;
+    train)  # the same command with two placements; each writes its summary as JSON
+      for placement in "keep:--remat-policy keep" \
+                       "host:--locations layer_in=host,qkv=host,attn=host,mlp_up=host"; do
+        name=${placement%%:*}
+        # shellcheck disable=SC2086  # the placement's flags split on purpose
+        SSDTRAIN_STAGING=6GiB SSDTRAIN_HOST_TIER=16GiB run "train_$name" 240 $PY -m scripts.train \
+          --model gpt --preset gpt-1.3b --batch 8 --seq-len 1024 --steps 30 --log-every 30 \
+          ${placement#*:} --store-dir "/var/tmp/train_$name" --summary-json "$OUT/train_$name.json"
+      done ;;
+    maxtext)
+      MX_WHEELS="maxtext qwix aqtp tokamax pydantic pydantic_core annotated_types typing_inspection
+        annotated_doc omegaconf antlr4_python3_runtime tensorboardx pathwaysutils fastapi
+        starlette uvicorn grain array_record portpicker drjax ml_collections einshape typeguard
+        immutabledict six"
+      missing=""
+      for w in $MX_WHEELS; do
+        ls .whl/mx/"$w"-*.whl > /dev/null 2>&1 || missing="$missing .whl/mx/$w-*.whl"
+      done
+      [ -f .whl/xprof_min.tar.xz ] || missing="$missing .whl/xprof_min.tar.xz"
+      if [ -n "$missing" ]; then
+        log "== maxtext: not run, missing:$missing (carry .whl/, see this script's header)"
+        continue
+      fi
+      # a venv over the machine's packages (its python3 is itself a venv: a .pth makes them
+      # visible), the carried wheels installed into it first
+      rm -rf /tmp/mx-venv /tmp/mx-pylib
+      $PY -m venv /tmp/mx-venv
+      $PY -c "import site; print('\n'.join(site.getsitepackages()))" \
+        > "$(/tmp/mx-venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/machine.pth"
+      /tmp/mx-venv/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/mx/*.whl \
+        >> "$OUT/install.log" 2>&1 || { log "== maxtext: install failed (install.log)"; continue; }
+      mkdir -p /tmp/mx-pylib && tar xJf .whl/xprof_min.tar.xz -C /tmp/mx-pylib \
+        || { log "== maxtext: .whl/xprof_min.tar.xz does not extract"; continue; }
+      # XLA's autotuning of the same fusions shared by the variants' processes (setting
+      # XLA_FLAGS also keeps MaxText from setting its HLO dump flags)
+      PYTHONPATH="$PYTHONPATH:/tmp/mx-pylib" \
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune_mx" \
+        run maxtext $((LIMIT_S - SECONDS)) /tmp/mx-venv/bin/python -m scripts.bench_maxtext \
+        --out "$OUT/maxtext" --store-dir /var/tmp/bench_maxtext --budget-s $((LIMIT_S - SECONDS - 20)) \
+        --ssd staging_bytes=4GiB --ssd host_tier_bytes=16GiB --variants \
+        "minimal,minimal_offloaded@host:staging_bytes=2GiB,minimal_offloaded@host:staging_bytes=1GiB,minimal_offloaded,save_qkv_proj,qkv_proj_offloaded,qkv_proj_offloaded@host:staging_bytes=1GiB,qkv_proj_offloaded@host,minimal_offloaded@host:staging_bytes=3GiB,minimal_offloaded@host,full" ;;
+    multigpu)
+      run multigpu 600 $PY -m scripts.bench_multigpu --policies offload,remat --batch-per-gpu 32 \
+        --out "$OUT/multigpu" ;;
+  esac
+done
+log "total $SECONDS s; results under $OUT"

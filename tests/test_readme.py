@@ -38,3 +38,11 @@ def test_readme_example_runs_as_written(tmp_path):
   memory = dict(re.findall(r"(keep|offload): device memory for the step (\d+) MiB", out))
   assert set(memory) == {"keep", "offload"}, out
   assert int(memory["offload"]) < int(memory["keep"]), out
+
+
+def test_readme_links_reach_files():
+  targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+  local = [t for t in targets if "://" not in t]
+  assert any(t.startswith("docs/") for t in local), local
+  missing = [t for t in local if not (ROOT / t).exists()]
+  assert not missing, f"README.md links to missing files {missing}"

@@ -163,9 +163,10 @@ class Profile:
 class Plan:
   """An offload plan: the split and each tag's location in the offloaded layers.
 
-  offload_layers: the first ``offload_layers`` layers send their host/nvme tags to the store;
-    the others keep those tags on the device. remat tags are recomputed in every layer.
-  locations: sorted ``(tag, Location)`` pairs.
+  Attributes:
+    offload_layers: the first ``offload_layers`` layers send their host/nvme tags to the store;
+      the others keep those tags on the device. remat tags are recomputed in every layer.
+    locations: sorted ``(tag, Location)`` pairs.
   """
 
   profile: Profile

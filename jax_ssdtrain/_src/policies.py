@@ -115,11 +115,12 @@ class StoreDecision:
 class OffloadPolicy:
   """Per-name locations for ``checkpoint_name`` tags; other equations go to ``base``.
 
-  locations: sorted ``(name, Location)`` pairs.
-  default: location of tagged names not listed (None: ask ``base``).
-  below_min: location of a host/nvme tag smaller than ``min_bytes``.
-  base: policy for untagged equations and, when ``default`` is None, unlisted names
-    (None: recompute).
+  Attributes:
+    locations: sorted ``(name, Location)`` pairs.
+    default: location of tagged names not listed (None: ask ``base``).
+    below_min: location of a host/nvme tag smaller than ``min_bytes``.
+    base: policy for untagged equations and, when ``default`` is None, unlisted names
+      (None: recompute).
   """
 
   locations: tuple[tuple[str, Location], ...]

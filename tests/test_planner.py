@@ -452,10 +452,119 @@ def test_host_tensors_of_a_step_fit_the_host_tier():
 
 
 def test_policies_follow_the_plan():
+  from jax_ssdtrain._src.policies import StoreDecision, name_p
+
   p = ssd.plan(one_tag(0.5), max_slowdown=0.0, allowed=["device", "nvme"])
-  first, rest = p.policies()
+  assert p.offload_layers == 2
+  first, rest = p.policies()  # (layers 0..offload_layers-1, the others): the documented order
   assert dict(first.locations) == {"a": Location.NVME}
   assert dict(rest.locations) == {"a": Location.DEVICE}
+  assert first == ssd.location_policy(p.location_map(), min_bytes=p.min_bytes)
+  assert rest == ssd.location_policy(p.kept_location_map(), min_bytes=p.min_bytes)
+  # what jax.checkpoint hears about the 1 GB tag "a": the store, then saved on the device
+  big = jax.core.ShapedArray((GB // 4,), jnp.float32)
+  assert first(name_p, big, name="a") == StoreDecision(Location.NVME)
+  assert rest(name_p, big, name="a") is True
+
+
+def _split_of(plan):
+  return next(line for line in plan.table().splitlines() if line.startswith("split:"))
+
+
+def test_table_says_what_each_layer_does_with_its_tags():
+  two = ssd.Profile(
+    num_layers=4,
+    forward_s=1.0,
+    backward_s=1.0,
+    tags=(T("up", GB), T("act", GB)),
+    write_gbps=1.0,
+    read_gbps=0.5,
+    host_gbps=0.5,
+  )
+  # nothing goes to the store (all recomputed, or all on the device): no layer keeps anything
+  for allowed in (["remat"], ["device"]):
+    line = _split_of(ssd.plan(two, allowed=allowed))
+    assert line == "split: none (no tag goes to the store; all 4 layers alike)", line
+  p = ssd.plan(two, max_slowdown=0.0, fixed={"up": "host", "act": "nvme"})
+  assert p.offload_layers == 1
+  assert _split_of(p) == (
+    "split: layer 0 sends act, up to the store, layers 1..3 keep them on the device"
+  )
+  with_k = lambda k: _split_of(dataclasses.replace(p, offload_layers=k))  # noqa: E731
+  assert (
+    with_k(2) == "split: layers 0..1 send act, up to the store, layers 2..3 keep them on the device"
+  )
+  assert (
+    with_k(3) == "split: layers 0..2 send act, up to the store, layer 3 keeps them on the device"
+  )
+  assert with_k(4) == (
+    "split: none (every layer sends act, up to the store; no layer keeps them on the device)"
+  )
+  assert with_k(0) == (
+    "split: none (no layer sends act, up to the store; every layer keeps them on the device)"
+  )
+  fast = ssd.plan(one_tag(100.0, write_gbps=100.0), allowed=["nvme"])
+  assert (fast.offload_layers, _split_of(fast)) == (
+    4,
+    "split: none (every layer sends a to the store; no layer keeps it on the device)",
+  )
+
+
+def _block(p, x):  # a hand-written layer: x (B, H), p {"w1": (H, F), "w2": (F, H)}
+  up = checkpoint_name(x @ p["w1"], "up")
+  act = checkpoint_name(jnp.sin(up), "act")
+  return x + jnp.tanh(act @ p["w2"])
+
+
+def _stacked_block_params(L, H=32, F=64):
+  k1, k2 = jax.random.split(jax.random.key(3))
+  return {
+    "w1": jax.random.normal(k1, (L, H, F), jnp.float32) / 8,
+    "w2": jax.random.normal(k2, (L, F, H), jnp.float32) / 8,
+  }
+
+
+def test_plan_scan_runs_a_hand_written_stack_as_planned(tmp_path):
+  L, B, H = 4, 8, 32
+  params, x = _stacked_block_params(L, H), jax.random.normal(jax.random.key(4), (B, H))
+  prof = ssd.Profile(
+    num_layers=L,
+    forward_s=1.0,
+    backward_s=1.0,
+    tags=(T("up", GB), T("act", GB)),
+    write_gbps=1.0,
+    read_gbps=1.0,
+    host_gbps=1.0,
+  )
+  plan = ssd.plan(prof, max_slowdown=0.0, fixed={"up": "host", "act": "nvme"}, min_bytes=0)
+  k = plan.offload_layers
+  assert 0 < k < L, plan
+
+  def device_saving(ps, v):  # the same stack, every tag saved on the device
+    body = jax.checkpoint(_block, policy=jax.checkpoint_policies.save_only_these_names("up", "act"))
+    return jax.lax.scan(lambda h, p: (body(p, h), None), v, ps)[0].sum()
+
+  def own_scan(ps, v):  # the recipe for a scan of one's own: policies()[0] first, then [1]
+    offloading, keeping = plan.policies()
+    h = v
+    for policy, seg in ((offloading, slice(0, k)), (keeping, slice(k, L))):
+      body = jax.checkpoint(_block, policy=policy, prevent_cse=False)
+      seg_params = jax.tree.map(lambda a: a[seg], ps)
+      h = jax.lax.scan(lambda c, p: (body(p, c), None), h, seg_params)[0]
+    return h.sum()
+
+  want = jax.jit(jax.value_and_grad(device_saving, argnums=(0, 1)))(params, x)
+  with ssd.configured(str(tmp_path / "store"), capacity_bytes=64 << 20, host_tier_bytes=8 << 20):
+    for fn in (lambda ps, v: plan.scan(_block, ps, v).sum(), own_scan):
+      ssd.reset_stats()
+      got = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(params, x)
+      ssd.flush()
+      for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+      # the first k layers store "up" (host) and "act" (nvme); the others keep them
+      assert ssd.stats()["tensors_written"] == 2 * k
+  with pytest.raises(ValueError, match="num_layers=4.*\\(3, 32, 64\\)"):
+    plan.scan(_block, jax.tree.map(lambda a: a[:3], params), x)
 
 
 @pytest.mark.parametrize(

@@ -204,11 +204,65 @@ class Plan:
     return {"staging_bytes": self.staging_bytes} if self.staging_bytes else {}
 
   def policies(self) -> tuple[Any, Any]:
-    """``(policy of the offloaded layers, policy of the kept layers)`` for jax.checkpoint."""
+    """The plan's two ``jax.checkpoint`` policies, ``(offloading, keeping)``, in this order:
+
+    0. ``offloading``: for layers ``0 .. offload_layers - 1`` (the first layers of the scan,
+       whose backward comes last): every tag at :meth:`location_map` (host/nvme tags go to the
+       store);
+    1. ``keeping``: for layers ``offload_layers .. num_layers - 1``: the same, except that
+       host/nvme tags are saved on the device (:meth:`kept_location_map`).
+
+    Both are :func:`location_policy` results with the plan's ``min_bytes``. Where
+    ``offload_layers`` is ``num_layers`` the second is unused, where it is 0 the first.
+    :meth:`scan` applies them to a stack of layers; for a scan of your own, run layers
+    ``[0, offload_layers)`` under the first and the others under the second.
+    """
     return (
       location_policy(self.location_map(), min_bytes=self.min_bytes),
       location_policy(self.kept_location_map(), min_bytes=self.min_bytes),
     )
+
+  def scan(self, layer_fn: Callable, params: Any, x: Any, *, prevent_cse: bool = False) -> Any:
+    """Runs the stack as the plan says: ``layer_fn(layer_params, x) -> x`` (the function given
+    to :func:`profile`) over ``params`` stacked on a leading axis of ``num_layers`` (every
+    leaf ``(num_layers, ...)``), as a ``jax.lax.scan`` of ``jax.checkpoint(layer_fn,
+    policy=...)``: the first ``offload_layers`` layers under ``policies()[0]``, the others
+    under ``policies()[1]`` (two scans over slices of ``params`` when the plan splits the
+    stack, else one). Returns the last layer's output. Differentiable like any JAX function::
+
+        prof = ssd.profile(layer_fn, layer_params, x, num_layers=L)
+        plan = ssd.plan(prof)
+        loss = lambda stacked, x: plan.scan(layer_fn, stacked, x).sum()
+        grads = jax.jit(jax.grad(loss))(stacked_params, x)
+
+    ``prevent_cse`` is passed to ``jax.checkpoint`` (False by default, as is usual inside a
+    scan). With ``flax.linen``, put ``nn.remat(Block, policy=plan.policies()[0])`` in an
+    ``nn.scan`` of ``offload_layers`` layers and ``policies()[1]`` in one of the others.
+    """
+    import jax
+
+    L, k = self.profile.num_layers, self.offload_layers
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+      raise ValueError("params: expected stacked layer parameters, got no arrays")
+    for leaf in leaves:
+      if not np.shape(leaf) or np.shape(leaf)[0] != L:
+        raise ValueError(
+          f"params: every leaf must be stacked on a leading axis of num_layers={L} (the "
+          f"plan's), got a leaf of shape {np.shape(leaf)}"
+        )
+    offloading, keeping = self.policies()
+
+    def segment(policy, segment_params, carry):
+      body = jax.checkpoint(layer_fn, policy=policy, prevent_cse=prevent_cse)
+      return jax.lax.scan(lambda h, p: (body(p, h), None), carry, segment_params)[0]
+
+    if k == 0 or not any(loc in OFFLOADED for _, loc in self.locations):
+      return segment(keeping, params, x)
+    if k == L:
+      return segment(offloading, params, x)
+    x = segment(offloading, jax.tree.map(lambda a: a[:k], params), x)
+    return segment(keeping, jax.tree.map(lambda a: a[k:], params), x)
 
   def table(self) -> str:
     p, L, k = self.profile, self.profile.num_layers, self.offload_layers
@@ -222,11 +276,7 @@ class Plan:
       rows.append((t.name, f"{t.bytes:,}", loc.value, f"{n}/{L}", io, f"{window:.4f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-    lines.append(
-      f"split: layers 0..{k - 1} offload, {k}..{L - 1} keep"
-      if 0 < k < L
-      else f"split: all {L} layers {'offload' if k == L else 'keep'}"
-    )
+    lines.append(self._split_line())
     lines.append(
       f"predicted step {self.step_s * 1e3:.2f} ms (compute {self.compute_s * 1e3:.2f} "
       f"+ stall {self.stall_s * 1e3:.2f}; all on device {self.baseline_s * 1e3:.2f})"
@@ -246,6 +296,26 @@ class Plan:
     return "\n".join(lines)
 
   __str__ = table
+
+  def _split_line(self) -> str:
+    L, k = self.profile.num_layers, self.offload_layers
+    moved = [n for n, loc in self.locations if loc in OFFLOADED]
+    if not moved:
+      return f"split: none (no tag goes to the store; all {L} layers alike)"
+    tags, them = ", ".join(moved), "it" if len(moved) == 1 else "them"
+    if k == 0:
+      return (
+        f"split: none (no layer sends {tags} to the store; every layer keeps {them} on the device)"
+      )
+    if k == L:
+      return (
+        f"split: none (every layer sends {tags} to the store; no layer keeps {them} on the device)"
+      )
+    first, rest = _layers(0, k), _layers(k, L)
+    return (
+      f"split: {first} {'sends' if k == 1 else 'send'} {tags} to the store, {rest} "
+      f"{'keeps' if L - k == 1 else 'keep'} {them} on the device"
+    )
 
 
 def plan(
@@ -803,6 +873,11 @@ def _median_time(fn, repeats: int, warmup: int) -> float:
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - t0)
   return statistics.median(times)
+
+
+def _layers(start: int, stop: int) -> str:
+  """``layer 3`` or ``layers 0..2`` (``stop`` excluded)."""
+  return f"layer {start}" if stop - start == 1 else f"layers {start}..{stop - 1}"
 
 
 def _check_int(what: str, value, low: int = 0) -> None:

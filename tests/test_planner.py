@@ -127,6 +127,92 @@ def test_profile_measures_bandwidth_once_per_directory(tmp_path, monkeypatch):
     ssd.measured_bandwidth(tmp_path / "nope")
 
 
+def _small(p, x):  # a small block with several parameter leaves: x (B, H)
+  h = checkpoint_name(jnp.tanh(x @ p["w1"] + p["b1"]), "up")  # (B, F)
+  y = checkpoint_name(h @ p["w2"] + p["b2"], "down")  # (B, H)
+  return x + y * p["scale"] + p["shift"]
+
+
+def _small_args(B=4, H=16, F=32):
+  k = jax.random.split(jax.random.key(2), 3)
+  p = {
+    "w1": jax.random.normal(k[0], (H, F)) / 4,
+    "b1": jnp.zeros(F),
+    "w2": jax.random.normal(k[1], (F, H)) / 4,
+    "b2": jnp.zeros(H),
+    "scale": jnp.ones(H),
+    "shift": jnp.zeros(H),
+  }
+  return p, jax.random.normal(k[2], (B, H))
+
+
+def test_profile_measures_the_store_directory_by_default(tmp_path, monkeypatch, capfd):
+  # Neither directory= nor bandwidth=: the store's own directory, probed with what a step of
+  # this stack could send (16 MiB at least, in tensors of its largest tag: 1 MiB at least).
+  from jax_ssdtrain import probe
+
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  measured, real = [], probe.measure
+
+  def spy(directory, size, **kwargs):
+    measured.append((directory, size, kwargs["tensor_bytes"]))
+    return real(directory, size, **kwargs)
+
+  monkeypatch.setattr(probe, "measure", spy)
+  # The tiny-block case is compile-bound: one program stacks all the parameter leaves per scan
+  # length, then four scans (forward, forward+backward, recomputing, one tag in the host tier)
+  # at two lengths; nothing per leaf.
+  compiles, listening = [], [True]
+
+  def on_event(event, duration, **kwargs):
+    if listening[0] and event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(duration)
+
+  p, x = _small_args()
+  with ssd.configured(str(tmp_path / "store"), capacity_bytes=64 << 20):
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+      prof = ssd.profile(_small, p, x, num_layers=3, repeats=1, warmup=0, progress=False)
+    finally:
+      listening[0] = False
+  assert measured == [(os.path.realpath(tmp_path / "store"), 16 << 20, 1 << 20)]
+  assert prof.write_gbps > 0 and prof.read_gbps > 0
+  assert len(compiles) == 2 + 2 * 4, compiles
+  assert capfd.readouterr().err == ""  # progress=False
+  # sizes for a real stack: 24 layers of 48 MiB of tags (largest 32 MiB) -> the 256 MiB cap
+  assert planner._probe_sizes({"a": 32 << 20, "b": 16 << 20}, 24) == (256 << 20, 32 << 20)
+  assert planner._probe_sizes({"a": 100 << 20}, 2) == (256 << 20, 64 << 20)
+  assert planner._probe_sizes({"a": 3 << 20}, 10) == (32 << 20, 4 << 20)
+  with pytest.raises(ValueError, match="bandwidth.*\\(1.0,\\)"):
+    ssd.profile(_small, p, x, num_layers=3, bandwidth=(1.0,))
+  with pytest.raises(ValueError, match="progress.*'yes'"):
+    ssd.profile(_small, p, x, num_layers=3, bandwidth=(1.0, 1.0), progress="yes")
+
+
+def test_profile_shows_its_progress(capfd):
+  p, x = _small_args()
+  ssd.profile(_small, p, x, num_layers=3, bandwidth=(1.0, 1.0), repeats=1, warmup=0, progress=True)
+  err = capfd.readouterr().err
+  # 10 steps: each scan length's compile, then its four timings
+  assert "ssd.profile" in err and "10/10" in err and "timing the forward of 2 layers" in err, err
+
+
+def test_progress_without_tqdm_prints_a_line_per_step(capfd, monkeypatch):
+  monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+  with planner._Progress(2, enabled=True) as bar:
+    for what in ("compiling 4 scans of 2 layers", "timing the forward of 2 layers"):
+      bar.start(what)
+      bar.finish()
+  assert capfd.readouterr().err.splitlines() == [
+    "ssd.profile [1/2] compiling 4 scans of 2 layers",
+    "ssd.profile [2/2] timing the forward of 2 layers",
+  ]
+  with planner._Progress(2, enabled=None) as bar:  # stderr is no terminal here: nothing shown
+    bar.start("compiling")
+    bar.finish()
+  assert capfd.readouterr().err == ""
+
+
 # --------------------------------------------------------------------------- timing model, plan
 
 

@@ -10,6 +10,7 @@ of each tagged activation; a shard_map program.
 import json
 import os
 import re
+import tempfile
 
 # SSD_MD_DEVICES GPUs instead (tests/test_multidevice.py's gpu test): 2 by default there.
 GPU = os.environ.get("SSD_MD_PLATFORM", "cpu") == "gpu"
@@ -136,14 +137,20 @@ def shard_map_case():
 
 
 def per_device_directories_case():
-  """``{device}`` store directories: each device's tensors land in its own directory only."""
-  import tempfile
-
+  """``{device}`` store directories: each device's tensors land in its own directory only
+  (a temporary directory, removed with the store's files when the case ends)."""
   shard_map = getattr(jax, "shard_map", None)
   if shard_map is None:
     from jax.experimental.shard_map import shard_map
   mesh = parallel.Parallelism(data=N).mesh()
-  root = tempfile.mkdtemp(prefix="ssd-md-")
+  with tempfile.TemporaryDirectory(prefix="ssd-md-") as root:
+    try:
+      return _per_device_directories(mesh, shard_map, root)
+    finally:
+      ssd.shutdown()  # close the {device} store before its directories are removed
+
+
+def _per_device_directories(mesh, shard_map, root):
   cfg = ssd.configure(
     directory=os.path.join(root, "d{device}"),
     capacity_bytes=64 << 20,
@@ -169,7 +176,6 @@ def per_device_directories_case():
   jax.block_until_ready(jax.jit(jax.grad(loss))(x))
   ssd.flush()
   s, per_device = ssd.stats(), ssd.device_stats()
-  ssd.configure(directory=os.path.join(root, "after"))  # release the {device} store
   # Local device index i -> directory i (the order {device} expands in).
   return {
     "device_groups": cfg.device_groups,

@@ -60,6 +60,8 @@ INTERNALS = [
   "Zero",
   "DIFFERENTIATING_TRACES",
   "REMAT_TRANSFORM_MODULES",
+  "summarize_source_info",
+  "OUTPUT_BODY_PARAMS",
 ]
 
 
@@ -76,6 +78,21 @@ def test_hooks_installed_where_jax_calls_them():
   for cls in ji.CHECKPOINT_NAME_CLASSES:
     assert getattr(cls.remat, "_ssdtrain_hook", False), cls
   ji.check_partial_eval_call_site()  # raises MissingInternal when JAX changed the call
+
+
+def test_output_body_finds_the_bodies_of_scan_and_jit():
+  # print_saved_residuals names handles made inside a scan or jit by following each output
+  # into the equation's body (ji.output_body): the body must line up with the outputs.
+  inner = jax.jit(lambda v: jnp.sin(v))
+  scanned = lambda xs: jax.lax.scan(lambda c, x: (c + inner(x), c * x), 0.0, xs)  # noqa: E731
+  (scan_eqn,) = jax.make_jaxpr(scanned)(jnp.ones(3)).jaxpr.eqns
+  body = ji.output_body(scan_eqn)
+  assert body is not None, f"scan's body param moved in jax {jax.__version__}"
+  assert len(body.outvars) == len(scan_eqn.outvars) == 2
+  (jit_eqn,) = [e for e in body.eqns if ji.output_body(e) is not None]
+  assert [e.primitive.name for e in ji.output_body(jit_eqn).eqns] == ["sin"]
+  assert ji.output_body(body.eqns[-1]) is None  # not a call
+  assert "test_jax_layer.py" in ji.summarize_source_info(scan_eqn.source_info)
 
 
 def test_save_from_both_closure_is_recognised():
@@ -267,6 +284,31 @@ def test_saved_residuals_name_tag_and_location(store, capsys):
   assert not any("ssd_store" in t for t in described)
   jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(_two_tag_fn, policy=pol), w, x)
   assert "named 'h' -> nvme" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("remat3", [False, True])
+def test_saved_residuals_name_tags_inside_a_scan(store, remat3, capsys):
+  # A scan returns its layers' handles stacked (u32[L, 2]): JAX calls them "output of scan";
+  # they are named after the tag and tier, with where the tag is inside the layer.
+  ws = jax.random.normal(jax.random.key(6), (3, 32, 32)) / 8
+  x = jax.random.normal(jax.random.key(7), (16, 32))
+  pol = ssd.location_policy({"h": "nvme", "e": "host"}, min_bytes=0)
+  from jax._src.ad_checkpoint import saved_residuals
+
+  with ji.remat3(remat3):
+    body = jax.checkpoint(lambda w, v: v + jnp.tanh(_two_tag_fn(w, v)), policy=pol)
+    stack = lambda ws, v: jax.lax.scan(lambda c, w: (body(w, c), None), v, ws)[0].sum()  # noqa: E731
+    described = {text for _, text in saved_residuals(stack, ws, x)}
+    jax.ad_checkpoint.print_saved_residuals(stack, ws, x)
+  handles = [t for t in described if "' -> " in t]
+  assert len(handles) == 2, described  # "h" and "e", one handle per layer each
+  for name, tier in (("h", "nvme"), ("e", "host")):
+    (text,) = [t for t in handles if t.startswith(f"named {name!r} -> {tier} from ")]
+    tag_site, scan_site = text.split(", output of scan from ")
+    assert "test_jax_layer.py" in tag_site and "_two_tag_fn" in tag_site, text
+    assert "test_jax_layer.py" in scan_site, text
+  printed = capsys.readouterr().out
+  assert "u32[3,2] named 'h' -> nvme from " in printed, printed
 
 
 # ---------------------------------------------------------------------------------------------

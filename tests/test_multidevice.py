@@ -15,9 +15,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def _run_worker(**env_vars):
+def _run_worker(tmp_dir, **env_vars):
+  """The worker's JSON result, with ``"left_behind"``: what it left in ``tmp_dir``, its TMPDIR
+  (the store directories it configures and the default store's temporary directory)."""
   env = dict(
-    os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env_vars
+    os.environ,
+    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    TMPDIR=str(tmp_dir),
+    **env_vars,
   )
   proc = subprocess.run(
     [sys.executable, os.path.join(HERE, "_multidevice_worker.py")],
@@ -27,12 +32,20 @@ def _run_worker(**env_vars):
     timeout=HANG_S,
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  result["left_behind"] = sorted(os.listdir(tmp_dir))
+  return result
 
 
 @pytest.fixture(scope="module")
-def result():
-  return _run_worker(JAX_PLATFORMS="cpu")
+def result(tmp_path_factory):
+  return _run_worker(tmp_path_factory.mktemp("multidevice"), JAX_PLATFORMS="cpu")
+
+
+def test_worker_leaves_nothing_behind(result):
+  # The {device} store directories (ssd-md-*) and the default store's temporary directory
+  # are removed by the time the worker exits.
+  assert result["left_behind"] == [], result["left_behind"]
 
 
 CASES = ("dp-nvme", "fsdp-nvme", "tp-nvme", "tp-host")
@@ -145,11 +158,14 @@ def _gpu_count() -> int:
 
 
 @pytest.mark.gpu
-def test_two_gpus():
+def test_two_gpus(tmp_path):
   """The same checks on 2 GPUs (DP, FSDP over 2; TP 1x2), in a subprocess."""
   if _gpu_count() < 2:
     pytest.skip("needs 2 GPUs")
-  r = _run_worker(SSD_MD_PLATFORM="gpu", SSD_MD_DEVICES="2", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  r = _run_worker(
+    tmp_path, SSD_MD_PLATFORM="gpu", SSD_MD_DEVICES="2", XLA_PYTHON_CLIENT_PREALLOCATE="false"
+  )
+  assert r["left_behind"] == [], r["left_behind"]
   for case, c in r["layouts"].items():
     assert c["stores_in_hlo"] > 0, case
     assert c["vs_single"] < 1e-4, (case, c["vs_single"])

@@ -121,6 +121,92 @@ def test_profile_measures_bandwidth_once_per_directory(tmp_path, monkeypatch):
     ssd.measured_bandwidth(tmp_path / "nope")
 
 
+def _small(p, x):  # a small block with several parameter leaves: x (B, H)
+  h = checkpoint_name(jnp.tanh(x @ p["w1"] + p["b1"]), "up")  # (B, F)
+  y = checkpoint_name(h @ p["w2"] + p["b2"], "down")  # (B, H)
+  return x + y * p["scale"] + p["shift"]
+
+
+def _small_args(B=4, H=16, F=32):
+  k = jax.random.split(jax.random.key(2), 3)
+  p = {
+    "w1": jax.random.normal(k[0], (H, F)) / 4,
+    "b1": jnp.zeros(F),
+    "w2": jax.random.normal(k[1], (F, H)) / 4,
+    "b2": jnp.zeros(H),
+    "scale": jnp.ones(H),
+    "shift": jnp.zeros(H),
+  }
+  return p, jax.random.normal(k[2], (B, H))
+
+
+def test_profile_measures_the_store_directory_by_default(tmp_path, monkeypatch, capfd):
+  # Neither directory= nor bandwidth=: the store's own directory, probed with what a step of
+  # this stack could send (16 MiB at least, in tensors of its largest tag: 1 MiB at least).
+  from jax_ssdtrain import probe
+
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  measured, real = [], probe.measure
+
+  def spy(directory, size, **kwargs):
+    measured.append((directory, size, kwargs["tensor_bytes"]))
+    return real(directory, size, **kwargs)
+
+  monkeypatch.setattr(probe, "measure", spy)
+  # The tiny-block case is compile-bound: one program stacks all the parameter leaves per scan
+  # length, then four scans (forward, forward+backward, recomputing, one tag in the host tier)
+  # at two lengths; nothing per leaf.
+  compiles, listening = [], [True]
+
+  def on_event(event, duration, **kwargs):
+    if listening[0] and event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(duration)
+
+  p, x = _small_args()
+  with ssd.configured(str(tmp_path / "store"), capacity_bytes=64 << 20):
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+      prof = ssd.profile(_small, p, x, num_layers=3, repeats=1, warmup=0, progress=False)
+    finally:
+      listening[0] = False
+  assert measured == [(os.path.realpath(tmp_path / "store"), 16 << 20, 1 << 20)]
+  assert prof.write_gbps > 0 and prof.read_gbps > 0
+  assert len(compiles) == 2 + 2 * 4, compiles
+  assert capfd.readouterr().err == ""  # progress=False
+  # sizes for a real stack: 24 layers of 48 MiB of tags (largest 32 MiB) -> the 256 MiB cap
+  assert planner._probe_sizes({"a": 32 << 20, "b": 16 << 20}, 24) == (256 << 20, 32 << 20)
+  assert planner._probe_sizes({"a": 100 << 20}, 2) == (256 << 20, 64 << 20)
+  assert planner._probe_sizes({"a": 3 << 20}, 10) == (32 << 20, 4 << 20)
+  with pytest.raises(ValueError, match="bandwidth.*\\(1.0,\\)"):
+    ssd.profile(_small, p, x, num_layers=3, bandwidth=(1.0,))
+  with pytest.raises(ValueError, match="progress.*'yes'"):
+    ssd.profile(_small, p, x, num_layers=3, bandwidth=(1.0, 1.0), progress="yes")
+
+
+def test_profile_shows_its_progress(capfd):
+  p, x = _small_args()
+  ssd.profile(_small, p, x, num_layers=3, bandwidth=(1.0, 1.0), repeats=1, warmup=0, progress=True)
+  err = capfd.readouterr().err
+  # 10 steps: each scan length's compile, then its four timings
+  assert "ssd.profile" in err and "10/10" in err and "timing the forward of 2 layers" in err, err
+
+
+def test_progress_without_tqdm_prints_a_line_per_step(capfd, monkeypatch):
+  monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+  with planner._Progress(2, enabled=True) as bar:
+    for what in ("compiling 4 scans of 2 layers", "timing the forward of 2 layers"):
+      bar.start(what)
+      bar.finish()
+  assert capfd.readouterr().err.splitlines() == [
+    "ssd.profile [1/2] compiling 4 scans of 2 layers",
+    "ssd.profile [2/2] timing the forward of 2 layers",
+  ]
+  with planner._Progress(2, enabled=None) as bar:  # stderr is no terminal here: nothing shown
+    bar.start("compiling")
+    bar.finish()
+  assert capfd.readouterr().err == ""
+
+
 # --------------------------------------------------------------------------- timing model, plan
 
 
@@ -446,10 +532,119 @@ def test_host_tensors_of_a_step_fit_the_host_tier():
 
 
 def test_policies_follow_the_plan():
+  from jax_ssdtrain._src.policies import StoreDecision, name_p
+
   p = ssd.plan(one_tag(0.5), max_slowdown=0.0, allowed=["device", "nvme"])
-  first, rest = p.policies()
+  assert p.offload_layers == 2
+  first, rest = p.policies()  # (layers 0..offload_layers-1, the others): the documented order
   assert dict(first.locations) == {"a": Location.NVME}
   assert dict(rest.locations) == {"a": Location.DEVICE}
+  assert first == ssd.location_policy(p.location_map(), min_bytes=p.min_bytes)
+  assert rest == ssd.location_policy(p.kept_location_map(), min_bytes=p.min_bytes)
+  # what jax.checkpoint hears about the 1 GB tag "a": the store, then saved on the device
+  big = jax.core.ShapedArray((GB // 4,), jnp.float32)
+  assert first(name_p, big, name="a") == StoreDecision(Location.NVME)
+  assert rest(name_p, big, name="a") is True
+
+
+def _split_of(plan):
+  return next(line for line in plan.table().splitlines() if line.startswith("split:"))
+
+
+def test_table_says_what_each_layer_does_with_its_tags():
+  two = ssd.Profile(
+    num_layers=4,
+    forward_s=1.0,
+    backward_s=1.0,
+    tags=(T("up", GB), T("act", GB)),
+    write_gbps=1.0,
+    read_gbps=0.5,
+    host_gbps=0.5,
+  )
+  # nothing goes to the store (all recomputed, or all on the device): no layer keeps anything
+  for allowed in (["remat"], ["device"]):
+    line = _split_of(ssd.plan(two, allowed=allowed))
+    assert line == "split: none (no tag goes to the store; all 4 layers alike)", line
+  p = ssd.plan(two, max_slowdown=0.0, fixed={"up": "host", "act": "nvme"})
+  assert p.offload_layers == 1
+  assert _split_of(p) == (
+    "split: layer 0 sends act, up to the store, layers 1..3 keep them on the device"
+  )
+  with_k = lambda k: _split_of(dataclasses.replace(p, offload_layers=k))  # noqa: E731
+  assert (
+    with_k(2) == "split: layers 0..1 send act, up to the store, layers 2..3 keep them on the device"
+  )
+  assert (
+    with_k(3) == "split: layers 0..2 send act, up to the store, layer 3 keeps them on the device"
+  )
+  assert with_k(4) == (
+    "split: none (every layer sends act, up to the store; no layer keeps them on the device)"
+  )
+  assert with_k(0) == (
+    "split: none (no layer sends act, up to the store; every layer keeps them on the device)"
+  )
+  fast = ssd.plan(one_tag(100.0, write_gbps=100.0), allowed=["nvme"])
+  assert (fast.offload_layers, _split_of(fast)) == (
+    4,
+    "split: none (every layer sends a to the store; no layer keeps it on the device)",
+  )
+
+
+def _block(p, x):  # a hand-written layer: x (B, H), p {"w1": (H, F), "w2": (F, H)}
+  up = checkpoint_name(x @ p["w1"], "up")
+  act = checkpoint_name(jnp.sin(up), "act")
+  return x + jnp.tanh(act @ p["w2"])
+
+
+def _stacked_block_params(L, H=32, F=64):
+  k1, k2 = jax.random.split(jax.random.key(3))
+  return {
+    "w1": jax.random.normal(k1, (L, H, F), jnp.float32) / 8,
+    "w2": jax.random.normal(k2, (L, F, H), jnp.float32) / 8,
+  }
+
+
+def test_plan_scan_runs_a_hand_written_stack_as_planned(tmp_path):
+  L, B, H = 4, 8, 32
+  params, x = _stacked_block_params(L, H), jax.random.normal(jax.random.key(4), (B, H))
+  prof = ssd.Profile(
+    num_layers=L,
+    forward_s=1.0,
+    backward_s=1.0,
+    tags=(T("up", GB), T("act", GB)),
+    write_gbps=1.0,
+    read_gbps=1.0,
+    host_gbps=1.0,
+  )
+  plan = ssd.plan(prof, max_slowdown=0.0, fixed={"up": "host", "act": "nvme"}, min_bytes=0)
+  k = plan.offload_layers
+  assert 0 < k < L, plan
+
+  def device_saving(ps, v):  # the same stack, every tag saved on the device
+    body = jax.checkpoint(_block, policy=jax.checkpoint_policies.save_only_these_names("up", "act"))
+    return jax.lax.scan(lambda h, p: (body(p, h), None), v, ps)[0].sum()
+
+  def own_scan(ps, v):  # the recipe for a scan of one's own: policies()[0] first, then [1]
+    offloading, keeping = plan.policies()
+    h = v
+    for policy, seg in ((offloading, slice(0, k)), (keeping, slice(k, L))):
+      body = jax.checkpoint(_block, policy=policy, prevent_cse=False)
+      seg_params = jax.tree.map(lambda a: a[seg], ps)
+      h = jax.lax.scan(lambda c, p: (body(p, c), None), h, seg_params)[0]
+    return h.sum()
+
+  want = jax.jit(jax.value_and_grad(device_saving, argnums=(0, 1)))(params, x)
+  with ssd.configured(str(tmp_path / "store"), capacity_bytes=64 << 20, host_tier_bytes=8 << 20):
+    for fn in (lambda ps, v: plan.scan(_block, ps, v).sum(), own_scan):
+      ssd.reset_stats()
+      got = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(params, x)
+      ssd.flush()
+      for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+      # the first k layers store "up" (host) and "act" (nvme); the others keep them
+      assert ssd.stats()["tensors_written"] == 2 * k
+  with pytest.raises(ValueError, match="num_layers=4.*\\(3, 32, 64\\)"):
+    plan.scan(_block, jax.tree.map(lambda a: a[:3], params), x)
 
 
 @pytest.mark.parametrize(

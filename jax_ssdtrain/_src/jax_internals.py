@@ -244,6 +244,43 @@ def remat3(enabled: bool):
 SAVED_RESIDUALS_MODULE = _ad_checkpoint
 SAVED_RESIDUALS_FN = "_saved_residuals"
 _get(_ad_checkpoint, SAVED_RESIDUALS_FN, "naming offloaded residuals in saved_residuals")
+# It describes a residual made by an equation other than a tag as f"output of {primitive} from
+# {where}" (jit: "output of jitted function ..."), ``where`` being this summary of the
+# equation's source_info; for a handle that a scan (or jit, ...) returns, remat.py finds the
+# store inside and names it with this summary of the store's own source_info.
+from jax._src import source_info_util as _source_info_util  # noqa: E402
+
+summarize_source_info = _get(
+  _source_info_util, "summarize", "naming where an offloaded residual inside a scan was tagged"
+)
+# Equations whose outputs are their body's outputs, one to one (a scan's stacked over its
+# iterations): the parameter holding that body. saved_residuals names a handle made inside a
+# scan, jit, ... ``output of scan``; we follow the output into the body to find its store.
+OUTPUT_BODY_PARAMS = {
+  "scan": "jaxpr",
+  "jit": "jaxpr",
+  "pjit": "jaxpr",
+  "closed_call": "call_jaxpr",
+  "core_call": "call_jaxpr",
+  "checkpoint": "jaxpr",
+  "remat": "jaxpr",
+  "custom_jvp_call": "call_jaxpr",
+  "custom_vjp_call": "call_jaxpr",
+}
+
+
+def output_body(eqn: Any) -> Any | None:
+  """The open jaxpr whose ``outvars[i]`` makes ``eqn.outvars[i]`` (see OUTPUT_BODY_PARAMS), or
+  None where the equation is not one of those or its body does not line up."""
+  key = OUTPUT_BODY_PARAMS.get(eqn.primitive.name)
+  body = eqn.params.get(key) if key is not None else None
+  if body is None:
+    return None
+  body = open_jaxpr(body)
+  if not hasattr(body, "outvars") or len(body.outvars) != len(eqn.outvars):
+    return None
+  return body
+
 
 # ---------------------------------------------------------------------------------------------
 # Lowering, dispatch and sharding (jax._src).

@@ -1,7 +1,8 @@
 """Offload planner: where each tagged tensor of a scan over L layers lives, from a profile.
 
-    prof = ssd.profile(layer_fn, layer_params, x, num_layers=L, directory="/nvme/st")
+    prof = ssd.profile(layer_fn, layer_params, x, num_layers=L)  # store bandwidth measured
     p = ssd.plan(prof)              # p.offload_layers, p.locations, print(p)
+    y = p.scan(layer_fn, stacked_params, x)  # the stack as planned (p.policies() for your own)
 
 Timing model (per training step; F, B: one layer's forward and backward time; the first
 ``k`` layers send their host/nvme tags to the store, the last ``L - k`` keep them on the device,
@@ -52,11 +53,13 @@ device memory (``memory_fn``, e.g. XLA's ``compiled.memory_analysis()``) fits a 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -207,11 +210,65 @@ class Plan:
     return {"staging_bytes": self.staging_bytes} if self.staging_bytes else {}
 
   def policies(self) -> tuple[Any, Any]:
-    """``(policy of the offloaded layers, policy of the kept layers)`` for jax.checkpoint."""
+    """The plan's two ``jax.checkpoint`` policies, ``(offloading, keeping)``, in this order:
+
+    0. ``offloading``: for layers ``0 .. offload_layers - 1`` (the first layers of the scan,
+       whose backward comes last): every tag at :meth:`location_map` (host/nvme tags go to the
+       store);
+    1. ``keeping``: for layers ``offload_layers .. num_layers - 1``: the same, except that
+       host/nvme tags are saved on the device (:meth:`kept_location_map`).
+
+    Both are :func:`location_policy` results with the plan's ``min_bytes``. Where
+    ``offload_layers`` is ``num_layers`` the second is unused, where it is 0 the first.
+    :meth:`scan` applies them to a stack of layers; for a scan of your own, run layers
+    ``[0, offload_layers)`` under the first and the others under the second.
+    """
     return (
       location_policy(self.location_map(), min_bytes=self.min_bytes),
       location_policy(self.kept_location_map(), min_bytes=self.min_bytes),
     )
+
+  def scan(self, layer_fn: Callable, params: Any, x: Any, *, prevent_cse: bool = False) -> Any:
+    """Runs the stack as the plan says: ``layer_fn(layer_params, x) -> x`` (the function given
+    to :func:`profile`) over ``params`` stacked on a leading axis of ``num_layers`` (every
+    leaf ``(num_layers, ...)``), as a ``jax.lax.scan`` of ``jax.checkpoint(layer_fn,
+    policy=...)``: the first ``offload_layers`` layers under ``policies()[0]``, the others
+    under ``policies()[1]`` (two scans over slices of ``params`` when the plan splits the
+    stack, else one). Returns the last layer's output. Differentiable like any JAX function::
+
+        prof = ssd.profile(layer_fn, layer_params, x, num_layers=L)
+        plan = ssd.plan(prof)
+        loss = lambda stacked, x: plan.scan(layer_fn, stacked, x).sum()
+        grads = jax.jit(jax.grad(loss))(stacked_params, x)
+
+    ``prevent_cse`` is passed to ``jax.checkpoint`` (False by default, as is usual inside a
+    scan). With ``flax.linen``, put ``nn.remat(Block, policy=plan.policies()[0])`` in an
+    ``nn.scan`` of ``offload_layers`` layers and ``policies()[1]`` in one of the others.
+    """
+    import jax
+
+    L, k = self.profile.num_layers, self.offload_layers
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+      raise ValueError("params: expected stacked layer parameters, got no arrays")
+    for leaf in leaves:
+      if not np.shape(leaf) or np.shape(leaf)[0] != L:
+        raise ValueError(
+          f"params: every leaf must be stacked on a leading axis of num_layers={L} (the "
+          f"plan's), got a leaf of shape {np.shape(leaf)}"
+        )
+    offloading, keeping = self.policies()
+
+    def segment(policy, segment_params, carry):
+      body = jax.checkpoint(layer_fn, policy=policy, prevent_cse=prevent_cse)
+      return jax.lax.scan(lambda h, p: (body(p, h), None), carry, segment_params)[0]
+
+    if k == 0 or not any(loc in OFFLOADED for _, loc in self.locations):
+      return segment(keeping, params, x)
+    if k == L:
+      return segment(offloading, params, x)
+    x = segment(offloading, jax.tree.map(lambda a: a[:k], params), x)
+    return segment(keeping, jax.tree.map(lambda a: a[k:], params), x)
 
   def table(self) -> str:
     p, L, k = self.profile, self.profile.num_layers, self.offload_layers
@@ -225,11 +282,7 @@ class Plan:
       rows.append((t.name, f"{t.bytes:,}", loc.value, f"{n}/{L}", io, f"{window:.4f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-    lines.append(
-      f"split: layers 0..{k - 1} offload, {k}..{L - 1} keep"
-      if 0 < k < L
-      else f"split: all {L} layers {'offload' if k == L else 'keep'}"
-    )
+    lines.append(self._split_line())
     lines.append(
       f"predicted step {self.step_s * 1e3:.2f} ms (compute {self.compute_s * 1e3:.2f} "
       f"+ stall {self.stall_s * 1e3:.2f}; all on device {self.baseline_s * 1e3:.2f})"
@@ -249,6 +302,26 @@ class Plan:
     return "\n".join(lines)
 
   __str__ = table
+
+  def _split_line(self) -> str:
+    L, k = self.profile.num_layers, self.offload_layers
+    moved = [n for n, loc in self.locations if loc in OFFLOADED]
+    if not moved:
+      return f"split: none (no tag goes to the store; all {L} layers alike)"
+    tags, them = ", ".join(moved), "it" if len(moved) == 1 else "them"
+    if k == 0:
+      return (
+        f"split: none (no layer sends {tags} to the store; every layer keeps {them} on the device)"
+      )
+    if k == L:
+      return (
+        f"split: none (every layer sends {tags} to the store; no layer keeps {them} on the device)"
+      )
+    first, rest = _layers(0, k), _layers(k, L)
+    return (
+      f"split: {first} {'sends' if k == 1 else 'send'} {tags} to the store, {rest} "
+      f"{'keeps' if L - k == 1 else 'keep'} {them} on the device"
+    )
 
 
 def plan(
@@ -358,10 +431,17 @@ def profile(
   batch: int | None = None,
   repeats: int = 10,
   warmup: int = 2,
+  progress: bool | None = None,
 ) -> Profile:
   """Times one layer ``layer_fn(params, x) -> y`` (``y`` shaped like ``x``: a scan body) as the
-  training step runs it, reads the tagged bytes from its jaxpr, and takes the store bandwidth
-  (``bandwidth`` as (write, read) GB/s, else ``measured_bandwidth(directory)``).
+  training step runs it, reads the tagged bytes from its jaxpr, and takes the store bandwidth:
+  ``bandwidth`` as (write, read) GB/s if given, else :func:`measured_bandwidth` of
+  ``directory``, by default the store's own directory (the first of
+  :func:`~jax_ssdtrain.store_directories`: ``ssd.configure``'s, else the private temporary
+  one). The bandwidth probe writes and reads back what a step of this stack could send to the
+  store (all its tags in all ``num_layers`` layers), in tensors of its largest tag, each
+  rounded up to a power of two and kept between 16 MiB and 256 MiB (tensors: 1 MiB to
+  64 MiB); it is measured once per filesystem and size, then cached on disk.
 
   Forward and backward times are per layer of a ``lax.scan`` with every tag saved on the device
   (the plan's all-on-device baseline): the difference between scans of 2 and of 4 or more
@@ -375,15 +455,22 @@ def profile(
   the offload probe's layers computed (CUDA events; the store's statistics are reset), else to
   :func:`measured_link_gbps` (the link idle, cached).
   ``host_cache_bytes``, ``staging_bytes`` and ``host_tier_bytes`` default to the current store
-  configuration's."""
+  configuration's.
+
+  It compiles the scans above (four, three where the layer has no tag) at both lengths (on
+  the CPU each length's at once, on threads) and runs each ``warmup + 1 + repeats`` times.
+  ``progress``: show each step (a tqdm bar where tqdm is installed, else a line per step on
+  stderr); None shows it when stderr is a terminal."""
   _check_int("num_layers", num_layers, low=1)
   _check_int("repeats", repeats, low=1)
   _check_int("warmup", warmup)
-  if bandwidth is None:
-    if directory is None:
-      raise ValueError("profile: give directory= (measured) or bandwidth=(write, read) GB/s")
-    bandwidth = measured_bandwidth(directory)
-  write_gbps, read_gbps = bandwidth
+  if progress is not None and not isinstance(progress, bool):
+    raise ValueError(f"progress: expected True, False or None, got {progress!r}")
+  if bandwidth is not None:
+    if not isinstance(bandwidth, (tuple, list)) or len(bandwidth) != 2:
+      raise ValueError(f"bandwidth: expected (write, read) GB/s, got {bandwidth!r}")
+    _check_number("bandwidth[0] (write GB/s)", bandwidth[0])
+    _check_number("bandwidth[1] (read GB/s)", bandwidth[1])
   from jax_ssdtrain._src import config
 
   cfg = config.current() or config.defaults()  # defaults: SSDTRAIN_* environment
@@ -399,11 +486,21 @@ def profile(
   # the offload cost is measured on the input tag, else the smallest tag the policies offload
   big = [n for n in tags if tags[n] >= DEFAULT_MIN_BYTES] or list(tags)
   probe_tag = input_tag or min(big, key=tags.get, default=None)
-  if host_gbps is None and probe_tag is not None:
-    config.reset_stats()
-  forward_s, backward_s, recompute_s, offload_s = _layer_times(
-    layer_fn, params, x, tuple(tags), probe_tag, repeats, warmup
-  )
+  programs = 3 + (probe_tag is not None)
+  with _Progress(2 * (1 + programs) + (bandwidth is None), enabled=progress) as bar:
+    if bandwidth is None:
+      if directory is None:
+        directory = config.store_directories()[0]
+      nbytes, tensor_bytes = _probe_sizes(tags, num_layers)
+      bar.start(f"store bandwidth of {os.fspath(directory)} ({nbytes >> 20} MiB)")
+      bandwidth = measured_bandwidth(directory, nbytes, tensor_bytes=tensor_bytes)
+      bar.finish()
+    write_gbps, read_gbps = bandwidth
+    if host_gbps is None and probe_tag is not None:
+      config.reset_stats()
+    forward_s, backward_s, recompute_s, offload_s = _layer_times(
+      layer_fn, params, x, tuple(tags), probe_tag, repeats, warmup, bar
+    )
   if host_gbps is None:
     host_gbps = _achieved_link_gbps() if probe_tag is not None else None
     host_gbps = host_gbps or measured_link_gbps()
@@ -483,21 +580,40 @@ def measured_link_gbps(device: int = 0) -> float:
 
 
 def measured_bandwidth(
-  directory: str | os.PathLike, nbytes: int = 256 << 20
+  directory: str | os.PathLike, nbytes: int = 256 << 20, *, tensor_bytes: int | None = None
 ) -> tuple[float, float]:
-  """(write GB/s, read GB/s) of ``directory`` through the engine (``jax_ssdtrain.probe``).
+  """(write GB/s, read GB/s) of ``directory`` through the engine (``jax_ssdtrain.probe``):
+  ``nbytes`` written and read back in tensors of ``tensor_bytes`` (default: ``nbytes``, at
+  most 64 MiB; both rounded down to 4096-byte multiples).
 
-  Measured once per directory and size, then cached on disk (``probe.measure``'s cache).
+  Measured once per filesystem and size, then cached on disk (``probe.measure``'s cache).
   """
   path = os.path.realpath(os.fspath(directory))
   if not os.path.isdir(path):
     raise ValueError(f"directory: {directory!r} is not a directory")
   _check_int("nbytes", nbytes, low=4096)
+  size = nbytes // 4096 * 4096
+  if tensor_bytes is None:
+    tensor_bytes = min(size, 64 << 20)
+  _check_int("tensor_bytes", tensor_bytes, low=4096)
   from jax_ssdtrain import probe
 
-  size = nbytes // 4096 * 4096
-  result = probe.measure(path, size=size, tensor_bytes=min(size, 64 << 20))
+  result = probe.measure(path, size=size, tensor_bytes=min(size, tensor_bytes // 4096 * 4096))
   return result.write_gbps, result.read_gbps
+
+
+def _probe_sizes(tags: Mapping[str, int], num_layers: int) -> tuple[int, int]:
+  """``(bytes, tensor bytes)`` of the bandwidth probe for a stack: what one step could send to
+  the store (every tag of every layer) in tensors of its largest tag, each rounded up to a
+  power of two, the bytes between 16 MiB and 256 MiB, the tensors between 1 MiB and 64 MiB."""
+  per_step = num_layers * sum(tags.values())
+  nbytes = min(max(_pow2_ceil(per_step), 16 << 20), 256 << 20)
+  tensor = min(max(_pow2_ceil(max(tags.values(), default=0)), 1 << 20), 64 << 20, nbytes)
+  return nbytes, tensor
+
+
+def _pow2_ceil(n: int) -> int:
+  return 1 << max(int(n) - 1, 0).bit_length()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -737,13 +853,15 @@ def _nbytes_tree(tree) -> int:
 
 
 def _layer_times(
-  layer_fn, params, x, names, probe_tag, repeats: int, warmup: int
+  layer_fn, params, x, names, probe_tag, repeats: int, warmup: int, bar: _Progress | None = None
 ) -> tuple[float, float, float, float]:
   """(forward, backward, recompute, offload) seconds of one layer inside a scan: forward and
   backward with every tag saved on the device; recompute: what the backward adds when nothing
   is saved; offload: what the step adds when ``probe_tag`` goes to the host tier (0 if None)."""
   import jax
   import jax.numpy as jnp
+
+  bar = bar or _Progress(0, enabled=False)
 
   def stack_of(policy):
     # prevent_cse=False as the models' and benchmarks' scanned layers (barriers cost time)
@@ -761,16 +879,30 @@ def _layer_times(
   saved = stack_of(location_policy(on_device, min_bytes=0))
   fwd, fwd_bwd = jax.jit(saved), train_of(saved)
   remat_bwd = train_of(stack_of(jax.checkpoint_policies.nothing_saveable))
-  fns = [fwd, fwd_bwd, remat_bwd]
+  fns = {
+    "forward": fwd,
+    "forward and backward": fwd_bwd,
+    "recomputing backward": remat_bwd,
+  }
   if probe_tag is not None:
-    fns.append(
-      train_of(stack_of(location_policy({**on_device, probe_tag: Location.HOST}, min_bytes=0)))
-    )
+    host = location_policy({**on_device, probe_tag: Location.HOST}, min_bytes=0)
+    fns[f"{probe_tag!r} in the host tier"] = train_of(stack_of(host))
   v = jnp.asarray(x)
 
   def times_at(n):  # median seconds of each function on a scan of n layers
-    ps = jax.tree.map(lambda a: jnp.stack([jnp.asarray(a)] * n), params)  # (n, ...) per leaf
-    return [_median_time(lambda f=f: f(ps, v), repeats, warmup) for f in fns]
+    bar.start(f"compiling {len(fns)} scans of {n} layers")
+    # one program stacks every leaf: (n, ...) per leaf
+    ps = jax.jit(lambda p: jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *jnp.shape(a))), p))(
+      params
+    )
+    compiled = _compile_all([f.lower(ps, v) for f in fns.values()])
+    bar.finish()
+    times = []
+    for what, c in zip(fns, compiled):
+      bar.start(f"timing the {what} of {n} layers")
+      times.append(_median_time(lambda c=c: c(ps, v), repeats, warmup))
+      bar.finish()
+    return times
 
   # Two layers and more: a scan of one is no loop at all (XLA removes it, and with it the
   # per-layer slicing and stacking of residuals), so a difference against it overstates a layer.
@@ -795,6 +927,55 @@ def _layer_times(
   )
 
 
+def _compile_all(lowered: Sequence[Any]) -> list[Any]:
+  """Compiles lowered programs: on the CPU at once, on threads (XLA compiles without holding
+  the GIL; the lowering, which runs our hooks, stays on the caller's thread); elsewhere one at
+  a time, as a GPU compiler's autotuning times kernels on the device and would time them
+  against each other."""
+  import jax
+
+  if len(lowered) < 2 or jax.default_backend() != "cpu":
+    return [low.compile() for low in lowered]
+  with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+    return list(pool.map(lambda low: low.compile(), lowered))
+
+
+class _Progress:
+  """``profile``'s steps: a tqdm bar where tqdm is installed, else a line per step on stderr;
+  shown where ``enabled`` (None: when stderr is a terminal)."""
+
+  def __init__(self, total: int, *, enabled: bool | None):
+    self.total, self.done, self.bar, self.lines = total, 0, None, False
+    if enabled is None:
+      enabled = sys.stderr.isatty()
+    if not enabled:
+      return
+    try:
+      from tqdm import tqdm
+    except ImportError:
+      self.lines = True
+      return
+    self.bar = tqdm(total=total, desc="ssd.profile", unit="step", file=sys.stderr, leave=True)
+
+  def start(self, what: str) -> None:
+    if self.bar is not None:
+      self.bar.set_postfix_str(what)
+    elif self.lines:
+      print(f"ssd.profile [{self.done + 1}/{self.total}] {what}", file=sys.stderr, flush=True)
+
+  def finish(self) -> None:
+    self.done += 1
+    if self.bar is not None:
+      self.bar.update(1)
+
+  def __enter__(self) -> _Progress:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+
 def _median_time(fn, repeats: int, warmup: int) -> float:
   import jax
 
@@ -806,6 +987,11 @@ def _median_time(fn, repeats: int, warmup: int) -> float:
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - t0)
   return statistics.median(times)
+
+
+def _layers(start: int, stop: int) -> str:
+  """``layer 3`` or ``layers 0..2`` (``stop`` excluded)."""
+  return f"layer {start}" if stop - start == 1 else f"layers {start}..{stop - 1}"
 
 
 def _check_int(what: str, value, low: int = 0) -> None:

@@ -11,7 +11,9 @@ reaches JAX untouched, so it behaves identically by construction.
 Under ``jax_remat3`` tags bind ``CheckpointName`` (and ``CheckpointNameFwd``) instead; their
 ``remat`` methods get the same treatment.
 
-``saved_residuals`` / ``print_saved_residuals`` name our residuals: ``named 'qkv' -> nvme``.
+``saved_residuals`` / ``print_saved_residuals`` name our residuals: ``named 'qkv' -> nvme``,
+and, for the handles a scan returns stacked over its iterations, ``named 'qkv' -> nvme from
+<where the tag is>, output of scan from <where the scan is>``.
 """
 
 from __future__ import annotations
@@ -262,26 +264,62 @@ def _install_saved_residuals() -> None:
 
 
 def _name_stored(jaxpr, results):
-  """Replaces JAX's ``output of ssd_store from X`` by ``named 'tag' -> tier from X``.
+  """Names our residuals in JAX's descriptions: ``output of ssd_store from X`` becomes
+  ``named 'tag' -> tier from X``, and a handle that a scan (jit, ...) returns, ``output of scan
+  from Y``, becomes ``named 'tag' -> tier from X, output of scan from Y`` (X: where the tag is,
+  inside the scan's body; the handles are stacked over the scan's iterations).
 
-  JAX lists residual-producing equations in jaxpr order, so the k-th description that names
-  our store belongs to the k-th stored residual in that order."""
-  residuals = {v for v in jaxpr.outvars if isinstance(v, ji.Var)}
-  ours = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive is not store_p:
-      continue
-    for i, v in enumerate(eqn.outvars):
-      if v in residuals:
-        where = f"named {eqn.params['name']!r}"
-        if i == 1:
-          where += f" -> {TIER_NAMES[eqn.params['tier']]}"
-        ours.append(where)
-  described = [i for i, (_, text) in enumerate(results) if f"of {store_p.name} " in text]
-  if len(described) != len(ours):  # not the layout we know: leave JAX's text alone
+  JAX lists the residuals made by equations last, in jaxpr order (looking through
+  reduce_precision), so those descriptions pair with the equations' residual outputs in order.
+  Where the layout is not the one we know, JAX's text is left alone."""
+  subst = _precision_subst(jaxpr)
+  residuals = {_look_through(subst, v) for v in jaxpr.outvars if isinstance(v, ji.Var)}
+  made = [(eqn, i) for eqn in jaxpr.eqns for i, v in enumerate(eqn.outvars) if v in residuals]
+  if len(made) > len(results):
     return results
   out = list(results)
-  for i, where in zip(described, ours):
-    aval, text = out[i]
-    out[i] = (aval, where + text[text.index(f"of {store_p.name} ") + len(store_p.name) + 3 :])
+  for j, (eqn, i) in enumerate(made, start=len(results) - len(made)):
+    aval, text = out[j]
+    if not text.startswith("output of ") or " from " not in text:
+      continue  # a tag of JAX's own ("named ..."), or a description we do not know
+    found = _find_store(eqn, i)
+    if found is None:
+      continue
+    store, index = found
+    where = f"named {store.params['name']!r}"
+    if index == 1:  # the handle: the value itself is in the store
+      where += f" -> {TIER_NAMES[store.params['tier']]}"
+    if store is eqn:
+      out[j] = (aval, f"{where} from {text.split(' from ', 1)[1]}")
+    else:
+      out[j] = (aval, f"{where} from {ji.summarize_source_info(store.source_info)}, {text}")
   return out
+
+
+def _find_store(eqn, i, depth=0):
+  """``(store equation, its output index)`` that makes ``eqn.outvars[i]``, looking into the
+  bodies of scans, jits, ... (``ji.output_body``); None where no store makes it."""
+  if eqn.primitive is store_p:
+    return eqn, i
+  body = ji.output_body(eqn)
+  if body is None or depth > 32:
+    return None
+  v = body.outvars[i]
+  if not isinstance(v, ji.Var):
+    return None
+  v = _look_through(_precision_subst(body), v)
+  for inner in body.eqns:
+    if v in inner.outvars:
+      return _find_store(inner, inner.outvars.index(v), depth + 1)
+  return None  # an input of the body, passed through
+
+
+def _precision_subst(jaxpr) -> dict:
+  """As saved_residuals: a reduce_precision's output counts as its operand."""
+  return {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive.name == "reduce_precision"}
+
+
+def _look_through(subst: dict, v):
+  while v in subst:
+    v = subst[v]
+  return v

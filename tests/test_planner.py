@@ -3,6 +3,7 @@
 import dataclasses
 import math
 import os
+import sys
 
 import jax
 import jax.numpy as jnp

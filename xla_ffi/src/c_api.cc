@@ -177,7 +177,7 @@ SSD_EXPORT int ssdtrain_store_host(const void* src, uint64_t nbytes, int64_t sit
   return Guard(err, errlen, [&]() -> Status {
     auto e = ssdtrain::PeekEngine();
     if (!e) return Status(EINVAL, "the store is not configured");
-    return e->StoreFromHost(src, nbytes, site, 0, "probe", handle, 0, uses);
+    return e->StoreFromHost(src, nbytes, site, ssdtrain::Tier::kNvme, "probe", handle, 0, uses);
   });
 }
 

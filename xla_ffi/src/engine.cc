@@ -69,11 +69,11 @@ Status Engine::TakePendingError() {
   return s.With("an earlier asynchronous ssdtrain I/O failed");
 }
 
-Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_view name,
+Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_view name,
                           EntryPtr* out, int device, int64_t uses) {
-  if (tier != 0 && tier != 1)
+  if (tier != Tier::kNvme && tier != Tier::kHost)
     return Status(EINVAL, "store of tag '" + std::string(name) + "': invalid tier " +
-                              std::to_string(tier) + " (0 = nvme, 1 = host)");
+                              std::to_string(static_cast<int32_t>(tier)) + " (0 = nvme, 1 = host)");
   if (uses == 0)
     return Status(EINVAL, "store of tag '" + std::string(name) +
                               "': uses=0 keeps nothing "
@@ -94,12 +94,12 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
   e->name = std::string(name);
   if (nbytes == 0) {
     e->host_valid = true;
-  } else if (tier == 1) {
+  } else if (tier == Tier::kHost) {
     uint64_t off;
-    bool got = AllocHost(1, e->padded, &off);
+    bool got = AllocHost(Arena::kHostTier, e->padded, &off);
     if (!got && hooks_) {  // entries whose last load's copy is still running hold room
       hooks_->ReclaimReleases(true);
-      got = AllocHost(1, e->padded, &off);
+      got = AllocHost(Arena::kHostTier, e->padded, &off);
     }
     if (!got) {
       return Status(ENOMEM, "host tier full: " + std::to_string(e->padded) + " bytes requested, " +
@@ -107,7 +107,7 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
                                 " free (host_tier_bytes=" + std::to_string(cfg_.host_tier_bytes) +
                                 ") storing tag '" + e->name + "'");
     }
-    e->host_arena = 1;
+    e->host_arena = Arena::kHostTier;
     e->host_off = off;
     e->host_ptr = tier_.base + off;
   } else {
@@ -149,16 +149,16 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
       bool fs_full = full.code() == ENOSPC || full.code() == EDQUOT || full.code() == EFBIG;
       if (cfg_.on_full != 1 || !fs_full) return full;
       // on_full=keep: hold the tensor in the host tier instead (never overwrites live data).
-      if (!AllocHost(1, e->padded, &off))
+      if (!AllocHost(Arena::kHostTier, e->padded, &off))
         return Status(ENOSPC, full.message() +
                                   "; on_full=keep: the host tier has no room "
                                   "either (" +
                                   std::to_string(tier_.alloc.free_bytes()) +
                                   " bytes free, host_tier_bytes=" +
                                   std::to_string(cfg_.host_tier_bytes) + ")");
-      e->tier = 1;
+      e->tier = Tier::kHost;
       e->kept_full = true;
-      e->host_arena = 1;
+      e->host_arena = Arena::kHostTier;
       e->host_off = off;
       e->host_ptr = tier_.base + off;
       stats.full_kept_tensors++;
@@ -197,7 +197,7 @@ Status Engine::CommitStore(const EntryPtr& e) {
     MaybeFree(e);
     return Status::Ok();
   }
-  if (e->tier == 0 && e->nbytes > 0) EnqueueWrite(e);
+  if (e->tier == Tier::kNvme && e->nbytes > 0) EnqueueWrite(e);
   cv.notify_all();
   return Status::Ok();
 }
@@ -250,7 +250,7 @@ void Engine::AbortStore(const EntryPtr& e) {
   Release(e);
 }
 
-Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int tier,
+Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, Tier tier,
                              std::string_view name, uint32_t handle[2], int device, int64_t uses) {
   if (uses == 0) {
     CountUnusedStore(nbytes, device);
@@ -264,7 +264,7 @@ Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int
     if (nbytes) {
       memcpy(e->host_ptr, src, nbytes);
       if (e->padded > nbytes) memset(e->host_ptr + nbytes, 0, e->padded - nbytes);
-      if (cfg_.verify && e->tier == 0) {
+      if (cfg_.verify && e->tier == Tier::kNvme) {
         e->crc = Crc32c(0, e->host_ptr, nbytes);
         e->crc_set = true;
       }
@@ -289,7 +289,7 @@ Status Engine::AcquireHost(Lock& lk, const EntryPtr& e, HostRef* ref) {
       stats.stall_seconds += Seconds(w0, Clock::now());
     }
     if (!e->error.ok()) return e->error.With("load of " + DescribeTag(e->name, e->site, e->id));
-    if (!cfg_.forwarding && e->tier == 0 && e->host_from_store &&
+    if (!cfg_.forwarding && e->tier == Tier::kNvme && e->host_from_store &&
         (e->w == WState::kQueued || e->w == WState::kRunning)) {
       auto w0 = Clock::now();  // the write drops the store's copy (FinishWrite)
       cv.wait(lk, [&] { return e->w != WState::kQueued && e->w != WState::kRunning; });
@@ -297,7 +297,7 @@ Status Engine::AcquireHost(Lock& lk, const EntryPtr& e, HostRef* ref) {
       continue;
     }
     if (e->host_ptr && e->host_valid) {
-      if (e->tier == 0 && !missed) {
+      if (e->tier == Tier::kNvme && !missed) {
         if (e->host_from_store) {
           stats.forwarded_tensors++;
           stats.forwarded_bytes += e->nbytes;

@@ -574,7 +574,7 @@ class CudaModule final : public DeviceHooks {
   // A load may copy `d`'s staging range (without forwarding, an nvme tensor comes back from the
   // file, not from its store's staging copy).
   bool StagingUsable(const Entry& e, const DevEntry& d) const {
-    return eng_->config().forwarding || e.tier != 0 || !d.stage_from_store;
+    return eng_->config().forwarding || e.tier != Tier::kNvme || !d.stage_from_store;
   }
 
   void OnEntryFree(Entry& e) override {
@@ -743,7 +743,7 @@ Status StoreCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::AnyBuffe
     return LaunchWriteHandle(stream, hdst, null_handle);
   }
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(eng->BeginStore(site, tier, nbytes, name, &e, dev, uses));
+  SSD_RETURN_IF_ERROR(eng->BeginStore(site, TierFromAttr(tier), nbytes, name, &e, dev, uses));
   uint32_t h[2];
   eng->MakeHandle(*e, h);
 
@@ -793,7 +793,7 @@ Status StoreCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::AnyBuffe
       SSD_RETURN_IF_ERROR(LaunchWriteHandle(stream, hdst, h));
       // Host-tier copies are lazy (forwarding): the first loads of the backward pass take the
       // newest stores from staging, so their bytes need not cross the link at all.
-      if (e->tier == 1 && eng->config().forwarding) return mod->DeferD2H(ds, e);
+      if (e->tier == Tier::kHost && eng->config().forwarding) return mod->DeferD2H(ds, e);
       return mod->IssueD2H(ds, *e);
     }
     // No staging room (or bigger than the arena): D2H on the compute stream, waited for.
@@ -907,7 +907,7 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
       return Status::Ok();
     }));
     SSD_RETURN_IF_ERROR(mod->AddFence(ds, &d->stage_fences, stream));
-    if (e->tier == 0) {
+    if (e->tier == Tier::kNvme) {
       if (d->stage_from_store) {
         eng->stats.forwarded_tensors++;
         eng->stats.forwarded_bytes += nbytes;

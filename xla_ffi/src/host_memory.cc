@@ -86,18 +86,18 @@ void HostArena::Destroy() {
 // ---------------------------------------------------------------------------
 // Host buffers
 // ---------------------------------------------------------------------------
-bool Engine::AllocHost(int arena, uint64_t padded, uint64_t* off) {
-  HostArena& a = arena == 0 ? cache_ : tier_;
+bool Engine::AllocHost(Arena arena, uint64_t padded, uint64_t* off) {
+  HostArena& a = arena == Arena::kCache ? cache_ : tier_;
   if (a.size == 0 || padded > a.size) return false;
   return a.alloc.Alloc(padded, off);
 }
 
 void Engine::FreeHostBuffer(Entry& e) {
-  if (e.host_arena < 0) return;
+  if (e.host_arena == Arena::kNone) return;
   if (hooks_) hooks_->BeforeHostFree(e);
-  HostArena& a = e.host_arena == 0 ? cache_ : tier_;
+  HostArena& a = e.host_arena == Arena::kCache ? cache_ : tier_;
   a.alloc.Free(e.host_off, e.padded);
-  e.host_arena = -1;
+  e.host_arena = Arena::kNone;
   e.host_ptr = nullptr;
   e.host_valid = false;
   e.host_from_store = false;
@@ -118,7 +118,8 @@ bool Engine::EvictOne(const Entry* exclude, uint64_t prefetch_seq) {
   };
   for (auto& [id, ep] : entries_) {
     Entry* e = ep.get();
-    if (e == exclude || e->tier != 0 || e->host_arena != 0 || !e->host_valid) continue;
+    if (e == exclude || e->tier != Tier::kNvme || e->host_arena != Arena::kCache || !e->host_valid)
+      continue;
     if (e->w != WState::kDone || e->pins > 0 || e->reading || e->filling) continue;
     if (e->unconsumed_read) continue;  // read ahead for a load still to come
     if (prefetch_seq && !(e->loads > 0 || e->seq < prefetch_seq)) continue;
@@ -134,7 +135,8 @@ bool Engine::WriteBackOne(const Entry* exclude) {
   bool draining = false;
   for (auto& [id, ep] : entries_) {
     const Entry* e = ep.get();
-    if (e == exclude || e->tier != 0 || e->host_arena != 0 || !e->host_valid) continue;
+    if (e == exclude || e->tier != Tier::kNvme || e->host_arena != Arena::kCache || !e->host_valid)
+      continue;
     // kCancelled in the table means a load cancelled it.
     if (e->w != WState::kCancelled || !e->has_slot) continue;
     if (e->pins > 0 || e->loading > 0 || e->reading || e->filling) continue;
@@ -159,8 +161,8 @@ Status Engine::AcquireCacheBuffer(Lock& lk, Entry& e, bool may_block) {
   for (;;) {
     if (e.host_ptr) break;  // someone else (read-ahead) gave it a buffer meanwhile
     uint64_t off;
-    if (AllocHost(0, e.padded, &off)) {
-      e.host_arena = 0;
+    if (AllocHost(Arena::kCache, e.padded, &off)) {
+      e.host_arena = Arena::kCache;
       e.host_off = off;
       e.host_ptr = cache_.base + off;
       break;

@@ -63,7 +63,8 @@ void Engine::FinishWrite(const EntryPtr& e) {
     stats.disk_bytes_written += e->nbytes;
     stats.disk_tensors_written++;
     // Without forwarding, loads read the file: drop the store's copy once it is written.
-    if (!cfg_.forwarding && e->tier == 0 && e->host_from_store && e->pins == 0) FreeHostBuffer(*e);
+    if (!cfg_.forwarding && e->tier == Tier::kNvme && e->host_from_store && e->pins == 0)
+      FreeHostBuffer(*e);
   }
   MaybeFree(e);
   cv.notify_all();
@@ -200,14 +201,14 @@ void Engine::SchedulePrefetch(Lock& lk, int device) {
     uint64_t off;
     bool ok = false;
     for (;;) {
-      if (AllocHost(0, e->padded, &off)) {
+      if (AllocHost(Arena::kCache, e->padded, &off)) {
         ok = true;
         break;
       }
       if (!EvictOne(e.get(), e->seq)) break;
     }
     if (!ok) break;
-    e->host_arena = 0;
+    e->host_arena = Arena::kCache;
     e->host_off = off;
     e->host_ptr = cache_.base + off;
     stats.prefetch_issued++;

@@ -40,11 +40,27 @@ namespace ssdtrain {
 
 enum class WState { kNone, kQueued, kRunning, kDone, kCancelled, kFailed };
 
+// Where a store keeps its bytes. The values are those of the handlers' "tier" attribute (the
+// Python side's tier codes): keep them.
+enum class Tier : int32_t {
+  kNvme = 0,  // the store files, through the host cache
+  kHost = 1,  // the host tier (pinned host memory only)
+};
+// The tier a handler's attribute names; BeginStore rejects a value that names none.
+inline Tier TierFromAttr(int32_t value) { return static_cast<Tier>(value); }
+
+// The host arena holding an entry's host copy.
+enum class Arena {
+  kNone,      // no host copy
+  kCache,     // the host cache (nvme tier: write-behind, forwarding, read-back)
+  kHostTier,  // the host tier
+};
+
 struct Entry {
   uint32_t id = 0;
   int64_t site = 0;
   int device = 0;  // XLA device ordinal of the store; only that device may load it
-  int tier = 0;    // 0 nvme (through host cache), 1 host tier
+  Tier tier = Tier::kNvme;
   uint64_t nbytes = 0, padded = 0, seq = 0;
   std::string name;
   bool filling = true;  // the store is still copying bytes in
@@ -57,8 +73,8 @@ struct Entry {
   static constexpr int64_t kUncounted = -1, kManual = -2;
   int64_t uses_left = kUncounted;
   int64_t run_id = -1;  // XLA execution of the store (device path), for load prediction
-  // Host copy (cache arena for tier 0, host-tier arena for tier 1).
-  int host_arena = -1;  // 0 cache, 1 host tier, -1 none
+  // Host copy (the cache for the nvme tier, the host-tier arena for the host tier).
+  Arena host_arena = Arena::kNone;
   uint64_t host_off = 0;
   char* host_ptr = nullptr;
   bool host_valid = false;       // the host buffer holds the bytes (device: after host_ready)
@@ -157,7 +173,7 @@ class Engine {
   // `device`: the XLA device ordinal of the call (per-device sites and statistics).
   // `uses`: loads per stored entry in its execution (0: nobody loads it; Entry::kUncounted,
   // Entry::kManual).
-  Status StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int tier,
+  Status StoreFromHost(const void* src, uint64_t nbytes, int64_t site, Tier tier,
                        std::string_view name, uint32_t handle[2], int device = 0,
                        int64_t uses = -1);
   Status LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
@@ -168,7 +184,7 @@ class Engine {
   // host buffer and file slot. e->host_ptr == nullptr means "no host buffer": use
   // WriteThrough. A store nobody loads (uses == 0) keeps nothing: the caller writes the
   // null handle (MakeNullHandle) instead.
-  Status BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_view name, EntryPtr* out,
+  Status BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_view name, EntryPtr* out,
                     int device = 0, int64_t uses = -1);
   static void MakeNullHandle(uint32_t h[2]) { h[0] = h[1] = 0; }
   // Counts a store nobody loads (uses == 0).
@@ -257,7 +273,7 @@ class Engine {
   void Release(const EntryPtr& e);    // no load can reach it any more
   void MaybeFree(const EntryPtr& e);  // frees a released entry once nothing uses its buffers
   // ---- host memory (host_memory.cc) ---------------------------------------
-  bool AllocHost(int arena, uint64_t padded, uint64_t* off);
+  bool AllocHost(Arena arena, uint64_t padded, uint64_t* off);
   void FreeHostBuffer(Entry& e);
   // Evicts one clean cached entry. For read-ahead (`prefetch_seq` != 0) only
   // entries already loaded or older than prefetch_seq are considered.

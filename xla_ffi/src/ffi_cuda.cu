@@ -48,6 +48,25 @@
 namespace ffi = xla::ffi;
 
 namespace ssdtrain {
+
+// The device module's part of an entry.
+struct DeviceEntry {
+  int device = -1;
+  // Copy in the device staging arena.
+  bool staged = false;
+  bool stage_from_store = false;
+  bool stage_unused = false;  // a read-ahead copy no load has used yet
+  bool d2h_deferred = false;  // a store's staging copy whose D2H is not issued yet (lazy host copy)
+  uint64_t stage_off = 0, stage_len = 0;
+  char* stage_ptr = nullptr;
+  cudaEvent_t stage_ready = nullptr;      // the staging copy is complete after this
+  cudaEvent_t stage_d2h = nullptr;        // the D2H read of the staging copy is done
+  std::vector<cudaEvent_t> stage_fences;  // async users of the staging region
+  // Host copy.
+  cudaEvent_t host_ready = nullptr;      // D2H into the host buffer done (E2)
+  std::vector<cudaEvent_t> host_fences;  // async H2D readers of the host buffer
+};
+
 namespace {
 
 using Lock = Engine::Lock;
@@ -92,23 +111,6 @@ __global__ void VerifyHandleKernel(const uint32_t* handle, uint32_t want0, uint3
   }
 }
 
-struct DevEntry {
-  int device = -1;
-  // Copy in the device staging arena.
-  bool staged = false;
-  bool stage_from_store = false;
-  bool stage_unused = false;  // a read-ahead copy no load has used yet
-  bool d2h_deferred = false;  // a store's staging copy whose D2H is not issued yet (lazy host copy)
-  uint64_t stage_off = 0, stage_len = 0;
-  char* stage_ptr = nullptr;
-  cudaEvent_t stage_ready = nullptr;      // the staging copy is complete after this
-  cudaEvent_t stage_d2h = nullptr;        // the D2H read of the staging copy is done
-  std::vector<cudaEvent_t> stage_fences;  // async users of the staging region
-  // Host copy.
-  cudaEvent_t host_ready = nullptr;      // D2H into the host buffer done (E2)
-  std::vector<cudaEvent_t> host_fences;  // async H2D readers of the host buffer
-};
-
 struct DeviceState {
   int device = -1;
   cudaStream_t copy = nullptr;  // device -> host (stores)
@@ -130,7 +132,7 @@ struct DeviceState {
   std::vector<PendingFree> pending;
 };
 
-DevEntry* D(Entry& e) { return static_cast<DevEntry*>(e.dev); }
+DeviceEntry* D(Entry& e) { return e.device_entry(); }
 
 class CudaModule final : public DeviceHooks {
  public:
@@ -190,7 +192,7 @@ class CudaModule final : public DeviceHooks {
       std::atomic_thread_fence(std::memory_order_acquire);
       const unsigned int n = count - reported_[i];
       reported_[i] = count;
-      eng_->stats.handle_mismatches += n;
+      eng_->CountHandleMismatches(n);
       return Status(EIO, "a predicted load got the handle {" + std::to_string(s->actual) + ", " +
                              std::to_string(s->actual_check) + "} instead of entry " +
                              std::to_string(s->predicted) + " (XLA execution " +
@@ -230,7 +232,8 @@ class CudaModule final : public DeviceHooks {
     ds->alloc.Reset(want, 256);
     if (!host_registered_) {
       host_registered_ = true;
-      for (HostArena* a : {&eng_->cache_arena(), &eng_->tier_arena()}) {
+      for (Arena which : {Arena::kCache, Arena::kHostTier}) {
+        const HostArena* a = &eng_->arena(which);
         if (!a->base || !a->size) continue;
         cudaError_t err = cudaHostRegister(a->base, a->size, cudaHostRegisterPortable);
         if (err != cudaSuccess) {
@@ -310,7 +313,7 @@ class CudaModule final : public DeviceHooks {
   }
 
   // No copy into, out of, or D2H from the staging range of `d` is pending.
-  static bool Idle(DevEntry* d) {
+  static bool Idle(DeviceEntry* d) {
     if (!Done(d->stage_ready) || !Done(d->stage_d2h)) return false;
     for (cudaEvent_t ev : d->stage_fences)
       if (!Done(ev)) return false;
@@ -320,7 +323,7 @@ class CudaModule final : public DeviceHooks {
   // Lock held. Frees the staging copy of `e` without waiting: the range's
   // last users' events go to the pending list (see AllocStaging).
   void FreeStaging(Entry& e) {
-    DevEntry* d = D(e);
+    DeviceEntry* d = D(e);
     if (!d || !d->staged) return;
     DeviceState::PendingFree pf;
     pf.off = d->stage_off;
@@ -335,7 +338,7 @@ class CudaModule final : public DeviceHooks {
       DeviceState* ds = it->second.get();
       ds->alloc.Free(d->stage_off, d->stage_len);
       ds->staged.erase(&e);
-      eng_->stats.staging_in_use -= d->stage_len;
+      eng_->StagingFreed(d->stage_len);
       if (!pf.events.empty()) ds->pending.push_back(std::move(pf));
     } else {
       for (cudaEvent_t ev : pf.events) {
@@ -374,7 +377,7 @@ class CudaModule final : public DeviceHooks {
       for (cudaEvent_t ev : pf.events) {
         if (Done(ev)) continue;
         SSD_CHECK_CUDA(cudaStreamWaitEvent(stream, ev, 0));
-        eng_->stats.staging_waits++;
+        eng_->CountStagingWait();
         ++*waits;
       }
     }
@@ -392,20 +395,19 @@ class CudaModule final : public DeviceHooks {
                       uint64_t prefetch_seq, bool* got, int* waits) {
     *got = false;
     *waits = 0;
-    uint64_t len = RoundUp(e->nbytes, 256);
+    uint64_t len = RoundUp(e->nbytes(), 256);
     if (len > ds->staging_size) return Status::Ok();
     CollectPending(ds);
     for (;;) {
       uint64_t off;
       if (ds->alloc.Alloc(len, &off)) {
-        DevEntry* d = D(*e);
+        DeviceEntry* d = D(*e);
         d->staged = true;
         d->stage_off = off;
         d->stage_len = len;
         d->stage_ptr = ds->staging + off;
         ds->staged[e.get()] = e;
-        eng_->stats.staging_in_use += len;
-        eng_->stats.staging_peak = std::max(eng_->stats.staging_peak, eng_->stats.staging_in_use);
+        eng_->StagingAllocated(len);
         *got = true;
         return OrderAfterPending(ds, off, len, stream, waits);
       }
@@ -415,17 +417,17 @@ class CudaModule final : public DeviceHooks {
       Entry* best_unused = nullptr;
       auto better = [](Entry* a, Entry* b) {
         if (!b) return true;
-        bool la = a->loads > 0, lb = b->loads > 0;
+        bool la = a->loaded(), lb = b->loaded();
         if (la != lb) return la;
-        return a->seq < b->seq;
+        return a->seq() < b->seq();
       };
       for (auto& [raw, ep] : ds->staged) {
-        if (raw == e.get() || raw->filling || raw->pins > 0) continue;
-        if (prefetch_seq && !(raw->loads > 0 || raw->seq < prefetch_seq)) continue;
+        if (raw == e.get() || raw->filling() || raw->pinned()) continue;
+        if (prefetch_seq && !(raw->loaded() || raw->seq() < prefetch_seq)) continue;
         if (D(*raw)->stage_unused) {
           if (!prefetch_seq && better(raw, best_unused)) best_unused = raw;
         } else if (D(*raw)->d2h_deferred && !Dead(*raw)) {
-          if (raw->seq < (best_deferred ? best_deferred->seq : UINT64_MAX)) best_deferred = raw;
+          if (raw->seq() < (best_deferred ? best_deferred->seq() : UINT64_MAX)) best_deferred = raw;
         } else if (Idle(D(*raw))) {
           if (better(raw, best)) best = raw;
         } else if (better(raw, best_busy)) {
@@ -450,21 +452,21 @@ class CudaModule final : public DeviceHooks {
   }
 
   // No load will take `e` any more (its counted loads are all issued, or it was released).
-  static bool Dead(const Entry& e) { return e.released || e.uses_left == 0; }
+  static bool Dead(const Entry& e) { return e.no_loads_left(); }
 
   // Lock held. Copies the staging copy of store `e` to its host buffer on the copy stream
   // (after the copy into staging); host_ready (for the host buffer) and stage_d2h (for the
   // staging range) mark its end.
   Status IssueD2H(DeviceState* ds, Entry& e) {
-    DevEntry* d = D(e);
+    DeviceEntry* d = D(e);
     if (d->d2h_deferred) {
       d->d2h_deferred = false;
       ds->deferred_bytes -= d->stage_len;
     }
     if (d->stage_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->copy, d->stage_ready, 0));
-    SSD_RETURN_IF_ERROR(Tracked(ds->device, ds->copy, CopyOp::kD2H, e.nbytes, e.name, [&] {
-      SSD_CHECK_CUDA(
-          cudaMemcpyAsync(e.host_ptr, d->stage_ptr, e.nbytes, cudaMemcpyDeviceToHost, ds->copy));
+    SSD_RETURN_IF_ERROR(Tracked(ds->device, ds->copy, CopyOp::kD2H, e.nbytes(), e.name(), [&] {
+      SSD_CHECK_CUDA(cudaMemcpyAsync(e.host_ptr(), d->stage_ptr, e.nbytes(), cudaMemcpyDeviceToHost,
+                                     ds->copy));
       return Status::Ok();
     }));
     cudaEvent_t e2, e3;
@@ -480,10 +482,10 @@ class CudaModule final : public DeviceHooks {
 
   // Lock held. The deferred host copy of `e` will never be needed: no load is left.
   void ElideD2H(DeviceState* ds, Entry& e) {
-    DevEntry* d = D(e);
+    DeviceEntry* d = D(e);
     d->d2h_deferred = false;
     ds->deferred_bytes -= d->stage_len;
-    elided_bytes_ += e.nbytes;
+    elided_bytes_ += e.nbytes();
     elided_tensors_++;
   }
 
@@ -492,13 +494,13 @@ class CudaModule final : public DeviceHooks {
   // largest tensors is deferred (so that a new store finds room among copies already on
   // their way to the host, and the copy stream has work while the forward pass runs).
   Status DeferD2H(DeviceState* ds, const EntryPtr& e) {
-    DevEntry* d = D(*e);
+    DeviceEntry* d = D(*e);
     d->d2h_deferred = true;
     ds->deferred_bytes += d->stage_len;
     ds->deferred.push_back(e);
     const uint64_t reserve = 2 * ds->largest;
     const uint64_t keep = ds->staging_size > reserve ? ds->staging_size - reserve : 0;
-    auto stale = [](const EntryPtr& x) { return !x->dev || !D(*x)->d2h_deferred; };
+    auto stale = [](const EntryPtr& x) { return !x->device_entry() || !D(*x)->d2h_deferred; };
     while (!ds->deferred.empty() && (stale(ds->deferred.front()) || ds->deferred_bytes > keep)) {
       EntryPtr oldest = std::move(ds->deferred.front());
       ds->deferred.pop_front();
@@ -546,9 +548,9 @@ class CudaModule final : public DeviceHooks {
 
   // ---- DeviceHooks --------------------------------------------------------
   Status WaitHostReady(Entry& e) override {
-    DevEntry* d = D(e);
+    DeviceEntry* d = D(e);
     if (d && d->d2h_deferred)  // only a load on the storing GPU can take a deferred copy
-      return Status(EINVAL, "the bytes of " + DescribeTag(e.name, e.site, e.id) +
+      return Status(EINVAL, "the bytes of " + DescribeTag(e.name(), e.site(), e.id()) +
                                 " are in the device staging of GPU " + std::to_string(d->device) +
                                 " (no host copy yet): load it there");
     if (d && d->host_ready) SSD_CHECK_CUDA(cudaEventSynchronize(d->host_ready));
@@ -556,7 +558,7 @@ class CudaModule final : public DeviceHooks {
   }
 
   void BeforeHostFree(Entry& e) override {
-    DevEntry* d = D(e);
+    DeviceEntry* d = D(e);
     if (!d) return;
     if (d->host_ready) {
       cudaEventSynchronize(d->host_ready);
@@ -567,18 +569,18 @@ class CudaModule final : public DeviceHooks {
   }
 
   bool HasDeviceCopy(const Entry& e) override {
-    const DevEntry* d = static_cast<const DevEntry*>(e.dev);
+    const DeviceEntry* d = e.device_entry();
     return d && d->staged && StagingUsable(e, *d);
   }
 
   // A load may copy `d`'s staging range (without forwarding, an nvme tensor comes back from the
   // file, not from its store's staging copy).
-  bool StagingUsable(const Entry& e, const DevEntry& d) const {
-    return eng_->config().forwarding || e.tier != Tier::kNvme || !d.stage_from_store;
+  bool StagingUsable(const Entry& e, const DeviceEntry& d) const {
+    return eng_->config().forwarding || e.tier() != Tier::kNvme || !d.stage_from_store;
   }
 
   void OnEntryFree(Entry& e) override {
-    DevEntry* d = D(e);
+    DeviceEntry* d = D(e);
     if (!d) return;
     if (d->d2h_deferred) {
       auto it = devices_.find(d->device);
@@ -588,7 +590,7 @@ class CudaModule final : public DeviceHooks {
     FreeStaging(e);
     BeforeHostFree(e);
     delete d;
-    e.dev = nullptr;
+    e.set_device_entry(nullptr);
   }
 
   // Lock held. The release of `e` waits for its last load's copy on `stream`: no host thread
@@ -646,25 +648,26 @@ class CudaModule final : public DeviceHooks {
     if (!budget) return Status::Ok();
     // Only this device's entries: staging, streams and events belong to one device.
     for (const EntryPtr& e : eng_->PredictNext(budget, ds->device)) {
-      if (e->filling || e->reading || !e->host_ptr || !e->host_valid || e->nbytes == 0) continue;
-      DevEntry* d = D(*e);
+      if (e->filling() || e->reading() || !e->host_ptr() || !e->host_valid() || e->nbytes() == 0)
+        continue;
+      DeviceEntry* d = D(*e);
       if (!d) {
-        d = new DevEntry();
+        d = new DeviceEntry();
         d->device = ds->device;
-        e->dev = d;
+        e->set_device_entry(d);
       }
       if (d->staged) continue;
       bool got = false;
       int waits = 0;
-      SSD_RETURN_IF_ERROR(AllocStaging(ds, e, ds->h2d, e->seq, &got, &waits));
+      SSD_RETURN_IF_ERROR(AllocStaging(ds, e, ds->h2d, e->seq(), &got, &waits));
       if (!got) break;
       d->stage_from_store = false;
       d->stage_unused = true;
       Status s = [&]() -> Status {
         if (d->host_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->h2d, d->host_ready, 0));
         SSD_RETURN_IF_ERROR(
-            Tracked(ds->device, ds->h2d, CopyOp::kReadAhead, e->nbytes, e->name, [&] {
-              SSD_CHECK_CUDA(cudaMemcpyAsync(d->stage_ptr, e->host_ptr, e->nbytes,
+            Tracked(ds->device, ds->h2d, CopyOp::kReadAhead, e->nbytes(), e->name(), [&] {
+              SSD_CHECK_CUDA(cudaMemcpyAsync(d->stage_ptr, e->host_ptr(), e->nbytes(),
                                              cudaMemcpyHostToDevice, ds->h2d));
               return Status::Ok();
             }));
@@ -676,7 +679,7 @@ class CudaModule final : public DeviceHooks {
       }();
       if (!s.ok()) {
         FreeStaging(*e);
-        return s.With("read-ahead of tag '" + e->name + "'");
+        return s.With("read-ahead of tag '" + e->name() + "'");
       }
       staged_prefetches_++;
     }
@@ -748,23 +751,23 @@ Status StoreCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::AnyBuffe
   eng->MakeHandle(*e, h);
 
   Status s = [&]() -> Status {
-    Lock lk(eng->mu);
+    Lock lk = eng->LockState();
     CudaModule* mod = Module(*eng);
     SSD_RETURN_IF_ERROR(mod->TakeMismatch());
     DeviceState* ds = nullptr;
     SSD_RETURN_IF_ERROR(mod->Device(dev, &ds));
-    e->run_id = run_id;
-    auto* d = new DevEntry();
+    e->set_run_id(run_id);
+    auto* d = new DeviceEntry();
     d->device = dev;
-    e->dev = d;
+    e->set_device_entry(d);
     if (nbytes == 0) return LaunchWriteHandle(stream, hdst, h);
-    if (!e->host_ptr) {
+    if (!e->host_ptr()) {
       // Larger than the host cache (or no room): synchronous write-through.
       SSD_RETURN_IF_ERROR(LaunchWriteHandle(stream, hdst, h));
       lk.unlock();
       return Status(-1, "");  // handled below
     }
-    if (e->padded > nbytes) memset(e->host_ptr + nbytes, 0, e->padded - nbytes);
+    e->ZeroHostPadding();
     CopyTracker& tracker = mod->tracker();
     bool staged = false;
     // The compute stream may have to wait for the previous users of the staging room.
@@ -793,7 +796,7 @@ Status StoreCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::AnyBuffe
       SSD_RETURN_IF_ERROR(LaunchWriteHandle(stream, hdst, h));
       // Host-tier copies are lazy (forwarding): the first loads of the backward pass take the
       // newest stores from staging, so their bytes need not cross the link at all.
-      if (e->tier == Tier::kHost && eng->config().forwarding) return mod->DeferD2H(ds, e);
+      if (e->tier() == Tier::kHost && eng->config().forwarding) return mod->DeferD2H(ds, e);
       return mod->IssueD2H(ds, *e);
     }
     // No staging room (or bigger than the arena): D2H on the compute stream, waited for.
@@ -802,7 +805,7 @@ Status StoreCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::AnyBuffe
     lk.unlock();
     auto t0 = Clock::now();
     Status c = [&]() -> Status {
-      SSD_CHECK_CUDA(cudaMemcpyAsync(e->host_ptr, src, nbytes, cudaMemcpyDeviceToHost, stream));
+      SSD_CHECK_CUDA(cudaMemcpyAsync(e->host_ptr(), src, nbytes, cudaMemcpyDeviceToHost, stream));
       SSD_RETURN_IF_ERROR(LaunchWriteHandle(stream, hdst, h));
       SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
       return Status::Ok();
@@ -847,7 +850,7 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
   uint64_t left = 0;
   bool predicted = false;
   {
-    Lock lk(eng->mu);
+    Lock lk = eng->LockState();
     CudaModule* mod = Module(*eng);
     SSD_RETURN_IF_ERROR(mod->TakeMismatch());
     mod->ReclaimReleases(false);
@@ -869,18 +872,14 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
     sync_s = Since(t0);
   }
 
-  Lock lk(eng->mu);
-  eng->stats.handle_sync_seconds += sync_s;
+  Lock lk = eng->LockState();
+  eng->AddHandleSync(sync_s);
   SSD_RETURN_IF_ERROR(eng->TakePendingError());
   EntryPtr e;
   SSD_RETURN_IF_ERROR(eng->LookupForLoad(lk, h, nbytes, site, name, &e, dev));
   // A concurrent store at this site must not release the entry while it is being loaded
   // (the lock is dropped around the bounce copy below); the guard ends under the lock.
-  e->loading++;
-  struct LoadingGuard {
-    Entry& entry;
-    ~LoadingGuard() { entry.loading--; }
-  } loading_guard{*e};
+  Entry::LoadingScope loading(*e);
   CudaModule* mod = Module(*eng);
   DeviceState* ds = nullptr;
   SSD_RETURN_IF_ERROR(mod->Device(dev, &ds));
@@ -888,13 +887,14 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
     eng->CountLoad(e);  // no copy to wait for
     return Status::Ok();
   }
-  DevEntry* d = D(*e);
+  DeviceEntry* d = D(*e);
   if (!d) {
-    d = new DevEntry();
+    d = new DeviceEntry();
     d->device = dev;
-    e->dev = d;
+    e->set_device_entry(d);
   }
-  if (d->staged && mod->StagingUsable(*e, *d) && d->device == dev && !e->filling && e->error.ok()) {
+  if (d->staged && mod->StagingUsable(*e, *d) && d->device == dev && !e->filling() &&
+      e->error().ok()) {
     // Forwarded from the store, or prefetched into staging (then the read-ahead's H2D may still
     // run: a wait of the compute stream).
     if (d->stage_from_store) {
@@ -907,24 +907,16 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
       return Status::Ok();
     }));
     SSD_RETURN_IF_ERROR(mod->AddFence(ds, &d->stage_fences, stream));
-    if (e->tier == Tier::kNvme) {
-      if (d->stage_from_store) {
-        eng->stats.forwarded_tensors++;
-        eng->stats.forwarded_bytes += nbytes;
-      } else {
-        eng->stats.prefetch_hits++;
-      }
-    }
+    eng->CountStagedLoad(*e, d->stage_from_store);
     if (!d->stage_from_store) eng->ConsumeRead(*e);  // the staging copy of a read-back host copy
     d->stage_unused = false;
-    eng->stats.staging_forwarded_tensors++;
   } else {
     // A deferred copy is staged, so it is served above; should it ever get here, its host copy
     // is made first (stream-ordered before the H2D below through host_ready).
     if (d->d2h_deferred) {
       auto it = mod->devices().find(d->device);
       if (it == mod->devices().end())
-        return Status(EIO, "load of " + DescribeTag(e->name, e->site, e->id) +
+        return Status(EIO, "load of " + DescribeTag(e->name(), e->site(), e->id()) +
                                ": its deferred copy's GPU is gone");
       SSD_RETURN_IF_ERROR(mod->IssueD2H(it->second.get(), *e));
     }
@@ -961,7 +953,7 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
     SSD_RETURN_IF_ERROR(s);
   }
   if (predicted) {
-    eng->stats.speculative_loads++;
+    eng->CountSpeculativeLoad();
     MismatchSlot* slots = nullptr;
     SSD_RETURN_IF_ERROR(mod->MismatchSlots(&slots));
     VerifyHandleKernel<<<256, 256, 0, stream>>>(
@@ -979,7 +971,7 @@ Status LoadCuda(int32_t dev, cudaStream_t stream, int64_t run_id, ffi::Buffer<ff
     auto t0 = Clock::now();
     SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
     lk.lock();
-    eng->stats.handle_sync_seconds += Since(t0);
+    eng->AddHandleSync(Since(t0));
     SSD_RETURN_IF_ERROR(mod->TakeMismatch());
   }
   return Status::Ok();

@@ -8,7 +8,7 @@
 //   file_space.cc   the store files, their slots and striping (detail/file_space.h)
 //   stats.cc        statistics
 // and below them the backends (io_backend.h), the thread pool and the allocators (detail/).
-// Device (CUDA) specifics live in ffi_cuda.cu and reach the engine through
+// Device (CUDA) specifics live in the device module (src/cuda/) and reach the engine through
 // DeviceHooks and the device module support methods; no CUDA call is made by anything here
 // unless CUDA handlers have run.
 #pragma once

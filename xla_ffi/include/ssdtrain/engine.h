@@ -273,7 +273,6 @@ class Engine {
   // besides it. False if there is none (the load must read its handle).
   bool PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes, uint32_t h[2],
                    uint64_t* left) const;
-  uint32_t HandleCheck(uint32_t id) const;
 
   // Validates the handle and marks the entry loaded. Lock held.
   Status LookupForLoad(Lock& lk, const uint32_t handle[2], uint64_t nbytes, int64_t site,
@@ -291,7 +290,6 @@ class Engine {
   void ReleaseHost(Lock& lk, HostRef* ref);
   // Lock held. A load used the bytes of `e`'s host buffer (GPU: through device staging).
   void ConsumeRead(Entry& e);
-  // Schedules read-ahead of the next predicted entries. Lock held.
   // Read-ahead of `device`'s next predicted entries (-1: every device's). Lock held.
   void SchedulePrefetch(Lock& lk, int device = -1);
   // Returns (and clears) a recorded asynchronous error. Lock held.
@@ -337,8 +335,9 @@ class Engine {
   Status Init(const Config& cfg);
 
   // ---- entries and their lifetimes (entries.cc) --------------------------
-  void Release(const EntryPtr& e);    // no load can reach it any more
-  void MaybeFree(const EntryPtr& e);  // frees a released entry once nothing uses its buffers
+  uint32_t HandleCheck(uint32_t id) const;  // the check word of a handle
+  void Release(const EntryPtr& e);          // no load can reach it any more
+  void MaybeFree(const EntryPtr& e);        // frees a released entry once nothing uses its buffers
   // ---- host memory (host_memory.cc) ---------------------------------------
   bool AllocHost(Arena arena, uint64_t padded, uint64_t* off);
   void FreeHostBuffer(Entry& e);

@@ -189,7 +189,7 @@ SSD_EXPORT int ssdtrain_store_host(const void* src, uint64_t nbytes, int64_t sit
     Status st;
     auto e = ssdtrain::CurrentEngine(&st);
     if (!e) return st;
-    return e->StoreFromHost(src, nbytes, site, 0, "probe", handle, 0, uses);
+    return e->StoreFromHost(src, nbytes, site, ssdtrain::Tier::kNvme, "probe", handle, 0, uses);
   });
 }
 

@@ -35,11 +35,11 @@ Status Engine::Init(const Config& cfg) {
     std::string why;
     backend_ = MakeKvikioBackend(space_.files(), cfg.gds, space_.o_direct(), cfg.io_threads, &why);
     if (backend_) {
-      gds_active = backend_->gds();
+      gds_active_ = backend_->gds();
       // Without GPUDirect (compat mode) kvikio puts a second thread pool in front of the same
       // pread/pwrite: on the H100's store it read at 0.79-0.86x raw O_DIRECT where the POSIX
       // backend read at 0.97-1.02x. Auto keeps it for GDS only.
-      if (!gds_active && cfg.gds == 2) backend_.reset();
+      if (!gds_active_ && cfg.gds == 2) backend_.reset();
     } else if (cfg.gds == 1) {
       fprintf(stderr, "ssdtrain: kvikio backend unavailable (%s); using POSIX I/O\n", why.c_str());
     }
@@ -69,60 +69,60 @@ Status Engine::TakePendingError() {
   return s.With("an earlier asynchronous ssdtrain I/O failed");
 }
 
-Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_view name,
+Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_view name,
                           EntryPtr* out, int device, int64_t uses) {
-  if (tier != 0 && tier != 1)
+  if (tier != Tier::kNvme && tier != Tier::kHost)
     return Status(EINVAL, "store of tag '" + std::string(name) + "': invalid tier " +
-                              std::to_string(tier) + " (0 = nvme, 1 = host)");
+                              std::to_string(static_cast<int32_t>(tier)) + " (0 = nvme, 1 = host)");
   if (uses == 0)
     return Status(EINVAL, "store of tag '" + std::string(name) +
                               "': uses=0 keeps nothing "
                               "(write the null handle instead)");
-  Lock lk(mu);
+  Lock lk(mu_);
   SSD_RETURN_IF_ERROR(TakePendingError());
   if (hooks_) hooks_->ReclaimReleases(false);
   auto e = std::make_shared<Entry>();
-  e->uses_left = uses == Entry::kManual ? Entry::kManual : uses < 0 ? Entry::kUncounted : uses;
-  e->id = next_id_++;
+  e->uses_left_ = uses == Entry::kManual ? Entry::kManual : uses < 0 ? Entry::kUncounted : uses;
+  e->id_ = next_id_++;
   if (next_id_ == 0) next_id_ = 1;
-  e->site = site;
-  e->device = device;
-  e->tier = tier;
-  e->nbytes = nbytes;
-  e->padded = RoundUp(nbytes, kAlign);
-  e->seq = next_seq_++;
-  e->name = std::string(name);
+  e->site_ = site;
+  e->device_ = device;
+  e->tier_ = tier;
+  e->nbytes_ = nbytes;
+  e->padded_ = RoundUp(nbytes, kAlign);
+  e->seq_ = next_seq_++;
+  e->name_ = std::string(name);
   if (nbytes == 0) {
-    e->host_valid = true;
-  } else if (tier == 1) {
+    e->host_valid_ = true;
+  } else if (tier == Tier::kHost) {
     uint64_t off;
-    bool got = AllocHost(1, e->padded, &off);
+    bool got = AllocHost(Arena::kHostTier, e->padded_, &off);
     if (!got && hooks_) {  // entries whose last load's copy is still running hold room
       hooks_->ReclaimReleases(true);
-      got = AllocHost(1, e->padded, &off);
+      got = AllocHost(Arena::kHostTier, e->padded_, &off);
     }
     if (!got) {
-      return Status(ENOMEM, "host tier full: " + std::to_string(e->padded) + " bytes requested, " +
+      return Status(ENOMEM, "host tier full: " + std::to_string(e->padded_) + " bytes requested, " +
                                 std::to_string(tier_.alloc.free_bytes()) +
                                 " free (host_tier_bytes=" + std::to_string(cfg_.host_tier_bytes) +
-                                ") storing tag '" + e->name + "'");
+                                ") storing tag '" + e->name_ + "'");
     }
-    e->host_arena = 1;
-    e->host_off = off;
-    e->host_ptr = tier_.base + off;
+    e->host_arena_ = Arena::kHostTier;
+    e->host_off_ = off;
+    e->host_ptr_ = tier_.base + off;
   } else {
     uint64_t off;
     Status full;
-    bool got_slot = space_.Alloc(e->device, e->padded, &off);
+    bool got_slot = space_.Alloc(e->device_, e->padded_, &off);
     if (!got_slot && hooks_) {
       hooks_->ReclaimReleases(true);
-      got_slot = space_.Alloc(e->device, e->padded, &off);
+      got_slot = space_.Alloc(e->device_, e->padded_, &off);
     }
     if (!got_slot) {
-      const RangeAllocator& group = space_.Group(e->device);
+      const RangeAllocator& group = space_.Group(e->device_);
       full =
-          Status(ENOSPC, "No space left in the ssdtrain store for tag '" + e->name +
-                             "': " + std::to_string(e->padded) + " bytes requested, " +
+          Status(ENOSPC, "No space left in the ssdtrain store for tag '" + e->name_ +
+                             "': " + std::to_string(e->padded_) + " bytes requested, " +
                              std::to_string(group.free_bytes()) + " free (largest extent " +
                              std::to_string(group.largest_free()) +
                              ", capacity_bytes=" + std::to_string(cfg_.capacity_bytes) +
@@ -131,56 +131,56 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
                                   : "") +
                              ")");
     } else {
-      Status s = space_.Reserve(off, e->padded);
+      Status s = space_.Reserve(off, e->padded_);
       if (!s.ok()) {
-        space_.Free(off, e->padded);
-        full = s.With("storing tag '" + e->name + "'");
+        space_.Free(off, e->padded_);
+        full = s.With("storing tag '" + e->name_ + "'");
       }
     }
     if (full.ok()) {
-      e->has_slot = true;
-      e->file_off = off;
+      e->has_slot_ = true;
+      e->file_off_ = off;
       Status a = AcquireCacheBuffer(lk, *e, true);
       if (!a.ok()) {
-        space_.Free(off, e->padded);
+        space_.Free(off, e->padded_);
         return a;
       }
     } else {
       bool fs_full = full.code() == ENOSPC || full.code() == EDQUOT || full.code() == EFBIG;
       if (cfg_.on_full != 1 || !fs_full) return full;
       // on_full=keep: hold the tensor in the host tier instead (never overwrites live data).
-      if (!AllocHost(1, e->padded, &off))
+      if (!AllocHost(Arena::kHostTier, e->padded_, &off))
         return Status(ENOSPC, full.message() +
                                   "; on_full=keep: the host tier has no room "
                                   "either (" +
                                   std::to_string(tier_.alloc.free_bytes()) +
                                   " bytes free, host_tier_bytes=" +
                                   std::to_string(cfg_.host_tier_bytes) + ")");
-      e->tier = 1;
-      e->kept_full = true;
-      e->host_arena = 1;
-      e->host_off = off;
-      e->host_ptr = tier_.base + off;
-      stats.full_kept_tensors++;
-      stats.full_kept_bytes += nbytes;
+      e->tier_ = Tier::kHost;
+      e->kept_full_ = true;
+      e->host_arena_ = Arena::kHostTier;
+      e->host_off_ = off;
+      e->host_ptr_ = tier_.base + off;
+      stats_.full_kept_tensors++;
+      stats_.full_kept_bytes += nbytes;
       if (!warned_full_) {
         warned_full_ = true;
         fprintf(stderr,
                 "ssdtrain: store full (capacity_bytes=%llu); on_full=keep: keeping tag '%s' "
                 "and later overflow in host memory (host tier)\n",
-                static_cast<unsigned long long>(cfg_.capacity_bytes), e->name.c_str());
+                static_cast<unsigned long long>(cfg_.capacity_bytes), e->name_.c_str());
       }
     }
   }
-  entries_[e->id] = e;
-  by_site_[{device, site}].insert(e->id);
-  if (e->uses_left == Entry::kUncounted) {
+  entries_[e->id_] = e;
+  by_site_[{device, site}].insert(e->id_);
+  if (e->uses_left_ == Entry::kUncounted) {
     uncounted_since_sweep_++;
     uncounted_bytes_since_sweep_ += nbytes;
   }
-  unloaded_[e->seq] = e;  // every tier: the LIFO read-ahead into device staging uses it
-  stats.bytes_written += nbytes;
-  stats.tensors_written++;
+  unloaded_[e->seq_] = e;  // every tier: the LIFO read-ahead into device staging uses it
+  stats_.bytes_written += nbytes;
+  stats_.tensors_written++;
   DeviceStats& ds = device_stats_[device];
   ds.bytes_written += nbytes;
   ds.tensors_written++;
@@ -189,68 +189,68 @@ Status Engine::BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_v
 }
 
 Status Engine::CommitStore(const EntryPtr& e) {
-  Lock lk(mu);
-  e->filling = false;
-  e->host_valid = true;
-  e->host_from_store = true;
-  if (e->released) {
+  Lock lk(mu_);
+  e->filling_ = false;
+  e->host_valid_ = true;
+  e->host_from_store_ = true;
+  if (e->released_) {
     MaybeFree(e);
     return Status::Ok();
   }
-  if (e->tier == 0 && e->nbytes > 0) EnqueueWrite(e);
-  cv.notify_all();
+  if (e->tier_ == Tier::kNvme && e->nbytes_ > 0) EnqueueWrite(e);
+  cv_.notify_all();
   return Status::Ok();
 }
 
 Status Engine::WriteThrough(const EntryPtr& e,
                             const std::function<Status(void*, uint64_t, uint64_t)>& fill) {
   const uint64_t window =
-      std::min<uint64_t>(e->padded, std::max<uint64_t>(cfg_.chunk_bytes * 8, 64 * kMiB));
+      std::min<uint64_t>(e->padded_, std::max<uint64_t>(cfg_.chunk_bytes * 8, 64 * kMiB));
   void* raw = nullptr;
   if (posix_memalign(&raw, kAlign, window) != 0)
     return Status(
-        ENOMEM, "allocating a " + HumanBytes(window) + " bounce buffer for tag '" + e->name + "'");
+        ENOMEM, "allocating a " + HumanBytes(window) + " bounce buffer for tag '" + e->name_ + "'");
   char* bounce = static_cast<char*>(raw);
   auto t0 = Clock::now();
   Status s;
   uint32_t crc = 0;
-  for (uint64_t off = 0; off < e->nbytes && s.ok(); off += window) {
-    uint64_t len = std::min(window, e->nbytes - off);
+  for (uint64_t off = 0; off < e->nbytes_ && s.ok(); off += window) {
+    uint64_t len = std::min(window, e->nbytes_ - off);
     s = fill(bounce, off, len);
     if (!s.ok()) break;
     if (cfg_.verify) crc = Crc32c(crc, bounce, len);
     uint64_t plen = RoundUp(len, kAlign);
     if (plen > len) memset(bounce + len, 0, plen - len);
-    s = SyncIo(true, bounce, e->file_off + off, plen);
+    s = SyncIo(true, bounce, e->file_off_ + off, plen);
   }
   free(bounce);
-  Lock lk(mu);
-  stats.stall_seconds += Seconds(t0, Clock::now());
-  stats.bounce_writes++;
-  e->filling = false;
+  Lock lk(mu_);
+  stats_.stall_seconds += Seconds(t0, Clock::now());
+  stats_.bounce_writes++;
+  e->filling_ = false;
   if (!s.ok()) {
     Release(e);
-    return s.With("synchronous write of " + DescribeTag(e->name, e->site, e->id));
+    return s.With("synchronous write of " + DescribeTag(e->name_, e->site_, e->id_));
   }
-  e->w = WState::kDone;
+  e->w_ = WState::kDone;
   if (cfg_.verify) {
-    e->crc = crc;
-    e->crc_set = true;
+    e->crc_ = crc;
+    e->crc_set_ = true;
   }
-  stats.disk_bytes_written += e->nbytes;
-  stats.disk_tensors_written++;
+  stats_.disk_bytes_written += e->nbytes_;
+  stats_.disk_tensors_written++;
   MaybeFree(e);
-  cv.notify_all();
+  cv_.notify_all();
   return Status::Ok();
 }
 
 void Engine::AbortStore(const EntryPtr& e) {
-  Lock lk(mu);
-  e->filling = false;
+  Lock lk(mu_);
+  e->filling_ = false;
   Release(e);
 }
 
-Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int tier,
+Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, Tier tier,
                              std::string_view name, uint32_t handle[2], int device, int64_t uses) {
   if (uses == 0) {
     CountUnusedStore(nbytes, device);
@@ -260,13 +260,13 @@ Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int
   EntryPtr e;
   SSD_RETURN_IF_ERROR(BeginStore(site, tier, nbytes, name, &e, device, uses));
   MakeHandle(*e, handle);
-  if (nbytes == 0 || e->host_ptr) {
+  if (nbytes == 0 || e->host_ptr_) {
     if (nbytes) {
-      memcpy(e->host_ptr, src, nbytes);
-      if (e->padded > nbytes) memset(e->host_ptr + nbytes, 0, e->padded - nbytes);
-      if (cfg_.verify && e->tier == 0) {
-        e->crc = Crc32c(0, e->host_ptr, nbytes);
-        e->crc_set = true;
+      memcpy(e->host_ptr_, src, nbytes);
+      e->ZeroHostPadding();
+      if (cfg_.verify && e->tier_ == Tier::kNvme) {
+        e->crc_ = Crc32c(0, e->host_ptr_, nbytes);
+        e->crc_set_ = true;
       }
     }
     return CommitStore(e);
@@ -279,92 +279,93 @@ Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int
 
 Status Engine::AcquireHost(Lock& lk, const EntryPtr& e, HostRef* ref) {
   ref->e = e;
-  if (e->nbytes == 0) return Status::Ok();
+  if (e->nbytes_ == 0) return Status::Ok();
   auto t0 = Clock::now();
   bool missed = false;
   for (;;) {
-    if (e->reading || e->filling) {
+    if (e->reading_ || e->filling_) {
       auto w0 = Clock::now();
-      while (e->reading || e->filling) cv.wait(lk);
-      stats.stall_seconds += Seconds(w0, Clock::now());
+      while (e->reading_ || e->filling_) cv_.wait(lk);
+      stats_.stall_seconds += Seconds(w0, Clock::now());
     }
-    if (!e->error.ok()) return e->error.With("load of " + DescribeTag(e->name, e->site, e->id));
-    if (!cfg_.forwarding && e->tier == 0 && e->host_from_store &&
-        (e->w == WState::kQueued || e->w == WState::kRunning)) {
+    if (!e->error_.ok())
+      return e->error_.With("load of " + DescribeTag(e->name_, e->site_, e->id_));
+    if (!cfg_.forwarding && e->tier_ == Tier::kNvme && e->host_from_store_ &&
+        (e->w_ == WState::kQueued || e->w_ == WState::kRunning)) {
       auto w0 = Clock::now();  // the write drops the store's copy (FinishWrite)
-      cv.wait(lk, [&] { return e->w != WState::kQueued && e->w != WState::kRunning; });
-      stats.stall_seconds += Seconds(w0, Clock::now());
+      cv_.wait(lk, [&] { return e->w_ != WState::kQueued && e->w_ != WState::kRunning; });
+      stats_.stall_seconds += Seconds(w0, Clock::now());
       continue;
     }
-    if (e->host_ptr && e->host_valid) {
-      if (e->tier == 0 && !missed) {
-        if (e->host_from_store) {
-          stats.forwarded_tensors++;
-          stats.forwarded_bytes += e->nbytes;
+    if (e->host_ptr_ && e->host_valid_) {
+      if (e->tier_ == Tier::kNvme && !missed) {
+        if (e->host_from_store_) {
+          stats_.forwarded_tensors++;
+          stats_.forwarded_bytes += e->nbytes_;
         } else {
-          stats.prefetch_hits++;
+          stats_.prefetch_hits++;
         }
       }
       ConsumeRead(*e);
-      e->pins++;
+      e->pins_++;
       ref->pinned = true;
-      ref->ptr = e->host_ptr;
+      ref->ptr = e->host_ptr_;
       return Status::Ok();
     }
-    if (e->w != WState::kDone)
-      return Status(EIO, "load of " + DescribeTag(e->name, e->site, e->id) +
+    if (e->w_ != WState::kDone)
+      return Status(EIO, "load of " + DescribeTag(e->name_, e->site_, e->id_) +
                              ": no copy of the data is available (write state " +
-                             std::to_string(static_cast<int>(e->w)) + ")");
+                             std::to_string(static_cast<int>(e->w_)) + ")");
     if (!missed) {
       missed = true;
-      stats.prefetch_misses++;
+      stats_.prefetch_misses++;
       t0 = Clock::now();
     }
-    if (!e->host_ptr) {
+    if (!e->host_ptr_) {
       SSD_RETURN_IF_ERROR(AcquireCacheBuffer(lk, *e, true));
-      if (e->reading || e->filling || e->host_valid) continue;  // raced with read-ahead
+      if (e->reading_ || e->filling_ || e->host_valid_) continue;  // raced with read-ahead
     }
-    if (!e->host_ptr) break;  // no room: bounce below
+    if (!e->host_ptr_) break;  // no room: bounce below
     StartRead(e, true);
     auto w0 = Clock::now();
-    while (e->reading) cv.wait(lk);
-    stats.stall_seconds += Seconds(w0, Clock::now());
-    if (!e->r_status.ok()) return e->r_status;
+    while (e->reading_) cv_.wait(lk);
+    stats_.stall_seconds += Seconds(w0, Clock::now());
+    if (!e->r_status_.ok()) return e->r_status_;
   }
   // Larger than the cache, or no room: read through a private bounce buffer.
   void* raw = nullptr;
-  if (posix_memalign(&raw, kAlign, e->padded) != 0)
-    return Status(ENOMEM, "allocating a " + HumanBytes(e->padded) + " bounce buffer to load " +
-                              DescribeTag(e->name, e->site, e->id));
-  e->pins++;  // keeps the file slot alive
+  if (posix_memalign(&raw, kAlign, e->padded_) != 0)
+    return Status(ENOMEM, "allocating a " + HumanBytes(e->padded_) + " bounce buffer to load " +
+                              DescribeTag(e->name_, e->site_, e->id_));
+  e->pins_++;  // keeps the file slot alive
   ref->pinned = true;
-  stats.bounce_reads++;
+  stats_.bounce_reads++;
   lk.unlock();
-  Status s = SyncIo(false, static_cast<char*>(raw), e->file_off, e->padded);
+  Status s = SyncIo(false, static_cast<char*>(raw), e->file_off_, e->padded_);
   Status c = s.ok() ? CheckCrc(*e, static_cast<char*>(raw)) : Status();
   lk.lock();
   if (!c.ok()) {
-    stats.checksum_failures++;
+    stats_.checksum_failures++;
     s = c;
   }
-  stats.stall_seconds += Seconds(t0, Clock::now());
+  stats_.stall_seconds += Seconds(t0, Clock::now());
   (void)t0;
   if (!s.ok()) {
     free(raw);
-    return c.ok() ? s.With("load of " + DescribeTag(e->name, e->site, e->id)) : s;
+    return c.ok() ? s.With("load of " + DescribeTag(e->name_, e->site_, e->id_)) : s;
   }
-  stats.disk_bytes_read += e->nbytes;
-  stats.disk_tensors_read++;
-  stats.disk_loaded_bytes += e->nbytes;
+  stats_.disk_bytes_read += e->nbytes_;
+  stats_.disk_tensors_read++;
+  stats_.disk_loaded_bytes += e->nbytes_;
   ref->bounce = static_cast<char*>(raw);
   ref->ptr = ref->bounce;
   return Status::Ok();
 }
 
 void Engine::ConsumeRead(Entry& e) {
-  if (!e.unconsumed_read) return;
-  e.unconsumed_read = false;
-  stats.disk_loaded_bytes += e.nbytes;
+  if (!e.unconsumed_read_) return;
+  e.unconsumed_read_ = false;
+  stats_.disk_loaded_bytes += e.nbytes_;
 }
 
 void Engine::ReleaseHost(Lock& lk, HostRef* ref) {
@@ -373,35 +374,35 @@ void Engine::ReleaseHost(Lock& lk, HostRef* ref) {
     ref->bounce = nullptr;
   }
   if (ref->pinned) {
-    ref->e->pins--;
+    ref->e->pins_--;
     ref->pinned = false;
     MaybeFree(ref->e);
-    cv.notify_all();
+    cv_.notify_all();
   }
   ref->ptr = nullptr;
 }
 
 Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
                           std::string_view name, int device) {
-  Lock lk(mu);
+  Lock lk(mu_);
   SSD_RETURN_IF_ERROR(TakePendingError());
   EntryPtr e;
   SSD_RETURN_IF_ERROR(LookupForLoad(lk, handle, nbytes, site, name, &e, device));
-  e->loading++;
+  e->loading_++;
   HostRef ref;
   Status s = AcquireHost(lk, e, &ref);
   if (!s.ok()) {
-    e->loading--;
+    e->loading_--;
     ReleaseHost(lk, &ref);
     return s;
   }
   if (nbytes) {
     lk.unlock();
-    if (hooks_ && e->dev && !ref.bounce) s = hooks_->WaitHostReady(*e);
+    if (hooks_ && e->dev_ && !ref.bounce) s = hooks_->WaitHostReady(*e);
     if (s.ok()) memcpy(dst, ref.ptr, nbytes);
     lk.lock();
   }
-  e->loading--;
+  e->loading_--;
   ReleaseHost(lk, &ref);
   if (s.ok()) CountLoad(e);
   SchedulePrefetch(lk, device);
@@ -409,17 +410,17 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
 }
 
 Status Engine::DebugTruncate(uint64_t size) {
-  Lock lk(mu);
+  Lock lk(mu_);
   return space_.DebugTruncate(size);
 }
 
 Status Engine::DebugCorrupt(uint64_t loff) {
-  Lock lk(mu);
+  Lock lk(mu_);
   return space_.DebugCorrupt(loff);
 }
 
 std::string Engine::FilePaths() {
-  Lock lk(mu);
+  Lock lk(mu_);
   return space_.Paths();
 }
 

@@ -22,8 +22,8 @@ uint32_t Engine::HandleCheck(uint32_t id) const {
 }
 
 void Engine::MakeHandle(const Entry& e, uint32_t h[2]) const {
-  h[0] = e.id;
-  h[1] = HandleCheck(e.id);
+  h[0] = e.id_;
+  h[1] = HandleCheck(e.id_);
 }
 
 Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int64_t site,
@@ -42,33 +42,33 @@ Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int
                               "once no live jax.Array holds the handle; also by release_all() "
                               "and by reconfiguration)");
   EntryPtr e = it->second;
-  if (e->site != site)
-    return Status(EINVAL, "ssdtrain handle of " + DescribeTag(e->name, e->site, e->id) +
+  if (e->site_ != site)
+    return Status(EINVAL, "ssdtrain handle of " + DescribeTag(e->name_, e->site_, e->id_) +
                               " used by a load of tag '" + std::string(name) + "' at site " +
                               std::to_string(site));
-  if (e->device != device)
-    return Status(EINVAL, "ssdtrain handle of " + DescribeTag(e->name, e->site, e->id) +
-                              " stored by device " + std::to_string(e->device) +
+  if (e->device_ != device)
+    return Status(EINVAL, "ssdtrain handle of " + DescribeTag(e->name_, e->site_, e->id_) +
+                              " stored by device " + std::to_string(e->device_) +
                               " used by a load on device " + std::to_string(device) +
                               " (a handle never leaves the device that stored it)");
-  if (e->nbytes != nbytes)
-    return Status(EINVAL, "load of " + DescribeTag(name, site, e->id) + ": output has " +
-                              std::to_string(nbytes) + " bytes but " + std::to_string(e->nbytes) +
+  if (e->nbytes_ != nbytes)
+    return Status(EINVAL, "load of " + DescribeTag(name, site, e->id_) + ": output has " +
+                              std::to_string(nbytes) + " bytes but " + std::to_string(e->nbytes_) +
                               " bytes were stored");
-  if (!e->error.ok()) return e->error.With("load of " + DescribeTag(name, site, e->id));
-  if (e->loads++ == 0) {
-    unloaded_.erase(e->seq);
-    if (cfg_.forwarding && e->w == WState::kQueued) {
-      e->w = WState::kCancelled;
+  if (!e->error_.ok()) return e->error_.With("load of " + DescribeTag(name, site, e->id_));
+  if (e->loads_++ == 0) {
+    unloaded_.erase(e->seq_);
+    if (cfg_.forwarding && e->w_ == WState::kQueued) {
+      e->w_ = WState::kCancelled;
       writes_inflight_--;
-      stats.write_skipped_bytes += e->nbytes;
-      stats.write_skipped_tensors++;
+      stats_.write_skipped_bytes += e->nbytes_;
+      stats_.write_skipped_tensors++;
       // Keep the slot: it is released with the entry.
-      cv.notify_all();
+      cv_.notify_all();
     }
   }
-  stats.bytes_read += nbytes;
-  stats.tensors_read++;
+  stats_.bytes_read += nbytes;
+  stats_.tensors_read++;
   DeviceStats& ds = device_stats_[device];
   ds.bytes_read += nbytes;
   ds.tensors_read++;
@@ -85,29 +85,29 @@ bool Engine::PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbyt
     auto it = entries_.find(id);
     if (it == entries_.end()) continue;
     const Entry* e = it->second.get();
-    if (e->loads || e->run_id != run_id || e->nbytes != nbytes) continue;  // (device: by key)
-    if (!best || e->seq > best->seq) best = e;
+    if (e->loads_ || e->run_id_ != run_id || e->nbytes_ != nbytes) continue;  // (device: by key)
+    if (!best || e->seq_ > best->seq_) best = e;
   }
   if (!best) return false;
   uint64_t n = 0;
   for (const auto& [seq, e] : unloaded_)
-    if (e->run_id == run_id && e->device == device && e.get() != best) n++;
+    if (e->run_id_ == run_id && e->device_ == device && e.get() != best) n++;
   *left = n;
   MakeHandle(*best, h);
   return true;
 }
 
 void Engine::CountUnusedStore(uint64_t nbytes, int device) {
-  Lock lk(mu);
-  stats.unused_stores++;
+  Lock lk(mu_);
+  stats_.unused_stores++;
   (void)nbytes;
   (void)device;
 }
 
 bool Engine::CountLoad(const EntryPtr& e, bool defer) {
-  if (e->uses_left <= 0 || e->released) return false;
-  if (--e->uses_left > 0) return false;
-  stats.counted_releases++;
+  if (e->uses_left_ <= 0 || e->released_) return false;
+  if (--e->uses_left_ > 0) return false;
+  stats_.counted_releases++;
   if (defer) return true;
   Release(e);
   return false;
@@ -118,25 +118,25 @@ Status Engine::Sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit
   std::set<uint64_t> live;
   for (uint64_t i = 0; i < n_pairs; ++i)
     live.insert(static_cast<uint64_t>(pairs[2 * i]) << 32 | pairs[2 * i + 1]);
-  Lock lk(mu);
+  Lock lk(mu_);
   if (hooks_) hooks_->ReclaimReleases(true);
   std::vector<EntryPtr> dead;
   uint64_t survivors = 0, survivor_bytes = 0;
   for (auto& [id, e] : entries_) {
     const uint64_t key = static_cast<uint64_t>(id) << 32 | HandleCheck(id);
-    if (e->uses_left == Entry::kManual) continue;
-    if (e->seq >= seq_limit || e->loading > 0 || e->filling || live.count(key)) {
-      if (e->uses_left == Entry::kUncounted) {
+    if (e->uses_left_ == Entry::kManual) continue;
+    if (e->seq_ >= seq_limit || e->loading_ > 0 || e->filling_ || live.count(key)) {
+      if (e->uses_left_ == Entry::kUncounted) {
         survivors++;
-        survivor_bytes += e->nbytes;
+        survivor_bytes += e->nbytes_;
       }
       continue;
     }
     dead.push_back(e);
   }
   for (auto& e : dead) Release(e);
-  stats.sweeps++;
-  stats.swept_entries += dead.size();
+  stats_.sweeps++;
+  stats_.swept_entries += dead.size();
   *released = dead.size();
   // The next sweep is due when the uncounted entries made since have doubled what survived
   // (at least 64 entries, or an eighth of the host tier / file space in bytes).
@@ -149,7 +149,7 @@ Status Engine::Sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit
 }
 
 bool Engine::SweepRequested() {
-  Lock lk(mu);
+  Lock lk(mu_);
   if (sweep_mark_bytes_ == 0) {
     const uint64_t room =
         std::min<uint64_t>(std::max<uint64_t>(cfg_.host_tier_bytes, kGiB), cfg_.capacity_bytes);
@@ -160,48 +160,48 @@ bool Engine::SweepRequested() {
 }
 
 void Engine::Release(const EntryPtr& e) {
-  if (e->released) return;
-  e->released = true;
-  entries_.erase(e->id);
-  auto s = by_site_.find({e->device, e->site});
+  if (e->released_) return;
+  e->released_ = true;
+  entries_.erase(e->id_);
+  auto s = by_site_.find({e->device_, e->site_});
   if (s != by_site_.end()) {
-    s->second.erase(e->id);
+    s->second.erase(e->id_);
     if (s->second.empty()) by_site_.erase(s);
   }
-  unloaded_.erase(e->seq);
-  if (e->w == WState::kQueued) {
-    e->w = WState::kCancelled;
+  unloaded_.erase(e->seq_);
+  if (e->w_ == WState::kQueued) {
+    e->w_ = WState::kCancelled;
     writes_inflight_--;
-    stats.write_skipped_bytes += e->nbytes;
-    stats.write_skipped_tensors++;
+    stats_.write_skipped_bytes += e->nbytes_;
+    stats_.write_skipped_tensors++;
   }
   pending_free_++;
   MaybeFree(e);
 }
 
 void Engine::MaybeFree(const EntryPtr& e) {
-  if (!e->released || e->freed || e->filling || e->pins > 0 || e->reading ||
-      e->w == WState::kRunning)
+  if (!e->released_ || e->freed_ || e->filling_ || e->pins_ > 0 || e->reading_ ||
+      e->w_ == WState::kRunning)
     return;
   FreeHostBuffer(*e);
-  if (e->has_slot) {
-    space_.Free(e->file_off, e->padded);
-    e->has_slot = false;
+  if (e->has_slot_) {
+    space_.Free(e->file_off_, e->padded_);
+    e->has_slot_ = false;
   }
-  if (hooks_ && e->dev) hooks_->OnEntryFree(*e);
-  e->freed = true;
+  if (hooks_ && e->dev_) hooks_->OnEntryFree(*e);
+  e->freed_ = true;
   pending_free_--;
-  cv.notify_all();
+  cv_.notify_all();
 }
 
 Status Engine::ReleaseAll() {
-  Lock lk(mu);
+  Lock lk(mu_);
   if (hooks_) hooks_->ReclaimReleases(true);
   std::vector<EntryPtr> all;
   all.reserve(entries_.size());
   for (auto& [id, e] : entries_) all.push_back(e);
   for (auto& e : all) Release(e);
-  cv.wait(lk, [&] { return pending_free_ == 0 && reads_inflight_ == 0 && writes_inflight_ == 0; });
+  cv_.wait(lk, [&] { return pending_free_ == 0 && reads_inflight_ == 0 && writes_inflight_ == 0; });
   return Status::Ok();
 }
 

@@ -13,7 +13,7 @@ ffi::Error StoreCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::Buffe
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
-    return engine->StoreFromHost(x.untyped_data(), x.size_bytes(), site, tier, name,
+    return engine->StoreFromHost(x.untyped_data(), x.size_bytes(), site, TierFromAttr(tier), name,
                                  handle->typed_data(), device, uses);
   });
 }

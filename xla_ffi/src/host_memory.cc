@@ -86,24 +86,24 @@ void HostArena::Destroy() {
 // ---------------------------------------------------------------------------
 // Host buffers
 // ---------------------------------------------------------------------------
-bool Engine::AllocHost(int arena, uint64_t padded, uint64_t* off) {
-  HostArena& a = arena == 0 ? cache_ : tier_;
+bool Engine::AllocHost(Arena arena, uint64_t padded, uint64_t* off) {
+  HostArena& a = arena == Arena::kCache ? cache_ : tier_;
   if (a.size == 0 || padded > a.size) return false;
   return a.alloc.Alloc(padded, off);
 }
 
 void Engine::FreeHostBuffer(Entry& e) {
-  if (e.host_arena < 0) return;
+  if (e.host_arena_ == Arena::kNone) return;
   if (hooks_) hooks_->BeforeHostFree(e);
-  HostArena& a = e.host_arena == 0 ? cache_ : tier_;
-  a.alloc.Free(e.host_off, e.padded);
-  e.host_arena = -1;
-  e.host_ptr = nullptr;
-  e.host_valid = false;
-  e.host_from_store = false;
-  if (e.unconsumed_read) {  // only an entry released before its load gets here
-    e.unconsumed_read = false;
-    stats.disk_unused_bytes += e.nbytes;
+  HostArena& a = e.host_arena_ == Arena::kCache ? cache_ : tier_;
+  a.alloc.Free(e.host_off_, e.padded_);
+  e.host_arena_ = Arena::kNone;
+  e.host_ptr_ = nullptr;
+  e.host_valid_ = false;
+  e.host_from_store_ = false;
+  if (e.unconsumed_read_) {  // only an entry released before its load gets here
+    e.unconsumed_read_ = false;
+    stats_.disk_unused_bytes += e.nbytes_;
   }
 }
 
@@ -112,16 +112,18 @@ bool Engine::EvictOne(const Entry* exclude, uint64_t prefetch_seq) {
   auto better = [](const Entry* a, const Entry* b) {
     // Loaded entries first (they are rarely needed again), then oldest.
     if (!b) return true;
-    bool la = a->loads > 0, lb = b->loads > 0;
+    bool la = a->loads_ > 0, lb = b->loads_ > 0;
     if (la != lb) return la;
-    return a->seq < b->seq;
+    return a->seq_ < b->seq_;
   };
   for (auto& [id, ep] : entries_) {
     Entry* e = ep.get();
-    if (e == exclude || e->tier != 0 || e->host_arena != 0 || !e->host_valid) continue;
-    if (e->w != WState::kDone || e->pins > 0 || e->reading || e->filling) continue;
-    if (e->unconsumed_read) continue;  // read ahead for a load still to come
-    if (prefetch_seq && !(e->loads > 0 || e->seq < prefetch_seq)) continue;
+    if (e == exclude || e->tier_ != Tier::kNvme || e->host_arena_ != Arena::kCache ||
+        !e->host_valid_)
+      continue;
+    if (e->w_ != WState::kDone || e->pins_ > 0 || e->reading_ || e->filling_) continue;
+    if (e->unconsumed_read_) continue;  // read ahead for a load still to come
+    if (prefetch_seq && !(e->loads_ > 0 || e->seq_ < prefetch_seq)) continue;
     if (better(e, best)) best = e;
   }
   if (!best) return false;
@@ -134,35 +136,37 @@ bool Engine::WriteBackOne(const Entry* exclude) {
   bool draining = false;
   for (auto& [id, ep] : entries_) {
     const Entry* e = ep.get();
-    if (e == exclude || e->tier != 0 || e->host_arena != 0 || !e->host_valid) continue;
+    if (e == exclude || e->tier_ != Tier::kNvme || e->host_arena_ != Arena::kCache ||
+        !e->host_valid_)
+      continue;
     // kCancelled in the table means a load cancelled it.
-    if (e->w != WState::kCancelled || !e->has_slot) continue;
-    if (e->pins > 0 || e->loading > 0 || e->reading || e->filling) continue;
-    if (e->w_pending > 0) {  // its cancelled pieces are still queued: eligible once they drain
+    if (e->w_ != WState::kCancelled || !e->has_slot_) continue;
+    if (e->pins_ > 0 || e->loading_ > 0 || e->reading_ || e->filling_) continue;
+    if (e->w_pending_ > 0) {  // its cancelled pieces are still queued: eligible once they drain
       draining = true;
       continue;
     }
-    if (!best || e->seq < best->seq) best = ep;
+    if (!best || e->seq_ < best->seq_) best = ep;
   }
   if (!best) return draining;
   // Written after all (saturating: the skip may predate a reset_stats()).
-  stats.write_skipped_bytes -= std::min<uint64_t>(stats.write_skipped_bytes, best->nbytes);
-  if (stats.write_skipped_tensors) stats.write_skipped_tensors--;
+  stats_.write_skipped_bytes -= std::min<uint64_t>(stats_.write_skipped_bytes, best->nbytes_);
+  if (stats_.write_skipped_tensors) stats_.write_skipped_tensors--;
   EnqueueWrite(best);
   return true;
 }
 
 Status Engine::AcquireCacheBuffer(Lock& lk, Entry& e, bool may_block) {
-  if (e.padded > cache_.size) return Status::Ok();  // too large: bounce
+  if (e.padded_ > cache_.size) return Status::Ok();  // too large: bounce
   auto t0 = Clock::now();
   bool stalled = false;
   for (;;) {
-    if (e.host_ptr) break;  // someone else (read-ahead) gave it a buffer meanwhile
+    if (e.host_ptr_) break;  // someone else (read-ahead) gave it a buffer meanwhile
     uint64_t off;
-    if (AllocHost(0, e.padded, &off)) {
-      e.host_arena = 0;
-      e.host_off = off;
-      e.host_ptr = cache_.base + off;
+    if (AllocHost(Arena::kCache, e.padded_, &off)) {
+      e.host_arena_ = Arena::kCache;
+      e.host_off_ = off;
+      e.host_ptr_ = cache_.base + off;
       break;
     }
     if (EvictOne(&e, 0)) continue;
@@ -171,12 +175,12 @@ Status Engine::AcquireCacheBuffer(Lock& lk, Entry& e, bool may_block) {
     const bool write_back = may_block && WriteBackOne(&e);
     if (may_block && (write_back || writes_inflight_ > 0 || reads_inflight_ > 0)) {
       stalled = true;
-      cv.wait(lk);
+      cv_.wait(lk);
       continue;
     }
     break;  // cannot make room: caller bounces
   }
-  if (stalled) stats.stall_seconds += Seconds(t0, Clock::now());
+  if (stalled) stats_.stall_seconds += Seconds(t0, Clock::now());
   return Status::Ok();
 }
 

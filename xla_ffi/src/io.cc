@@ -12,10 +12,10 @@
 namespace ssdtrain {
 
 void Engine::EnqueueWrite(const EntryPtr& e) {
-  const std::vector<FileSpace::Piece> pieces = space_.Pieces(e->file_off, e->padded);
-  e->w = WState::kQueued;
-  e->w_pending = static_cast<int>(pieces.size());
-  e->w_io_left = static_cast<int>(pieces.size());
+  const std::vector<FileSpace::Piece> pieces = space_.Pieces(e->file_off_, e->padded_);
+  e->w_ = WState::kQueued;
+  e->w_pending_ = static_cast<int>(pieces.size());
+  e->w_io_left_ = static_cast<int>(pieces.size());
   writes_inflight_++;
   for (const FileSpace::Piece& p : pieces) pool_->Submit([this, e, p] { WritePiece(e, p); }, false);
 }
@@ -24,57 +24,58 @@ void Engine::WritePiece(const EntryPtr& e, const FileSpace::Piece& p) {
   const size_t file = p.file;
   const uint64_t foff = p.file_off, boff = p.buf_off, len = p.len;
   {
-    Lock lk(mu);
-    if (e->w == WState::kCancelled) {
-      if (--e->w_pending == 0) cv.notify_all();  // WriteBackOne may wait for this
+    Lock lk(mu_);
+    if (e->w_ == WState::kCancelled) {
+      if (--e->w_pending_ == 0) cv_.notify_all();  // WriteBackOne may wait for this
       return;
     }
-    if (e->w == WState::kQueued) e->w = WState::kRunning;
+    if (e->w_ == WState::kQueued) e->w_ = WState::kRunning;
     BusyBegin(true);
   }
   Status s;
-  if (hooks_ && e->dev) s = hooks_->WaitHostReady(*e);
-  if (s.ok()) s = backend_->Write(file, e->host_ptr + boff, len, foff);
+  if (hooks_ && e->dev_) s = hooks_->WaitHostReady(*e);
+  if (s.ok()) s = backend_->Write(file, e->host_ptr_ + boff, len, foff);
   // The last piece checksums the host copy (device stores: the bytes exist only now).
-  if (e->w_io_left.fetch_sub(1) == 1 && cfg_.verify && !e->crc_set && s.ok()) {
-    e->crc = Crc32c(0, e->host_ptr, e->nbytes);
-    e->crc_set = true;
+  if (e->w_io_left_.fetch_sub(1) == 1 && cfg_.verify && !e->crc_set_ && s.ok()) {
+    e->crc_ = Crc32c(0, e->host_ptr_, e->nbytes_);
+    e->crc_set_ = true;
   }
-  Lock lk(mu);
+  Lock lk(mu_);
   BusyEnd(true);
   if (s.ok()) space_.CountIo(true, file, len);
-  if (!s.ok() && e->error.ok())
-    e->error = s.With("asynchronous write of " + DescribeTag(e->name, e->site, e->id));
-  if (--e->w_pending == 0) FinishWrite(e);
+  if (!s.ok() && e->error_.ok())
+    e->error_ = s.With("asynchronous write of " + DescribeTag(e->name_, e->site_, e->id_));
+  if (--e->w_pending_ == 0) FinishWrite(e);
 }
 
 void Engine::FinishWrite(const EntryPtr& e) {
   writes_inflight_--;
-  if (!e->error.ok()) {
-    e->w = WState::kFailed;
-    if (pending_error_.ok()) pending_error_ = e->error;
+  if (!e->error_.ok()) {
+    e->w_ = WState::kFailed;
+    if (pending_error_.ok()) pending_error_ = e->error_;
     FreeHostBuffer(*e);
-    if (e->has_slot) {
-      space_.Free(e->file_off, e->padded);
-      e->has_slot = false;
+    if (e->has_slot_) {
+      space_.Free(e->file_off_, e->padded_);
+      e->has_slot_ = false;
     }
   } else {
-    e->w = WState::kDone;
-    stats.disk_bytes_written += e->nbytes;
-    stats.disk_tensors_written++;
+    e->w_ = WState::kDone;
+    stats_.disk_bytes_written += e->nbytes_;
+    stats_.disk_tensors_written++;
     // Without forwarding, loads read the file: drop the store's copy once it is written.
-    if (!cfg_.forwarding && e->tier == 0 && e->host_from_store && e->pins == 0) FreeHostBuffer(*e);
+    if (!cfg_.forwarding && e->tier_ == Tier::kNvme && e->host_from_store_ && e->pins_ == 0)
+      FreeHostBuffer(*e);
   }
   MaybeFree(e);
-  cv.notify_all();
+  cv_.notify_all();
 }
 
 void Engine::StartRead(const EntryPtr& e, bool demand) {
-  const std::vector<FileSpace::Piece> pieces = space_.Pieces(e->file_off, e->padded);
-  e->reading = true;
-  e->r_status = Status();
-  e->r_pending = static_cast<int>(pieces.size());
-  e->r_io_left = static_cast<int>(pieces.size());
+  const std::vector<FileSpace::Piece> pieces = space_.Pieces(e->file_off_, e->padded_);
+  e->reading_ = true;
+  e->r_status_ = Status();
+  e->r_pending_ = static_cast<int>(pieces.size());
+  e->r_io_left_ = static_cast<int>(pieces.size());
   reads_inflight_++;
   for (const FileSpace::Piece& p : pieces) pool_->Submit([this, e, p] { ReadPiece(e, p); }, demand);
 }
@@ -83,49 +84,49 @@ void Engine::ReadPiece(const EntryPtr& e, const FileSpace::Piece& p) {
   const size_t file = p.file;
   const uint64_t foff = p.file_off, boff = p.buf_off, len = p.len;
   {
-    Lock lk(mu);
+    Lock lk(mu_);
     BusyBegin(false);
   }
-  Status s = backend_->Read(file, e->host_ptr + boff, len, foff);
+  Status s = backend_->Read(file, e->host_ptr_ + boff, len, foff);
   Status c;  // the last piece verifies the whole tensor
-  if (e->r_io_left.fetch_sub(1) == 1) c = CheckCrc(*e, e->host_ptr);
-  Lock lk(mu);
+  if (e->r_io_left_.fetch_sub(1) == 1) c = CheckCrc(*e, e->host_ptr_);
+  Lock lk(mu_);
   BusyEnd(false);
   if (s.ok()) space_.CountIo(false, file, len);
-  if (!s.ok() && e->r_status.ok())
-    e->r_status = s.With("read of " + DescribeTag(e->name, e->site, e->id));
+  if (!s.ok() && e->r_status_.ok())
+    e->r_status_ = s.With("read of " + DescribeTag(e->name_, e->site_, e->id_));
   if (!c.ok()) {
-    stats.checksum_failures++;
-    if (e->r_status.ok()) e->r_status = c;
+    stats_.checksum_failures++;
+    if (e->r_status_.ok()) e->r_status_ = c;
   }
-  if (--e->r_pending == 0) FinishRead(e);
+  if (--e->r_pending_ == 0) FinishRead(e);
 }
 
 void Engine::FinishRead(const EntryPtr& e) {
-  e->reading = false;
+  e->reading_ = false;
   reads_inflight_--;
-  if (e->r_status.ok()) {
-    e->host_valid = true;
-    e->host_from_store = false;
-    e->unconsumed_read = true;
-    stats.disk_bytes_read += e->nbytes;
-    stats.disk_tensors_read++;
+  if (e->r_status_.ok()) {
+    e->host_valid_ = true;
+    e->host_from_store_ = false;
+    e->unconsumed_read_ = true;
+    stats_.disk_bytes_read += e->nbytes_;
+    stats_.disk_tensors_read++;
   } else {
     FreeHostBuffer(*e);
   }
   MaybeFree(e);
-  cv.notify_all();
+  cv_.notify_all();
 }
 
 Status Engine::CheckCrc(const Entry& e, const char* buf) {
-  if (!cfg_.verify || !e.crc_set || e.nbytes == 0) return Status::Ok();
-  uint32_t got = Crc32c(0, buf, e.nbytes);
-  if (got == e.crc) return Status::Ok();
+  if (!cfg_.verify || !e.crc_set_ || e.nbytes_ == 0) return Status::Ok();
+  uint32_t got = Crc32c(0, buf, e.nbytes_);
+  if (got == e.crc_) return Status::Ok();
   char hex[64];
-  snprintf(hex, sizeof hex, "crc32c 0x%08x read, 0x%08x written", got, e.crc);
-  return Status(EIO, "checksum mismatch reading " + DescribeTag(e.name, e.site, e.id) + ": " + hex +
-                         " (" + std::to_string(e.nbytes) + " bytes at store offset " +
-                         std::to_string(e.file_off) +
+  snprintf(hex, sizeof hex, "crc32c 0x%08x read, 0x%08x written", got, e.crc_);
+  return Status(EIO, "checksum mismatch reading " + DescribeTag(e.name_, e.site_, e.id_) + ": " +
+                         hex + " (" + std::to_string(e.nbytes_) + " bytes at store offset " +
+                         std::to_string(e.file_off_) +
                          "); the store file was modified or the "
                          "disk returned bad data");
 }
@@ -144,13 +145,13 @@ Status Engine::SyncIo(bool write, char* buf, uint64_t loff, uint64_t len) {
     pool_->Submit(
         [this, latch, write, buf, f = p.file, foff = p.file_off, boff = p.buf_off, plen = p.len] {
           {
-            Lock lk(mu);
+            Lock lk(mu_);
             BusyBegin(write);
           }
           Status s = write ? backend_->Write(f, buf + boff, plen, foff)
                            : backend_->Read(f, buf + boff, plen, foff);
           {
-            Lock lk(mu);
+            Lock lk(mu_);
             BusyEnd(write);
             if (s.ok()) space_.CountIo(write, f, plen);
           }
@@ -172,7 +173,7 @@ void Engine::BusyBegin(bool write) {
 void Engine::BusyEnd(bool write) {
   if (--active_[write] == 0) {
     double s = Seconds(busy_since_[write], Clock::now());
-    (write ? stats.write_seconds : stats.read_seconds) += s;
+    (write ? stats_.write_seconds : stats_.read_seconds) += s;
   }
 }
 
@@ -180,9 +181,9 @@ std::vector<EntryPtr> Engine::PredictNext(uint64_t budget, int device) {
   std::vector<EntryPtr> out;
   for (auto it = unloaded_.rbegin(); it != unloaded_.rend(); ++it) {
     const EntryPtr& e = it->second;
-    if (device >= 0 && e->device != device) continue;
-    if (e->padded > budget) break;
-    budget -= e->padded;
+    if (device >= 0 && e->device_ != device) continue;
+    if (e->padded_ > budget) break;
+    budget -= e->padded_;
     out.push_back(e);
   }
   return out;
@@ -194,31 +195,31 @@ std::vector<EntryPtr> Engine::PredictNext(uint64_t budget, int device) {
 void Engine::SchedulePrefetch(Lock& lk, int device) {
   if (cfg_.prefetch_bytes == 0) return;
   for (const EntryPtr& e : PredictNext(cfg_.prefetch_bytes, device)) {
-    if (e->host_ptr || e->reading || e->filling || e->w != WState::kDone) continue;
-    if (e->padded > cache_.size) continue;
-    if (hooks_ && e->dev && hooks_->HasDeviceCopy(*e)) continue;  // its load reads no host copy
+    if (e->host_ptr_ || e->reading_ || e->filling_ || e->w_ != WState::kDone) continue;
+    if (e->padded_ > cache_.size) continue;
+    if (hooks_ && e->dev_ && hooks_->HasDeviceCopy(*e)) continue;  // its load reads no host copy
     uint64_t off;
     bool ok = false;
     for (;;) {
-      if (AllocHost(0, e->padded, &off)) {
+      if (AllocHost(Arena::kCache, e->padded_, &off)) {
         ok = true;
         break;
       }
-      if (!EvictOne(e.get(), e->seq)) break;
+      if (!EvictOne(e.get(), e->seq_)) break;
     }
     if (!ok) break;
-    e->host_arena = 0;
-    e->host_off = off;
-    e->host_ptr = cache_.base + off;
-    stats.prefetch_issued++;
+    e->host_arena_ = Arena::kCache;
+    e->host_off_ = off;
+    e->host_ptr_ = cache_.base + off;
+    stats_.prefetch_issued++;
     StartRead(e, false);
   }
 }
 
 Status Engine::Flush() {
-  Lock lk(mu);
+  Lock lk(mu_);
   if (hooks_) hooks_->ReclaimReleases(true);
-  cv.wait(lk, [&] { return reads_inflight_ == 0 && writes_inflight_ == 0; });
+  cv_.wait(lk, [&] { return reads_inflight_ == 0 && writes_inflight_ == 0; });
   return TakePendingError();
 }
 

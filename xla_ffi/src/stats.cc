@@ -1,4 +1,5 @@
 // Statistics: the engine's counters and gauges as "key=value" lines (ssd.stats()).
+#include <algorithm>
 #include <cstdio>
 #include <sstream>
 
@@ -7,12 +8,12 @@
 namespace ssdtrain {
 
 void Engine::ResetStats() {
-  Lock lk(mu);
-  uint64_t staging_in_use = stats.staging_in_use;
-  stats = Stats();
+  Lock lk(mu_);
+  uint64_t staging_in_use = stats_.staging_in_use;
+  stats_ = Stats();
   device_stats_.clear();
   space_.ResetCounters();
-  stats.staging_in_use = stats.staging_peak = staging_in_use;
+  stats_.staging_in_use = stats_.staging_peak = staging_in_use;
   throttle_.write_wait_ns = 0;
   throttle_.read_wait_ns = 0;
   cache_.alloc.ResetPeak();
@@ -21,13 +22,30 @@ void Engine::ResetStats() {
   if (hooks_) hooks_->ResetStats();
 }
 
+void Engine::StagingAllocated(uint64_t bytes) {
+  stats_.staging_in_use += bytes;
+  stats_.staging_peak = std::max(stats_.staging_peak, stats_.staging_in_use);
+}
+
+void Engine::CountStagedLoad(const Entry& e, bool from_store) {
+  if (e.tier_ == Tier::kNvme) {
+    if (from_store) {
+      stats_.forwarded_tensors++;
+      stats_.forwarded_bytes += e.nbytes_;
+    } else {
+      stats_.prefetch_hits++;
+    }
+  }
+  stats_.staging_forwarded_tensors++;
+}
+
 std::string Engine::TakeTimeline() {
-  Lock lk(mu);
+  Lock lk(mu_);
   return hooks_ ? hooks_->TakeTimeline() : std::string();
 }
 
 std::string Engine::StatsString() {
-  Lock lk(mu);
+  Lock lk(mu_);
   std::ostringstream o;
   auto u = [&](const char* k, uint64_t v) { o << k << '=' << v << '\n'; };
   auto d = [&](const char* k, double v) {
@@ -35,7 +53,7 @@ std::string Engine::StatsString() {
     snprintf(buf, sizeof buf, "%.6f", v);
     o << k << '=' << buf << '\n';
   };
-  const Stats& s = stats;
+  const Stats& s = stats_;
   u("bytes_written", s.bytes_written);
   u("tensors_written", s.tensors_written);
   u("bytes_read", s.bytes_read);
@@ -67,7 +85,7 @@ std::string Engine::StatsString() {
   u("sweeps", s.sweeps);
   u("swept_entries", s.swept_entries);
   uint64_t uncounted = 0;
-  for (const auto& [id, e] : entries_) uncounted += e->uses_left == Entry::kUncounted;
+  for (const auto& [id, e] : entries_) uncounted += e->uses_left_ == Entry::kUncounted;
   u("uncounted_entries", uncounted);
   u("next_seq", next_seq_);
   d("stall_seconds", s.stall_seconds);
@@ -87,7 +105,7 @@ std::string Engine::StatsString() {
   u("writes_in_flight", writes_inflight_);
   u("reads_in_flight", reads_inflight_);
   u("o_direct", space_.o_direct() ? 1 : 0);
-  u("gds", gds_active ? 1 : 0);
+  u("gds", gds_active_ ? 1 : 0);
   u("io_threads", cfg_.io_threads);
   u("verify", cfg_.verify ? 1 : 0);
   u("on_full", cfg_.on_full);

@@ -8,14 +8,16 @@
 //   file_space.cc   the store files, their slots and striping (detail/file_space.h)
 //   stats.cc        statistics
 // and below them the backends (io_backend.h), the thread pool and the allocators (detail/).
-// Device (CUDA) specifics live in ffi_cuda.cu and reach the engine through DeviceHooks; no
-// CUDA call is made by anything here unless CUDA handlers have run.
+// Device (CUDA) specifics live in the device module (src/cuda/) and reach the engine through
+// DeviceHooks and the device module support methods; no CUDA call is made by anything here
+// unless CUDA handlers have run.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
@@ -40,55 +42,128 @@ namespace ssdtrain {
 
 enum class WState { kNone, kQueued, kRunning, kDone, kCancelled, kFailed };
 
-struct Entry {
-  uint32_t id = 0;
-  int64_t site = 0;
-  int device = 0;  // XLA device ordinal of the store; only that device may load it
-  int tier = 0;    // 0 nvme (through host cache), 1 host tier
-  uint64_t nbytes = 0, padded = 0, seq = 0;
-  std::string name;
-  bool filling = true;  // the store is still copying bytes in
-  bool released = false;
-  bool freed = false;
-  int loads = 0;
+// Where a store keeps its bytes. The values are those of the handlers' "tier" attribute (the
+// Python side's tier codes): keep them.
+enum class Tier : int32_t {
+  kNvme = 0,  // the store files, through the host cache
+  kHost = 1,  // the host tier (pinned host memory only)
+};
+// The tier a handler's attribute names; BeginStore rejects a value that names none.
+inline Tier TierFromAttr(int32_t value) { return static_cast<Tier>(value); }
+
+// The host arena holding an entry's host copy.
+enum class Arena {
+  kNone,      // no host copy
+  kCache,     // the host cache (nvme tier: write-behind, forwarding, read-back)
+  kHostTier,  // the host tier
+};
+
+// The device module's part of an entry (its staging copy and the events of its copies); defined
+// and owned by the device module, opaque here.
+struct DeviceEntry;
+
+// One stored tensor. Its state is the engine's: the engine's mutex guards it (the identity is
+// fixed once BeginStore returns). Others read it through the accessors below and change it
+// through the few transitions after them.
+class Entry {
+ public:
   // Loads left before the entry is released (counted when the program was compiled);
   // kUncounted: released by a sweep (its handle left the execution, or the count was unknown);
   // kManual: stored through the C ABI (probe, tests), released by release_all() only.
   static constexpr int64_t kUncounted = -1, kManual = -2;
-  int64_t uses_left = kUncounted;
-  int64_t run_id = -1;  // XLA execution of the store (device path), for load prediction
-  // Host copy (cache arena for tier 0, host-tier arena for tier 1).
-  int host_arena = -1;  // 0 cache, 1 host tier, -1 none
-  uint64_t host_off = 0;
-  char* host_ptr = nullptr;
-  bool host_valid = false;       // the host buffer holds the bytes (device: after host_ready)
-  bool host_from_store = false;  // the host copy is the store's (forwarding) not a read-back
+
+  // ---- identity ------------------------------------------------------------
+  uint32_t id() const { return id_; }
+  int64_t site() const { return site_; }
+  int device() const { return device_; }  // XLA device ordinal of the store
+  Tier tier() const { return tier_; }
+  uint64_t nbytes() const { return nbytes_; }
+  uint64_t padded() const { return padded_; }  // nbytes rounded up to the file alignment
+  uint64_t seq() const { return seq_; }        // store order
+  const std::string& name() const { return name_; }
+  int64_t run_id() const { return run_id_; }  // XLA execution of the store (device path)
+
+  // ---- state (lock held) ----------------------------------------------------
+  char* host_ptr() const { return host_ptr_; }  // the host buffer; nullptr: none
+  bool host_valid() const { return host_valid_; }
+  bool filling() const { return filling_; }  // the store is still copying bytes in
+  bool reading() const { return reading_; }  // a read into the host buffer is running
+  bool loaded() const { return loads_ > 0; }
+  bool pinned() const { return pins_ > 0; }  // a load is copying out of the host buffer
+  // No load will take it any more (its counted loads are all issued, or it was released).
+  bool no_loads_left() const { return released_ || uses_left_ == 0; }
+  const Status& error() const { return error_; }  // sticky (a failed write)
+
+  // ---- transitions (lock held) ----------------------------------------------
+  // The XLA execution of a device store, for load prediction.
+  void set_run_id(int64_t run_id) { run_id_ = run_id; }
+  // Zeroes the host buffer past the tensor's bytes (the padding written to the file).
+  void ZeroHostPadding() {
+    if (padded_ > nbytes_) memset(host_ptr_ + nbytes_, 0, padded_ - nbytes_);
+  }
+  // The device module's part (the engine hands it back through DeviceHooks::OnEntryFree).
+  DeviceEntry* device_entry() const { return dev_; }
+  void set_device_entry(DeviceEntry* d) { dev_ = d; }
+  // While one exists the entry counts as being loaded: a sweep and a write-back leave it alone.
+  // Made and destroyed with the engine's lock held.
+  class LoadingScope {
+   public:
+    explicit LoadingScope(Entry& e) : e_(e) { e_.loading_++; }
+    ~LoadingScope() { e_.loading_--; }
+    LoadingScope(const LoadingScope&) = delete;
+    LoadingScope& operator=(const LoadingScope&) = delete;
+
+   private:
+    Entry& e_;
+  };
+
+ private:
+  friend class Engine;
+
+  uint32_t id_ = 0;
+  int64_t site_ = 0;
+  int device_ = 0;  // only that device may load it
+  Tier tier_ = Tier::kNvme;
+  uint64_t nbytes_ = 0, padded_ = 0, seq_ = 0;
+  std::string name_;
+  bool filling_ = true;
+  bool released_ = false;
+  bool freed_ = false;
+  int loads_ = 0;
+  int64_t uses_left_ = kUncounted;
+  int64_t run_id_ = -1;
+  // Host copy (the cache for the nvme tier, the host-tier arena for the host tier).
+  Arena host_arena_ = Arena::kNone;
+  uint64_t host_off_ = 0;
+  char* host_ptr_ = nullptr;
+  bool host_valid_ = false;       // the host buffer holds the bytes (device: after host_ready)
+  bool host_from_store_ = false;  // the host copy is the store's (forwarding) not a read-back
   // File copy.
-  bool has_slot = false;
-  uint64_t file_off = 0;  // logical (striped) offset
-  WState w = WState::kNone;
-  int w_pending = 0;
+  bool has_slot_ = false;
+  uint64_t file_off_ = 0;  // logical (striped) offset
+  WState w_ = WState::kNone;
+  int w_pending_ = 0;
   // Read into the host buffer (demand or read-ahead).
-  bool reading = false;
+  bool reading_ = false;
   // The host copy was read from the file and no load has taken it yet. Such a copy is never
   // evicted (that would read the same bytes twice); a load consumes it (Engine::ConsumeRead).
-  bool unconsumed_read = false;
-  int r_pending = 0;
-  Status r_status;
-  int pins = 0;            // loads copying out of the host buffer
-  int loading = 0;         // loads in progress (the site's next store must not release it)
-  bool kept_full = false;  // on_full=keep: held in the host tier because the files were full
+  bool unconsumed_read_ = false;
+  int r_pending_ = 0;
+  Status r_status_;
+  int pins_ = 0;            // loads copying out of the host buffer
+  int loading_ = 0;         // loads in progress (LoadingScope)
+  bool kept_full_ = false;  // on_full=keep: held in the host tier because the files were full
   // verify: crc32c of the nbytes, set before (or by the last piece of) the write.
-  bool crc_set = false;
-  uint32_t crc = 0;
-  std::atomic<int> w_io_left{0}, r_io_left{0};  // pieces whose syscalls are not done
-  Status error;                                 // sticky (failed write)
-  void* dev = nullptr;                          // owned by the device module
+  bool crc_set_ = false;
+  uint32_t crc_ = 0;
+  std::atomic<int> w_io_left_{0}, r_io_left_{0};  // pieces whose syscalls are not done
+  Status error_;
+  DeviceEntry* dev_ = nullptr;  // owned by the device module
 };
 using EntryPtr = std::shared_ptr<Entry>;
 
-// Implemented by the CUDA module. All calls are made with Engine::mu held
-// unless stated otherwise.
+// Implemented by the CUDA module. All calls are made with the engine's lock held unless stated
+// otherwise.
 class DeviceHooks {
  public:
   virtual ~DeviceHooks() = default;
@@ -157,7 +232,7 @@ class Engine {
   // `device`: the XLA device ordinal of the call (per-device sites and statistics).
   // `uses`: loads per stored entry in its execution (0: nobody loads it; Entry::kUncounted,
   // Entry::kManual).
-  Status StoreFromHost(const void* src, uint64_t nbytes, int64_t site, int tier,
+  Status StoreFromHost(const void* src, uint64_t nbytes, int64_t site, Tier tier,
                        std::string_view name, uint32_t handle[2], int device = 0,
                        int64_t uses = -1);
   Status LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
@@ -168,7 +243,7 @@ class Engine {
   // host buffer and file slot. e->host_ptr == nullptr means "no host buffer": use
   // WriteThrough. A store nobody loads (uses == 0) keeps nothing: the caller writes the
   // null handle (MakeNullHandle) instead.
-  Status BeginStore(int64_t site, int tier, uint64_t nbytes, std::string_view name, EntryPtr* out,
+  Status BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_view name, EntryPtr* out,
                     int device = 0, int64_t uses = -1);
   static void MakeNullHandle(uint32_t h[2]) { h[0] = h[1] = 0; }
   // Counts a store nobody loads (uses == 0).
@@ -198,7 +273,6 @@ class Engine {
   // besides it. False if there is none (the load must read its handle).
   bool PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes, uint32_t h[2],
                    uint64_t* left) const;
-  uint32_t HandleCheck(uint32_t id) const;
 
   // Validates the handle and marks the entry loaded. Lock held.
   Status LookupForLoad(Lock& lk, const uint32_t handle[2], uint64_t nbytes, int64_t site,
@@ -216,7 +290,6 @@ class Engine {
   void ReleaseHost(Lock& lk, HostRef* ref);
   // Lock held. A load used the bytes of `e`'s host buffer (GPU: through device staging).
   void ConsumeRead(Entry& e);
-  // Schedules read-ahead of the next predicted entries. Lock held.
   // Read-ahead of `device`'s next predicted entries (-1: every device's). Lock held.
   void SchedulePrefetch(Lock& lk, int device = -1);
   // Returns (and clears) a recorded asynchronous error. Lock held.
@@ -235,29 +308,38 @@ class Engine {
   Status DebugTruncate(uint64_t size);
   Status DebugCorrupt(uint64_t loff);
 
-  // Device module support.
-  std::mutex mu;
-  std::condition_variable cv;
-  Stats stats;
+  // ---- device module support ------------------------------------------------
+  // The engine's lock: it guards the engine's state, every entry's, and the device module's.
+  Lock LockState() { return Lock(mu_); }
   DeviceHooks* hooks() { return hooks_.get(); }
   void SetHooks(std::unique_ptr<DeviceHooks> h) { hooks_ = std::move(h); }
-  HostArena& cache_arena() { return cache_; }
-  HostArena& tier_arena() { return tier_; }
+  const HostArena& arena(Arena which) const { return which == Arena::kCache ? cache_ : tier_; }
   // Predicted next loads (newest first) within the read-ahead budget. Lock held.
   // Only entries stored by `device` unless it is -1.
   std::vector<EntryPtr> PredictNext(uint64_t budget, int device = -1);
-  void AddStall(double s) { stats.stall_seconds += s; }
-  std::atomic<bool> gds_active{false};
+  // Statistics the device module keeps (lock held): seconds a handler blocked on a copy, and
+  // on reading a load's handle; predicted loads, and those found wrong on the device; staging
+  // reuses ordered after a still-running user; device staging bytes taken and given back; a
+  // load served from a staging copy (forwarded from its store, or read ahead).
+  void AddStall(double s) { stats_.stall_seconds += s; }
+  void AddHandleSync(double s) { stats_.handle_sync_seconds += s; }
+  void CountSpeculativeLoad() { stats_.speculative_loads++; }
+  void CountHandleMismatches(uint64_t n) { stats_.handle_mismatches += n; }
+  void CountStagingWait() { stats_.staging_waits++; }
+  void StagingAllocated(uint64_t bytes);
+  void StagingFreed(uint64_t bytes) { stats_.staging_in_use -= bytes; }
+  void CountStagedLoad(const Entry& e, bool from_store);
 
  private:
   Engine() = default;
   Status Init(const Config& cfg);
 
   // ---- entries and their lifetimes (entries.cc) --------------------------
-  void Release(const EntryPtr& e);    // no load can reach it any more
-  void MaybeFree(const EntryPtr& e);  // frees a released entry once nothing uses its buffers
+  uint32_t HandleCheck(uint32_t id) const;  // the check word of a handle
+  void Release(const EntryPtr& e);          // no load can reach it any more
+  void MaybeFree(const EntryPtr& e);        // frees a released entry once nothing uses its buffers
   // ---- host memory (host_memory.cc) ---------------------------------------
-  bool AllocHost(int arena, uint64_t padded, uint64_t* off);
+  bool AllocHost(Arena arena, uint64_t padded, uint64_t* off);
   void FreeHostBuffer(Entry& e);
   // Evicts one clean cached entry. For read-ahead (`prefetch_seq` != 0) only
   // entries already loaded or older than prefetch_seq are considered.
@@ -281,6 +363,10 @@ class Engine {
   void BusyBegin(bool write);
   void BusyEnd(bool write);
 
+  std::mutex mu_;
+  std::condition_variable cv_;
+  Stats stats_;
+  std::atomic<bool> gds_active_{false};
   Config cfg_;
   FileSpace space_;
   std::unique_ptr<IoBackend> backend_;

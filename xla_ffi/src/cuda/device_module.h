@@ -1,0 +1,228 @@
+// The device (CUDA) module of the engine: what the CUDA handlers add to it. Per GPU it owns the
+// copy streams, the device staging arena and a pool of events (DeviceState); per entry, the
+// staging copy and the events of the entry's copies (DeviceEntry). It reaches the engine through
+// the engine's device module support methods and serves it through DeviceHooks. Its parts, one
+// file each:
+//   device_module.cu  the module: per-GPU state (streams, staging, host arenas registered as
+//                     pinned memory), the engine's DeviceHooks, teardown
+//   events.cu         the event pool, fences (the asynchronous users of a buffer), timed copies
+//   staging.cu        the staging arena: allocation, eviction, reuse fences
+//   host_copies.cu    the host copies of staged stores: issued, deferred (lazy) or elided
+//   releases.cu       deferred releases: entries whose last load's copy is still queued
+//   read_ahead.cu     read-ahead: host -> staging of the next predicted loads
+//   handles.cu        handles on the device (handles.h): written, read, a prediction checked
+//   store.cu, load.cu the store and the load of an activation (store_load.h)
+// A new CUDA operation builds on the same parts: Module() and Device() for the GPU's state,
+// AllocStaging/FreeStaging for staging room, Tracked/WaitTracked/AddFence for ordered copies,
+// DeferRelease and StagePrefetch.
+//
+// Every method is called with the engine's lock held (Engine::LockState) and the call's GPU
+// current (UseDevice) unless stated otherwise. Stream ordering is correctness: every copy out of
+// or into an XLA buffer is ordered against the compute stream of the call, and every copy into
+// or out of a buffer the module reuses (a staging range, a host buffer) leaves an event its next
+// user waits for. No CUDA call is made by CPU handlers: the module is created by the first CUDA
+// handler call.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "handles.h"
+#include "ssdtrain/cuda_check.h"
+#include "ssdtrain/detail/copy_tracker.h"
+#include "ssdtrain/engine.h"
+
+namespace ssdtrain {
+
+// The device module's part of an entry.
+struct DeviceEntry {
+  int device = -1;
+  // Copy in the device staging arena.
+  bool staged = false;
+  bool stage_from_store = false;
+  bool stage_unused = false;  // a read-ahead copy no load has used yet
+  bool d2h_deferred = false;  // a store's staging copy whose D2H is not issued yet (lazy host copy)
+  uint64_t stage_off = 0, stage_len = 0;
+  char* stage_ptr = nullptr;
+  cudaEvent_t stage_ready = nullptr;      // the staging copy is complete after this
+  cudaEvent_t stage_d2h = nullptr;        // the D2H read of the staging copy is done
+  std::vector<cudaEvent_t> stage_fences;  // async users of the staging region
+  // Host copy.
+  cudaEvent_t host_ready = nullptr;      // D2H into the host buffer done (E2)
+  std::vector<cudaEvent_t> host_fences;  // async H2D readers of the host buffer
+};
+
+// The device module's state of one GPU.
+struct DeviceState {
+  int device = -1;
+  cudaStream_t copy = nullptr;  // device -> host (stores)
+  cudaStream_t h2d = nullptr;   // host -> device staging (read-ahead), so both directions overlap
+  char* staging = nullptr;
+  uint64_t staging_size = 0;
+  RangeAllocator alloc;
+  std::vector<cudaEvent_t> free_events;
+  std::unordered_map<Entry*, EntryPtr> staged;
+  // Store copies whose D2H is deferred, oldest first (entries that left that state are skipped
+  // lazily), their staged bytes, and the largest tensor staged so far.
+  std::deque<EntryPtr> deferred;
+  uint64_t deferred_bytes = 0, largest = 0;
+  // Freed staging ranges whose last users may still run on some stream.
+  struct PendingFree {
+    uint64_t off = 0, len = 0;
+    std::vector<cudaEvent_t> events;
+  };
+  std::vector<PendingFree> pending;
+};
+
+inline DeviceEntry* D(Entry& e) { return e.device_entry(); }
+
+inline double SecondsSince(Engine::Clock::time_point t0) {
+  return std::chrono::duration<double>(Engine::Clock::now() - t0).count();
+}
+
+class CudaModule final : public DeviceHooks {
+ public:
+  explicit CudaModule(Engine* eng) : eng_(eng) {}
+  ~CudaModule() override;
+  CudaModule(const CudaModule&) = delete;
+  CudaModule& operator=(const CudaModule&) = delete;
+
+  // ---- per-GPU state and entries (device_module.cu) ------------------------------------
+  // The state of GPU `dev`, made on first use (streams, staging; the host arenas are registered
+  // as pinned memory with the first GPU).
+  Status Device(int dev, DeviceState** out);
+  // The state of GPU `dev` if it was made, else nullptr.
+  DeviceState* FindDevice(int dev);
+  // The device part of `e`, made (for GPU `dev`) if it has none yet.
+  DeviceEntry* Attach(Entry& e, int dev);
+
+  // ---- events and fences (events.cu) ---------------------------------------------------
+  Status NewEvent(DeviceState* ds, cudaEvent_t* ev);
+  void PutEvent(int dev, cudaEvent_t ev);
+  // Records a fresh event on `stream` and appends it to `fences`, recycling completed ones.
+  Status AddFence(DeviceState* ds, std::vector<cudaEvent_t>* fences, cudaStream_t stream);
+  // Waits for every event of `fences` (on the host) and recycles them.
+  void SyncAndRecycle(int dev, std::vector<cudaEvent_t>* fences);
+  // `ev` completed (or is null). Lock not needed.
+  static bool Done(cudaEvent_t ev);
+  // No copy into, out of, or D2H from the staging range of `d` is pending.
+  static bool Idle(DeviceEntry* d);
+  // Issues `copy()` (a Status-returning lambda that enqueues work on `stream`) inside a timing
+  // bracket of the copy tracker.
+  template <typename F>
+  Status Tracked(int dev, cudaStream_t stream, CopyOp op, uint64_t bytes, std::string_view name,
+                 F&& copy) {
+    CopyTracker::Mark m;
+    SSD_RETURN_IF_ERROR(tracker_.Begin(dev, stream, &m));
+    Status s = copy();
+    if (!s.ok()) {
+      tracker_.Cancel(&m);
+      return s;
+    }
+    return tracker_.End(m, stream, op, bytes, name);
+  }
+  // Makes `stream` wait for `ev` (unless already complete), inside a kComputeWait bracket when
+  // `stream` is the compute stream of a load.
+  Status WaitTracked(int dev, cudaStream_t stream, cudaEvent_t ev, std::string_view name);
+  CopyTracker& tracker() { return tracker_; }
+
+  // ---- the staging arena (staging.cu) --------------------------------------------------
+  // Reserves staging for `e`, to be written on `stream`. Evicts copies, loaded entries first,
+  // then the oldest; idle ones before busy ones (a busy one's users are waited for on `stream`,
+  // not on the host); then store copies whose host copy is still deferred (their D2H is issued
+  // first), oldest first; unused read-ahead copies last. Read-ahead (prefetch_seq != 0) evicts
+  // only entries loaded already or older, and no unused read-ahead copy. `*got`: staging was
+  // reserved; `*waits`: events `stream` was made to wait for.
+  Status AllocStaging(DeviceState* ds, const EntryPtr& e, cudaStream_t stream,
+                      uint64_t prefetch_seq, bool* got, int* waits);
+  // Frees the staging copy of `e` without waiting: the range's last users' events go to the
+  // pending list (see AllocStaging).
+  void FreeStaging(Entry& e);
+  // A load may copy `d`'s staging range (without forwarding, an nvme tensor comes back from the
+  // file, not from its store's staging copy).
+  bool StagingUsable(const Entry& e, const DeviceEntry& d) const;
+
+  // ---- host copies of staged stores (host_copies.cu) -----------------------------------
+  // Copies the staging copy of store `e` to its host buffer on the copy stream (after the copy
+  // into staging); host_ready (for the host buffer) and stage_d2h (for the staging range) mark
+  // its end.
+  Status IssueD2H(DeviceState* ds, Entry& e);
+  // The deferred host copy of `e` will never be needed: no load is left.
+  void ElideD2H(DeviceState* ds, Entry& e);
+  // Store `e` (host tier, staged) keeps its bytes in staging only; the D2H of the oldest
+  // deferred copies is issued while more than the arena less room for two of the largest
+  // tensors is deferred (so that a new store finds room among copies already on their way to
+  // the host, and the copy stream has work while the forward pass runs).
+  Status DeferD2H(DeviceState* ds, const EntryPtr& e);
+
+  // ---- deferred releases (releases.cu) -------------------------------------------------
+  // The release of `e` waits for its last load's copy on `stream`: no host thread blocks on it
+  // (ReclaimReleases collects it once done).
+  Status DeferRelease(DeviceState* ds, const EntryPtr& e, cudaStream_t stream);
+
+  // ---- read-ahead (read_ahead.cu) ------------------------------------------------------
+  // Copies the next predicted entries that sit in host memory into device staging on the h2d
+  // stream.
+  Status StagePrefetch(DeviceState* ds);
+
+  // ---- handle checks (handles.h) -------------------------------------------------------
+  HandleChecks& handle_checks() { return checks_; }
+  // An error for every predicted load found wrong since the last call.
+  Status TakeMismatch() { return checks_.TakeMismatch(eng_); }
+
+  // ---- DeviceHooks (device_module.cu; ReclaimReleases: releases.cu) --------------------
+  Status WaitHostReady(Entry& e) override;
+  void BeforeHostFree(Entry& e) override;
+  void OnEntryFree(Entry& e) override;
+  bool HasDeviceCopy(const Entry& e) override;
+  void ReclaimReleases(bool wait) override;
+  void AppendStats(std::ostream& o) override;
+  void ResetStats() override;
+  std::string TakeTimeline() override { return tracker_.TakeTimeline(); }
+
+ private:
+  // Drops pending staging ranges whose users all finished.
+  void CollectPending(DeviceState* ds);
+  // Orders `stream` after every pending user of [off, off + len); `*waits` counts the events it
+  // had to wait for.
+  Status OrderAfterPending(DeviceState* ds, uint64_t off, uint64_t len, cudaStream_t stream,
+                           int* waits);
+  // No load will take `e` any more (its counted loads are all issued, or it was released).
+  static bool Dead(const Entry& e) { return e.no_loads_left(); }
+
+  Engine* eng_;
+  // Entries whose counted last load was enqueued: released once `done` (after the copy) fires.
+  struct Deferred {
+    EntryPtr e;
+    cudaEvent_t done;
+    int device;
+  };
+  std::vector<Deferred> deferred_;
+  std::map<int, std::unique_ptr<DeviceState>> devices_;
+  std::vector<void*> registered_;
+  bool host_registered_ = false;
+  uint64_t staged_prefetches_ = 0;
+  HandleChecks checks_;
+  CopyTracker tracker_;
+  // Lazy host copies: never made (the entry died in staging), and forced by a staging reuse.
+  uint64_t elided_bytes_ = 0, elided_tensors_ = 0, forced_d2h_ = 0;
+};
+
+// The device module of `eng`, made on first use. Lock held.
+CudaModule* Module(Engine& eng);
+
+// Makes `dev` (XLA's device ordinal of the call) the calling thread's current device: the
+// staging, streams and events the module makes belong to it. Lock not needed.
+Status UseDevice(int dev);
+
+}  // namespace ssdtrain

@@ -1,0 +1,135 @@
+// The staging arena (device_module.h): device memory of each GPU that stores copy into on the
+// compute stream (forwarding: the first loads of the backward pass copy back from it) and
+// read-ahead fills from host memory. A freed staging range keeps the events of its last users
+// (copy in, D2H out, loads out); whichever stream allocates an overlapping range next waits on
+// them. No host thread blocks on a staging range, so ranges whose copies are still queued can be
+// evicted and stores never stall the host.
+#include "device_module.h"
+
+#include <algorithm>
+#include <cstdint>
+
+namespace ssdtrain {
+
+void CudaModule::CollectPending(DeviceState* ds) {
+  for (size_t i = 0; i < ds->pending.size();) {
+    auto& pf = ds->pending[i];
+    bool done = true;
+    for (cudaEvent_t ev : pf.events) done = done && Done(ev);
+    if (!done) {
+      ++i;
+      continue;
+    }
+    ds->free_events.insert(ds->free_events.end(), pf.events.begin(), pf.events.end());
+    pf = std::move(ds->pending.back());
+    ds->pending.pop_back();
+  }
+}
+
+Status CudaModule::OrderAfterPending(DeviceState* ds, uint64_t off, uint64_t len,
+                                     cudaStream_t stream, int* waits) {
+  for (const auto& pf : ds->pending) {
+    if (pf.off >= off + len || off >= pf.off + pf.len) continue;
+    for (cudaEvent_t ev : pf.events) {
+      if (Done(ev)) continue;
+      SSD_CHECK_CUDA(cudaStreamWaitEvent(stream, ev, 0));
+      eng_->CountStagingWait();
+      ++*waits;
+    }
+  }
+  return Status::Ok();
+}
+
+Status CudaModule::AllocStaging(DeviceState* ds, const EntryPtr& e, cudaStream_t stream,
+                                uint64_t prefetch_seq, bool* got, int* waits) {
+  *got = false;
+  *waits = 0;
+  uint64_t len = RoundUp(e->nbytes(), 256);
+  if (len > ds->staging_size) return Status::Ok();
+  CollectPending(ds);
+  for (;;) {
+    uint64_t off;
+    if (ds->alloc.Alloc(len, &off)) {
+      DeviceEntry* d = D(*e);
+      d->staged = true;
+      d->stage_off = off;
+      d->stage_len = len;
+      d->stage_ptr = ds->staging + off;
+      ds->staged[e.get()] = e;
+      eng_->StagingAllocated(len);
+      *got = true;
+      return OrderAfterPending(ds, off, len, stream, waits);
+    }
+    Entry* best = nullptr;
+    Entry* best_busy = nullptr;
+    Entry* best_deferred = nullptr;
+    Entry* best_unused = nullptr;
+    auto better = [](Entry* a, Entry* b) {
+      if (!b) return true;
+      bool la = a->loaded(), lb = b->loaded();
+      if (la != lb) return la;
+      return a->seq() < b->seq();
+    };
+    for (auto& [raw, ep] : ds->staged) {
+      if (raw == e.get() || raw->filling() || raw->pinned()) continue;
+      if (prefetch_seq && !(raw->loaded() || raw->seq() < prefetch_seq)) continue;
+      if (D(*raw)->stage_unused) {
+        if (!prefetch_seq && better(raw, best_unused)) best_unused = raw;
+      } else if (D(*raw)->d2h_deferred && !Dead(*raw)) {
+        if (raw->seq() < (best_deferred ? best_deferred->seq() : UINT64_MAX)) best_deferred = raw;
+      } else if (Idle(D(*raw))) {
+        if (better(raw, best)) best = raw;
+      } else if (better(raw, best_busy)) {
+        best_busy = raw;
+      }
+    }
+    Entry* victim = best            ? best
+                    : best_busy     ? best_busy
+                    : best_deferred ? best_deferred
+                                    : best_unused;
+    if (!victim) return Status::Ok();
+    if (D(*victim)->d2h_deferred) {
+      if (Dead(*victim)) {
+        ElideD2H(ds, *victim);
+      } else {
+        SSD_RETURN_IF_ERROR(IssueD2H(ds, *victim));  // the range's next user waits for it
+        forced_d2h_++;
+      }
+    }
+    FreeStaging(*victim);
+  }
+}
+
+void CudaModule::FreeStaging(Entry& e) {
+  DeviceEntry* d = D(e);
+  if (!d || !d->staged) return;
+  DeviceState::PendingFree pf;
+  pf.off = d->stage_off;
+  pf.len = d->stage_len;
+  for (cudaEvent_t ev : {d->stage_ready, d->stage_d2h})
+    if (ev) pf.events.push_back(ev);
+  pf.events.insert(pf.events.end(), d->stage_fences.begin(), d->stage_fences.end());
+  d->stage_ready = d->stage_d2h = nullptr;
+  d->stage_fences.clear();
+  if (DeviceState* ds = FindDevice(d->device)) {
+    ds->alloc.Free(d->stage_off, d->stage_len);
+    ds->staged.erase(&e);
+    eng_->StagingFreed(d->stage_len);
+    if (!pf.events.empty()) ds->pending.push_back(std::move(pf));
+  } else {
+    for (cudaEvent_t ev : pf.events) {
+      cudaEventSynchronize(ev);
+      cudaEventDestroy(ev);
+    }
+    cudaGetLastError();
+  }
+  d->staged = false;
+  d->stage_unused = false;
+  d->stage_ptr = nullptr;
+}
+
+bool CudaModule::StagingUsable(const Entry& e, const DeviceEntry& d) const {
+  return eng_->config().forwarding || e.tier() != Tier::kNvme || !d.stage_from_store;
+}
+
+}  // namespace ssdtrain

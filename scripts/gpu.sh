@@ -15,6 +15,8 @@
 #   rok          bench_rok, 4096,2048,4,8, every policy                             [rok]
 #   rok8192      bench_rok, 8192,2048,2,4, JAX's policies and the host tier         [rok]
 #   hosttier     bench_rok with the link probe and timeline: 32k and 8192 stacks    [host_tier]
+#   hostrows     bench_rok, 4096 and 8192 stacks: selective vs the 4 tags in the host tier
+#                (the quick check that an engine change keeps the host tier's speed) [rok]
 #   link         bench_link: plain pinned copies idle and next to running kernels   [link]
 #   planner      bench_planner, 4096 stack and gpt-1.3b, host tier                  [planner]
 #   planner32k   bench_planner, 2048,32768,1,24 stack                               [planner]
@@ -44,7 +46,7 @@ OUT=${OUT:-/tmp/jax_ssdtrain-gpu}
 LIMIT_S=${LIMIT_S:-570}
 if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
-KNOWN=(tests reliability jaxlayer rok rok8192 hosttier link planner planner32k planner8192
+KNOWN=(tests reliability jaxlayer rok rok8192 hosttier hostrows link planner planner32k planner8192
   plannernvme cap emulated train maxtext multigpu)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
@@ -115,6 +117,12 @@ for stage in "${STAGES[@]}"; do
         --policies keep,recompute,selective,jax_host_named,ssd_host_named --check-budget-s 20 \
         --ssd staging_bytes=2560MiB --ssd prefetch_bytes=2560MiB --no-probe \
         --store-dir /var/tmp/rok --out "$OUT/rok8192" ;;
+    hostrows)
+      for shape in 4096,2048,4,8 8192,2048,2,4; do
+        run "hostrows_${shape%%,*}" 240 $PY -m scripts.bench_rok --shape "$shape" "${ROK[@]}" \
+          --policies selective,ssd_host_named --no-check --no-probe --ssd staging_bytes=2560MiB \
+          --ssd prefetch_bytes=2560MiB --store-dir /var/tmp/rok --out "$OUT/hostrows_${shape%%,*}"
+      done ;;
     hosttier)  # 2.5 GiB of staging against 14 GiB (32k) and 768 MiB (8192); then one table
       run hosttier_32k 280 $PY -m scripts.bench_rok --shape 2048,32768,1,24 --no-check "${ROK[@]}" \
         "${LINK[@]}" --ssd staging_bytes=2560MiB --store-dir /var/tmp/rok_32k \

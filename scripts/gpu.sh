@@ -14,9 +14,9 @@
 #   jaxlayer     tests/test_jax_layer.py and tests/test_lifetimes.py on the GPU     [Tests]
 #   rok          bench_rok, 4096,2048,4,8, every policy                             [rok]
 #   rok8192      bench_rok, 8192,2048,2,4, JAX's policies and the host tier         [rok]
-#   hosttier     bench_rok with the link probe and timeline: 32k and 8192 stacks    [host_tier]
 #   hostrows     bench_rok, 4096 and 8192 stacks: selective vs the 4 tags in the host tier
 #                (the quick check that an engine change keeps the host tier's speed) [rok]
+#   hosttier     bench_rok with the link probe and timeline: 32k and 8192 stacks    [host_tier]
 #   link         bench_link: plain pinned copies idle and next to running kernels   [link]
 #   planner      bench_planner, 4096 stack and gpt-1.3b, host tier                  [planner]
 #   planner32k   bench_planner, 2048,32768,1,24 stack                               [planner]
@@ -46,7 +46,7 @@ OUT=${OUT:-/tmp/jax_ssdtrain-gpu}
 LIMIT_S=${LIMIT_S:-570}
 if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
-KNOWN=(tests reliability jaxlayer rok rok8192 hosttier hostrows link planner planner32k planner8192
+KNOWN=(tests reliability jaxlayer rok rok8192 hostrows hosttier link planner planner32k planner8192
   plannernvme cap emulated train maxtext multigpu)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'

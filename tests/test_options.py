@@ -298,6 +298,27 @@ def test_a_step_compiled_before_shutdown_raises(tmp_path):
     config.reset_to_unconfigured()
 
 
+def test_a_failed_step_does_not_fail_every_later_flush(tmp_path):
+  # The outputs of a step that ran after shutdown() hold its error; while they are alive (here in
+  # `failed`), flush() and collect() must still wait for the other arrays and not raise it again.
+  step, (w, x) = _offloading_step(), _inputs()
+  ssd.configure(tmp_path / "s", capacity_bytes=64 * MiB)
+  try:
+    want = jax.block_until_ready(step(w, x))
+    ssd.shutdown()
+    failed = step(w, x)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="shut down"):
+      jax.block_until_ready(failed)
+    ssd.configure(tmp_path / "t", capacity_bytes=64 * MiB)
+    got = step(w, x)
+    ssd.flush()
+    assert ssd.collect() == 0
+    assert ssd.stats()["tensors_written"] == 1 and (got == want).all()
+    del failed
+  finally:
+    config.reset_to_unconfigured()
+
+
 def test_configured_block_restores_never_configured(tmp_path, clean_env):
   config.reset_to_unconfigured()
   w, x = _inputs()

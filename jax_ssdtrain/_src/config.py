@@ -173,9 +173,7 @@ def flush() -> None:
   Raises the error of a failed asynchronous write, if any.
   """
   if _state.config is not None:
-    import jax
-
-    jax.block_until_ready(lifetimes.live_arrays())
+    lifetimes.ready_live_arrays()
     native.flush()
     lifetimes.collect()
     _warn_if_kept(native.stats())

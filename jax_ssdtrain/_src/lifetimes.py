@@ -238,19 +238,38 @@ def _has_store(jaxpr) -> bool:
 def collect() -> int:
   """Releases every stored tensor no program can load any more (see the module doc); returns
   how many were released. Blocks until the live arrays are ready."""
-  import jax
 
   from jax_ssdtrain._src import native
 
   with _sweep_lock:
     seq_limit = int(native.stats()["next_seq"])
-    arrays = live_arrays()
-    jax.block_until_ready(arrays)
-    pairs = _handle_pairs(arrays)
+    pairs = _handle_pairs(ready_live_arrays())
     return native.sweep(pairs, seq_limit)
 
 
 _sweep_lock = threading.Lock()
+
+
+def ready_live_arrays():
+  """Waits for every live ``jax.Array`` and returns those that hold a value. An array whose
+  program failed (an error its caller has seen, or will see when it reads the array) holds no
+  handle a program could load, and must not make every later wait raise that error again."""
+  import jax
+
+  arrays = live_arrays()
+  try:
+    jax.block_until_ready(arrays)
+    return arrays
+  except jax.errors.JaxRuntimeError:
+    pass
+  ready = []
+  for a in arrays:
+    try:
+      a.block_until_ready()
+    except jax.errors.JaxRuntimeError:
+      continue
+    ready.append(a)
+  return ready
 
 
 def live_arrays():

@@ -334,3 +334,49 @@ def scan_layout(eqn: Any) -> tuple[int, int]:
     return params["num_consts"], params["num_carry"]
   consts, carry, _ = params["ft_in"].update(list(eqn.invars)).unpack()
   return len(list(consts)), len(list(carry))
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer store (optimizer.py) splits an optax update's jaxpr into a device part and
+# per-state groups, and evaluates its equations itself.
+
+Literal = _ext_core.Literal
+DropVar = _ext_core.DropVar
+
+# Call primitives whose body optimizer.py expands in place, and the param holding that body (a
+# ClosedJaxpr). "jit" is "pjit" before jax 0.10; custom-derivative calls run their primal body
+# (the update is never differentiated).
+CALL_BODY_PARAMS = {
+  "jit": "jaxpr",
+  "pjit": "jaxpr",
+  "closed_call": "call_jaxpr",
+  "core_call": "call_jaxpr",
+  "custom_jvp_call": "call_jaxpr",
+  "custom_vjp_call": "call_jaxpr",
+  "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+
+
+def called_jaxpr(eqn: Any) -> Any | None:
+  """The ClosedJaxpr a call equation runs, or None for any other equation."""
+  key = CALL_BODY_PARAMS.get(eqn.primitive.name)
+  if key is None:
+    return None
+  body = eqn.params.get(key)
+  if body is None or not hasattr(body, "jaxpr"):
+    raise ImportError(
+      f"jax_ssdtrain: the {eqn.primitive.name!r} equation of this JAX ({jax.__version__}) has no "
+      f"ClosedJaxpr under {key!r} (params: {sorted(eqn.params)}); optimizer.py needs it"
+    )
+  return body
+
+
+def bind_equation(primitive: Any, params: dict, invals: list[Any]) -> list[Any]:
+  """Runs one jaxpr equation as ``jax.core.eval_jaxpr`` does: ``get_bind_params`` returns the
+  params (jax >= 0.10) or, in older releases, ``(subfuns, params)``."""
+  bound = primitive.get_bind_params(params)
+  subfuns: list[Any] = []
+  if isinstance(bound, tuple) and len(bound) == 2 and isinstance(bound[1], dict):
+    subfuns, bound = bound
+  outs = primitive.bind(*subfuns, *invals, **bound)
+  return list(outs) if primitive.multiple_results else [outs]

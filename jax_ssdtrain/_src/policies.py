@@ -27,16 +27,25 @@ class Location(enum.Enum):
   DEVICE = "device"  # saved in device memory (JAX's own saving)
   HOST = "host"  # the engine's pinned host-memory tier
   NVME = "nvme"  # the store files, through the host cache
+  HOST_NVME = "host,nvme"  # the host tier while it has room, else the store files (a spill)
+
+  @property
+  def in_store(self) -> bool:
+    """True for the locations that leave the device through the engine."""
+    return self in STORE_LOCATIONS
 
   @classmethod
   def parse(cls, value: str | Location, *, what: str = "location") -> Location:
     if isinstance(value, Location):
       return value
     try:
-      return cls(str(value).strip().lower())
+      return cls(",".join(part.strip() for part in str(value).lower().split(",")))
     except ValueError:
       choices = ", ".join(repr(m.value) for m in cls)
       raise ValueError(f"{what}: unknown location {value!r}; expected one of {choices}") from None
+
+
+STORE_LOCATIONS = frozenset({Location.HOST, Location.NVME, Location.HOST_NVME})
 
 
 def offload_policy(
@@ -50,7 +59,8 @@ def offload_policy(
   """Counterpart of ``jax.checkpoint_policies.save_and_offload_only_these_names``.
 
   Tensors tagged with ``checkpoint_name`` and listed in ``names_to_offload`` go to the store
-  (``location``: ``"nvme"`` or ``"host"``) when they are at least ``min_bytes`` large, and are
+  (``location``: ``"nvme"``, ``"host"`` or ``"host,nvme"``, the host tier spilling to the files
+  when it is full) when they are at least ``min_bytes`` large, and are
   saved on the device otherwise; ``names_to_save`` stay on the device; every other equation is
   decided by ``base`` (default: recompute).
   """
@@ -60,8 +70,10 @@ def offload_policy(
   if both:
     raise ValueError(f"names {both} are in both names_to_offload and names_to_save")
   loc = Location.parse(location, what="location")
-  if loc not in (Location.NVME, Location.HOST):
-    raise ValueError(f"location: offload_policy offloads to 'nvme' or 'host', got {location!r}")
+  if not loc.in_store:
+    raise ValueError(
+      f"location: offload_policy offloads to 'nvme', 'host' or 'host,nvme', got {location!r}"
+    )
   if base is not None and not callable(base):
     raise TypeError(f"base: expected a remat policy (callable) or None, got {base!r}")
   locations = {n: loc for n in offload} | {n: Location.DEVICE for n in save}
@@ -76,7 +88,7 @@ def location_policy(
   min_bytes: int = DEFAULT_MIN_BYTES,
   default: str | Location = Location.REMAT,
 ) -> OffloadPolicy:
-  """A policy from a per-name location map (``remat | device | host | nvme``).
+  """A policy from a per-name location map (``remat | device | host | nvme | host,nvme``).
 
   Tagged names that are not in ``locations`` get ``default``; untagged values are recomputed.
   A host or nvme tensor smaller than ``min_bytes`` is saved on the device instead.
@@ -132,7 +144,7 @@ class OffloadPolicy:
   def location_of(self, name: str, aval) -> Location | None:
     """The location of a tag, or None when ``base`` decides it."""
     loc = dict(self.locations).get(name, self.default)
-    if loc in (Location.NVME, Location.HOST) and _nbytes(aval) < self.min_bytes:
+    if loc is not None and loc.in_store and _nbytes(aval) < self.min_bytes:
       return self.below_min
     return loc
 
@@ -144,14 +156,14 @@ class OffloadPolicy:
     return self.base(prim, *avals, **params) if self.base is not None else False
 
   def offloads(self) -> bool:
-    return any(
-      loc in (Location.NVME, Location.HOST) for _, loc in self.locations
-    ) or self.default in (Location.NVME, Location.HOST)
+    return any(loc.in_store for _, loc in self.locations) or (
+      self.default is not None and self.default.in_store
+    )
 
   def too_small(self, name: str, aval) -> bool:
     """True when ``name`` is meant for the store but ``aval`` is below ``min_bytes``."""
     loc = dict(self.locations).get(name, self.default)
-    return loc in (Location.NVME, Location.HOST) and _nbytes(aval) < self.min_bytes
+    return loc is not None and loc.in_store and _nbytes(aval) < self.min_bytes
 
 
 _DECISIONS = {
@@ -159,6 +171,7 @@ _DECISIONS = {
   Location.DEVICE: True,
   Location.HOST: StoreDecision(Location.HOST),
   Location.NVME: StoreDecision(Location.NVME),
+  Location.HOST_NVME: StoreDecision(Location.HOST_NVME),
 }
 
 # Every tagged tensor of at least 1 MiB goes to the store; everything else is recomputed.

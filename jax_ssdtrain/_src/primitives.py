@@ -22,7 +22,7 @@ from jax_ssdtrain._src.policies import Location, name_p
 HANDLE_AVAL = jax.core.ShapedArray((2,), np.dtype(np.uint32))
 
 # Engine tier codes, shared with xla_ffi (attribute "tier").
-TIER_CODES = {Location.NVME: 0, Location.HOST: 1}
+TIER_CODES = {Location.NVME: 0, Location.HOST: 1, Location.HOST_NVME: 2}
 TIER_NAMES = {code: loc.value for loc, code in TIER_CODES.items()}
 
 STORE_TARGET = "ssdtrain_store"

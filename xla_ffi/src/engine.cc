@@ -71,9 +71,10 @@ Status Engine::TakePendingError() {
 
 Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_view name,
                           EntryPtr* out, int device, int64_t uses) {
-  if (tier != Tier::kNvme && tier != Tier::kHost)
+  if (tier != Tier::kNvme && tier != Tier::kHost && tier != Tier::kHostThenNvme)
     return Status(EINVAL, "store of tag '" + std::string(name) + "': invalid tier " +
-                              std::to_string(static_cast<int32_t>(tier)) + " (0 = nvme, 1 = host)");
+                              std::to_string(static_cast<int32_t>(tier)) +
+                              " (0 = nvme, 1 = host, 2 = host, spilling to nvme)");
   if (uses == 0)
     return Status(EINVAL, "store of tag '" + std::string(name) +
                               "': uses=0 keeps nothing "
@@ -92,16 +93,28 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
   e->padded_ = RoundUp(nbytes, kAlign);
   e->seq_ = next_seq_++;
   e->name_ = std::string(name);
-  if (nbytes == 0) {
-    e->host_valid_ = true;
-  } else if (tier == Tier::kHost) {
-    uint64_t off;
-    bool got = AllocHost(Arena::kHostTier, e->padded_, &off);
-    if (!got && hooks_) {  // entries whose last load's copy is still running hold room
+  bool in_host_tier = false;
+  uint64_t host_off = 0;
+  if (nbytes > 0 && tier != Tier::kNvme) {
+    in_host_tier = AllocHost(Arena::kHostTier, e->padded_, &host_off);
+    if (!in_host_tier && hooks_) {  // entries whose last load's copy is still running hold room
       hooks_->ReclaimReleases(true);
-      got = AllocHost(Arena::kHostTier, e->padded_, &off);
+      in_host_tier = AllocHost(Arena::kHostTier, e->padded_, &host_off);
     }
-    if (!got) {
+    if (tier == Tier::kHostThenNvme) {  // the entry's tier is where it went
+      e->tier_ = in_host_tier ? Tier::kHost : Tier::kNvme;
+      if (!in_host_tier) {
+        stats_.spilled_tensors++;
+        stats_.spilled_bytes += nbytes;
+      }
+    }
+  }
+  if (nbytes == 0) {
+    e->tier_ = tier == Tier::kHostThenNvme ? Tier::kHost : tier;
+    e->host_valid_ = true;
+  } else if (e->tier_ == Tier::kHost) {
+    uint64_t off = host_off;
+    if (!in_host_tier) {
       return Status(ENOMEM, "host tier full: " + std::to_string(e->padded_) + " bytes requested, " +
                                 std::to_string(tier_.alloc.free_bytes()) +
                                 " free (host_tier_bytes=" + std::to_string(cfg_.host_tier_bytes) +

@@ -79,6 +79,8 @@ std::string Engine::StatsString() {
   u("bounce_reads", s.bounce_reads);
   u("full_kept_tensors", s.full_kept_tensors);
   u("full_kept_bytes", s.full_kept_bytes);
+  u("spilled_tensors", s.spilled_tensors);
+  u("spilled_bytes", s.spilled_bytes);
   u("checksum_failures", s.checksum_failures);
   u("counted_releases", s.counted_releases);
   u("unused_stores", s.unused_stores);

@@ -45,8 +45,9 @@ enum class WState { kNone, kQueued, kRunning, kDone, kCancelled, kFailed };
 // Where a store keeps its bytes. The values are those of the handlers' "tier" attribute (the
 // Python side's tier codes): keep them.
 enum class Tier : int32_t {
-  kNvme = 0,  // the store files, through the host cache
-  kHost = 1,  // the host tier (pinned host memory only)
+  kNvme = 0,          // the store files, through the host cache
+  kHost = 1,          // the host tier (pinned host memory only)
+  kHostThenNvme = 2,  // the host tier while it has room, else the store files (a spill)
 };
 // The tier a handler's attribute names; BeginStore rejects a value that names none.
 inline Tier TierFromAttr(int32_t value) { return static_cast<Tier>(value); }
@@ -205,6 +206,7 @@ struct Stats {
   double handle_sync_seconds = 0;
   uint64_t staging_in_use = 0, staging_peak = 0;
   uint64_t full_kept_tensors = 0, full_kept_bytes = 0;  // on_full=keep
+  uint64_t spilled_tensors = 0, spilled_bytes = 0;      // host,nvme stores the host tier refused
   uint64_t checksum_failures = 0;
   // Lifetimes: entries released after their counted last load, stores nobody loads (never
   // kept), sweeps and the entries they released.

@@ -1,0 +1,636 @@
+"""Optimizer state in the store: ``offload_optimizer(tx)`` wraps an optax transformation.
+
+The wrapped transformation's state is a :class:`OffloadedState`: the large leaves of ``tx``'s
+state live in the store (host tier, files, or the host tier spilling to the files), cut into
+chunks of rows, and the device holds one handle (uint32[2]) per chunk; small leaves (step
+counts, scalars) stay on the device.
+
+How ``update`` stays exact. ``tx.update`` is traced once, as it is, on the whole trees, and its
+equations are split, not rewritten:
+
+* *device part*: every equation that reads no stored leaf (a global norm of the gradients, a
+  schedule, the step count) runs first, on the device, exactly as ``tx`` would run it;
+* *groups*: the other equations, partitioned by the stored leaves they read (union-find: an
+  equation that reads two stored leaves joins their groups; Adam's ``mu`` and ``nu`` of one
+  parameter form one group). Each group runs on its own, one after the other, loading its
+  leaves and storing the new ones.
+
+A group whose equations are all elementwise over one shape runs chunk by chunk (rows
+``[r0, r1)`` of every operand of that shape; scalars as they are): elementwise operations give
+the same bits on a slice as on the whole. Any other group runs whole (its leaves loaded at once);
+one that reads the state of parameters of different shapes couples them (``lax.cond`` over the
+whole state, as ``optax.MultiSteps`` does, or a norm over several leaves) and is refused, naming
+the transformation. Chunks are pipelined: the loads of chunk ``k`` wait for the stores of chunk
+``k - 2`` (an optimization barrier), so at most three chunks' state is on the device at once.
+
+The new version of each chunk is written beside the old one: the old entries are released by the
+store's sweeps once no live array holds their handles (lifetimes.py), so a failed step leaves
+the state it started from intact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ssdtrain._src import jax_internals as ji
+from jax_ssdtrain._src.policies import Location
+from jax_ssdtrain._src.primitives import TIER_CODES, load_p, store_p
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_MIN_BYTES = 1 << 20
+PIPELINE_DEPTH = 2  # the loads of chunk k wait for the stores of chunk k - PIPELINE_DEPTH
+
+
+class OptimizerOffloadError(ValueError):
+  """A transformation or a state that the optimizer store cannot take (the message says why)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def offload_optimizer(
+  tx: Any,
+  *,
+  location: str | Location = "host",
+  min_bytes: int = DEFAULT_MIN_BYTES,
+  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+):
+  """Wraps an optax transformation so that its state lives in the store.
+
+  Args:
+    tx: an optax ``GradientTransformation`` (chains, ``masked``, schedules,
+      ``clip_by_global_norm``, ...), or anything with optax's ``init``/``update``.
+      For gradient accumulation wrap the result: ``optax.MultiSteps(offload_optimizer(tx), k)``
+      (the state is then streamed once per ``k`` micro-batches).
+    location: ``"host"`` (pinned host memory), ``"nvme"`` (the store files) or ``"host,nvme"``
+      (the host tier while it has room, then the files).
+    min_bytes: state leaves smaller than this stay on the device.
+    chunk_bytes: rows of a leaf streamed at once (a leaf is cut along its first axis).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose ``update`` gives the updates ``tx`` gives,
+    bit for bit, and whose state is an :class:`OffloadedState`.
+  """
+  import optax
+
+  if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+    raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")
+  loc = Location.parse(location, what="location")
+  if not loc.in_store:
+    raise ValueError(f"location: expected 'host', 'nvme' or 'host,nvme', got {location!r}")
+  if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+    raise ValueError(f"min_bytes: expected an integer >= 0, got {min_bytes!r}")
+  if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
+    raise ValueError(f"chunk_bytes: expected an integer >= 4096, got {chunk_bytes!r}")
+  opts = _Options(tier=TIER_CODES[loc], min_bytes=min_bytes, chunk_bytes=chunk_bytes)
+  name = _describe(tx)
+
+  def init_fn(params):
+    shapes = jax.eval_shape(tx.init, params)
+    layout = _make_layout(shapes, opts, name)
+    # Under jit: a stored leaf is made and stored chunk by chunk, never whole next to the others.
+    return jax.jit(lambda p: _stream(tx.init, (p,), layout, None, name)[1])(params)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if not isinstance(state, OffloadedState):
+      raise TypeError(
+        f"state: expected the OffloadedState that offload_optimizer(...).init made, got "
+        f"{type(state).__name__}"
+      )
+    fn = lambda g, s, p: tx.update(g, s, p, **extra_args) if extra_args else tx.update(g, s, p)
+    return _stream(fn, (updates, params), state.layout, state, name)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def optimizer_state(state: OffloadedState) -> Any:
+  """``tx``'s own state, every stored leaf loaded onto the device (for inspection, tests and
+  small models: it needs the whole state's device memory). Checkpoints do not need it."""
+  if not isinstance(state, OffloadedState):
+    raise TypeError(f"state: expected an OffloadedState, got {type(state).__name__}")
+  return jax.jit(_materialize)(state)
+
+
+def _materialize(state: OffloadedState) -> Any:
+  layout, device, handles = state.layout, iter(state.device), iter(state.handles)
+  leaves = []
+  for leaf in layout.leaves:
+    if not leaf.stored:
+      leaves.append(next(device))
+      continue
+    hs = next(handles)
+    parts = [_load(hs[k], leaf, k, layout.tier) for k in range(len(leaf.bounds))]
+    value = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    leaves.append(value.reshape(leaf.shape))
+  return layout.treedef.unflatten(leaves)
+
+
+@jax.tree_util.register_pytree_node_class
+class OffloadedState:
+  """The state of ``offload_optimizer(tx)``: ``tx``'s state with its large leaves in the store.
+
+  Leaves (what jit, sharding and checkpoints see): ``device`` (the leaves kept on the device, in
+  ``tx``'s leaf order) and ``handles`` (per stored leaf, uint32[chunks, 2]). The layout (``tx``'s
+  tree structure, shapes, dtypes, chunking, store sites) is static data of the tree.
+  """
+
+  def __init__(self, device: Sequence[Any], handles: Sequence[Any], layout: Layout):
+    self.device = tuple(device)
+    self.handles = tuple(handles)
+    self.layout = layout
+
+  def tree_flatten(self):
+    return (self.device, self.handles), self.layout
+
+  @classmethod
+  def tree_unflatten(cls, layout, children):
+    return cls(children[0], children[1], layout)
+
+  def __repr__(self):
+    return (
+      f"OffloadedState({len(self.layout.leaves)} leaves, {len(self.handles)} in the store, "
+      f"{self.layout.stored_bytes} bytes)"
+    )
+
+
+def _describe(tx: Any) -> str:
+  """A name for ``tx`` in messages: optax's factory (``adamw``, ``chain``) where it shows."""
+  fn = getattr(tx, "init", None)
+  qual = getattr(fn, "__qualname__", "") or type(tx).__name__
+  factory = qual.split(".<locals>")[0] if ".<locals>" in qual else qual
+  return f"the transformation {factory!r} (offload_optimizer's tx)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: which leaves are stored, and how they are cut
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  tier: int
+  min_bytes: int
+  chunk_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+  """One leaf of ``tx``'s state: its path, shape and dtype; for a stored leaf, its row chunks
+  (``bounds``) and one store site per chunk."""
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: Any
+  bounds: tuple[tuple[int, int], ...] = ()  # () for a leaf kept on the device
+  site: int = -1  # the store site of every chunk (the engine checks a handle's site on load)
+
+  @property
+  def stored(self) -> bool:
+    return bool(self.bounds)
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+  def chunk_shape(self, r0: int, r1: int) -> tuple[int, ...]:
+    return (r1 - r0,) + self.shape[1:] if self.shape else ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  treedef: Any
+  leaves: tuple[LeafLayout, ...]
+  tier: int
+
+  @property
+  def stored_bytes(self) -> int:
+    return sum(leaf.nbytes for leaf in self.leaves if leaf.stored)
+
+  # The sites make a layout unique to the init that made it; equal layouts compare by identity.
+  __hash__ = object.__hash__
+  __eq__ = object.__eq__
+
+
+def _row_bounds(shape: tuple[int, ...], chunk_bytes: int) -> tuple[tuple[int, int], ...]:
+  if not shape or shape[0] == 0:
+    return ((0, 0),)
+  row = max(1, math.prod(shape[1:])) * 4  # by shape alone: leaves of one shape cut alike
+  rows = max(1, chunk_bytes // row)
+  return tuple((r, min(r + rows, shape[0])) for r in range(0, shape[0], rows))
+
+
+def _make_layout(shapes: Any, opts: _Options, name: str) -> Layout:
+  from jax_ssdtrain._src.remat import new_site_id
+
+  flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  leaves = []
+  for path, aval in flat:
+    if not hasattr(aval, "shape"):
+      raise OptimizerOffloadError(
+        f"{name}: state leaf {jax.tree_util.keystr(path)} is {aval!r}, not an array"
+      )
+    shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
+    leaf = LeafLayout(jax.tree_util.keystr(path), shape, dtype)
+    if leaf.nbytes >= max(opts.min_bytes, 1):
+      bounds = _row_bounds(shape, opts.chunk_bytes)
+      leaf = dataclasses.replace(leaf, bounds=bounds, site=new_site_id())
+    leaves.append(leaf)
+  return Layout(treedef, tuple(leaves), opts.tier)
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming: the device part, then each group, chunk by chunk
+
+
+def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str):
+  """Update (``state`` given): runs ``fn(updates, tx_state, params)`` with ``tx_state``'s stored
+  leaves loaded and the new ones stored chunk by chunk; returns ``(updates, new state)``.
+  Init (``state`` None): runs ``fn(params)`` and stores its stored leaves; returns
+  ``(None, state)``."""
+  leaves = layout.leaves
+  stored_ids = [i for i, leaf in enumerate(leaves) if leaf.stored]
+  if state is not None:
+    updates, params = args
+    state_avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
+
+    def traced(updates, state_leaves, params):
+      new_updates, new_state = fn(updates, layout.treedef.unflatten(state_leaves), params)
+      new_leaves, treedef = jax.tree_util.tree_flatten(new_state)
+      if treedef != layout.treedef:
+        raise OptimizerOffloadError(
+          f"{name}: update returned a state of another structure than init made "
+          f"({treedef} against {layout.treedef})"
+        )
+      return jax.tree_util.tree_leaves(new_updates), new_leaves
+
+    closed = jax.make_jaxpr(traced)(updates, state_avals, params)
+    flat_updates = jax.tree_util.tree_leaves(updates)
+    device_leaves = iter(state.device)
+    state_values = [None if leaf.stored else next(device_leaves) for leaf in leaves]
+    in_values = flat_updates + state_values + jax.tree_util.tree_leaves(params)
+    first_state_in = len(flat_updates)
+    n_updates = len(closed.jaxpr.outvars) - len(leaves)
+  else:
+    (params,) = args
+    closed = jax.make_jaxpr(lambda p: jax.tree_util.tree_leaves(fn(p)))(params)
+    in_values = jax.tree_util.tree_leaves(params)
+    n_updates = 0
+
+  prog = _Program.inline(closed)
+  stored_in = {}
+  if state is not None:
+    stored_in = {prog.invars[first_state_in + i]: i for i in stored_ids}
+  stored_out = {i: prog.outvars[n_updates + i] for i in stored_ids}
+  plan = _plan(prog, stored_in, stored_out, leaves, name)
+
+  env = dict(prog.consts)
+  for v, x in zip(prog.invars, in_values):
+    if x is not None:
+      env[v] = x
+  for eqn in plan.device_eqns:  # 1. what reads no stored leaf, as tx runs it
+    _eval_eqn(eqn, env)
+
+  handles_in = dict(zip(stored_ids, state.handles)) if state is not None else {}
+  new_handles: dict[int, Any] = {}
+  last: list[Any] = []  # the newest store handles, which the next group's loads wait for
+  for group in plan.groups:  # 2. each group, chunk by chunk
+    for i in group.passed:  # a leaf the update leaves as it is: the same entries
+      new_handles[i] = handles_in[i]
+    if not group.loads and not group.stores:
+      continue
+    hs_in = {i: handles_in[i] for _, i in group.loads}
+    if last:  # this group's loads start once the last group's stores are under way
+      hs_in, _ = jax.lax.optimization_barrier((hs_in, last))
+    run = functools.partial(_run_chunk, group, leaves, env, stored_out, layout.tier)
+    if not group.chunked:
+      handles, outs = run(None, hs_in, None)
+      new_handles.update({i: h for i, h in handles.items()})
+      env.update(outs)
+      last = list(handles.values())
+      continue
+    # Uniform chunks in a scan (one copy of the group's operations, as in tx's own program, and
+    # a program whose size does not grow with the state), the last, shorter one after it.
+    rows = group.chunks[0][1] - group.chunks[0][0]
+    full = sum(1 for r0, r1 in group.chunks if r1 - r0 == rows)
+    stacked_h: dict[int, list[Any]] = {i: [] for i in group.stores}
+    stacked_o: dict[Any, list[Any]] = {v: [] for v in group.outputs}
+    zero = jnp.zeros((max(len(group.stores), 1), 2), jnp.uint32)
+
+    def body(carry, c, run=run, rows=rows, hs_in=hs_in):
+      before_last, newest = carry
+      handles, outs = run(c, hs_in, rows, wait=before_last)
+      mine = jnp.stack(list(handles.values())) if handles else zero
+      return (newest, mine), (handles, outs)
+
+    (_, newest), (hs, os) = jax.lax.scan(body, (zero, zero), jnp.arange(full, dtype=jnp.int32))
+    for i, h in hs.items():
+      stacked_h[i].append(h)
+    for v, o in os.items():
+      stacked_o[v].append(o.reshape((full * rows,) + o.shape[2:]))
+    last = [newest]
+    if full < len(group.chunks):  # the rest of the rows
+      r0, r1 = group.chunks[full]
+      handles, outs = run(full, hs_in, r1 - r0, wait=newest, start=r0)
+      for i, h in handles.items():
+        stacked_h[i].append(h[None])
+      for v, o in outs.items():
+        stacked_o[v].append(o)
+      last = list(handles.values())
+    for i, parts in stacked_h.items():
+      new_handles[i] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    for v, parts in stacked_o.items():
+      env[v] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+  outs = [
+    None if k - n_updates in stored_out else _read(env, v) for k, v in enumerate(prog.outvars)
+  ]
+  device_state = [outs[n_updates + i] for i, leaf in enumerate(leaves) if not leaf.stored]
+  new_state = OffloadedState(device_state, [new_handles[i] for i in stored_ids], layout)
+  if state is None:
+    return None, new_state
+  new_updates = jax.tree_util.tree_structure(updates).unflatten(outs[:n_updates])
+  return new_updates, new_state
+
+
+def _run_chunk(group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, start=None):
+  """One chunk of a group (``c``: its index, traced in the scan; ``rows``: its length), or the
+  whole group (``rows`` None). Returns ``({stored leaf: handle(s)}, {output var: value})``."""
+  local: dict[Any, Any] = {} if rows is not None else dict(env)
+  for v, i in group.loads:
+    leaf, hs = leaves[i], hs_in[i]
+    if rows is None:  # every chunk of the leaf, joined
+      parts = [_load(hs[k], leaf, k, tier) for k in range(len(leaf.bounds))]
+      local[v] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+      continue
+    h = hs[c]
+    if wait is not None:  # the chunk before last has been stored: see PIPELINE_DEPTH
+      h, _ = jax.lax.optimization_barrier((h, wait))
+    local[v] = _load(h, leaf, 0, tier, shape=(rows,) + leaf.shape[1:])
+  if rows is not None:
+    first = start if start is not None else c * rows
+    for v in group.reads:
+      x = env[v]
+      local[v] = jax.lax.dynamic_slice_in_dim(x, first, rows) if np.ndim(x) else x
+    shape = (rows,) + group.shape[1:]
+  for eqn in group.eqns:
+    _eval_eqn(eqn, local, shape if rows is not None else None)
+  handles = {}
+  for i in group.stores:
+    leaf, value = leaves[i], _read(local, stored_out[i])
+    if rows is not None:
+      handles[i] = _store(value, leaf, 0, tier)
+    else:
+      hs = [
+        _store(jax.lax.slice_in_dim(value, *b) if len(leaf.bounds) > 1 else value, leaf, k, tier)
+        for k, b in enumerate(leaf.bounds)
+      ]
+      handles[i] = jnp.stack(hs)
+  return handles, {v: _read(local, v) for v in group.outputs}
+
+
+def _load(handle, leaf: LeafLayout, k: int, tier: int, shape=None):
+  shape = leaf.chunk_shape(*leaf.bounds[k]) if shape is None else shape
+  aval = jax.core.ShapedArray(shape, leaf.dtype)
+  return load_p.bind(handle, aval=aval, site=leaf.site, tier=tier, name=f"opt_state{leaf.path}")
+
+
+def _store(x, leaf: LeafLayout, k: int, tier: int):
+  name = f"opt_state{leaf.path}"
+  return store_p.bind(x, site=leaf.site, tier=tier, name=name, uses=None)[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The program: tx's equations with nested calls expanded
+
+
+@dataclasses.dataclass
+class _Eqn:
+  primitive: Any  # None: an alias (outvars[0] = invars[0])
+  params: dict
+  invars: list[Any]
+  outvars: list[Any]
+
+
+@dataclasses.dataclass
+class _Program:
+  invars: list[Any]
+  outvars: list[Any]
+  eqns: list[_Eqn]
+  consts: dict[Any, Any]
+
+  @classmethod
+  def inline(cls, closed) -> _Program:
+    """``closed`` with nested jit calls (and custom-derivative calls: the update is not
+    differentiated) expanded in place, so that the plan sees primitives."""
+    prog = cls(list(closed.jaxpr.invars), list(closed.jaxpr.outvars), [], {})
+    prog.consts.update(zip(closed.jaxpr.constvars, closed.consts))
+    prog._add(closed.jaxpr, {})
+    return prog
+
+  def _add(self, jaxpr, rename):
+    sub = lambda v: rename.get(v, v) if _is_var(v) else v
+    for eqn in jaxpr.eqns:
+      inner = ji.called_jaxpr(eqn)
+      if inner is None:
+        self.eqns.append(
+          _Eqn(eqn.primitive, eqn.params, [sub(v) for v in eqn.invars], list(eqn.outvars))
+        )
+        continue
+      body = inner.jaxpr
+      self.consts.update(zip(body.constvars, inner.consts))
+      inner_rename = {iv: sub(ov) for iv, ov in zip(body.invars, eqn.invars)}
+      self._add(body, inner_rename)
+      for out, res in zip(eqn.outvars, body.outvars):
+        if not isinstance(out, ji.DropVar):
+          self.eqns.append(_Eqn(None, {}, [inner_rename.get(res, res)], [out]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: device equations, groups, chunking
+
+
+@dataclasses.dataclass
+class _Group:
+  eqns: list[_Eqn]
+  loads: list[tuple[Any, int]]  # (var, stored leaf): the stored inputs the group reads
+  stores: list[int]  # stored leaves whose new value the group computes
+  passed: list[int]  # stored leaves the update returns unchanged
+  reads: list[Any]  # device-part vars (and inputs) the group reads
+  outputs: list[Any]  # the group's results that stay on the device (updates, small leaves)
+  shape: tuple[int, ...]
+  chunked: bool
+  chunks: tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass
+class _Plan:
+  device_eqns: list[_Eqn]
+  groups: list[_Group]
+
+
+# Elementwise primitives: on rows [r0, r1) of every operand they give rows [r0, r1) of the result.
+ELEMENTWISE = frozenset(
+  """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy
+  copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
+  is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
+  reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor""".split()
+)
+
+
+def _plan(prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str) -> _Plan:
+  parent: dict[int, int] = {}
+
+  def find(i):
+    while parent.setdefault(i, i) != i:
+      parent[i] = parent[parent[i]]
+      i = parent[i]
+    return i
+
+  def union(ids):
+    roots = sorted({find(i) for i in ids})
+    for r in roots[1:]:
+      parent[r] = roots[0]
+
+  passed = {i for i, v in stored_out.items() if stored_in.get(v) == i}
+  deps: dict[Any, frozenset[int]] = {v: frozenset({i}) for v, i in stored_in.items()}
+  eqn_deps = []
+  for eqn in prog.eqns:
+    d = frozenset().union(*(deps.get(v, frozenset()) for v in eqn.invars if _is_var(v)))
+    union(d)
+    for v in eqn.outvars:
+      if d:
+        deps[v] = d
+    eqn_deps.append(d)
+  for i, v in stored_out.items():
+    if i not in passed:
+      union({i} | deps.get(v, frozenset()) if _is_var(v) else {i})
+
+  # An elementwise equation that reads no stored leaf and feeds groups alone runs in them:
+  # one on the chunk (0.1 * g in Adam's first moment) in the one group it feeds, a scalar one
+  # (a bias correction 1 - b ** count) in each group that uses it. Then each group holds the
+  # same chain of operations as tx's own program from its inputs on, and XLA rewrites it
+  # alike (x / s into x * (1 / s), say): the results are tx's bit for bit.
+  owners: list[set[int]] = [{find(next(iter(d)))} if d else set() for d in eqn_deps]
+  stored_eqn = [bool(d) for d in eqn_deps]
+  consumers: dict[Any, set] = {}
+  for k, eqn in enumerate(prog.eqns):
+    for v in eqn.invars:
+      if _is_var(v):
+        consumers.setdefault(v, set()).add(k)
+  outputs = {v for v in prog.outvars if _is_var(v)}
+  for k in range(len(prog.eqns) - 1, -1, -1):
+    eqn = prog.eqns[k]
+    if stored_eqn[k] or not _pullable(eqn) or any(v in outputs for v in eqn.outvars):
+      continue
+    users = [owners[j] for v in eqn.outvars for j in consumers.get(v, ())]
+    if not users or any(not u for u in users):  # the device part needs it too
+      continue
+    groups_using = set().union(*users)
+    scalar = all(tuple(_aval_of(v).shape) == () for v in eqn.outvars)
+    if scalar or len(groups_using) == 1:  # a scalar is recomputed by each group that uses it
+      owners[k] = groups_using
+  device_eqns, by_root = [], {}
+  for eqn, roots in zip(prog.eqns, owners):
+    if not roots:
+      device_eqns.append(eqn)
+    for root in roots:
+      by_root.setdefault(root, []).append(eqn)
+  # Results that stay on the device: every output but the stored leaves' new values (a var that
+  # is also returned elsewhere, e.g. as an update, stays too).
+  stored_vars = {id(v) for v in stored_out.values()}
+  device_out = [
+    v
+    for v in prog.outvars
+    if _is_var(v) and (id(v) not in stored_vars or sum(o is v for o in prog.outvars) > 1)
+  ]
+  groups = []
+  roots = sorted({find(i) for i in stored_out if i not in passed} | set(by_root))
+  for root in roots:
+    eqns = by_root.get(root, [])
+    members = [i for i in stored_out if find(i) == root and i not in passed]
+    members += [i for i in stored_in.values() if find(i) == root and i not in members]
+    loads = [(v, i) for v, i in stored_in.items() if find(i) == root and i not in passed]
+    defined = {v for e in eqns for v in e.outvars} | {v for v, _ in loads}
+    reads = []
+    for v in [v for e in eqns for v in e.invars] + [
+      stored_out[i] for i in members if i in stored_out
+    ]:
+      if _is_var(v) and v not in defined and v not in reads:
+        reads.append(v)
+    shapes = {leaves[i].shape for i in members}
+    if len(shapes) > 1:
+      paths = ", ".join(leaves[i].path for i in sorted(members)[:6])
+      raise OptimizerOffloadError(
+        f"{name} cannot be streamed: its update reads the state of parameters of different "
+        f"shapes together ({paths}{', ...' if len(members) > 6 else ''}), so no part of the "
+        "state can be updated on its own. optax.MultiSteps does this (a lax.cond over the whole "
+        "state): wrap the other way round, optax.MultiSteps(offload_optimizer(tx), k)."
+      )
+    (shape,) = shapes
+    bounds = {leaves[i].bounds for i in members}
+    chunked = len(bounds) == 1 and _elementwise(eqns, shape)
+    chunks = next(iter(bounds)) if chunked else ((0, shape[0] if shape else 0),)
+    outputs = [v for v in dict.fromkeys(device_out) if v in defined]
+    stores = sorted(i for i in members if i in stored_out)
+    groups.append(_Group(eqns, loads, stores, [], reads, outputs, shape, chunked, chunks))
+  if passed:
+    groups.append(_Group([], [], [], sorted(passed), [], [], (), False, ()))
+  return _Plan(device_eqns, groups)
+
+
+def _pullable(eqn: _Eqn) -> bool:
+  """An elementwise equation (what a group may run on its chunk, or recompute if scalar)."""
+  if eqn.primitive is None or not eqn.outvars:
+    return eqn.primitive is None
+  name = eqn.primitive.name
+  return name in ELEMENTWISE or (name == "broadcast_in_dim" and _aval_of(eqn.invars[0]).shape == ())
+
+
+def _elementwise(eqns: list[_Eqn], shape: tuple[int, ...]) -> bool:
+  if not shape:
+    return False
+  for e in eqns:
+    if e.primitive is None:
+      pass
+    elif e.primitive.name == "broadcast_in_dim":  # of a scalar only
+      if tuple(_aval_of(e.invars[0]).shape) != ():
+        return False
+    elif e.primitive.name not in ELEMENTWISE:
+      return False
+    for v in list(e.invars) + list(e.outvars):
+      if tuple(_aval_of(v).shape) not in ((), shape):
+        return False
+  return True
+
+
+def _aval_of(v):
+  return v.aval
+
+
+def _is_var(v) -> bool:
+  return not isinstance(v, ji.Literal)
+
+
+def _read(env, v):
+  return v.val if isinstance(v, ji.Literal) else env[v]
+
+
+def _eval_eqn(eqn: _Eqn, env: dict, rows: tuple[int, ...] | None = None) -> None:
+  invals = [_read(env, v) for v in eqn.invars]
+  if eqn.primitive is None:
+    outs = invals
+  elif rows is not None and eqn.primitive.name == "broadcast_in_dim":
+    outs = [jax.lax.broadcast_in_dim(invals[0], rows, ())]
+  else:
+    outs = ji.bind_equation(eqn.primitive, eqn.params, invals)
+  for v, x in zip(eqn.outvars, outs):
+    if not isinstance(v, ji.DropVar):
+      env[v] = x

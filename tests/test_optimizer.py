@@ -1,0 +1,200 @@
+"""Optimizer state in the store (jax_ssdtrain._src.optimizer, a preview): optax's own
+transformations wrapped by offload_optimizer against the same transformations on the device, the
+refusals, MultiSteps around it, one copy of the state in the store; and the "host,nvme" location
+(the host tier spilling to the files) for activations."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import jax_ssdtrain as ssd
+from jax_ssdtrain._src.optimizer import (
+  OffloadedState,
+  OptimizerOffloadError,
+  offload_optimizer,
+  optimizer_state,
+)
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def store(tmp_path):
+  with ssd.configured(tmp_path / "s", capacity_bytes=256 * MiB, host_tier_bytes=64 * MiB):
+    yield
+
+
+def _params():
+  k = jax.random.split(jax.random.key(0), 3)
+  # 300 rows: chunks of 32 rows and a shorter last one; "b" stays on the device (min_bytes).
+  return {
+    "a": jax.random.normal(k[0], (64, 512)),
+    "b": jax.random.normal(k[1], (16,)),
+    "c": jax.random.normal(k[2], (300, 256)),
+  }
+
+
+def _loss(p, x):
+  return jnp.sum(jnp.tanh(x @ p["a"] + p["b"][:1]) ** 2) + jnp.sum(jnp.sin(p["c"]) ** 2)
+
+
+def _train(tx, steps, params=None):
+  params = _params() if params is None else params
+  x = jax.random.normal(jax.random.key(7), (16, 64))
+
+  @jax.jit
+  def step(p, s):
+    g = jax.grad(_loss)(p, x)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  state = tx.init(params)
+  history = []
+  for _ in range(steps):
+    params, state = step(params, state)
+    history.append(params)
+  return history, state
+
+
+def _project_chain():
+  sched = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 100)
+  mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.masked(optax.adamw(sched), mask))
+
+
+TRANSFORMS = {
+  "chain": _project_chain,
+  "adam": lambda: optax.adam(1e-3),
+  "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+  "lion": lambda: optax.lion(1e-4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+@pytest.mark.parametrize("location", ["host", "nvme"])
+def test_matches_the_transformation_on_the_device(store, name, location):
+  tx = TRANSFORMS[name]()
+  ours = offload_optimizer(tx, location=location, min_bytes=4096, chunk_bytes=32 << 10)
+  want, want_state = _train(tx, 4)
+  got, got_state = _train(ours, 4)
+  assert isinstance(got_state, OffloadedState) and len(got_state.handles) >= 2
+  moved = [np.abs(np.asarray(w["a"]) - np.asarray(_params()["a"])).max() for w in want]
+  assert moved[-1] > 0  # the parameters did change
+  for w, g in zip(want, got):
+    for k in w:
+      # The same operations on the same values; XLA may rewrite a division differently in the
+      # streamed program (x / s as x * (1 / s)): an ulp or two.
+      np.testing.assert_allclose(np.asarray(g[k]), np.asarray(w[k]), rtol=1e-5, atol=1e-7)
+  # The state in the store is the state tx keeps, leaf for leaf.
+  mine = optimizer_state(got_state)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5),
+    want_state,
+    mine,
+  )
+
+
+def test_one_step_state_is_bit_exact(store):
+  # From the same inputs, the new state (moments) is computed by the same operations on the
+  # same values: equal bit for bit to tx's.
+  tx = optax.adam(1e-3)
+  ours = offload_optimizer(tx, min_bytes=4096, chunk_bytes=32 << 10)
+  p = _params()
+  g = jax.grad(_loss)(p, jax.random.normal(jax.random.key(7), (16, 64)))
+  _, want = jax.jit(tx.update)(g, tx.init(p), p)
+  _, got = jax.jit(ours.update)(g, ours.init(p), p)
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(optimizer_state(got))):
+    assert (np.asarray(a) == np.asarray(b)).all()
+
+
+def test_multisteps_around_it(store):
+  k = 3
+  want, _ = _train(optax.MultiSteps(optax.adam(1e-3), k), 2 * k)
+  inner = offload_optimizer(optax.adam(1e-3), min_bytes=4096, chunk_bytes=32 << 10)
+  ssd.reset_stats()
+  got, _ = _train(optax.MultiSteps(inner, k), 2 * k)
+  ssd.flush()
+  for w, g in zip(want, got):
+    for name in w:
+      np.testing.assert_allclose(np.asarray(g[name]), np.asarray(w[name]), rtol=1e-5, atol=1e-7)
+  # optax.MultiSteps runs the inner update at every micro-step and selects its result (a
+  # jnp.where over the state, here over the handles), so the state streams every micro-step.
+  n_chunks = 2 * (64 * 512 * 4 // (32 << 10) + -(-300 * 256 * 4 // (32 << 10)))
+  assert ssd.stats()["tensors_read"] == 2 * k * n_chunks
+
+
+def test_multisteps_inside_is_refused_with_the_way_round():
+  tx = optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation()
+  ours = offload_optimizer(tx, min_bytes=4096)
+  state = ours.init(_params())
+  with pytest.raises(OptimizerOffloadError, match=r"MultiSteps\(offload_optimizer\(tx\), k\)"):
+    ours.update(_params(), state, _params())
+
+
+@pytest.mark.parametrize(
+  "kwargs,message",
+  [
+    ({"location": "device"}, "location: expected 'host', 'nvme' or 'host,nvme'"),
+    ({"location": "ssd"}, "unknown location 'ssd'"),
+    ({"min_bytes": -1}, "min_bytes: expected an integer >= 0"),
+    ({"chunk_bytes": 100}, "chunk_bytes: expected an integer >= 4096"),
+  ],
+)
+def test_bad_arguments_name_themselves(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    offload_optimizer(optax.adam(1e-3), **kwargs)
+  with pytest.raises(TypeError, match="tx: expected an optax GradientTransformation"):
+    offload_optimizer(lambda g: g)
+
+
+def test_update_with_a_state_it_did_not_make(store):
+  with pytest.raises(TypeError, match="state: expected the OffloadedState"):
+    offload_optimizer(optax.adam(1e-3)).update(_params(), optax.adam(1e-3).init(_params()))
+
+
+def test_the_store_holds_one_copy_and_nothing_grows(store):
+  ours = offload_optimizer(optax.adam(1e-3), min_bytes=4096, chunk_bytes=32 << 10)
+  params = _params()
+  x = jax.random.normal(jax.random.key(7), (16, 64))
+
+  @jax.jit
+  def step(p, s):
+    u, s = ours.update(jax.grad(_loss)(p, x), s, p)
+    return optax.apply_updates(p, u), s
+
+  state = ours.init(params)
+  stored = state.layout.stored_bytes
+  live = []
+  for _ in range(12):
+    params, state = step(params, state)
+    ssd.flush()
+    live.append(ssd.stats()["live_entries"])
+  n_chunks = sum(len(h) for h in state.handles)
+  assert live[-1] == live[2] == n_chunks, live  # exactly this step's state, every step
+  assert 0 < stored <= ssd.stats()["host_tier_bytes_in_use"] <= stored + n_chunks * 4096
+
+
+def test_host_nvme_spills_activations_to_the_files(tmp_path):
+  w = jnp.ones((512, 512)) / 512
+  f = jax.checkpoint(
+    lambda x: jnp.sin(checkpoint_name(x @ w, "h")),
+    policy=ssd.location_policy({"h": "host,nvme"}, min_bytes=0),
+  )
+  step = jax.jit(jax.grad(lambda x: jnp.sum(f(f(f(f(x)))))))
+  plain = jax.checkpoint(
+    lambda x: jnp.sin(checkpoint_name(x @ w, "h")),
+    policy=jax.checkpoint_policies.save_only_these_names("h"),
+  )
+  want = jax.jit(jax.grad(lambda x: jnp.sum(plain(plain(plain(plain(x)))))))(jnp.ones((512, 512)))
+  # A host tier too small for one 1 MiB activation: each goes to the files; a large one: none.
+  for tier, spilled in ((512 << 10, 4), (8 * MiB, 0)):
+    with ssd.configured(tmp_path / f"s{tier}", capacity_bytes=64 * MiB, host_tier_bytes=tier):
+      got = step(jnp.ones((512, 512)))
+      ssd.flush()
+      s = ssd.stats()
+    assert (np.asarray(got) == np.asarray(want)).all()
+    assert s["tensors_written"] == 4 and s["spilled_tensors"] == spilled, s
+    assert s["spilled_bytes"] == spilled * MiB and s["disk_tensors_written"] <= spilled

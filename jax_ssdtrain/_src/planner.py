@@ -79,6 +79,8 @@ DEFAULT_HOST_CACHE_BYTES = options.default("host_cache_bytes")
 DEFAULT_STAGING_BYTES = options.default("staging_bytes")
 DEFAULT_HOST_TIER_BYTES = options.default("host_tier_bytes")
 OFFLOADED = (Location.HOST, Location.NVME)
+# The locations the planner chooses from ("host,nvme" is a spill it does not model).
+PLANNED = (Location.REMAT, Location.DEVICE, Location.HOST, Location.NVME)
 MIN_DIFFERENCE_S = 0.02  # profile: the long and short scans differ by at least this much
 
 
@@ -328,7 +330,7 @@ def plan(
   profile: Profile,
   *,
   max_slowdown: float = 0.02,
-  allowed: Iterable[str | Location] = tuple(Location),
+  allowed: Iterable[str | Location] = PLANNED,
   fixed: Mapping[str, str | Location] | None = None,
   min_bytes: int = DEFAULT_MIN_BYTES,
 ) -> Plan:
@@ -343,7 +345,7 @@ def plan(
 def frontier(
   profile: Profile,
   *,
-  allowed: Iterable[str | Location] = tuple(Location),
+  allowed: Iterable[str | Location] = PLANNED,
   fixed: Mapping[str, str | Location] | None = None,
   min_bytes: int = DEFAULT_MIN_BYTES,
 ) -> list[Plan]:
@@ -759,6 +761,12 @@ def _candidates(profile: Profile, allowed, fixed, min_bytes) -> Iterable[Plan]:
     if name not in names:
       raise ValueError(f"fixed: unknown tag {name!r}; the profile has {names}")
   fixed = {n: Location.parse(v, what=f"fixed[{n!r}]") for n, v in fixed.items()}
+  for what, locs in (("allowed", allowed), ("fixed", tuple(fixed.values()))):
+    if Location.HOST_NVME in locs:
+      raise ValueError(
+        f"{what}: the planner places each tag in one tier and does not model 'host,nvme' (a "
+        "spill); plan with 'host' and 'nvme' instead"
+      )
   choices = []
   for t in profile.tags:
     opts = (fixed[t.name],) if t.name in fixed else allowed

@@ -47,6 +47,9 @@ from jax_ssdtrain._src.primitives import TIER_CODES, load_p, store_p
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_MIN_BYTES = 1 << 20
 PIPELINE_DEPTH = 2  # the loads of chunk k wait for the stores of chunk k - PIPELINE_DEPTH
+# location="device": the same streamed program with each stored leaf kept whole on the device
+# (the reference that the store's round trip must match bit for bit).
+DEVICE_TIER = -1
 
 
 class OptimizerOffloadError(ValueError):
@@ -72,7 +75,9 @@ def offload_optimizer(
       For gradient accumulation wrap the result: ``optax.MultiSteps(offload_optimizer(tx), k)``
       (the state is then streamed once per ``k`` micro-batches).
     location: ``"host"`` (pinned host memory), ``"nvme"`` (the store files) or ``"host,nvme"``
-      (the host tier while it has room, then the files).
+      (the host tier while it has room, then the files); ``"device"`` runs the same streamed
+      program with the state on the device (a reference: the store's results equal it bit for
+      bit).
     min_bytes: state leaves smaller than this stay on the device.
     chunk_bytes: rows of a leaf streamed at once (a leaf is cut along its first axis).
 
@@ -85,13 +90,16 @@ def offload_optimizer(
   if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
     raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")
   loc = Location.parse(location, what="location")
-  if not loc.in_store:
-    raise ValueError(f"location: expected 'host', 'nvme' or 'host,nvme', got {location!r}")
+  if not loc.in_store and loc is not Location.DEVICE:
+    raise ValueError(
+      f"location: expected 'host', 'nvme', 'host,nvme' or 'device', got {location!r}"
+    )
   if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
     raise ValueError(f"min_bytes: expected an integer >= 0, got {min_bytes!r}")
   if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
     raise ValueError(f"chunk_bytes: expected an integer >= 4096, got {chunk_bytes!r}")
-  opts = _Options(tier=TIER_CODES[loc], min_bytes=min_bytes, chunk_bytes=chunk_bytes)
+  tier = DEVICE_TIER if loc is Location.DEVICE else TIER_CODES[loc]
+  opts = _Options(tier=tier, min_bytes=min_bytes, chunk_bytes=chunk_bytes)
   name = _describe(tx)
 
   def init_fn(params):
@@ -128,6 +136,9 @@ def _materialize(state: OffloadedState) -> Any:
       leaves.append(next(device))
       continue
     hs = next(handles)
+    if layout.tier == DEVICE_TIER:
+      leaves.append(hs)
+      continue
     parts = [_load(hs[k], leaf, k, layout.tier) for k in range(len(leaf.bounds))]
     value = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     leaves.append(value.reshape(leaf.shape))
@@ -323,16 +334,17 @@ def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str):
     stacked_h: dict[int, list[Any]] = {i: [] for i in group.stores}
     stacked_o: dict[Any, list[Any]] = {v: [] for v in group.outputs}
     zero = jnp.zeros((max(len(group.stores), 1), 2), jnp.uint32)
+    on_device = layout.tier == DEVICE_TIER
 
     def body(carry, c, run=run, rows=rows, hs_in=hs_in):
       before_last, newest = carry
       handles, outs = run(c, hs_in, rows, wait=before_last)
-      mine = jnp.stack(list(handles.values())) if handles else zero
+      mine = jnp.stack(list(handles.values())) if handles and not on_device else zero
       return (newest, mine), (handles, outs)
 
     (_, newest), (hs, os) = jax.lax.scan(body, (zero, zero), jnp.arange(full, dtype=jnp.int32))
     for i, h in hs.items():
-      stacked_h[i].append(h)
+      stacked_h[i].append(h.reshape((full * rows,) + h.shape[2:]) if on_device else h)
     for v, o in os.items():
       stacked_o[v].append(o.reshape((full * rows,) + o.shape[2:]))
     last = [newest]
@@ -340,7 +352,7 @@ def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str):
       r0, r1 = group.chunks[full]
       handles, outs = run(full, hs_in, r1 - r0, wait=newest, start=r0)
       for i, h in handles.items():
-        stacked_h[i].append(h[None])
+        stacked_h[i].append(h if on_device else h[None])
       for v, o in outs.items():
         stacked_o[v].append(o)
       last = list(handles.values())
@@ -364,8 +376,14 @@ def _run_chunk(group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, 
   """One chunk of a group (``c``: its index, traced in the scan; ``rows``: its length), or the
   whole group (``rows`` None). Returns ``({stored leaf: handle(s)}, {output var: value})``."""
   local: dict[Any, Any] = {} if rows is not None else dict(env)
+  first = None if rows is None else start if start is not None else c * rows
   for v, i in group.loads:
     leaf, hs = leaves[i], hs_in[i]
+    if tier == DEVICE_TIER:  # the same program with the state on the device: hs is the leaf
+      if wait is not None:
+        hs, _ = jax.lax.optimization_barrier((hs, wait))
+      local[v] = hs if rows is None else jax.lax.dynamic_slice_in_dim(hs, first, rows)
+      continue
     if rows is None:  # every chunk of the leaf, joined
       parts = [_load(hs[k], leaf, k, tier) for k in range(len(leaf.bounds))]
       local[v] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -375,7 +393,6 @@ def _run_chunk(group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, 
       h, _ = jax.lax.optimization_barrier((h, wait))
     local[v] = _load(h, leaf, 0, tier, shape=(rows,) + leaf.shape[1:])
   if rows is not None:
-    first = start if start is not None else c * rows
     for v in group.reads:
       x = env[v]
       local[v] = jax.lax.dynamic_slice_in_dim(x, first, rows) if np.ndim(x) else x
@@ -385,7 +402,9 @@ def _run_chunk(group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, 
   handles = {}
   for i in group.stores:
     leaf, value = leaves[i], _read(local, stored_out[i])
-    if rows is not None:
+    if tier == DEVICE_TIER:
+      handles[i] = value
+    elif rows is not None:
       handles[i] = _store(value, leaf, 0, tier)
     else:
       hs = [
@@ -399,7 +418,8 @@ def _run_chunk(group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, 
 def _load(handle, leaf: LeafLayout, k: int, tier: int, shape=None):
   shape = leaf.chunk_shape(*leaf.bounds[k]) if shape is None else shape
   aval = jax.core.ShapedArray(shape, leaf.dtype)
-  return load_p.bind(handle, aval=aval, site=leaf.site, tier=tier, name=f"opt_state{leaf.path}")
+  name = f"opt_state{leaf.path}"
+  return load_p.bind(handle, aval=aval, site=leaf.site, tier=tier, name=name, exact=True)
 
 
 def _store(x, leaf: LeafLayout, k: int, tier: int):

@@ -171,8 +171,13 @@ ji.dce_rules[store_p] = _store_dce
 load_p = ji.Primitive("ssd_load")
 
 
-def _load_abstract_eval(handle, *, aval, site, tier, name):
-  del handle, site, tier, name
+# Params: aval, site, tier, name as the store's; exact (optional, default False): read the handle
+# on the GPU instead of predicting it (the entry was stored by an earlier execution: optimizer
+# state; a prediction looks among this execution's entries of the site).
+
+
+def _load_abstract_eval(handle, *, aval, site, tier, name, exact=False):
+  del handle, site, tier, name, exact
   return aval
 
 
@@ -180,28 +185,36 @@ load_p.def_abstract_eval(_load_abstract_eval)
 load_p.def_impl(lambda h, **params: ji.apply_primitive(load_p, h, **params))
 
 
-def _load_lowering(ctx, handle, *, aval, site, tier, name):
+def _load_lowering(ctx, handle, *, aval, site, tier, name, exact=False):
   _ensure_engine()
   if sharded.needs_partitioning(ctx):  # each device loads its own shard
+    if exact:
+      raise NotImplementedError(
+        f"jax_ssdtrain: {name!r}: optimizer state in the store is not yet sharded (its entries "
+        "are loaded whole); keep it unsharded or on the device"
+      )
     return ji.lower_fun(
       functools.partial(sharded.load, load_p=load_p, aval=aval, site=site, tier=tier, name=name),
       multiple_results=False,
     )(ctx, handle)
   call = jax.ffi.ffi_lowering(LOAD_TARGET, has_side_effect=True)
-  return call(ctx, handle, site=np.int64(site), tier=np.int32(tier), name=name)
+  return call(
+    ctx, handle, site=np.int64(site), tier=np.int32(tier), name=name, exact=np.int32(exact)
+  )
 
 
 ji.register_lowering(load_p, _load_lowering)
 ji.prim_requires_devices_during_lowering.add(load_p)
 
 
-def _load_batch(args, dims, *, aval, site, tier, name):
+def _load_batch(args, dims, *, aval, site, tier, name, exact=False):
   (handle,), (d,) = args, dims
   # handle: [B, 2], every row equal (see _store_batch); the stored tensor is the batched one.
   size = handle.shape[d]
   handle = jax.lax.index_in_dim(handle, 0, axis=d, keepdims=False)
   batched = aval.update(shape=(size,) + tuple(aval.shape))
-  return load_p.bind(handle, aval=batched, site=site, tier=tier, name=name), 0
+  extra = {"exact": True} if exact else {}
+  return load_p.bind(handle, aval=batched, site=site, tier=tier, name=name, **extra), 0
 
 
 ji.primitive_batchers[load_p] = _load_batch

@@ -20,7 +20,8 @@ ffi::Error StoreCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::Buffe
 
 ffi::Error LoadCpuImpl(int32_t device, ffi::Buffer<ffi::U32> handle,
                        ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
-                       std::string_view name) {
+                       std::string_view name, int32_t exact) {
+  (void)exact;  // the host reads every handle: nothing is predicted on the CPU
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
     Status st;
@@ -52,9 +53,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCpu, ssdtrain::LoadCpuImpl,
     ffi::Ffi::Bind()
-        .Ctx<ffi::DeviceOrdinal>()         // device of the call (must be the store's)
-        .Arg<ffi::Buffer<ffi::U32>>()      // handle: from the matching store
-        .Ret<ffi::AnyBuffer>()             // out: receives the stored bytes
-        .Attr<int64_t>("site")             // tag site id (must match the store)
-        .Attr<int32_t>("tier")             // tier of the matching store
-        .Attr<std::string_view>("name"));  // tag name, for messages only
+        .Ctx<ffi::DeviceOrdinal>()       // device of the call (must be the store's)
+        .Arg<ffi::Buffer<ffi::U32>>()    // handle: from the matching store
+        .Ret<ffi::AnyBuffer>()           // out: receives the stored bytes
+        .Attr<int64_t>("site")           // tag site id (must match the store)
+        .Attr<int32_t>("tier")           // tier of the matching store
+        .Attr<std::string_view>("name")  // tag name, for messages only
+        .Attr<int32_t>("exact"));        // 1: never predict the handle (CUDA only)

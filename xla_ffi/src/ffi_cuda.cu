@@ -36,13 +36,14 @@ ffi::Error StoreCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run, ff
 
 ffi::Error LoadCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run,
                         ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out, int64_t site,
-                        int32_t tier, std::string_view name) {
+                        int32_t tier, std::string_view name, int32_t exact) {
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
     DeviceLoad load;
+    load.exact = exact != 0;
     load.device = device;
     load.stream = stream;
     load.run_id = run.run_id;
@@ -85,4 +86,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()                     // out: receives the stored bytes (device)
         .Attr<int64_t>("site")                     // tag site id (must match the store)
         .Attr<int32_t>("tier")                     // tier of the matching store
-        .Attr<std::string_view>("name"));          // tag name, for messages only
+        .Attr<std::string_view>("name")            // tag name, for messages only
+        .Attr<int32_t>("exact"));  // 1: read the handle, never predict (state from a past step)

@@ -24,14 +24,14 @@ struct LoadHandle {
 };
 
 // Reports a mismatch found since the last load, collects finished releases, and predicts the
-// handle unless exact_loads is set.
+// handle unless exact_loads is set or the load is exact (optimizer state of an earlier step).
 Status PredictHandle(Engine& eng, const DeviceLoad& load, LoadHandle* handle) {
   Lock lk = eng.LockState();
   CudaModule* mod = Module(eng);
   SSD_RETURN_IF_ERROR(mod->TakeMismatch());
   mod->ReclaimReleases(false);
   handle->predicted =
-      !eng.config().exact_loads &&
+      !load.exact && !eng.config().exact_loads &&
       eng.PredictLoad(load.site, load.run_id, load.device, load.nbytes, handle->h, &handle->left);
   return Status::Ok();
 }

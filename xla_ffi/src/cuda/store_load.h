@@ -38,6 +38,7 @@ struct DeviceLoad {
   uint64_t nbytes = 0;
   int64_t site = 0;       // tag site id (must match the store)
   std::string_view name;  // tag name, for messages only
+  bool exact = false;     // read the handle, never predict it (an entry of an earlier execution)
 };
 
 // Loads the entry `load.handle` names into `load.dst`, in order on the compute stream.

@@ -206,3 +206,26 @@ def test_host_nvme_spills_activations_to_the_files(tmp_path):
     assert (np.asarray(got) == np.asarray(want)).all()
     assert s["tensors_written"] == 4 and s["spilled_tensors"] == spilled, s
     assert s["spilled_bytes"] == spilled * MiB and s["disk_tensors_written"] <= spilled
+
+
+@pytest.mark.slow
+def test_bench_optimizer_tiny(tmp_path):
+  import json
+  import os
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  root = Path(__file__).resolve().parents[1]
+  cmd = [sys.executable, "-m", "scripts.bench_optimizer", "--tiny", "--out", str(tmp_path)]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=600)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  (path,) = tmp_path.glob("optimizer_cpu_*.json")
+  doc = json.loads(path.read_text())
+  rows = {r["variant"]: r for r in doc["rows"]}
+  assert set(rows) == {"device", "streamed_device", "host", "nvme"}
+  # the whole state went through the store each step, both ways, once
+  for v in ("host", "nvme"):
+    assert rows[v]["read_gb_per_step"] == pytest.approx(doc["state_gb"], rel=1e-9)
+    assert rows[v]["written_gb_per_step"] == pytest.approx(doc["state_gb"], rel=1e-9)

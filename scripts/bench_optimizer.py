@@ -1,0 +1,203 @@
+"""The optimizer update with its state in the store against the state on the device.
+
+One process, side by side: Adam's update of LEAVES parameter leaves of ROWS x COLS float32 with
+its state (two moments) kept on the device (plain optax), the same streamed program with the
+state on the device (``location="device"``), in the host tier and in the store files, and (on a
+GPU) JAX's own memory kinds: the state in ``pinned_host``, moved to the device inside the step and
+back, as MaxText's ``optimizer_memory_host_offload`` does. The GPU's link is measured in the
+same run (pinned copies each way, and both at once): the streamed update moves the state both
+ways, so its rate is compared with the two-way rate.
+
+  python -m scripts.bench_optimizer [--leaves 8 --rows 4096 --cols 8192] [--out DIR]
+  python -m scripts.bench_optimizer --tiny        (a CPU smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import optax
+
+import jax_ssdtrain as ssd
+from jax_ssdtrain._src.optimizer import offload_optimizer
+from scripts import bench_common as bc
+
+VARIANTS = ("device", "streamed_device", "host", "nvme", "jax_pinned_host")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--leaves", type=int, default=8)
+  p.add_argument("--rows", type=int, default=4096)
+  p.add_argument("--cols", type=int, default=8192)
+  p.add_argument("--chunk", type=ssd.parse_size, default="64MiB", help="rows streamed at once")
+  p.add_argument("--min-bytes", type=ssd.parse_size, default="1MiB", help="smaller leaves stay")
+  p.add_argument("--variants", default=",".join(VARIANTS))
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--store-dir", default=None, help="store directory (default: a private temp)")
+  p.add_argument("--tiny", action="store_true", help="a CPU smoke run (small leaves, 2 steps)")
+  bc.add_out_option(p)
+  return p
+
+
+def _time(step, params, state, grads, steps, warmup):
+  times = []
+  for i in range(warmup + steps):
+    t0 = time.perf_counter()
+    params, state = step(params, state, grads)
+    jax.block_until_ready((params, state))
+    if i >= warmup:
+      times.append(time.perf_counter() - t0)
+  return statistics.median(times), params
+
+
+def _step_for(tx):
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _jax_pinned_host_step(tx, params):
+  dev = jax.devices()[0]
+  on_host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+  on_device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+  state = jax.device_put(tx.init(params), on_host)
+  state_sh = jax.tree.map(lambda _: on_host, state)
+
+  def step(p, s, g):
+    s = jax.device_put(s, on_device)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), jax.device_put(s, on_host)
+
+  return jax.jit(step, donate_argnums=(0, 1), out_shardings=(None, state_sh)), state
+
+
+def run(args) -> dict:
+  tx = optax.adam(1e-3)
+  shape = (args.rows, args.cols)
+  keys = jax.random.split(jax.random.key(0), args.leaves)
+  make = lambda: {f"w{i}": jax.random.normal(k, shape) * 0.02 for i, k in enumerate(keys)}
+  grads = {f"w{i}": jax.random.normal(k, shape) * 1e-3 for i, k in enumerate(keys[::-1])}
+  param_bytes = args.leaves * args.rows * args.cols * 4
+  state_bytes = 2 * param_bytes  # Adam's two moments
+  gpu = jax.default_backend() == "gpu"
+  link = None
+  if gpu:
+    from jax_ssdtrain import probe
+
+    r = probe.measure_link(size=min(state_bytes, 1 << 30))
+    link = dict(
+      d2h=r.d2h_gbps, h2d=r.h2d_gbps, duplex_d2h=r.duplex_d2h_gbps, duplex_h2d=r.duplex_h2d_gbps
+    )
+  store = args.store_dir or tempfile.mkdtemp(prefix="bench-opt-")
+  rows = []
+  with ssd.configured(
+    store,
+    capacity_bytes=max(4 * state_bytes, 256 << 20),
+    host_tier_bytes=max(3 * state_bytes, 64 << 20),
+  ):
+    for variant in args.variants.split(","):
+      if variant == "jax_pinned_host" and not gpu:
+        continue
+      params = make()
+      if variant == "device":
+        step, state = _step_for(tx), tx.init(params)
+      elif variant == "jax_pinned_host":
+        step, state = _jax_pinned_host_step(tx, params)
+      else:
+        loc = "device" if variant == "streamed_device" else variant
+        otx = offload_optimizer(tx, location=loc, chunk_bytes=args.chunk, min_bytes=args.min_bytes)
+        step, state = _step_for(otx), otx.init(params)
+      ssd.flush()
+      ssd.reset_stats()
+      t, _ = _time(step, params, state, grads, args.steps, args.warmup)
+      ssd.flush()
+      s = ssd.stats()
+      row = dict(variant=variant, step_s=t, state_gb=state_bytes / 1e9)
+      if variant in ("host", "nvme"):
+        n = args.steps + args.warmup
+        row["read_gb_per_step"] = s["bytes_read"] / n / 1e9
+        row["written_gb_per_step"] = s["bytes_written"] / n / 1e9
+        row["each_way_gbps"] = state_bytes / t / 1e9
+        if link:
+          row["x_two_way_link"] = row["each_way_gbps"] / min(link["duplex_d2h"], link["duplex_h2d"])
+      rows.append(row)
+      del step, state
+  base = next((r["step_s"] for r in rows if r["variant"] == "device"), None)
+  for r in rows:
+    r["x_device"] = r["step_s"] / base if base else None
+  return dict(
+    bench="optimizer",
+    args={k: str(v) for k, v in vars(args).items()},
+    env=bc.host_env(),
+    param_gb=param_bytes / 1e9,
+    state_gb=state_bytes / 1e9,
+    link_gbps=link,
+    rows=rows,
+  )
+
+
+def table(doc: dict) -> str:
+  link = doc["link_gbps"]
+  head = (
+    f"Adam over {doc['param_gb']:.2f} GB of float32 parameters, {doc['state_gb']:.2f} GB of state"
+    + (
+      f"; link {link['d2h']:.1f}/{link['h2d']:.1f} GB/s alone, "
+      f"{link['duplex_d2h']:.1f}/{link['duplex_h2d']:.1f} both at once"
+      if link
+      else ""
+    )
+  )
+  lines = [
+    head,
+    "",
+    "| variant | step ms | x device | state GB/s each way | x two-way link |",
+    "|---|---|---|---|---|",
+  ]
+  for r in doc["rows"]:
+    rate = f"{r['each_way_gbps']:.1f}" if "each_way_gbps" in r else "-"
+    xl = f"{r['x_two_way_link']:.2f}" if "x_two_way_link" in r else "-"
+    lines.append(
+      f"| {r['variant']} | {1e3 * r['step_s']:.1f} | {r['x_device']:.3f} | {rate} | {xl} |"
+    )
+  return "\n".join(lines)
+
+
+def plot(doc: dict):
+  def draw(plt, path: Path) -> bool:
+    fig, ax = plt.subplots(figsize=(6, 3))
+    names = [r["variant"] for r in doc["rows"]]
+    ax.barh(names, [1e3 * r["step_s"] for r in doc["rows"]])
+    ax.set_xlabel("optimizer step, ms (median)")
+    ax.set_title(f"Adam, {doc['state_gb']:.1f} GB of state")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+  return draw
+
+
+def main(argv=None) -> dict:
+  args = build_parser().parse_args(argv)
+  if args.tiny:
+    args.leaves, args.rows, args.cols, args.steps, args.warmup = 2, 300, 256, 2, 1
+    args.chunk, args.min_bytes = 32 << 10, 4096
+  doc = run(args)
+  args.out.mkdir(parents=True, exist_ok=True)
+  stem = args.out / f"optimizer_{bc.slug(jax.devices()[0].device_kind)}_{bc.today()}"
+  bc.write_results(stem, doc, table(doc), plot(doc))
+  print(f"wrote {stem}.json")
+  return doc
+
+
+if __name__ == "__main__":
+  main()

@@ -66,6 +66,12 @@ from jax_ssdtrain._src.config import (
 from jax_ssdtrain._src.config import (
   defaults as default_config,
 )
+from jax_ssdtrain._src.optimizer import (
+  OffloadedState,
+  OptimizerOffloadError,
+  offload_optimizer,
+  optimizer_state,
+)
 from jax_ssdtrain._src.planner import (
   Plan,
   Profile,
@@ -93,7 +99,9 @@ __version__ = "0.1.0"
 __all__ = [
   "HigherOrderOffloadError",
   "Location",
+  "OffloadedState",
   "OffloadPolicy",
+  "OptimizerOffloadError",
   "StoreConfig",
   "StoreShutDownError",
   "collect",
@@ -106,7 +114,9 @@ __all__ = [
   "frontier",
   "location_policy",
   "measured_bandwidth",
+  "offload_optimizer",
   "offload_policy",
+  "optimizer_state",
   "parse_size",
   "Plan",
   "plan",

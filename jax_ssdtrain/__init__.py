@@ -71,6 +71,8 @@ from jax_ssdtrain._src.optimizer import (
   OptimizerOffloadError,
   offload_optimizer,
   optimizer_state,
+  state_from_host,
+  state_to_host,
 )
 from jax_ssdtrain._src.planner import (
   Plan,
@@ -127,6 +129,8 @@ __all__ = [
   "reset_stats",
   "shutdown",
   "ssd_offload_policy",
+  "state_from_host",
+  "state_to_host",
   "stats",
   "store_directories",
   "TagProfile",

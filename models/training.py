@@ -34,6 +34,9 @@ class RunConfig:
   remat_policy: str | None = None  # keep | remat | offload (shortcut, see models.common)
   locations: Mapping[str, str] | str | None = None  # {tag: remat|device|host|nvme} overrides
   min_bytes: int = 1 << 20
+  # Where the optimizer state lives: None (the device) or a store location (host | nvme |
+  # host,nvme), through jax_ssdtrain.offload_optimizer.
+  optimizer_location: str | None = None
   # Split scan: the first offload_layers layers use ``locations``, the others the same with
   # host/nvme tags kept on the device (None: every layer uses ``locations``).
   offload_layers: int | None = None
@@ -71,7 +74,8 @@ class TrainState(train_state.TrainState):
 
 
 def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW, linear warm-up then cosine decay to lr/10, global-norm gradient clipping."""
+  """AdamW, linear warm-up then cosine decay to lr/10, global-norm gradient clipping; its state
+  in the store where ``run.optimizer_location`` says so."""
   warmup = max(run.steps // 10 if run.warmup is None else run.warmup, 1)
   # optax needs at least one decay step after the warm-up (runs of 1 step included).
   schedule = optax.warmup_cosine_decay_schedule(
@@ -82,6 +86,12 @@ def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.
     optax.clip_by_global_norm(run.clip_norm),
     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=run.weight_decay, mask=mask),
   )
+  if run.optimizer_location is not None:
+    import jax_ssdtrain as ssd
+
+    tx = ssd.offload_optimizer(
+      tx, location=run.optimizer_location, min_bytes=max(run.min_bytes, 4096)
+    )
   return tx, schedule
 
 
@@ -299,10 +309,32 @@ def checkpoint_manager(directory: str, max_to_keep: int = 2):
   )
 
 
+def _is_offloaded(x) -> bool:
+  import jax_ssdtrain as ssd
+
+  return isinstance(x, ssd.OffloadedState)
+
+
+def _state_for_checkpoint(state: TrainState) -> TrainState:
+  """``state`` with optimizer state in the store read into host memory (NumPy), chunk by chunk."""
+  import jax_ssdtrain as ssd
+
+  return state.replace(
+    opt_state=jax.tree.map(
+      lambda x: ssd.state_to_host(x) if _is_offloaded(x) else x,
+      state.opt_state,
+      is_leaf=_is_offloaded,
+    )
+  )
+
+
 def save_checkpoint(manager, state: TrainState) -> None:
+  """Saves ``state`` at its step (Orbax: written beside the last checkpoint and made current
+  when complete, so an interrupted save leaves the last one). Optimizer state in the store is
+  read from it one chunk at a time."""
   import orbax.checkpoint as ocp
 
-  manager.save(int(state.step), args=ocp.args.StandardSave(state))
+  manager.save(int(state.step), args=ocp.args.StandardSave(_state_for_checkpoint(state)))
   manager.wait_until_finished()
 
 
@@ -313,4 +345,23 @@ def restore_checkpoint(manager, state: TrainState, step: int | None = None) -> T
   step = manager.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint in {manager.directory}")
-  return manager.restore(step, args=ocp.args.StandardRestore(state))
+  # Optimizer state in the store was saved as tx's own state (NumPy): restored as such, then
+  # written back into the store in the layout of ``state``'s.
+  host_like = lambda x: x.layout.treedef.unflatten(
+    [np.zeros(leaf.shape, leaf.dtype) for leaf in x.layout.leaves]
+  )
+  template = state.replace(
+    opt_state=jax.tree.map(
+      lambda x: host_like(x) if _is_offloaded(x) else x, state.opt_state, is_leaf=_is_offloaded
+    )
+  )
+  restored = manager.restore(step, args=ocp.args.StandardRestore(template))
+  import jax_ssdtrain as ssd
+
+  opt_state = jax.tree.map(
+    lambda like, r: ssd.state_from_host(r, like) if _is_offloaded(like) else r,
+    state.opt_state,
+    restored.opt_state,
+    is_leaf=_is_offloaded,
+  )
+  return restored.replace(opt_state=opt_state)

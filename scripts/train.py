@@ -179,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     help="0: only at the end (with --workdir)",
   )
   p.add_argument(
+    "--optimizer-location",
+    choices=["host", "nvme", "host,nvme"],
+    default=None,
+    help="keep the optimizer state in the store (jax_ssdtrain.offload_optimizer) instead of on "
+    "the device",
+  )
+  p.add_argument(
     "--restore", action="store_true", help="resume from the latest checkpoint in --workdir"
   )
   p.add_argument(
@@ -310,6 +317,7 @@ def main(argv=None) -> dict:
     seed=args.seed,
     remat_policy=args.remat_policy,
     locations=args.locations,
+    optimizer_location=args.optimizer_location,
     dtype=args.dtype,
     model_overrides={"attention": args.attention},
     min_bytes=args.min_bytes

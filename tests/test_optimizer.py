@@ -229,3 +229,87 @@ def test_bench_optimizer_tiny(tmp_path):
   for v in ("host", "nvme"):
     assert rows[v]["read_gb_per_step"] == pytest.approx(doc["state_gb"], rel=1e-9)
     assert rows[v]["written_gb_per_step"] == pytest.approx(doc["state_gb"], rel=1e-9)
+
+
+def _train_state_steps(tx, state, n):
+  x = jax.random.normal(jax.random.key(7), (16, 64))
+
+  @jax.jit
+  def step(s):
+    return s.apply_gradients(grads=jax.grad(_loss)(s.params, x))
+
+  for _ in range(n):
+    state = step(state)
+  return state
+
+
+def test_checkpoint_resume_equals_never_stopping(store, tmp_path):
+  from models import training
+
+  ours = offload_optimizer(optax.adam(1e-3), min_bytes=4096, chunk_bytes=32 << 10)
+  fresh = lambda: training.TrainState.create(apply_fn=None, params=_params(), tx=ours)
+  straight = _train_state_steps(ours, fresh(), 4)
+
+  manager = training.checkpoint_manager(str(tmp_path / "ckpt"))
+  half = _train_state_steps(ours, fresh(), 2)
+  training.save_checkpoint(manager, half)
+  # The checkpoint holds tx's own state, not handles.
+  saved = training._state_for_checkpoint(half).opt_state
+  assert not any(
+    isinstance(x, OffloadedState)
+    for x in jax.tree.leaves(saved, is_leaf=lambda x: isinstance(x, OffloadedState))
+  )
+  del half
+  restored = training.restore_checkpoint(manager, fresh())
+  assert isinstance(restored.opt_state, OffloadedState) and int(restored.step) == 2
+  resumed = _train_state_steps(ours, restored, 2)
+  for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
+    assert (np.asarray(a) == np.asarray(b)).all()
+  for a, b in zip(
+    jax.tree.leaves(optimizer_state(straight.opt_state)),
+    jax.tree.leaves(optimizer_state(resumed.opt_state)),
+  ):
+    assert (np.asarray(a) == np.asarray(b)).all()
+
+
+def test_an_interrupted_save_leaves_the_last_checkpoint(store, tmp_path, monkeypatch):
+  from models import training
+
+  ours = offload_optimizer(optax.adam(1e-3), min_bytes=4096, chunk_bytes=32 << 10)
+  state = _train_state_steps(
+    ours, training.TrainState.create(apply_fn=None, params=_params(), tx=ours), 1
+  )
+  manager = training.checkpoint_manager(str(tmp_path / "ckpt"))
+  training.save_checkpoint(manager, state)
+  want = ssd.state_to_host(state.opt_state)
+  later = _train_state_steps(ours, state, 1)
+  calls = []
+
+  def failing_load(*args):  # the second chunk read from the store fails
+    calls.append(args)
+    if len(calls) == 2:
+      raise OSError("injected: the store's read failed")
+    return real(*args)
+
+  from jax_ssdtrain._src import optimizer
+
+  real = optimizer._load_jit
+  monkeypatch.setattr(optimizer, "_load_jit", failing_load)
+  with pytest.raises(OSError, match="injected"):
+    training.save_checkpoint(manager, later)
+  monkeypatch.setattr(optimizer, "_load_jit", real)
+  assert manager.latest_step() == 1
+  restored = training.restore_checkpoint(manager, later)
+  got = ssd.state_to_host(restored.opt_state)
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    assert (np.asarray(a) == np.asarray(b)).all()
+
+
+def test_a_checkpoint_of_another_layout_is_refused(store):
+  ours = offload_optimizer(optax.adam(1e-3), min_bytes=4096, chunk_bytes=32 << 10)
+  state = ours.init(_params())
+  other = optax.adam(1e-3).init({k: v[:2] for k, v in _params().items()})
+  with pytest.raises(OptimizerOffloadError, match="a checkpoint of another layout"):
+    ssd.state_from_host(other, state)
+  with pytest.raises(OptimizerOffloadError, match="another structure"):
+    ssd.state_from_host(optax.sgd(1.0, momentum=0.9).init(_params()), state)

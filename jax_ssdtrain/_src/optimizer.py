@@ -128,6 +128,77 @@ def optimizer_state(state: OffloadedState) -> Any:
   return jax.jit(_materialize)(state)
 
 
+def state_to_host(state: OffloadedState) -> Any:
+  """``tx``'s state as NumPy arrays in host memory, read from the store one chunk at a time (the
+  device holds one chunk at once): what a checkpoint saves. See :func:`state_from_host`."""
+  if not isinstance(state, OffloadedState):
+    raise TypeError(f"state: expected an OffloadedState, got {type(state).__name__}")
+  layout, device, handles = state.layout, iter(state.device), iter(state.handles)
+  leaves = []
+  for leaf in layout.leaves:
+    if not leaf.stored:
+      leaves.append(np.asarray(next(device)))
+      continue
+    hs = next(handles)
+    if layout.tier == DEVICE_TIER:
+      leaves.append(np.asarray(hs))
+      continue
+    out = np.empty(leaf.shape, leaf.dtype)
+    for k, (r0, r1) in enumerate(leaf.bounds):
+      chunk = np.asarray(_load_jit(leaf, k, layout.tier)(hs[k]))
+      if leaf.shape:
+        out[r0:r1] = chunk
+      else:
+        out[...] = chunk
+    leaves.append(out)
+  return layout.treedef.unflatten(leaves)
+
+
+def state_from_host(tree: Any, like: OffloadedState) -> OffloadedState:
+  """An :class:`OffloadedState` of ``like``'s layout holding ``tree`` (``tx``'s state, e.g. from a
+  checkpoint), written to the store one chunk at a time. Raises OptimizerOffloadError when
+  ``tree`` does not have ``like``'s structure, shapes and dtypes (a checkpoint of another
+  layout)."""
+  if not isinstance(like, OffloadedState):
+    raise TypeError(f"like: expected an OffloadedState, got {type(like).__name__}")
+  layout = like.layout
+  values, treedef = jax.tree_util.tree_flatten(tree)
+  if treedef != layout.treedef:
+    raise OptimizerOffloadError(
+      f"tree: the state has another structure than the optimizer's ({treedef} against "
+      f"{layout.treedef}): a checkpoint of another optimizer or model?"
+    )
+  device, handles = [], []
+  for leaf, value in zip(layout.leaves, values):
+    if tuple(np.shape(value)) != leaf.shape or np.dtype(value.dtype) != leaf.dtype:
+      raise OptimizerOffloadError(
+        f"tree: state leaf {leaf.path} is {np.dtype(value.dtype).name}{list(np.shape(value))}, "
+        f"the optimizer's is {leaf.dtype.name}{list(leaf.shape)}: a checkpoint of another layout?"
+      )
+    if not leaf.stored:
+      device.append(jnp.asarray(value))
+    elif layout.tier == DEVICE_TIER:
+      handles.append(jnp.asarray(value))
+    else:
+      value = np.asarray(value)
+      hs = [
+        _store_jit(leaf, k, layout.tier)(value[r0:r1] if leaf.shape else value)
+        for k, (r0, r1) in enumerate(leaf.bounds)
+      ]
+      handles.append(jnp.stack(hs))
+  return OffloadedState(device, handles, layout)
+
+
+@functools.cache
+def _load_jit(leaf: LeafLayout, k: int, tier: int):
+  return jax.jit(lambda h: _load(h, leaf, k, tier))
+
+
+@functools.cache
+def _store_jit(leaf: LeafLayout, k: int, tier: int):
+  return jax.jit(lambda x: _store(x, leaf, k, tier))
+
+
 def _materialize(state: OffloadedState) -> Any:
   layout, device, handles = state.layout, iter(state.device), iter(state.handles)
   leaves = []

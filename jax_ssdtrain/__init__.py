@@ -44,6 +44,7 @@ from jax_ssdtrain._src import remat as _remat  # noqa: E402
 
 if _native.available():  # a checkout without a built library fails at first use instead
   _native.check_ffi_api()
+from jax_ssdtrain._src.accumulate import accumulate_gradients
 from jax_ssdtrain._src.config import (
   StoreConfig,
   StoreShutDownError,
@@ -99,6 +100,7 @@ _lifetimes.install_lowering_hook()
 __version__ = "0.1.0"
 
 __all__ = [
+  "accumulate_gradients",
   "HigherOrderOffloadError",
   "Location",
   "OffloadedState",

@@ -134,6 +134,37 @@ def test_multisteps_around_it(store):
   assert ssd.stats()["tensors_read"] == 2 * k * n_chunks
 
 
+@pytest.mark.parametrize("location", ["host", "device"])
+def test_accumulate_gradients_streams_once_per_k(store, location):
+  k = 3
+  kw = dict(min_bytes=4096, chunk_bytes=32 << 10)
+  want, _ = _train(optax.MultiSteps(optax.adam(1e-3), k), 2 * k)
+  same, _ = _train(
+    ssd.accumulate_gradients(offload_optimizer(optax.adam(1e-3), location="device", **kw), k), 2 * k
+  )
+  ssd.reset_stats()
+  got, _ = _train(
+    ssd.accumulate_gradients(offload_optimizer(optax.adam(1e-3), location=location, **kw), k), 2 * k
+  )
+  ssd.flush()
+  for w, s, g in zip(want, same, got):
+    for name in w:
+      assert (np.asarray(g[name]) == np.asarray(s[name])).all()
+      np.testing.assert_allclose(np.asarray(g[name]), np.asarray(w[name]), rtol=1e-5, atol=1e-7)
+  assert not (np.asarray(got[0]["a"]) != np.asarray(_params()["a"])).any()  # nothing applied yet
+  assert (np.asarray(got[k - 1]["a"]) != np.asarray(_params()["a"])).any()
+  if location == "host":  # init stores; each of the 2 applied steps loads each chunk once
+    n_chunks = 2 * (64 * 512 * 4 // (32 << 10) + -(-300 * 256 * 4 // (32 << 10)))
+    assert ssd.stats()["tensors_read"] == 2 * n_chunks
+
+
+def test_accumulate_gradients_bad_arguments():
+  with pytest.raises(ValueError, match="every_k: expected an integer >= 1, got 0"):
+    ssd.accumulate_gradients(optax.adam(1e-3), 0)
+  with pytest.raises(TypeError, match="tx: expected an optax GradientTransformation"):
+    ssd.accumulate_gradients(None, 2)
+
+
 def test_multisteps_inside_is_refused_with_the_way_round():
   tx = optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation()
   ours = offload_optimizer(tx, min_bytes=4096)

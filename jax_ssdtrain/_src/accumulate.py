@@ -1,0 +1,60 @@
+"""Gradient accumulation that runs the inner update only when it applies.
+
+``optax.MultiSteps(tx, k)`` runs ``tx.update`` at every micro-step and keeps its result only at
+the k-th (a ``jnp.where`` over the state): with ``tx``'s state in the store that streams the
+whole state through the device at every micro-step. :func:`accumulate_gradients` accumulates the
+same way (the mean, as MultiSteps' Welford update, in float32) but calls ``tx.update`` inside a
+``lax.cond``, so that the state streams once per ``k`` micro-steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class AccumulateState(NamedTuple):
+  mini_step: jax.Array  # int32: micro-steps accumulated since the last update
+  acc_grads: Any  # the running mean of the gradients (float32)
+  inner_state: Any  # tx's state
+
+
+def accumulate_gradients(tx: Any, every_k: int):
+  """Averages the gradients of ``every_k`` micro-steps and applies ``tx`` to the mean at the
+  last of them (the updates are zero at the others), calling ``tx.update`` only then.
+
+  The results are those of ``optax.MultiSteps(tx, every_k)`` (its default mean). Use it around
+  :func:`offload_optimizer`: ``accumulate_gradients(offload_optimizer(tx), k)``.
+  """
+  import optax
+
+  if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+    raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")
+  if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
+    raise ValueError(f"every_k: expected an integer >= 1, got {every_k!r}")
+
+  def init_fn(params):
+    acc = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    return AccumulateState(jnp.zeros((), jnp.int32), acc, tx.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    acc = jax.tree.map(lambda g, a: a + (g - a) / (state.mini_step + 1), updates, state.acc_grads)
+    acc = jax.tree.map(lambda a: a.astype(jnp.float32), acc)
+    emit = state.mini_step == every_k - 1
+
+    def apply(inner):
+      grads = jax.tree.map(lambda a, g: a.astype(g.dtype), acc, updates)
+      return tx.update(grads, inner, params, **extra_args)
+
+    def skip(inner):
+      shapes = jax.eval_shape(apply, inner)[0]
+      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner
+
+    new_updates, inner = jax.lax.cond(emit, apply, skip, state.inner_state)
+    new_acc = jax.tree.map(lambda a: (1 - emit) * a, acc)
+    mini_step = (state.mini_step + 1) % every_k
+    return new_updates, AccumulateState(mini_step, new_acc, inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

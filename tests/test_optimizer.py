@@ -65,11 +65,32 @@ def _project_chain():
   return optax.chain(optax.clip_by_global_norm(1.0), optax.masked(optax.adamw(sched), mask))
 
 
+def _shared_trace():
+  """Two moments through one jitted helper: its body is traced once and called twice (as
+  optax's bias correction is under jax >= 0.11): each call's values must stay its own."""
+
+  @jax.jit
+  def ema(m, g, decay):
+    return decay * m + (1 - decay) * g
+
+  def init(p):
+    return (jax.tree.map(jnp.zeros_like, p), jax.tree.map(jnp.zeros_like, p))
+
+  def update(g, s, p=None):
+    d1, d2 = jnp.float32(0.9), jnp.float32(0.5)
+    m1 = jax.tree.map(lambda m, x: ema(m, x, d1), s[0], g)
+    m2 = jax.tree.map(lambda m, x: ema(m, x, d2), s[1], g)
+    return jax.tree.map(lambda a, b: -1e-2 * (3 * a - 2 * b), m1, m2), (m1, m2)
+
+  return optax.GradientTransformation(init, update)
+
+
 TRANSFORMS = {
   "chain": _project_chain,
   "adam": lambda: optax.adam(1e-3),
   "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
   "lion": lambda: optax.lion(1e-4),
+  "shared_trace": _shared_trace,
 }
 
 

@@ -523,25 +523,56 @@ class _Program:
     differentiated) expanded in place, so that the plan sees primitives."""
     prog = cls(list(closed.jaxpr.invars), list(closed.jaxpr.outvars), [], {})
     prog.consts.update(zip(closed.jaxpr.constvars, closed.consts))
-    prog._add(closed.jaxpr, {})
+    prog._add(closed.jaxpr, {}, None)
     return prog
 
-  def _add(self, jaxpr, rename):
-    sub = lambda v: rename.get(v, v) if _is_var(v) else v
+  def _add(self, jaxpr, rename: dict, scoped: dict | None) -> None:
+    """Appends ``jaxpr``'s equations. ``rename``: its inputs' outer values. ``scoped`` (None at
+    the top level): this inlining's own variables, so that one body inlined twice (a cached
+    trace called twice, e.g. a bias correction for each moment) keeps its values apart."""
+
+    def key(v):
+      if not _is_var(v) or isinstance(v, ji.DropVar):
+        return v
+      if v in rename:
+        return rename[v]
+      return v if scoped is None else scoped.setdefault(v, _Scoped(v))
+
     for eqn in jaxpr.eqns:
       inner = ji.called_jaxpr(eqn)
       if inner is None:
         self.eqns.append(
-          _Eqn(eqn.primitive, eqn.params, [sub(v) for v in eqn.invars], list(eqn.outvars))
+          _Eqn(
+            eqn.primitive, eqn.params, [key(v) for v in eqn.invars], [key(v) for v in eqn.outvars]
+          )
         )
         continue
-      body = inner.jaxpr
-      self.consts.update(zip(body.constvars, inner.consts))
-      inner_rename = {iv: sub(ov) for iv, ov in zip(body.invars, eqn.invars)}
-      self._add(body, inner_rename)
+      body, inner_scope = inner.jaxpr, {}
+      inner_rename = {iv: key(ov) for iv, ov in zip(body.invars, eqn.invars)}
+      for cv, c in zip(body.constvars, inner.consts):
+        inner_rename[cv] = inner_scope.setdefault(cv, _Scoped(cv))
+        self.consts[inner_rename[cv]] = c
+      self._add(body, inner_rename, inner_scope)
       for out, res in zip(eqn.outvars, body.outvars):
         if not isinstance(out, ji.DropVar):
-          self.eqns.append(_Eqn(None, {}, [inner_rename.get(res, res)], [out]))
+          if _is_var(res):
+            res = (
+              inner_rename[res]
+              if res in inner_rename
+              else inner_scope.setdefault(res, _Scoped(res))
+            )
+          self.eqns.append(_Eqn(None, {}, [res], [key(out)]))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Scoped:
+  """A variable of one inlined call (compared by identity: one per variable and inlining)."""
+
+  var: Any
+
+  @property
+  def aval(self):
+    return self.var.aval
 
 
 # ---------------------------------------------------------------------------------------------

@@ -463,6 +463,11 @@ def _run_chunk(group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, 
     if wait is not None:  # the chunk before last has been stored: see PIPELINE_DEPTH
       h, _ = jax.lax.optimization_barrier((h, wait))
     local[v] = _load(h, leaf, 0, tier, shape=(rows,) + leaf.shape[1:])
+  # The loaded and the new state pass an optimization barrier, in every mode: XLA fuses and
+  # rewrites the group's operations alike whether the chunk came from the store (a custom call
+  # it cannot see into) or from the device (location="device"), so that the two agree bit for bit.
+  for v, _ in group.loads:
+    local[v] = jax.lax.optimization_barrier(local[v])
   if rows is not None:
     for v in group.reads:
       x = env[v]
@@ -472,7 +477,7 @@ def _run_chunk(group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, 
     _eval_eqn(eqn, local, shape if rows is not None else None)
   handles = {}
   for i in group.stores:
-    leaf, value = leaves[i], _read(local, stored_out[i])
+    leaf, value = leaves[i], jax.lax.optimization_barrier(_read(local, stored_out[i]))
     if tier == DEVICE_TIER:
       handles[i] = value
     elif rows is not None:

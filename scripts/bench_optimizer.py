@@ -101,8 +101,10 @@ def run(args) -> dict:
   rows = []
   with ssd.configured(
     store,
-    capacity_bytes=max(4 * state_bytes, 256 << 20),
-    host_tier_bytes=max(3 * state_bytes, 64 << 20),
+    # Room for the versions the store holds at once: the current state, the one being
+    # written, and the one the next sweep releases (see docs/optimizer.md).
+    capacity_bytes=max(5 * state_bytes, 256 << 20),
+    host_tier_bytes=max(5 * state_bytes, 64 << 20),
   ):
     for variant in args.variants.split(","):
       if variant == "jax_pinned_host" and not gpu:

@@ -287,3 +287,27 @@ def test_soak_shapes_programs_eager_and_jit(store):
       assert now == after_first_round == EMPTY, (step, now)
   s = native.stats()
   assert s["tensors_written"] > 2000 and s["live_entries"] == 0
+
+
+def test_a_sweep_whose_snapshot_was_donated_releases_nothing(store, monkeypatch):
+  # The sweeper snapshots the live arrays, then waits for them. Were an array of the snapshot
+  # donated to a program dispatched meanwhile, that program may still load the entries the
+  # array held, and its own results are not in the snapshot: the sweep must release nothing
+  # (it did release them once, when waiting skipped the donated array as a failed one).
+  from jax_ssdtrain._src import lifetimes
+
+  ws = weights(3, 64)
+  x = jax.random.normal(jax.random.key(4), (16, 64))
+  _, vjp = jax.vjp(jax.jit(loss), ws, x)  # entries held by the arrays of vjp's residuals
+  held = [a for a in jax.tree.leaves(vjp) if isinstance(a, jax.Array) and a.dtype == jnp.uint32]
+  jax.block_until_ready(held)
+  assert held and native.stats()["live_entries"] == 3
+  snapshot = lifetimes.live_arrays()
+  jax.jit(lambda hs: [h + 0 for h in hs], donate_argnums=0)(held)  # donated after the snapshot
+  monkeypatch.setattr(lifetimes, "live_arrays", lambda: snapshot)
+  assert ssd.collect() == 0
+  assert native.stats()["live_entries"] == 3
+  monkeypatch.undo()
+  del vjp, held, snapshot
+  gc.collect()
+  assert ssd.collect() == 3

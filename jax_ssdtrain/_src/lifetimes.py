@@ -243,31 +243,58 @@ def collect() -> int:
 
   with _sweep_lock:
     seq_limit = int(native.stats()["next_seq"])
-    pairs = _handle_pairs(ready_live_arrays())
+    try:
+      arrays = ready_live_arrays(strict=True)
+    except StaleSnapshot:
+      return 0  # a program took arrays of the snapshot: the next sweep sees its results
+    try:
+      pairs = _handle_pairs(arrays)
+    except RuntimeError:
+      if any(a.is_deleted() for a in arrays):  # donated between the wait and the read
+        return 0
+      raise
+    if any(a.is_deleted() for a in arrays):
+      return 0
     return native.sweep(pairs, seq_limit)
 
 
 _sweep_lock = threading.Lock()
 
 
-def ready_live_arrays():
+class StaleSnapshot(RuntimeError):
+  """A live array of the snapshot was donated or deleted while it was waited for: a program
+  dispatched since may load what it held, and its results are not in the snapshot."""
+
+
+def ready_live_arrays(*, strict: bool = False):
   """Waits for every live ``jax.Array`` and returns those that hold a value. An array whose
   program failed (an error its caller has seen, or will see when it reads the array) holds no
-  handle a program could load, and must not make every later wait raise that error again."""
+  handle a program could load, and must not make every later wait raise that error again.
+
+  An array donated or deleted since the snapshot is left out too; with ``strict`` (a sweep)
+  it raises StaleSnapshot instead: a program dispatched after the snapshot took it and may
+  still load the entries it held, and that program's results were not waited for."""
   import jax
 
   arrays = live_arrays()
   try:
     jax.block_until_ready(arrays)
-    return arrays
   except jax.errors.JaxRuntimeError:
     pass
+  else:
+    return arrays
   ready = []
   for a in arrays:
     try:
       a.block_until_ready()
-    except jax.errors.JaxRuntimeError:
-      continue
+    except RuntimeError as e:  # JaxRuntimeError included
+      if a.is_deleted():
+        if strict:
+          raise StaleSnapshot("a live array was donated during the sweep's wait") from None
+        continue
+      if isinstance(e, jax.errors.JaxRuntimeError):
+        continue  # its program failed
+      raise
     ready.append(a)
   return ready
 

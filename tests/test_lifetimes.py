@@ -304,7 +304,7 @@ def test_a_sweep_whose_snapshot_was_donated_releases_nothing(store, monkeypatch)
   assert held and native.stats()["live_entries"] == 3
   snapshot = lifetimes.live_arrays()
   jax.jit(lambda hs: [h + 0 for h in hs], donate_argnums=0)(held)  # donated after the snapshot
-  monkeypatch.setattr(lifetimes, "live_arrays", lambda: snapshot)
+  monkeypatch.setattr(lifetimes, "live_arrays", lambda s=snapshot: s)
   assert ssd.collect() == 0
   assert native.stats()["live_entries"] == 3
   monkeypatch.undo()

@@ -243,10 +243,9 @@ def collect() -> int:
 
   with _sweep_lock:
     seq_limit = int(native.stats()["next_seq"])
-    try:
-      arrays = ready_live_arrays(strict=True)
-    except StaleSnapshot:
-      return 0  # a program took arrays of the snapshot: the next sweep sees its results
+    arrays = ready_live_arrays(strict=True)
+    if arrays is None:  # a program took arrays of the snapshot: the next sweep sees its results
+      return 0
     try:
       pairs = _handle_pairs(arrays)
     except RuntimeError:
@@ -261,19 +260,14 @@ def collect() -> int:
 _sweep_lock = threading.Lock()
 
 
-class StaleSnapshot(RuntimeError):
-  """A live array of the snapshot was donated or deleted while it was waited for: a program
-  dispatched since may load what it held, and its results are not in the snapshot."""
-
-
 def ready_live_arrays(*, strict: bool = False):
   """Waits for every live ``jax.Array`` and returns those that hold a value. An array whose
   program failed (an error its caller has seen, or will see when it reads the array) holds no
   handle a program could load, and must not make every later wait raise that error again.
 
   An array donated or deleted since the snapshot is left out too; with ``strict`` (a sweep)
-  it raises StaleSnapshot instead: a program dispatched after the snapshot took it and may
-  still load the entries it held, and that program's results were not waited for."""
+  the answer is None instead (a stale snapshot): a program dispatched after the snapshot took
+  it and may still load the entries it held, and that program's results were not waited for."""
   import jax
 
   arrays = live_arrays()
@@ -290,7 +284,7 @@ def ready_live_arrays(*, strict: bool = False):
     except RuntimeError as e:  # JaxRuntimeError included
       if a.is_deleted():
         if strict:
-          raise StaleSnapshot("a live array was donated during the sweep's wait") from None
+          return None
         continue
       if isinstance(e, jax.errors.JaxRuntimeError):
         continue  # its program failed

@@ -5,8 +5,9 @@ state live in the store (host tier, files, or the host tier spilling to the file
 chunks of rows, and the device holds one handle (uint32[2]) per chunk; small leaves (step
 counts, scalars) stay on the device.
 
-How ``update`` stays exact. ``tx.update`` is traced once, as it is, on the whole trees, and its
-equations are split, not rewritten:
+How ``update`` computes what ``tx`` computes. ``tx.update`` is traced once, as it is, on the
+whole trees, and its equations are split, not rewritten (nested jit calls are expanded, each
+call with its own variables):
 
 * *device part*: every equation that reads no stored leaf (a global norm of the gradients, a
   schedule, the step count) runs first, on the device, exactly as ``tx`` would run it;
@@ -15,13 +16,17 @@ equations are split, not rewritten:
   parameter form one group). Each group runs on its own, one after the other, loading its
   leaves and storing the new ones.
 
-A group whose equations are all elementwise over one shape runs chunk by chunk (rows
-``[r0, r1)`` of every operand of that shape; scalars as they are): elementwise operations give
-the same bits on a slice as on the whole. Any other group runs whole (its leaves loaded at once);
+A group whose equations are all elementwise over one shape runs chunk by chunk, as a
+``lax.scan`` (rows ``[r0, r1)`` of every operand of that shape; scalars as they are):
+elementwise operations give the same bits on a slice as on the whole, though XLA may fuse and
+rewrite the streamed program differently from ``tx``'s own (a few ulps; the same program with
+the state on the device, ``location="device"``, agrees bit for bit, its loaded and stored chunks
+passing the same optimization barriers). Any other group runs whole (its leaves loaded at once);
 one that reads the state of parameters of different shapes couples them (``lax.cond`` over the
 whole state, as ``optax.MultiSteps`` does, or a norm over several leaves) and is refused, naming
 the transformation. Chunks are pipelined: the loads of chunk ``k`` wait for the stores of chunk
 ``k - 2`` (an optimization barrier), so at most three chunks' state is on the device at once.
+The state's loads read their handles (``exact``): their entries come from an earlier step.
 
 The new version of each chunk is written beside the old one: the old entries are released by the
 store's sweeps once no live array holds their handles (lifetimes.py), so a failed step leaves
@@ -643,8 +648,8 @@ def _plan(prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str) 
   # An elementwise equation that reads no stored leaf and feeds groups alone runs in them:
   # one on the chunk (0.1 * g in Adam's first moment) in the one group it feeds, a scalar one
   # (a bias correction 1 - b ** count) in each group that uses it. Then each group holds the
-  # same chain of operations as tx's own program from its inputs on, and XLA rewrites it
-  # alike (x / s into x * (1 / s), say): the results are tx's bit for bit.
+  # same chain of operations as tx's own program from its inputs on, and XLA can rewrite it as
+  # it rewrites tx's (x / s into x * (1 / s), say): the results stay within ulps of tx's.
   owners: list[set[int]] = [{find(next(iter(d)))} if d else set() for d in eqn_deps]
   stored_eqn = [bool(d) for d in eqn_deps]
   consumers: dict[Any, set] = {}
@@ -699,7 +704,8 @@ def _plan(prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str) 
         f"{name} cannot be streamed: its update reads the state of parameters of different "
         f"shapes together ({paths}{', ...' if len(members) > 6 else ''}), so no part of the "
         "state can be updated on its own. optax.MultiSteps does this (a lax.cond over the whole "
-        "state): wrap the other way round, optax.MultiSteps(offload_optimizer(tx), k)."
+        "state): accumulate around it instead, jax_ssdtrain.accumulate_gradients("
+        "offload_optimizer(tx), k), or optax.MultiSteps(offload_optimizer(tx), k)."
       )
     (shape,) = shapes
     bounds = {leaves[i].bounds for i in members}

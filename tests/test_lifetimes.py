@@ -311,3 +311,13 @@ def test_a_sweep_whose_snapshot_was_donated_releases_nothing(store, monkeypatch)
   del vjp, held, snapshot
   gc.collect()
   assert ssd.collect() == 3
+
+
+def test_a_scan_of_no_layers_with_a_storing_body_compiles(store):
+  # A stack split where one part has no layers (Plan.scan with every layer on one side): the
+  # count once divided by the zero runs of the store.
+  policy = ssd.offload_policy(["h"], min_bytes=0)
+  body = jax.checkpoint(lambda c, w: (jnp.sin(checkpoint_name(c @ w, "h")), None), policy=policy)
+  ws = jnp.ones((0, 8, 8))
+  f = jax.jit(jax.grad(lambda x: jax.lax.scan(body, x, ws)[0].sum()))
+  np.testing.assert_array_equal(np.asarray(f(jnp.ones((4, 8)))), np.ones((4, 8)))

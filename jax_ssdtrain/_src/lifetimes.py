@@ -60,7 +60,7 @@ class _Site:
     if len(set(self.store_runs)) != 1:  # stored in places that run differently often
       return UNCOUNTED
     stores = sum(self.store_runs)
-    if self.load_runs % stores:
+    if stores == 0 or self.load_runs % stores:  # 0: in a scan of no iterations
       return UNCOUNTED
     return self.load_runs // stores
 

@@ -476,7 +476,7 @@ def run_cap(args, shape, bandwidth) -> dict:
       for n in args.cap_policies
     ]
     for name, allowed in (
-      ("auto", tuple(ssd.Location)),
+      ("auto", ("remat", "device", "host", "nvme")),
       ("auto_nvme", ("device", "remat", "nvme")),
     ):
       try:

@@ -76,7 +76,8 @@ def test_bench_planner_tiny(tmp_path):
   for r in rows.values():
     assert r["x_best_jax"] == pytest.approx(r["tokens_per_s"] / best_jax)
   # the planner's compiles are recorded, and the plan it measured is one of them
-  (mine,) = [
+  # (auto_nvme may have chosen and measured the same plan: then it is there twice)
+  mine = [
     c
     for c in cap["compiles"]
     if c["batch"] == rows["auto"]["batch"]
@@ -84,6 +85,8 @@ def test_bench_planner_tiny(tmp_path):
     and c["locations"] == rows["auto"]["plan"]["locations"]
     and c["cap_GB"] == 1
   ]
-  assert mine["device_GB"] == pytest.approx(rows["auto"]["device_GB"]) and mine["device_GB"] <= 1
+  assert mine
+  for m in mine:
+    assert m["device_GB"] == pytest.approx(rows["auto"]["device_GB"]) and m["device_GB"] <= 1
   assert path.with_name(path.stem + "_cap.png").stat().st_size > 0
   assert "| ssd_host_named | 4 |" in path.with_suffix(".md").read_text()

@@ -336,7 +336,8 @@ def plan(
 ) -> Plan:
   """The plan with the least residual device memory within ``max_slowdown`` of all-on-device.
 
-  allowed: locations the planner may use; fixed: tags whose location is given.
+  allowed: locations the planner may use ("host,nvme" is left out: a spill it does not model);
+  fixed: tags whose location is given.
   Tags smaller than ``min_bytes`` are never offloaded (the policy keeps them on the device).
   """
   return min(_feasible(profile, max_slowdown, allowed, fixed, min_bytes), key=_rank)
@@ -761,12 +762,16 @@ def _candidates(profile: Profile, allowed, fixed, min_bytes) -> Iterable[Plan]:
     if name not in names:
       raise ValueError(f"fixed: unknown tag {name!r}; the profile has {names}")
   fixed = {n: Location.parse(v, what=f"fixed[{n!r}]") for n, v in fixed.items()}
-  for what, locs in (("allowed", allowed), ("fixed", tuple(fixed.values()))):
-    if Location.HOST_NVME in locs:
-      raise ValueError(
-        f"{what}: the planner places each tag in one tier and does not model 'host,nvme' (a "
-        "spill); plan with 'host' and 'nvme' instead"
-      )
+  # "host,nvme" (a spill) is not a tier the planner models: left out of what it may choose
+  # (so that allowed=tuple(Location) works), refused where a tag is fixed to it.
+  allowed = tuple(loc for loc in allowed if loc is not Location.HOST_NVME)
+  if not allowed:
+    raise ValueError("allowed: expected at least one of remat, device, host, nvme")
+  if Location.HOST_NVME in fixed.values():
+    raise ValueError(
+      "fixed: the planner places each tag in one tier and does not model 'host,nvme' (a "
+      "spill); fix the tag to 'host' or 'nvme' instead"
+    )
   choices = []
   for t in profile.tags:
     opts = (fixed[t.name],) if t.name in fixed else allowed

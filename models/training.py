@@ -342,6 +342,8 @@ def restore_checkpoint(manager, state: TrainState, step: int | None = None) -> T
   """Restore ``step`` (default: the latest) into the structure of ``state``."""
   import orbax.checkpoint as ocp
 
+  import jax_ssdtrain as ssd
+
   step = manager.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint in {manager.directory}")
@@ -356,8 +358,6 @@ def restore_checkpoint(manager, state: TrainState, step: int | None = None) -> T
     )
   )
   restored = manager.restore(step, args=ocp.args.StandardRestore(template))
-  import jax_ssdtrain as ssd
-
   opt_state = jax.tree.map(
     lambda like, r: ssd.state_from_host(r, like) if _is_offloaded(like) else r,
     state.opt_state,

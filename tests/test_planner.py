@@ -842,19 +842,11 @@ def test_train_policy_auto_errors(flags, message, capsys):
 
 
 def test_host_nvme_is_not_a_tier_the_planner_models():
-  prof = ssd.Profile(
-    num_layers=4,
-    forward_s=1.0,
-    backward_s=1.0,
-    tags=(T("up", GB),),
-    write_gbps=1.0,
-    read_gbps=1.0,
-    host_gbps=1.0,
-  )
+  prof = dataclasses.replace(one_tag(1.0), host_gbps=1.0)
   everything = ssd.plan(prof, max_slowdown=1.0, allowed=tuple(ssd.Location), min_bytes=0)
   assert everything == ssd.plan(prof, max_slowdown=1.0, min_bytes=0)
   assert all(loc is not ssd.Location.HOST_NVME for _, loc in everything.locations)
   with pytest.raises(ValueError, match="fixed: the planner .* does not model 'host,nvme'"):
-    ssd.plan(prof, fixed={"up": "host,nvme"}, min_bytes=0)
+    ssd.plan(prof, fixed={"a": "host,nvme"}, min_bytes=0)
   with pytest.raises(ValueError, match="allowed: expected at least one of"):
     ssd.plan(prof, allowed=("host,nvme",), min_bytes=0)

@@ -344,7 +344,7 @@ Literal = _ext_core.Literal
 DropVar = _ext_core.DropVar
 
 # Call primitives whose body optimizer.py expands in place, and the param holding that body (a
-# ClosedJaxpr). "jit" is "pjit" before jax 0.10; custom-derivative calls run their primal body
+# ClosedJaxpr). "pjit" is the name older releases give "jit"; custom-derivative calls run their primal body
 # (the update is never differentiated).
 CALL_BODY_PARAMS = {
   "jit": "jaxpr",

@@ -77,8 +77,9 @@ def offload_optimizer(
   Args:
     tx: an optax ``GradientTransformation`` (chains, ``masked``, schedules,
       ``clip_by_global_norm``, ...), or anything with optax's ``init``/``update``.
-      For gradient accumulation wrap the result: ``optax.MultiSteps(offload_optimizer(tx), k)``
-      (the state is then streamed once per ``k`` micro-batches).
+      For gradient accumulation wrap the result: ``accumulate_gradients(offload_optimizer(tx),
+      k)`` streams the state once per ``k`` micro-batches (``optax.MultiSteps`` around it
+      streams it at every micro-batch).
     location: ``"host"`` (pinned host memory), ``"nvme"`` (the store files) or ``"host,nvme"``
       (the host tier while it has room, then the files); ``"device"`` runs the same streamed
       program with the state on the device (a reference: the store's results equal it bit for
@@ -87,8 +88,9 @@ def offload_optimizer(
     chunk_bytes: rows of a leaf streamed at once (a leaf is cut along its first axis).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose ``update`` gives the updates ``tx`` gives,
-    bit for bit, and whose state is an :class:`OffloadedState`.
+    An ``optax.GradientTransformationExtraArgs`` whose ``update`` runs ``tx``'s operations (its
+    results are those of ``location="device"`` bit for bit, and within a few ulps of ``tx`` on
+    the device, see the module doc), and whose state is an :class:`OffloadedState`.
   """
   import optax
 
@@ -128,35 +130,26 @@ def offload_optimizer(
 def optimizer_state(state: OffloadedState) -> Any:
   """``tx``'s own state, every stored leaf loaded onto the device (for inspection, tests and
   small models: it needs the whole state's device memory). Checkpoints do not need it."""
-  if not isinstance(state, OffloadedState):
-    raise TypeError(f"state: expected an OffloadedState, got {type(state).__name__}")
+  _check_state(state, "state")
   return jax.jit(_materialize)(state)
 
 
 def state_to_host(state: OffloadedState) -> Any:
   """``tx``'s state as NumPy arrays in host memory, read from the store one chunk at a time (the
   device holds one chunk at once): what a checkpoint saves. See :func:`state_from_host`."""
-  if not isinstance(state, OffloadedState):
-    raise TypeError(f"state: expected an OffloadedState, got {type(state).__name__}")
-  layout, device, handles = state.layout, iter(state.device), iter(state.handles)
-  leaves = []
-  for leaf in layout.leaves:
-    if not leaf.stored:
-      leaves.append(np.asarray(next(device)))
-      continue
-    hs = next(handles)
-    if layout.tier == DEVICE_TIER:
-      leaves.append(np.asarray(hs))
-      continue
+  _check_state(state, "state")
+
+  def read(leaf, hs):
     out = np.empty(leaf.shape, leaf.dtype)
     for k, (r0, r1) in enumerate(leaf.bounds):
-      chunk = np.asarray(_load_jit(leaf, k, layout.tier)(hs[k]))
+      chunk = np.asarray(_load_jit(leaf, k, state.layout.tier)(hs[k]))
       if leaf.shape:
         out[r0:r1] = chunk
       else:
         out[...] = chunk
-    leaves.append(out)
-  return layout.treedef.unflatten(leaves)
+    return out
+
+  return jax.tree.map(np.asarray, _tx_state(state, read))
 
 
 def state_from_host(tree: Any, like: OffloadedState) -> OffloadedState:
@@ -164,8 +157,7 @@ def state_from_host(tree: Any, like: OffloadedState) -> OffloadedState:
   checkpoint), written to the store one chunk at a time. Raises OptimizerOffloadError when
   ``tree`` does not have ``like``'s structure, shapes and dtypes (a checkpoint of another
   layout)."""
-  if not isinstance(like, OffloadedState):
-    raise TypeError(f"like: expected an OffloadedState, got {type(like).__name__}")
+  _check_state(like, "like")
   layout = like.layout
   values, treedef = jax.tree_util.tree_flatten(tree)
   if treedef != layout.treedef:
@@ -205,20 +197,32 @@ def _store_jit(leaf: LeafLayout, k: int, tier: int):
 
 
 def _materialize(state: OffloadedState) -> Any:
+  def load(leaf, hs):
+    parts = [_load(hs[k], leaf, k, state.layout.tier) for k in range(len(leaf.bounds))]
+    value = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    return value.reshape(leaf.shape)
+
+  return _tx_state(state, load)
+
+
+def _tx_state(state: OffloadedState, read_stored) -> Any:
+  """``tx``'s state tree from ``state``: the device leaves as they are, each stored leaf as
+  ``read_stored(leaf layout, its handles)`` (with location="device": the leaf itself)."""
   layout, device, handles = state.layout, iter(state.device), iter(state.handles)
   leaves = []
   for leaf in layout.leaves:
     if not leaf.stored:
       leaves.append(next(device))
-      continue
-    hs = next(handles)
-    if layout.tier == DEVICE_TIER:
-      leaves.append(hs)
-      continue
-    parts = [_load(hs[k], leaf, k, layout.tier) for k in range(len(leaf.bounds))]
-    value = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-    leaves.append(value.reshape(leaf.shape))
+    elif layout.tier == DEVICE_TIER:
+      leaves.append(next(handles))
+    else:
+      leaves.append(read_stored(leaf, next(handles)))
   return layout.treedef.unflatten(leaves)
+
+
+def _check_state(state: Any, what: str) -> None:
+  if not isinstance(state, OffloadedState):
+    raise TypeError(f"{what}: expected an OffloadedState, got {type(state).__name__}")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -666,7 +670,7 @@ def _plan(prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str) 
     if not users or any(not u for u in users):  # the device part needs it too
       continue
     groups_using = set().union(*users)
-    scalar = all(tuple(_aval_of(v).shape) == () for v in eqn.outvars)
+    scalar = all(tuple(v.aval.shape) == () for v in eqn.outvars)
     if scalar or len(groups_using) == 1:  # a scalar is recomputed by each group that uses it
       owners[k] = groups_using
   device_eqns, by_root = [], {}
@@ -724,7 +728,7 @@ def _pullable(eqn: _Eqn) -> bool:
   if eqn.primitive is None or not eqn.outvars:
     return eqn.primitive is None
   name = eqn.primitive.name
-  return name in ELEMENTWISE or (name == "broadcast_in_dim" and _aval_of(eqn.invars[0]).shape == ())
+  return name in ELEMENTWISE or (name == "broadcast_in_dim" and eqn.invars[0].aval.shape == ())
 
 
 def _elementwise(eqns: list[_Eqn], shape: tuple[int, ...]) -> bool:
@@ -734,18 +738,14 @@ def _elementwise(eqns: list[_Eqn], shape: tuple[int, ...]) -> bool:
     if e.primitive is None:
       pass
     elif e.primitive.name == "broadcast_in_dim":  # of a scalar only
-      if tuple(_aval_of(e.invars[0]).shape) != ():
+      if tuple(e.invars[0].aval.shape) != ():
         return False
     elif e.primitive.name not in ELEMENTWISE:
       return False
     for v in list(e.invars) + list(e.outvars):
-      if tuple(_aval_of(v).shape) not in ((), shape):
+      if tuple(v.aval.shape) not in ((), shape):
         return False
   return True
-
-
-def _aval_of(v):
-  return v.aval
 
 
 def _is_var(v) -> bool:

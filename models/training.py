@@ -144,7 +144,24 @@ def jit_train_step(state_shardings=None):
 
 def shard_train_state(state: TrainState, parallelism, mesh):
   """Places ``state`` on ``mesh`` (params and optimizer state per ``parallelism``, see
-  models.parallel); returns (state, its shardings)."""
+  models.parallel); returns (state, its shardings). Optimizer state in the store
+  (``offload_optimizer``) is made again from the placed parameters, so that each device streams
+  its own blocks, and filled with the values it held."""
+  import jax_ssdtrain as ssd
+
+  offloaded = jax.tree.leaves(state.opt_state, is_leaf=_is_offloaded)
+  if any(_is_offloaded(x) for x in offloaded):
+    placed, _ = shard_train_state(state.replace(opt_state=()), parallelism, mesh)
+    values = _state_for_checkpoint(state).opt_state  # NumPy, read chunk by chunk
+    fresh = state.tx.init(placed.params)
+    opt_state = jax.tree.map(
+      lambda f, v: ssd.state_from_host(v, f) if _is_offloaded(f) else _place_like(v, f),
+      fresh,
+      values,
+      is_leaf=_is_offloaded,
+    )
+    placed = placed.replace(opt_state=opt_state)
+    return placed, jax.tree.map(lambda x: x.sharding, placed)
   shardings = parallelism.shardings(state, mesh)
   host = jax.tree.map(np.asarray, state)  # from the one device it was created on
   # Every process holds the whole state: each device takes its slice (works across hosts).
@@ -152,6 +169,11 @@ def shard_train_state(state: TrainState, parallelism, mesh):
     lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]), host, shardings
   )
   return placed, shardings
+
+
+def _place_like(value, like):
+  """``value`` (host) placed as ``like`` (an array of the freshly made optimizer state)."""
+  return jax.device_put(np.asarray(value), like.sharding)
 
 
 def shard_batch(tokens, parallelism, mesh):

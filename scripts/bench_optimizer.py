@@ -9,6 +9,7 @@ same run (pinned copies each way, and both at once): the streamed update moves t
 ways, so its rate is compared with the two-way rate.
 
   python -m scripts.bench_optimizer [--leaves 8 --rows 4096 --cols 8192] [--out DIR]
+  python -m scripts.bench_optimizer --devices 2   (FSDP: each device ROWS rows of every leaf)
   python -m scripts.bench_optimizer --tiny        (a CPU smoke run)
 """
 
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import optax
 
 import jax_ssdtrain as ssd
@@ -41,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--store-dir", default=None, help="store directory (default: a private temp)")
+  p.add_argument(
+    "--devices",
+    type=int,
+    default=1,
+    help="shard every leaf's rows over this many devices (each holds ROWS rows: weak scaling); "
+    "each streams its own blocks",
+  )
   p.add_argument("--tiny", action="store_true", help="a CPU smoke run (small leaves, 2 steps)")
   bc.add_out_option(p)
   return p
@@ -83,11 +92,19 @@ def _jax_pinned_host_step(tx, params):
 
 def run(args) -> dict:
   tx = optax.adam(1e-3)
-  shape = (args.rows, args.cols)
+  n = args.devices
+  if n > len(jax.devices()):
+    raise SystemExit(f"--devices {n}: only {len(jax.devices())} device(s) here")
+  shape = (args.rows * n, args.cols)
+  place = lambda x: x  # noqa: E731
+  if n > 1:  # FSDP: rows sharded; init sees the placed parameters and shards the state alike
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
+    by_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
+    place = lambda x: jax.device_put(x, by_rows)  # noqa: E731
   keys = jax.random.split(jax.random.key(0), args.leaves)
-  make = lambda: {f"w{i}": jax.random.normal(k, shape) * 0.02 for i, k in enumerate(keys)}
-  grads = {f"w{i}": jax.random.normal(k, shape) * 1e-3 for i, k in enumerate(keys[::-1])}
-  param_bytes = args.leaves * args.rows * args.cols * 4
+  make = lambda: {f"w{i}": place(jax.random.normal(k, shape) * 0.02) for i, k in enumerate(keys)}
+  grads = {f"w{i}": place(jax.random.normal(k, shape) * 1e-3) for i, k in enumerate(keys[::-1])}
+  param_bytes = args.leaves * args.rows * n * args.cols * 4
   state_bytes = 2 * param_bytes  # Adam's two moments
   gpu = jax.default_backend() == "gpu"
   link = None
@@ -108,7 +125,7 @@ def run(args) -> dict:
     host_tier_bytes=max(5 * state_bytes, 64 << 20),
   ):
     for variant in args.variants.split(","):
-      if variant == "jax_pinned_host" and not gpu:
+      if variant == "jax_pinned_host" and (not gpu or n > 1):
         continue
       params = make()
       if variant == "device":
@@ -126,10 +143,10 @@ def run(args) -> dict:
       s = ssd.stats()
       row = dict(variant=variant, step_s=t, state_gb=state_bytes / 1e9)
       if variant in ("host", "nvme"):
-        n = args.steps + args.warmup
-        row["read_gb_per_step"] = s["bytes_read"] / n / 1e9
-        row["written_gb_per_step"] = s["bytes_written"] / n / 1e9
-        row["each_way_gbps"] = state_bytes / t / 1e9
+        runs = args.steps + args.warmup
+        row["read_gb_per_step"] = s["bytes_read"] / runs / 1e9
+        row["written_gb_per_step"] = s["bytes_written"] / runs / 1e9
+        row["each_way_gbps"] = state_bytes / n / t / 1e9  # per device: each has its own link
         if link:
           row["x_two_way_link"] = row["each_way_gbps"] / min(link["duplex_d2h"], link["duplex_h2d"])
       rows.append(row)
@@ -141,6 +158,7 @@ def run(args) -> dict:
     bench="optimizer",
     args={k: str(v) for k, v in vars(args).items()},
     env=bc.host_env(),
+    devices=n,
     param_gb=param_bytes / 1e9,
     state_gb=state_bytes / 1e9,
     link_gbps=link,
@@ -152,6 +170,7 @@ def table(doc: dict) -> str:
   link = doc["link_gbps"]
   head = (
     f"Adam over {doc['param_gb']:.2f} GB of float32 parameters, {doc['state_gb']:.2f} GB of state"
+    + (f", sharded over {doc['devices']} devices" if doc.get("devices", 1) > 1 else "")
     + (
       f"; link {link['d2h']:.1f}/{link['h2d']:.1f} GB/s alone, "
       f"{link['duplex_d2h']:.1f}/{link['duplex_h2d']:.1f} both at once"
@@ -162,7 +181,7 @@ def table(doc: dict) -> str:
   lines = [
     head,
     "",
-    "| variant | step ms | x device | state GB/s each way | x two-way link |",
+    "| variant | step ms | x device | state GB/s each way (per device) | x two-way link |",
     "|---|---|---|---|---|",
   ]
   for r in doc["rows"]:
@@ -196,7 +215,8 @@ def main(argv=None) -> dict:
     args.chunk, args.min_bytes = 32 << 10, 4096
   doc = run(args)
   args.out.mkdir(parents=True, exist_ok=True)
-  stem = args.out / f"optimizer_{bc.slug(jax.devices()[0].device_kind)}_{bc.today()}"
+  kind = bc.slug(jax.devices()[0].device_kind) + (f"_x{args.devices}" if args.devices > 1 else "")
+  stem = args.out / f"optimizer_{kind}_{bc.today()}"
   bc.write_results(stem, doc, table(doc), plot(doc))
   print(f"wrote {stem}.json")
   return doc

@@ -285,6 +285,31 @@ def test_bench_optimizer_tiny(tmp_path):
     assert rows[v]["written_gb_per_step"] == pytest.approx(doc["state_gb"], rel=1e-9)
 
 
+@pytest.mark.slow
+def test_bench_accumulate_tiny(tmp_path):
+  import json
+  import os
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  root = Path(__file__).resolve().parents[1]
+  cmd = [sys.executable, "-m", "scripts.bench_accumulate", "--tiny", "--out", str(tmp_path)]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=600)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  (path,) = tmp_path.glob("accumulate_cpu_*.json")
+  doc = json.loads(path.read_text())
+  rows = {r["variant"]: r for r in doc["rows"]}
+  assert set(rows) == {"device", "host", "nvme"} and doc["accum"] == [1, 4, 16]
+  assert rows["device"]["written_gb_per_update"] == 0
+  for r in rows.values():
+    assert r["step_s_k16"] == pytest.approx(15 * r["accumulate_s"] + r["update_s"])
+    assert r["x_device_k4"] == pytest.approx(r["step_s_k4"] / rows["device"]["step_s_k4"])
+  for v in ("host", "nvme"):  # the stored state went through the store at each update
+    assert rows[v]["written_gb_per_update"] > 0
+
+
 def _train_state_steps(tx, state, n):
   x = jax.random.normal(jax.random.key(7), (16, 64))
 
@@ -367,3 +392,78 @@ def test_a_checkpoint_of_another_layout_is_refused(store):
     ssd.state_from_host(other, state)
   with pytest.raises(OptimizerOffloadError, match="another structure"):
     ssd.state_from_host(optax.sgd(1.0, momentum=0.9).init(_params()), state)
+
+
+# ---------------------------------------------------------------------------------------------
+# State sharded over several devices (FSDP): each device streams its own blocks
+
+
+def _sharded_worker(tmp_path, **env_vars) -> dict:
+  """tests/_sharded_optimizer_worker.py's JSON result (a process of its own: the device count is
+  fixed when jax starts)."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  from _limits import HANG_S
+
+  here = os.path.dirname(os.path.abspath(__file__))
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.path.dirname(here) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    TMPDIR=str(tmp_path),
+    **env_vars,
+  )
+  proc = subprocess.run(
+    [sys.executable, os.path.join(here, "_sharded_optimizer_worker.py")],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=HANG_S,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check_sharded(r: dict, devices: int) -> None:
+  assert r["devices"] == devices
+  assert sorted(r["tx"]) == ["adam", "chain", "lion", "sgd_momentum"]
+  for name, t in r["tx"].items():
+    # Bit for bit the same streamed program with the state on the devices, from the store's
+    # host tier and its files; within float32 rounding of tx's own program.
+    assert t["host_eq_device"] and t["nvme_eq_device"] and t["state_host_eq_device"], name
+    assert t["vs_tx"] < 1e-5, (name, t["vs_tx"])
+    # Each device wrote its blocks of the state, once per version, and nothing of the others'.
+    for where in ("host", "nvme"):
+      per_device = t[f"{where}_written_per_device"]
+      assert sorted(per_device) == [str(d) for d in range(devices)], (name, per_device)
+      assert set(per_device.values()) == {t["expected_per_device"]}, (name, where, per_device)
+    # One row of handles per device, sharded so that each device holds its own.
+    assert all(shape[0] == devices and spec == "P('data',)" for shape, spec in t["handles"])
+    assert t["params_specs"]["rows"] == "P('data',)" and t["params_specs"]["cols"] == (
+      "P(None, 'data')"
+    )
+    assert t["saved_eq_state"] and t["resumed_eq"], name
+  # models.training's FSDP path (scripts/train.py --mesh dp=N,fsdp --optimizer-location host)
+  t = r["train"]
+  assert t["stored_leaves"] > 0 and t["handle_rows"] == [devices], t
+  assert t["host_eq_device"] and t["vs_tx"] < 1e-5, t
+  # LAMB's trust ratio is a norm of each whole leaf: a device's block would give another one.
+  assert "cannot stream sharded state" in r["lamb"] and "not elementwise" in r["lamb"], r["lamb"]
+
+
+def test_state_sharded_over_4_cpu_devices(tmp_path):
+  _check_sharded(_sharded_worker(tmp_path), 4)
+
+
+@pytest.mark.gpu
+def test_state_sharded_over_2_gpus(tmp_path):
+  from test_multidevice import _gpu_count
+
+  if _gpu_count() < 2:
+    pytest.skip("needs 2 GPUs")
+  r = _sharded_worker(
+    tmp_path, SSD_OPT_PLATFORM="gpu", SSD_OPT_DEVICES="2", XLA_PYTHON_CLIENT_PREALLOCATE="false"
+  )
+  _check_sharded(r, 2)

@@ -28,6 +28,15 @@ the transformation. Chunks are pipelined: the loads of chunk ``k`` wait for the 
 ``k - 2`` (an optimization barrier), so at most three chunks' state is on the device at once.
 The state's loads read their handles (``exact``): their entries come from an earlier step.
 
+Sharded state (FSDP). When ``init`` gets parameters placed with NamedShardings on a mesh of
+several devices, each stored leaf takes the PartitionSpec of the parameter it mirrors (its path
+ends with the parameter's; replicated where none matches) and every device streams its own block
+of it: the groups run in one ``shard_map`` over the mesh, each device loading and storing its
+blocks' chunks through its own engine, and the handles are ``uint32[devices, chunks, 2]`` with one
+row per device. The device part (a global norm) stays in the partitioned program. A group that
+is not elementwise (a norm of one whole leaf, as LAMB's trust ratio) would see only a block and
+is refused.
+
 The new version of each chunk is written beside the old one: the old entries are released by the
 store's sweeps once no live array holds their handles (lifetimes.py), so a failed step leaves
 the state it started from intact.
@@ -111,7 +120,7 @@ def offload_optimizer(
 
   def init_fn(params):
     shapes = jax.eval_shape(tx.init, params)
-    layout = _make_layout(shapes, opts, name)
+    layout = _make_layout(shapes, opts, name, params)
     # Under jit: a stored leaf is made and stored chunk by chunk, never whole next to the others.
     return jax.jit(lambda p: _stream(tx.init, (p,), layout, None, name)[1])(params)
 
@@ -136,14 +145,20 @@ def optimizer_state(state: OffloadedState) -> Any:
 
 def state_to_host(state: OffloadedState) -> Any:
   """``tx``'s state as NumPy arrays in host memory, read from the store one chunk at a time (the
-  device holds one chunk at once): what a checkpoint saves. See :func:`state_from_host`."""
+  device holds one chunk at once; sharded state: each device one chunk of its block): what a
+  checkpoint saves. See :func:`state_from_host`."""
   _check_state(state, "state")
+  layout = state.layout
+  blocks = _device_blocks(layout, "state_to_host")
 
   def read(leaf, hs):
     out = np.empty(leaf.shape, leaf.dtype)
     for k, (r0, r1) in enumerate(leaf.bounds):
-      chunk = np.asarray(_load_jit(leaf, k, state.layout.tier)(hs[k]))
-      if leaf.shape:
+      chunk = np.asarray(_load_jit(leaf, k, layout.tier, layout.mesh)(hs[k] if not blocks else hs))
+      if blocks:  # [devices, rows, ...]: each device's rows of its block
+        for d, index in enumerate(blocks(leaf)):
+          out[index][r0:r1] = chunk[d]
+      elif leaf.shape:
         out[r0:r1] = chunk
       else:
         out[...] = chunk
@@ -159,6 +174,7 @@ def state_from_host(tree: Any, like: OffloadedState) -> OffloadedState:
   layout)."""
   _check_state(like, "like")
   layout = like.layout
+  blocks = _device_blocks(layout, "state_from_host")
   values, treedef = jax.tree_util.tree_flatten(tree)
   if treedef != layout.treedef:
     raise OptimizerOffloadError(
@@ -173,34 +189,94 @@ def state_from_host(tree: Any, like: OffloadedState) -> OffloadedState:
         f"the optimizer's is {leaf.dtype.name}{list(leaf.shape)}: a checkpoint of another layout?"
       )
     if not leaf.stored:
-      device.append(jnp.asarray(value))
+      if layout.mesh is None:
+        device.append(jnp.asarray(value))
+      else:  # replicated over the mesh, as init makes them
+        replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
+        device.append(jax.device_put(np.asarray(value), replicated))
     elif layout.tier == DEVICE_TIER:
-      handles.append(jnp.asarray(value))
+      sharding = None if not layout.mesh else jax.sharding.NamedSharding(layout.mesh, leaf.spec)
+      handles.append(jax.device_put(np.asarray(value), sharding))
+    elif blocks:  # chunk k of every device's block, one row per device
+      value, index = np.asarray(value), blocks(leaf)
+      rows = jax.sharding.NamedSharding(layout.mesh, _per_device(layout.mesh))
+      hs = [
+        _store_jit(leaf, k, layout.tier, layout.mesh)(
+          jax.device_put(np.stack([value[i][r0:r1] for i in index]), rows)
+        )
+        for k, (r0, r1) in enumerate(leaf.bounds)
+      ]
+      handles.append(jnp.stack(hs, axis=1))
     else:
       value = np.asarray(value)
       hs = [
-        _store_jit(leaf, k, layout.tier)(value[r0:r1] if leaf.shape else value)
+        _store_jit(leaf, k, layout.tier, None)(value[r0:r1] if leaf.shape else value)
         for k, (r0, r1) in enumerate(leaf.bounds)
       ]
       handles.append(jnp.stack(hs))
   return OffloadedState(device, handles, layout)
 
 
-@functools.cache
-def _load_jit(leaf: LeafLayout, k: int, tier: int):
-  return jax.jit(lambda h: _load(h, leaf, k, tier))
+def _per_device(mesh) -> Any:
+  """Arrays with one row per device of ``mesh`` (in ``mesh.devices.flat`` order): handles."""
+  return jax.sharding.PartitionSpec(tuple(mesh.axis_names))
+
+
+def _device_blocks(layout: Layout, what: str):
+  """For sharded state: ``blocks(leaf)``, the index of each device's block of ``leaf`` (in
+  ``mesh.devices.flat`` order); None for state on one device."""
+  mesh = layout.mesh
+  if mesh is None or layout.tier == DEVICE_TIER:
+    return None
+  if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+    raise OptimizerOffloadError(
+      f"{what}: the optimizer state is sharded over devices of several processes; each process "
+      "can read only its own devices' blocks (save and restore per process)"
+    )
+
+  def blocks(leaf):
+    where = jax.sharding.NamedSharding(mesh, leaf.spec).devices_indices_map(leaf.shape)
+    return [where[d] for d in mesh.devices.flat]
+
+  return blocks
 
 
 @functools.cache
-def _store_jit(leaf: LeafLayout, k: int, tier: int):
-  return jax.jit(lambda x: _store(x, leaf, k, tier))
+def _load_jit(leaf: LeafLayout, k: int, tier: int, mesh: Any):
+  if mesh is None:
+    return jax.jit(lambda h: _load(h, leaf, k, tier))
+  each = lambda hs: _load(hs[0, k], leaf, k, tier)[None]  # noqa: E731
+  spec = _per_device(mesh)
+  return jax.jit(jax.shard_map(each, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
+@functools.cache
+def _store_jit(leaf: LeafLayout, k: int, tier: int, mesh: Any):
+  if mesh is None:
+    return jax.jit(lambda x: _store(x, leaf, k, tier))
+  each = lambda x: _store(x[0], leaf, k, tier)[None]  # noqa: E731
+  spec = _per_device(mesh)
+  return jax.jit(jax.shard_map(each, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
 def _materialize(state: OffloadedState) -> Any:
-  def load(leaf, hs):
-    parts = [_load(hs[k], leaf, k, state.layout.tier) for k in range(len(leaf.bounds))]
+  layout = state.layout
+
+  def whole(leaf, hs):  # a leaf, or on each device its block
+    parts = [_load(hs[k], leaf, k, layout.tier) for k in range(len(leaf.bounds))]
     value = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-    return value.reshape(leaf.shape)
+    return value.reshape(leaf.block_shape)
+
+  def load(leaf, hs):
+    if layout.mesh is None:
+      return whole(leaf, hs)
+    return jax.shard_map(
+      lambda h: whole(leaf, h[0]),
+      mesh=layout.mesh,
+      in_specs=_per_device(layout.mesh),
+      out_specs=leaf.spec,
+      check_vma=False,
+    )(hs)
 
   return _tx_state(state, load)
 
@@ -282,6 +358,10 @@ class LeafLayout:
   dtype: Any
   bounds: tuple[tuple[int, int], ...] = ()  # () for a leaf kept on the device
   site: int = -1  # the store site of every chunk (the engine checks a handle's site on load)
+  # Sharded state (Layout.mesh set): the leaf's PartitionSpec and each device's block shape;
+  # bounds cut that block (every device streams its own block, chunk by chunk).
+  spec: Any = None
+  local_shape: tuple[int, ...] | None = None
 
   @property
   def stored(self) -> bool:
@@ -291,8 +371,14 @@ class LeafLayout:
   def nbytes(self) -> int:
     return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
+  @property
+  def block_shape(self) -> tuple[int, ...]:
+    """The shape one device streams: the leaf's, or its block where the state is sharded."""
+    return self.shape if self.local_shape is None else self.local_shape
+
   def chunk_shape(self, r0: int, r1: int) -> tuple[int, ...]:
-    return (r1 - r0,) + self.shape[1:] if self.shape else ()
+    shape = self.block_shape
+    return (r1 - r0,) + shape[1:] if shape else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +386,8 @@ class Layout:
   treedef: Any
   leaves: tuple[LeafLayout, ...]
   tier: int
+  # A jax.sharding.Mesh where the state is sharded (from the params init saw); None: one device.
+  mesh: Any = None
 
   @property
   def stored_bytes(self) -> int:
@@ -318,9 +406,10 @@ def _row_bounds(shape: tuple[int, ...], chunk_bytes: int) -> tuple[tuple[int, in
   return tuple((r, min(r + rows, shape[0])) for r in range(0, shape[0], rows))
 
 
-def _make_layout(shapes: Any, opts: _Options, name: str) -> Layout:
+def _make_layout(shapes: Any, opts: _Options, name: str, params: Any = None) -> Layout:
   from jax_ssdtrain._src.remat import new_site_id
 
+  mesh, param_specs = _param_specs(params, name)
   flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   leaves = []
   for path, aval in flat:
@@ -331,10 +420,60 @@ def _make_layout(shapes: Any, opts: _Options, name: str) -> Layout:
     shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
     leaf = LeafLayout(jax.tree_util.keystr(path), shape, dtype)
     if leaf.nbytes >= max(opts.min_bytes, 1):
-      bounds = _row_bounds(shape, opts.chunk_bytes)
+      if mesh is not None:
+        spec = _spec_for(path, shape, param_specs)
+        block = _block_shape(shape, spec, mesh, leaf.path, name)
+        leaf = dataclasses.replace(leaf, spec=spec, local_shape=block)
+      bounds = _row_bounds(leaf.block_shape, opts.chunk_bytes)
       leaf = dataclasses.replace(leaf, bounds=bounds, site=new_site_id())
     leaves.append(leaf)
-  return Layout(treedef, tuple(leaves), opts.tier)
+  return Layout(treedef, tuple(leaves), opts.tier, mesh)
+
+
+def _param_specs(params: Any, name: str) -> tuple[Any, dict]:
+  """``(mesh, {param path: (shape, PartitionSpec)})`` where ``params`` are arrays placed with
+  NamedShardings on one mesh of several devices; ``(None, {})`` on one device."""
+  if params is None:
+    return None, {}
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  shardings = [getattr(x, "sharding", None) for _, x in flat]
+  if not any(isinstance(s, jax.sharding.NamedSharding) and s.mesh.size > 1 for s in shardings):
+    return None, {}
+  meshes = {s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)}
+  if len(meshes) > 1 or not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings):
+    raise OptimizerOffloadError(
+      f"{name}: to shard the optimizer state, place every parameter with a NamedSharding of one "
+      f"mesh before init (found {sorted({type(s).__name__ for s in shardings})} over "
+      f"{len(meshes)} mesh(es))"
+    )
+  (mesh,) = meshes
+  return mesh, {tuple(p): (tuple(x.shape), s.spec) for (p, x), s in zip(flat, shardings)}
+
+
+def _spec_for(path: tuple, shape: tuple[int, ...], param_specs: dict) -> Any:
+  """The PartitionSpec of a state leaf: that of the parameter it mirrors (optax's state trees
+  end with the parameters' paths: ``mu['w']`` for ``params['w']``) where the shapes agree;
+  replicated otherwise (each device then streams the whole leaf, as it would hold it)."""
+  for k in range(len(path)):
+    found = param_specs.get(tuple(path[k:]))
+    if found is not None and found[0] == shape:
+      return found[1]
+  return jax.sharding.PartitionSpec()
+
+
+def _block_shape(shape, spec, mesh, path: str, name: str) -> tuple[int, ...]:
+  block = list(shape)
+  for d, axes in enumerate(tuple(spec)[: len(shape)]):
+    if axes is None:
+      continue
+    n = math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
+    if shape[d] % n:
+      raise OptimizerOffloadError(
+        f"{name}: state leaf {path} of shape {list(shape)} is sharded {spec} over {n} devices "
+        f"along axis {d}, which they do not divide evenly"
+      )
+    block[d] = shape[d] // n
+  return tuple(block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,20 +530,105 @@ def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str):
 
   handles_in = dict(zip(stored_ids, state.handles)) if state is not None else {}
   new_handles: dict[int, Any] = {}
+  for group in plan.groups:  # a leaf the update leaves as it is: the same entries
+    new_handles.update({i: handles_in[i] for i in group.passed})
+  run = functools.partial(_run_groups, plan, leaves, stored_out, layout.tier)
+  if layout.mesh is None:  # 2. each group, chunk by chunk
+    handles, group_outs = run(env, handles_in)
+  else:  # 2. each device runs every group on its own blocks
+    handles, group_outs = _on_each_device(run, plan, layout, env, handles_in, name)
+  new_handles.update(handles)
+  env.update(group_outs)
+
+  outs = [
+    None if k - n_updates in stored_out else _read(env, v) for k, v in enumerate(prog.outvars)
+  ]
+  device_state = [outs[n_updates + i] for i, leaf in enumerate(leaves) if not leaf.stored]
+  new_state = OffloadedState(device_state, [new_handles[i] for i in stored_ids], layout)
+  if state is None:
+    return None, new_state
+  new_updates = jax.tree_util.tree_structure(updates).unflatten(outs[:n_updates])
+  return new_updates, new_state
+
+
+def _on_each_device(run, plan: _Plan, layout: Layout, env: dict, handles_in: dict, name: str):
+  """Sharded state: one ``shard_map`` over the layout's mesh runs ``run`` (every group) on each
+  device's blocks: its own handles, its block of each state leaf and of the gradients and
+  parameters of the same shape (resharded by XLA where they come sharded otherwise); scalars
+  (a learning rate, a clipping factor of the device part) replicated."""
+  P = jax.sharding.PartitionSpec
+  leaves, on_device = layout.leaves, layout.tier == DEVICE_TIER
+  per_device = _per_device(layout.mesh)  # handles: [devices, chunks, 2], one row each
+  read_specs: dict[Any, Any] = {}
+  out_specs: dict[Any, Any] = {}
+  for group in plan.groups:
+    members = sorted(set(group.stores) | {i for _, i in group.loads})
+    if not members:
+      continue
+    specs = {leaves[i].spec for i in members}
+    if not group.chunked or len(specs) > 1:
+      paths = ", ".join(leaves[i].path for i in members[:6])
+      raise OptimizerOffloadError(
+        f"{name} cannot stream sharded state: its update of {paths} "
+        + (
+          "is not elementwise (a norm or a reshape of one parameter's state needs the whole "
+          "leaf, and each device holds a block of it)"
+          if not group.chunked
+          else f"reads leaves sharded differently ({sorted(map(str, specs))})"
+        )
+        + "; keep that state on the devices, or place the parameters unsharded before init"
+      )
+    (spec,) = specs
+    for v in group.reads:
+      want = P() if tuple(v.aval.shape) == () else spec
+      if read_specs.setdefault(v, want) != want:
+        raise OptimizerOffloadError(
+          f"{name} cannot stream sharded state: a value of shape {list(v.aval.shape)} is read by "
+          f"updates of state sharded {read_specs[v]} and {want}"
+        )
+    for v in group.outputs:
+      out_specs[v] = P() if tuple(v.aval.shape) == () else spec
+  reads, out_vars = list(read_specs), list(out_specs)
+  loaded = sorted({i for g in plan.groups for _, i in g.loads})
+  stored = sorted({i for g in plan.groups for i in g.stores})
+  placed = lambda i: leaves[i].spec if on_device else per_device  # noqa: E731
+
+  def body(read_values, hs):
+    local_hs = {i: h if on_device else h[0] for i, h in zip(loaded, hs)}
+    handles, outs = run(dict(zip(reads, read_values)), local_hs)
+    new = [handles[i] if on_device else handles[i][None] for i in stored]
+    return new, [outs[v] for v in out_vars]
+
+  # check_vma off: the store's calls have no replication rule (their handles differ per device).
+  each = jax.shard_map(
+    body,
+    mesh=layout.mesh,
+    in_specs=([read_specs[v] for v in reads], [placed(i) for i in loaded]),
+    out_specs=([placed(i) for i in stored], [out_specs[v] for v in out_vars]),
+    check_vma=False,
+  )
+  new, outs = each([env[v] for v in reads], [handles_in[i] for i in loaded])
+  return dict(zip(stored, new)), dict(zip(out_vars, outs))
+
+
+def _run_groups(plan: _Plan, leaves, stored_out: dict, tier: int, env: dict, handles_in: dict):
+  """Runs ``plan``'s groups one after the other; returns ``({stored leaf: new handles},
+  {output var: value})``. ``env`` holds every value a group reads."""
+  env = dict(env)
+  new_handles: dict[int, Any] = {}
+  outputs: dict[Any, Any] = {}
   last: list[Any] = []  # the newest store handles, which the next group's loads wait for
-  for group in plan.groups:  # 2. each group, chunk by chunk
-    for i in group.passed:  # a leaf the update leaves as it is: the same entries
-      new_handles[i] = handles_in[i]
+  for group in plan.groups:
     if not group.loads and not group.stores:
       continue
     hs_in = {i: handles_in[i] for _, i in group.loads}
     if last:  # this group's loads start once the last group's stores are under way
       hs_in, _ = jax.lax.optimization_barrier((hs_in, last))
-    run = functools.partial(_run_chunk, group, leaves, env, stored_out, layout.tier)
+    run = functools.partial(_run_chunk, group, leaves, env, stored_out, tier)
     if not group.chunked:
       handles, outs = run(None, hs_in, None)
       new_handles.update({i: h for i, h in handles.items()})
-      env.update(outs)
+      outputs.update(outs)
       last = list(handles.values())
       continue
     # Uniform chunks in a scan (one copy of the group's operations, as in tx's own program, and
@@ -414,7 +638,7 @@ def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str):
     stacked_h: dict[int, list[Any]] = {i: [] for i in group.stores}
     stacked_o: dict[Any, list[Any]] = {v: [] for v in group.outputs}
     zero = jnp.zeros((max(len(group.stores), 1), 2), jnp.uint32)
-    on_device = layout.tier == DEVICE_TIER
+    on_device = tier == DEVICE_TIER
 
     def body(carry, c, run=run, rows=rows, hs_in=hs_in):
       before_last, newest = carry
@@ -422,11 +646,18 @@ def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str):
       mine = jnp.stack(list(handles.values())) if handles and not on_device else zero
       return (newest, mine), (handles, outs)
 
-    (_, newest), (hs, os) = jax.lax.scan(body, (zero, zero), jnp.arange(full, dtype=jnp.int32))
-    for i, h in hs.items():
-      stacked_h[i].append(h.reshape((full * rows,) + h.shape[2:]) if on_device else h)
-    for v, o in os.items():
-      stacked_o[v].append(o.reshape((full * rows,) + o.shape[2:]))
+    if full > 1:
+      (_, newest), (hs, os) = jax.lax.scan(body, (zero, zero), jnp.arange(full, dtype=jnp.int32))
+      for i, h in hs.items():
+        stacked_h[i].append(h.reshape((full * rows,) + h.shape[2:]) if on_device else h)
+      for v, o in os.items():
+        stacked_o[v].append(o.reshape((full * rows,) + o.shape[2:]))
+    else:  # a scan of one step: XLA inlines it and fuses across its barriers (not bit-stable)
+      handles, outs = run(0, hs_in, rows, start=0)
+      for i, h in handles.items():
+        stacked_h[i].append(h if on_device else h[None])
+      stacked_o.update({v: [o] for v, o in outs.items()})
+      newest = jnp.stack(list(handles.values())) if handles and not on_device else zero
     last = [newest]
     if full < len(group.chunks):  # the rest of the rows
       r0, r1 = group.chunks[full]
@@ -439,17 +670,8 @@ def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str):
     for i, parts in stacked_h.items():
       new_handles[i] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     for v, parts in stacked_o.items():
-      env[v] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-
-  outs = [
-    None if k - n_updates in stored_out else _read(env, v) for k, v in enumerate(prog.outvars)
-  ]
-  device_state = [outs[n_updates + i] for i, leaf in enumerate(leaves) if not leaf.stored]
-  new_state = OffloadedState(device_state, [new_handles[i] for i in stored_ids], layout)
-  if state is None:
-    return None, new_state
-  new_updates = jax.tree_util.tree_structure(updates).unflatten(outs[:n_updates])
-  return new_updates, new_state
+      outputs[v] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+  return new_handles, outputs
 
 
 def _run_chunk(group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, start=None):
@@ -471,7 +693,7 @@ def _run_chunk(group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, 
     h = hs[c]
     if wait is not None:  # the chunk before last has been stored: see PIPELINE_DEPTH
       h, _ = jax.lax.optimization_barrier((h, wait))
-    local[v] = _load(h, leaf, 0, tier, shape=(rows,) + leaf.shape[1:])
+    local[v] = _load(h, leaf, 0, tier, shape=(rows,) + leaf.block_shape[1:])
   # The loaded and the new state pass an optimization barrier, in every mode: XLA fuses and
   # rewrites the group's operations alike whether the chunk came from the store (a custom call
   # it cannot see into) or from the device (location="device"), so that the two agree bit for bit.
@@ -497,7 +719,10 @@ def _run_chunk(group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, 
         for k, b in enumerate(leaf.bounds)
       ]
       handles[i] = jnp.stack(hs)
-  return handles, {v: _read(local, v) for v in group.outputs}
+  # The results leaving the group (the updates) pass one too: XLA may otherwise fuse their last
+  # operation with the caller's (p + u into an FMA) in one mode and not the other.
+  outs = [_read(local, v) for v in group.outputs]
+  return handles, dict(zip(group.outputs, jax.lax.optimization_barrier(outs)))
 
 
 def _load(handle, leaf: LeafLayout, k: int, tier: int, shape=None):
@@ -717,7 +942,8 @@ def _plan(prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str) 
     chunks = next(iter(bounds)) if chunked else ((0, shape[0] if shape else 0),)
     outputs = [v for v in dict.fromkeys(device_out) if v in defined]
     stores = sorted(i for i in members if i in stored_out)
-    groups.append(_Group(eqns, loads, stores, [], reads, outputs, shape, chunked, chunks))
+    block = leaves[members[0]].block_shape  # what one device streams (sharded state: its block)
+    groups.append(_Group(eqns, loads, stores, [], reads, outputs, block, chunked, chunks))
   if passed:
     groups.append(_Group([], [], [], sorted(passed), [], [], (), False, ()))
   return _Plan(device_eqns, groups)

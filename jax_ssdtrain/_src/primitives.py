@@ -190,8 +190,10 @@ def _load_lowering(ctx, handle, *, aval, site, tier, name, exact=False):
   if sharded.needs_partitioning(ctx):  # each device loads its own shard
     if exact:
       raise NotImplementedError(
-        f"jax_ssdtrain: {name!r}: optimizer state in the store is not yet sharded (its entries "
-        "are loaded whole); keep it unsharded or on the device"
+        f"jax_ssdtrain: {name!r}: optimizer state made for one device is used in a program "
+        "partitioned over several; call offload_optimizer(...).init with the parameters already "
+        "placed on the mesh (NamedSharding), outside jit, so that each device streams its own "
+        "blocks"
       )
     return ji.lower_fun(
       functools.partial(sharded.load, load_p=load_p, aval=aval, site=site, tier=tier, name=name),

@@ -1,0 +1,207 @@
+"""Subprocess of tests/test_optimizer.py: optimizer state in the store, sharded over the devices
+(4 CPU devices, or SSD_OPT_DEVICES GPUs with SSD_OPT_PLATFORM=gpu). Prints one JSON object.
+
+Parameters placed FSDP-style on a 1-D mesh (rows sharded, columns sharded, a replicated leaf, a
+small leaf kept on the device); for each transformation, 3 steps of ``tx`` itself on the device,
+and of ``offload_optimizer(tx)`` with the state on the device (the same streamed program), in the
+host tier and in the files. Then each device's bytes written against its blocks, the handles'
+sharding, a checkpoint round trip and the resumed run, and the refusal of a transformation
+that needs whole leaves (LAMB's per-leaf norms).
+"""
+
+import json
+import os
+import tempfile
+
+GPU = os.environ.get("SSD_OPT_PLATFORM", "cpu") == "gpu"
+N = int(os.environ.get("SSD_OPT_DEVICES", "2" if GPU else "4"))
+if not GPU:
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N}"
+  )
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ssdtrain as ssd  # noqa: E402
+
+if GPU:  # no TF32: the gradients are compared with plain tx's
+  jax.config.update("jax_default_matmul_precision", "highest")
+
+STEPS = 3
+MiB = 1 << 20
+CHUNK = 32 << 10  # several chunks per block, and blocks of one chunk (a scan of one step)
+mesh = Mesh(np.array(jax.devices()[:N]), ("data",))
+SPECS = {
+  "rows": P("data", None),  # 64N x 512: a 64-row block per device, 4 chunks
+  "cols": P(None, "data"),  # 128 x 24N: one chunk per device
+  "vec": P("data"),  # 4096N: a block of one row
+  "repl": P(),  # replicated: each device streams all of it
+  "small": P(),  # below min_bytes: stays on the device
+}
+
+
+def make_params():
+  k = jax.random.split(jax.random.key(0), 5)
+  shapes = {"rows": (64 * N, 512), "cols": (128, 24 * N), "vec": (4096 * N,), "repl": (96, 64)}
+  p = {n: jax.random.normal(kk, s) * 0.5 for (n, s), kk in zip(shapes.items(), k)}
+  p["small"] = jax.random.normal(k[4], (16,))
+  return {n: jax.device_put(x, NamedSharding(mesh, SPECS[n])) for n, x in p.items()}
+
+
+def loss(p, x):
+  h = jnp.tanh(x @ p["rows"])[:, :128] @ p["cols"]
+  return (
+    jnp.sum(h**2)
+    + jnp.sum(jnp.sin(p["vec"]) ** 2)
+    + jnp.sum(jnp.cos(p["repl"]))
+    + jnp.sum(p["small"] ** 3)
+  )
+
+
+X = jax.random.normal(jax.random.key(7), (8, 64 * N)) * 0.05  # gentle steps: ulps stay ulps
+
+
+def transformations():
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+  decay = lambda p: {n: x.ndim > 1 for n, x in p.items()}  # noqa: E731
+  return {
+    "chain": optax.chain(
+      optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1, mask=decay)
+    ),
+    "adam": optax.adam(1e-2),
+    "sgd_momentum": optax.sgd(1e-2, momentum=0.9),
+    "lion": optax.lion(1e-3),
+  }
+
+
+def train(tx, params, steps, state=None):
+  @jax.jit
+  def step(p, s):
+    g = jax.grad(loss)(p, X)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  state = tx.init(params) if state is None else state
+  for _ in range(steps):
+    params, state = step(params, state)
+  return params, state
+
+
+def host(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def equal(a, b) -> bool:
+  return all(np.array_equal(x, y) for x, y in zip(host(a), host(b)))
+
+
+def rel(a, b) -> float:
+  return max(
+    float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) or 1.0)) for x, y in zip(host(a), host(b))
+  )
+
+
+def block_bytes(layout) -> int:
+  """Bytes one device stores for one version of the state: its block of each stored leaf."""
+  return sum(
+    int(np.prod(leaf.block_shape)) * np.dtype(leaf.dtype).itemsize
+    for leaf in layout.leaves
+    if leaf.stored
+  )
+
+
+def train_case() -> dict:
+  """models.training's FSDP path (scripts/train.py --mesh dp=N,fsdp): the train state placed on
+  the mesh with its optimizer state in the store, 2 steps, against the state on the devices."""
+  from models import parallel, training
+
+  par = parallel.Parallelism(data=N, fsdp=True)
+  mesh = par.mesh(jax.devices()[:N])
+  out = {}
+  for loc in (None, "device", "host"):
+    run = training.RunConfig(
+      preset="tiny", batch=8, seq_len=16, optimizer_location=loc, min_bytes=0, dtype="float32"
+    )
+    state, _, _ = training.create_train_state(run)
+    state, shardings = training.shard_train_state(state, par, mesh)
+    step = training.jit_train_step(shardings)
+    tokens = training.shard_batch(
+      np.random.default_rng(0).integers(0, 256, (8, 17), dtype=np.int32), par, mesh
+    )
+    for _ in range(2):
+      state, metrics = step(state, tokens, jax.random.key(1))
+    out[str(loc)] = (host(state.params), float(metrics["loss"]), state)
+  stored = out["host"][2].opt_state
+  return {
+    "stored_leaves": len(stored.handles),
+    "handle_rows": sorted({h.shape[0] for h in stored.handles}),
+    "host_eq_device": all(np.array_equal(a, b) for a, b in zip(out["host"][0], out["device"][0])),
+    "vs_tx": max(
+      float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) or 1.0))
+      for a, b in zip(out["host"][0], out["None"][0])
+    ),
+    "loss": [out["host"][1], out["None"][1]],
+  }
+
+
+def main():
+  result = {"devices": N, "platform": jax.default_backend(), "tx": {}}
+  root = tempfile.mkdtemp(prefix="ssd-opt-")
+  with ssd.configured(
+    os.path.join(root, "store"), capacity_bytes=256 * MiB, host_tier_bytes=64 * MiB
+  ):
+    for name, tx in transformations().items():
+      params = make_params()
+      ref, _ = train(tx, params, STEPS)
+      runs, r = {}, {}
+      for loc in ("device", "host", "nvme"):
+        otx = ssd.offload_optimizer(tx, location=loc, min_bytes=4096, chunk_bytes=CHUNK)
+        ssd.flush()
+        ssd.reset_stats()
+        runs[loc] = train(otx, params, STEPS)
+        ssd.flush()
+        if loc != "device":
+          state = runs[loc][1]
+          r[f"{loc}_written_per_device"] = {
+            str(d): s["bytes_written"] for d, s in ssd.device_stats().items()
+          }
+          r["expected_per_device"] = block_bytes(state.layout) * (STEPS + 1)  # init + steps
+      state = runs["host"][1]
+      r["handles"] = [[list(h.shape), str(h.sharding.spec)] for h in state.handles]
+      r["params_specs"] = {n: str(x.sharding.spec) for n, x in runs["host"][0].items()}
+      r["host_eq_device"] = equal(runs["host"][0], runs["device"][0])
+      r["nvme_eq_device"] = equal(runs["nvme"][0], runs["device"][0])
+      r["state_host_eq_device"] = equal(
+        ssd.optimizer_state(state), ssd.optimizer_state(runs["device"][1])
+      )
+      r["vs_tx"] = rel(runs["host"][0], ref)
+      # A checkpoint of the sharded state, restored into a fresh one, resumed for a step.
+      saved = ssd.state_to_host(state)
+      r["saved_eq_state"] = equal(saved, ssd.optimizer_state(state))
+      otx = ssd.offload_optimizer(tx, location="host", min_bytes=4096, chunk_bytes=CHUNK)
+      fresh = otx.init(make_params())
+      restored = ssd.state_from_host(saved, fresh)
+      a = train(otx, runs["host"][0], 1, state=restored)
+      b = train(otx, runs["host"][0], 1, state=state)
+      r["resumed_eq"] = equal(a[0], b[0]) and equal(
+        ssd.optimizer_state(a[1]), ssd.optimizer_state(b[1])
+      )
+      result["tx"][name] = r
+      del runs, state, fresh, restored, a, b
+      ssd.collect()
+    result["train"] = train_case()
+    try:
+      train(ssd.offload_optimizer(optax.lamb(1e-3), min_bytes=4096), make_params(), 1)
+      result["lamb"] = "accepted"
+    except ssd.OptimizerOffloadError as e:
+      result["lamb"] = str(e)
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()

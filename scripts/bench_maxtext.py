@@ -1,8 +1,8 @@
 """MaxText's own trainer: its remat presets, its pinned-host offload and ours, side by side.
 
     python -m scripts.bench_maxtext [--out DIR] [--set minimal|qkv|all | --variants V,V,...]
-        [--steps 10] [--warmup 3] [--budget-s S] [--store-dir DIR] [--ssd KEY=VALUE ...] [--tiny]
-        [MaxText key=value ...]
+        [--steps 10] [--warmup 3] [--budget-s S] [--store-dir DIR] [--ssd KEY=VALUE ...]
+        [--fsdp N] [--tiny] [MaxText key=value ...]
 
 A variant is ``PRESET`` (MaxText as shipped, ``remat_policy=PRESET``) or ``PRESET@host`` /
 ``PRESET@nvme`` (the same preset with ``jax_ssdtrain.maxtext`` installed: the tags MaxText would
@@ -16,14 +16,23 @@ call with the build), ``qkv`` (the same for the query/key/value projections, aga
 ``save_qkv_proj``) or ``all`` (both: two calls' worth). ``--budget-s`` stops starting variants
 that would not finish in time, so that a run with a hard limit still writes its files.
 
-Reported per variant: median of MaxText's own ``perf/step_time_seconds`` over the steps after
-``--warmup``, tokens/s, peak device memory (XLA's ``peak_bytes_in_use`` plus our staging arena,
-which XLA's allocator does not see), bytes through our store per step, the last loss and the
-seconds its process took (imports, compile and steps). Default model: a ~1B llama2-style decoder (16 layers, d=2048, MLP 5632,
-vocab 32000), sequence 2048, batch 4, dot-product attention, synthetic data.
+``--fsdp N`` runs every variant on N devices (the first N of ``CUDA_VISIBLE_DEVICES``, or N
+CPU devices under ``JAX_PLATFORMS=cpu``) with MaxText's FSDP over them
+(``ici_fsdp_parallelism=N``: parameters, gradients and optimizer state sharded, each device
+``per_device_batch_size`` sequences); our store then has one directory per device
+(``store/gpu{device}``). The default, 1, is one device, whatever the machine has.
 
-Writes OUT/maxtext_<date>[_<set>][_tiny].json, .md and, with matplotlib, .png (no set suffix
-for the default set, nor with --variants).
+Reported per variant: median of MaxText's own ``perf/step_time_seconds`` over the steps after
+``--warmup``, tokens/s (all devices), peak device memory (XLA's ``peak_bytes_in_use`` plus our
+staging arena, which XLA's allocator does not see; with several devices, the device that peaked
+highest, each one's in ``peak_xla_bytes_per_device``), bytes through our store per step (all
+devices; each device's in ``store_bytes_per_step_per_device``), the last loss and the seconds
+its process took (imports, compile and steps). Default model: a ~1B llama2-style decoder (16
+layers, d=2048, MLP 5632, vocab 32000), sequence 2048, batch 4 per device, dot-product attention,
+synthetic data.
+
+Writes OUT/maxtext_<date>[_<set>][_fsdp<N>][_tiny].json, .md and, with matplotlib, .png (no set
+suffix for the default set, nor with --variants).
 """
 
 from __future__ import annotations
@@ -121,13 +130,18 @@ def run_child(variant: str, config: dict) -> dict:
   import jax_ssdtrain as ssd
   import jax_ssdtrain.maxtext as ssd_maxtext
 
+  fsdp = config.get("fsdp", 1)
+  if jax.device_count() != fsdp:
+    raise RuntimeError(f"--fsdp {fsdp} needs {fsdp} devices, this process has {jax.devices()}")
   out = Path(config["workdir"]) / bench_common.slug(variant)
   out.mkdir(parents=True, exist_ok=True)
   if location:
+    # several devices: each its own directory (docs/parallel.md)
+    store_dir = out / ("store/gpu{device}" if fsdp > 1 else "store")
     ssd_maxtext.install(
       location,
       min_bytes=0,
-      store={"directory": str(out / "store"), **config["ssd"], **variant_options},
+      store={"directory": str(store_dir), **config["ssd"], **variant_options},
     )
   base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
   metrics = out / "metrics.jsonl"
@@ -145,6 +159,7 @@ def run_child(variant: str, config: dict) -> dict:
     f"metrics_file={metrics}",
     f"remat_policy={preset}",
     f"hardware={'gpu' if jax.default_backend() == 'gpu' else 'cpu'}",
+    *([f"ici_fsdp_parallelism={fsdp}"] if fsdp > 1 else []),
     *config["maxtext"],
   ]
   ssd.reset_stats()
@@ -159,10 +174,10 @@ def run_child(variant: str, config: dict) -> dict:
     raise RuntimeError(f"{len(rows)} steps logged, none after --warmup {config['warmup']}")
   step_s = statistics.median(times)
   tokens = rows[-1]["perf/per_device_tokens"] * jax.device_count()
-  memory = jax.local_devices()[0].memory_stats() or {}
-  peak = memory.get("peak_bytes_in_use")
-  # Our GPU staging arena is cudaMalloc'ed outside XLA's allocator, whole, on first use: it is
-  # device memory of ours that peak_bytes_in_use does not see.
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+  peak = None if None in peaks else max(peaks)
+  # Our GPU staging arena (one per device) is cudaMalloc'ed outside XLA's allocator, whole, on
+  # first use: it is device memory of ours that peak_bytes_in_use does not see.
   store_config = ssd.current_config() if location else None
   staging = (
     store_config.staging_bytes
@@ -174,6 +189,7 @@ def run_child(variant: str, config: dict) -> dict:
     "variant": variant,
     "preset": preset,
     "location": location or "maxtext",
+    "devices": jax.device_count(),
     "config_staging_bytes": store_config and store_config.staging_bytes,
     "config_host_tier_bytes": store_config and store_config.host_tier_bytes,
     "steps": steps,
@@ -183,11 +199,17 @@ def run_child(variant: str, config: dict) -> dict:
     "step_s_max": max(times),
     "tokens_per_s": tokens / step_s,
     "peak_xla_bytes": peak,
+    "peak_xla_bytes_per_device": peaks,
     "staging_arena_bytes": staging,
     "peak_device_bytes": None if peak is None else peak + staging,
     "staging_bytes_peak": stats.get("staging_bytes_peak"),
     "store_bytes_per_step": stats["bytes_written"] / steps if location else None,
     "store_read_bytes_per_step": stats["bytes_read"] / steps if location else None,
+    "store_bytes_per_step_per_device": (
+      {str(k): v["bytes_written"] / steps for k, v in ssd.device_stats().items()}
+      if location
+      else None
+    ),
     "disk_bytes_written": stats.get("disk_bytes_written"),
     "host_tier_bytes_peak": stats.get("host_tier_bytes_peak"),
     "live_entries_after": stats.get("live_entries"),
@@ -263,6 +285,18 @@ def plot(plt, rows: list[dict], path: Path) -> bool:
   return True
 
 
+def device_env(n: int) -> dict:
+  """The environment of a variant's process: N devices, the first N GPUs of this process's
+  CUDA_VISIBLE_DEVICES (all of them: 0..N-1), or N CPU devices where JAX runs on the CPU."""
+  env = dict(os.environ)
+  visible = env.get("CUDA_VISIBLE_DEVICES")
+  gpus = [g for g in visible.split(",") if g.strip()] if visible else [str(i) for i in range(n)]
+  env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[:n])
+  # Also keeps MaxText from setting its own (HLO dump) flags, as gpu.sh's XLA_FLAGS does.
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
+  return env
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(
     description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -306,6 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     metavar="KEY=VALUE",
     help="jax_ssdtrain.configure option for the @host/@nvme variants",
   )
+  p.add_argument(
+    "--fsdp",
+    type=int,
+    default=1,
+    metavar="N",
+    help="devices per variant, MaxText's FSDP over them (ici_fsdp_parallelism=N)",
+  )
   p.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke runs)")
   p.add_argument("--timeout", type=float, default=1800, help="per variant, seconds")
   bench_common.add_out_option(p)
@@ -332,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
       parse_variant(v)
     except argparse.ArgumentTypeError as e:
       p.error(str(e))
+  if args.fsdp < 1:
+    p.error(f"--fsdp {args.fsdp}: expected a device count >= 1")
   if args.warmup >= args.steps:
     p.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
   ssd_options = {}
@@ -346,11 +389,15 @@ def main(argv: list[str] | None = None) -> int:
     "steps": args.steps,
     "warmup": args.warmup,
     "ssd": ssd_options,
+    "fsdp": args.fsdp,
     "maxtext": [*(MODEL_TINY if args.tiny else MODEL_1B), *maxtext_args],
   }
   args.out.mkdir(parents=True, exist_ok=True)
   set_suffix = "" if args.variants or args.set == "minimal" else f"_{args.set}"
-  stem = args.out / f"maxtext_{bench_common.today()}{set_suffix}{'_tiny' if args.tiny else ''}"
+  fsdp_suffix = f"_fsdp{args.fsdp}" if args.fsdp > 1 else ""
+  stem = args.out / (
+    f"maxtext_{bench_common.today()}{set_suffix}{fsdp_suffix}{'_tiny' if args.tiny else ''}"
+  )
   result = {
     "date": bench_common.today(),
     "env": bench_common.host_env(),
@@ -375,13 +422,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         continue
       timeout = min(timeout, left)
-    print(f"== {v}: MaxText train.main, {args.steps} steps", flush=True)
+    print(
+      f"== {v}: MaxText train.main, {args.steps} steps"
+      + (f", FSDP over {args.fsdp} devices" if args.fsdp > 1 else ""),
+      flush=True,
+    )
     t0 = time.monotonic()
     row = bench_common.run_json_child(
       bench_common.module_command(
         "scripts.bench_maxtext", "--child", v, "--config", json.dumps(config)
       ),
       timeout=timeout,
+      env=device_env(args.fsdp),
     )
     row.setdefault("variant", v)
     row["process_s"] = time.monotonic() - t0

@@ -5,10 +5,19 @@ own shards of the offloaded tag(s) in a store directory of its own (``<store-dir
 For every policy the table gives tokens/s per GPU with 1 and with N GPUs and the weak-scaling
 efficiency (tokens/s per GPU with N GPUs / with 1 GPU), plus the no-offload references:
 
-* ``offload``: ``--offload`` tags (default ``layer_in``) in the nvme store, the rest recomputed;
-* ``remat``:   the same tags saved on the device instead (full recompute from the layer input);
-* ``keep``:    no rematerialization at all (DP only unless ``--fsdp-keep``: a reference, and
-  the run must stay under 6 minutes with its compilations).
+* ``offload``:      ``--offload`` tags (default ``layer_in``) in the nvme store, the rest
+  recomputed;
+* ``offload_host``: the same tags in the engine's host tier (pinned host memory of
+  ``--host-tier`` bytes per process);
+* ``remat``:        the same tags saved on the device instead (full recompute from the layer
+  input);
+* ``keep``:         no rematerialization at all (DP only unless ``--fsdp-keep``: a reference,
+  and the run must stay under 6 minutes with its compilations).
+
+Each configuration's compiled program is also searched for collectives (all-gather, all-reduce,
+reduce-scatter, collective-permute, all-to-all; an async ``-start``/``-done`` pair counted
+once): the JSON has them by kind, and the table's "+coll. vs remat" column gives how many the
+offload policies add to ``remat`` of the same layout with N GPUs (the offload adds none: 0).
 
 One child process per GPU count (``CUDA_VISIBLE_DEVICES``) runs its configurations one after
 the other; this process only orchestrates and writes ``multigpu_<device>_<date>.json``, a table
@@ -23,8 +32,10 @@ the other; this process only orchestrates and writes ``multigpu_<device>_<date>.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -34,8 +45,13 @@ from pathlib import Path
 
 from scripts import bench_common as common
 
-POLICIES = ("offload", "remat", "keep")
+POLICIES = ("offload", "offload_host", "remat", "keep")
+OFFLOAD_POLICIES = {"offload": "nvme", "offload_host": "host"}  # policy: location of the tags
 LAYOUTS = ("dp", "fsdp")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+# An instruction "name = TYPE op(" of one of COLLECTIVES, or its async "-start" ("-done" is not
+# counted; XLA's async-start wrappers hold the plain op in the computation they call).
+_COLLECTIVE_RE = re.compile(r"=\s+(.*?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
 def main(argv=None) -> int:
@@ -68,7 +84,11 @@ def _orchestrate(args, store_root: str) -> int:
     fsdp_keep=args.fsdp_keep,
     attention=args.attention,
     host_cache=args.host_cache,
+    host_tier=args.host_tier,
   )
+  unknown = sorted(set(args.policies) - set(POLICIES))
+  if unknown:
+    raise SystemExit(f"unknown policies {unknown} (known: {', '.join(POLICIES)})")
   results, t_start = {}, time.perf_counter()
   for n in (1, args.gpus):
     cfg = dict(
@@ -165,7 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--batch-per-gpu", type=int, default=16)
   p.add_argument("--steps", type=int, default=10, help="measured steps (median)")
   p.add_argument("--warmup", type=int, default=2)
-  p.add_argument("--offload", default="layer_in", help="comma-separated tags sent to nvme")
+  p.add_argument(
+    "--offload",
+    default="layer_in",
+    help="comma-separated tags offloaded (offload: nvme, offload_host: host tier)",
+  )
   p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
   p.add_argument("--layouts", type=lambda s: s.split(","), default=list(LAYOUTS))
   p.add_argument("--fsdp-keep", action="store_true", help="also the keep policy under FSDP")
@@ -176,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     help="dot_product_attention implementation (models' ModelConfig.attention)",
   )
   p.add_argument("--host-cache", default="4GiB", help="engine host cache per process")
+  p.add_argument(
+    "--host-tier", default="8GiB", help="engine host tier per process (offload_host's tags)"
+  )
   p.add_argument("--store-dir", default=None, help="root of the per-GPU store directories")
   common.add_out_option(p)
   p.add_argument("--child-timeout", type=float, default=330)
@@ -189,11 +216,33 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+def count_collectives(hlo: str) -> dict:
+  """The collectives of a compiled program's HLO text: ``{"by_kind": {kind: count}, "total":
+  count, "ops": sorted "kind result-type" strings}`` (an async start/done pair counted once)."""
+  ops = sorted(f"{m[1]} {m[0]}" for m in _COLLECTIVE_RE.findall(hlo))
+  kinds = collections.Counter(op.split(" ", 1)[0] for op in ops)
+  return {"by_kind": {k: kinds[k] for k in COLLECTIVES}, "total": len(ops), "ops": ops}
+
+
+def added_collectives(row: dict, remat: dict | None) -> tuple[int | None, bool | None]:
+  """(collectives ``row`` has beyond ``remat``'s, whether both have the same ones with the same
+  result types); (None, None) for a policy that does not offload or without a remat row."""
+  if row["policy"] not in OFFLOAD_POLICIES or not remat:
+    return None, None
+  mine, theirs = row.get("collectives"), remat.get("collectives")
+  if not mine or not theirs:
+    return None, None
+  return mine["total"] - theirs["total"], mine["ops"] == theirs["ops"]
+
+
 def scaling_rows(results: dict, n: int) -> list[dict]:
   one = {(r["policy"]): r for r in results.get(1, {}).get("rows", [])}
+  mine = results.get(n, {}).get("rows", [])
+  remat = {r["layout"]: r for r in mine if r["policy"] == "remat"}
   rows = []
-  for r in results.get(n, {}).get("rows", []):
+  for r in mine:
     base = one.get(r["policy"])
+    added, same = added_collectives(r, remat.get(r["layout"]))
     row = {
       "layout": r["layout"],
       "policy": r["policy"],
@@ -203,6 +252,9 @@ def scaling_rows(results: dict, n: int) -> list[dict]:
       "tok_s_per_gpu_1": base and base["tok_s_per_gpu"],
       "tok_s_per_gpu_n": r["tok_s_per_gpu"],
       "GB_stored_per_gpu_step": r.get("GB_stored_per_gpu_step"),
+      "collectives_n": (r.get("collectives") or {}).get("total"),
+      "collectives_added_vs_remat": added,
+      "collectives_same_as_remat": same,
     }
     row["efficiency"] = (r["tok_s_per_gpu"] / base["tok_s_per_gpu"]) if base else None
     rows.append(row)
@@ -212,8 +264,9 @@ def scaling_rows(results: dict, n: int) -> list[dict]:
 def format_table(rows: list[dict], n: int) -> str:
   head = (
     f"| layout | policy | step ms (1 GPU) | step ms ({n} GPUs) | tok/s/GPU (1) | "
-    f"tok/s/GPU ({n}) | weak-scaling eff. | GB stored/GPU/step |\n"
-    "|---|---|---|---|---|---|---|---|"
+    f"tok/s/GPU ({n}) | weak-scaling eff. | GB stored/GPU/step | collectives ({n}) | "
+    "+coll. vs remat |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
   )
   fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
   lines = [head] + [
@@ -221,10 +274,19 @@ def format_table(rows: list[dict], n: int) -> str:
     f"{fmt(r['step_ms_n'], '.1f')} | {fmt(r['tok_s_per_gpu_1'], ',.0f')} | "
     f"{fmt(r['tok_s_per_gpu_n'], ',.0f')} | "
     f"{fmt(r['efficiency'] and 100 * r['efficiency'], '.1f')}% | "
-    f"{fmt(r['GB_stored_per_gpu_step'], '.3f')} |"
+    f"{fmt(r['GB_stored_per_gpu_step'], '.3f')} | {fmt(r.get('collectives_n'), 'd')} | "
+    f"{_added(r)} |"
     for r in rows
   ]
   return "\n".join(lines)
+
+
+def _added(row: dict) -> str:
+  """The "+coll. vs remat" cell: the count, flagged when the collectives differ all the same."""
+  added = row.get("collectives_added_vs_remat")
+  if added is None:
+    return "-"
+  return f"{added:+d}" if row.get("collectives_same_as_remat") else f"{added:+d} (differ)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +305,11 @@ def child(cfg: dict) -> int:
   if len(devices) != n:
     print(json.dumps({"error": f"needs {n} devices, found {jax.devices()}"}))
     return 1
-  ssd.configure(directory=cfg["store"], host_cache_bytes=cfg["host_cache"])
+  ssd.configure(
+    directory=cfg["store"],
+    host_cache_bytes=cfg["host_cache"],
+    host_tier_bytes=cfg.get("host_tier", "8GiB"),
+  )
   tags = [t for t in cfg["offload"].split(",") if t]
   preset = "tiny" if cfg["cpu"] else cfg["preset"]
   seq = 16 if cfg["cpu"] else cfg["seq"]
@@ -256,11 +322,10 @@ def child(cfg: dict) -> int:
       p for p in cfg["policies"] if not (layout == "fsdp" and p == "keep" and not cfg["fsdp_keep"])
     ]
     for policy in policies:
-      locations = {
-        "offload": {t: "nvme" for t in tags},
-        "remat": {t: "device" for t in tags},
-        "keep": None,
-      }[policy]
+      if policy in OFFLOAD_POLICIES:
+        locations = {t: OFFLOAD_POLICIES[policy] for t in tags}
+      else:
+        locations = {"remat": {t: "device" for t in tags}, "keep": None}[policy]
       run = training.RunConfig(
         preset=preset,
         batch=batch * n,
@@ -278,9 +343,15 @@ def child(cfg: dict) -> int:
       data = np.random.RandomState(0).randint(0, 256, (4, batch * n, seq + 1)).astype(np.int32)
       batches = [training.shard_batch(b, par, mesh) for b in data]
       t0 = time.perf_counter()
+      # jit's cache keeps this executable: the first call below runs it, no second compilation
+      hlo = step_fn.lower(state, batches[0], rng).compile().as_text()
+      compile_s = time.perf_counter() - t0
+      collectives = count_collectives(hlo)
+      del hlo
+      t0 = time.perf_counter()
       state, metrics = step_fn(state, batches[0], rng)
       jax.block_until_ready(metrics)
-      compile_s = time.perf_counter() - t0
+      first_step_s = time.perf_counter() - t0
       for i in range(1, cfg["warmup"]):
         state, metrics = step_fn(state, batches[i % 4], rng)
       jax.block_until_ready(metrics)
@@ -303,7 +374,10 @@ def child(cfg: dict) -> int:
           "batch_per_gpu": batch,
           "seq": seq,
           "preset": preset,
+          "locations": locations,
           "compile_s": compile_s,
+          "first_step_s": first_step_s,
+          "collectives": collectives,
           "step_ms_all": [1e3 * t for t in times],
           "step_ms_median": 1e3 * med,
           "tok_s_per_gpu": batch * seq / med,
@@ -322,12 +396,14 @@ def child(cfg: dict) -> int:
               "stall_seconds",
               "forwarded_bytes",
               "write_skipped_bytes",
+              "host_tier_bytes_peak",
             )
           },
         }
       )
       print(
-        f"{layout} {policy}: {1e3 * med:.1f} ms/step (compile {compile_s:.0f} s)",
+        f"{layout} {policy}: {1e3 * med:.1f} ms/step (compile {compile_s:.0f} s, first step "
+        f"{first_step_s:.1f} s, {collectives['total']} collectives)",
         file=sys.stderr,
         flush=True,
       )

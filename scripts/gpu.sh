@@ -27,6 +27,13 @@
 #   train        scripts.train, gpt-1.3b: keep vs the 4 tags in the host tier       [train]
 #   maxtext      bench_maxtext: MaxText's trainer, its presets and ours (carry .whl/) [maxtext]
 #   multigpu     bench_multigpu: 1 vs 2 GPUs, DP and FSDP (needs 2 GPUs)            [multigpu]
+#   multihost    tests/test_multihost.py: 2 processes x 1 GPU vs 1 x 2 (needs 2 GPUs) [Tests]
+#   optimizer    tests/test_optimizer.py on the GPU, then bench_optimizer (one GPU)  [optimizer]
+#   optimizer2   the state sharded over 2 GPUs: its -m gpu test, bench_optimizer --devices 2
+#                (needs 2 GPUs)                                                      [optimizer]
+#   accumulate   bench_accumulate, gpt-1.3b, accumulation 1/4/16 (one GPU)          [accumulate]
+#   maxtextfsdp  bench_maxtext --fsdp 2: MaxText's policies and ours over 2 GPUs
+#                (needs 2 GPUs; carry .whl/ as for maxtext)                          [maxtext_fsdp]
 #
 # What must be carried to the GPU machine besides the checkout (git-ignored, e.g. in .whl/):
 #   .whl/*.whl            optional: libkvikio-cu13, kvikio-cu13, rapids-logger wheels: the build
@@ -35,7 +42,8 @@
 #   .whl/mx/*.whl         for `maxtext`: MaxText and the packages it imports that the machine
 #                         lacks (`pip download --no-deps`, ~25 MB; list in MX_WHEELS below);
 #   .whl/xprof_min.tar.xz for `maxtext`: xprof's Python files and its profiler plugin library
-#                         (tokamax imports xprof when MaxText is imported).
+#                         (tokamax imports xprof when MaxText is imported), with fire and
+#                         termcolor, which xprof imports.
 #   shared/tools/storage_probe.py  optional, for `rok`: the raw O_DIRECT probe of the store
 #                         directory behind the "x probe" column (skipped when absent).
 # Everything else (jax, flax, optax, orbax, cmake, ninja, nvcc) is the machine's own.
@@ -47,7 +55,8 @@ LIMIT_S=${LIMIT_S:-570}
 if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
 KNOWN=(tests reliability jaxlayer rok rok8192 hostrows hosttier link planner planner32k planner8192
-  plannernvme cap emulated train maxtext multigpu)
+  plannernvme cap emulated train maxtext multigpu optimizer multihost optimizer2 accumulate
+  maxtextfsdp)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
   exit 2
@@ -164,11 +173,11 @@ for stage in "${STAGES[@]}"; do
           --model gpt --preset gpt-1.3b --batch 8 --seq-len 1024 --steps 30 --log-every 30 \
           ${placement#*:} --store-dir "/var/tmp/train_$name" --summary-json "$OUT/train_$name.json"
       done ;;
-    maxtext)
+    maxtext | maxtextfsdp)
       MX_WHEELS="maxtext qwix aqtp tokamax pydantic pydantic_core annotated_types typing_inspection
         annotated_doc omegaconf antlr4_python3_runtime tensorboardx pathwaysutils fastapi
         starlette uvicorn grain array_record portpicker drjax ml_collections einshape typeguard
-        immutabledict six"
+        immutabledict six opentelemetry_api typing_extensions"
       missing=""
       for w in $MX_WHEELS; do
         ls .whl/mx/"$w"-*.whl > /dev/null 2>&1 || missing="$missing .whl/mx/$w-*.whl"
@@ -190,6 +199,15 @@ for stage in "${STAGES[@]}"; do
         || { log "== maxtext: .whl/xprof_min.tar.xz does not extract"; continue; }
       # XLA's autotuning of the same fusions shared by the variants' processes (setting
       # XLA_FLAGS also keeps MaxText from setting its HLO dump flags)
+      if [ "$stage" = maxtextfsdp ]; then  # FSDP over both GPUs, MaxText's policies and ours
+        PYTHONPATH="$PYTHONPATH:/tmp/mx-pylib" \
+          XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune_mx" \
+          run maxtextfsdp $((LIMIT_S - SECONDS)) /tmp/mx-venv/bin/python -m scripts.bench_maxtext \
+          --fsdp 2 --out "$OUT/maxtextfsdp" --store-dir /var/tmp/bench_maxtext_fsdp \
+          --budget-s $((LIMIT_S - SECONDS - 20)) --ssd staging_bytes=4GiB --ssd host_tier_bytes=24GiB \
+          --variants "minimal,minimal_offloaded@host,minimal_offloaded,minimal_offloaded@nvme,full"
+        continue
+      fi
       PYTHONPATH="$PYTHONPATH:/tmp/mx-pylib" \
         XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune_mx" \
         run maxtext $((LIMIT_S - SECONDS)) /tmp/mx-venv/bin/python -m scripts.bench_maxtext \
@@ -197,8 +215,21 @@ for stage in "${STAGES[@]}"; do
         --ssd staging_bytes=4GiB --ssd host_tier_bytes=16GiB --variants \
         "minimal,minimal_offloaded@host:staging_bytes=2GiB,minimal_offloaded@host:staging_bytes=1GiB,minimal_offloaded,save_qkv_proj,qkv_proj_offloaded,qkv_proj_offloaded@host:staging_bytes=1GiB,qkv_proj_offloaded@host,minimal_offloaded@host:staging_bytes=3GiB,minimal_offloaded@host,full" ;;
     multigpu)
-      run multigpu 600 $PY -m scripts.bench_multigpu --policies offload,remat --batch-per-gpu 32 \
+      run multigpu 600 $PY -m scripts.bench_multigpu --policies offload,offload_host,remat --batch-per-gpu 32 \
         --out "$OUT/multigpu" ;;
+    optimizer)
+      run optimizer_tests 300 $PY -m pytest -q -ra -p no:cacheprovider tests/test_optimizer.py
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run optimizer 300 $PY -m scripts.bench_optimizer \
+        --store-dir /var/tmp/opt --out "$OUT/optimizer" ;;
+    optimizer2)
+      run optimizer2_tests 300 $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_optimizer.py
+      run optimizer2 300 $PY -m scripts.bench_optimizer --devices 2 --store-dir /var/tmp/opt2 \
+        --out "$OUT/optimizer2" ;;
+    accumulate)
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run accumulate 400 $PY -m scripts.bench_accumulate \
+        --preset gpt-1.3b --accum 1,4,16 --store-dir /var/tmp/acc --out "$OUT/accumulate" ;;
+    multihost)
+      run multihost 300 $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_multihost.py ;;
   esac
 done
 log "total $SECONDS s; results under $OUT"

@@ -3,17 +3,25 @@ every tag offloaded to a store directory templated by process index.
 
     python _multihost_worker.py PROCESS_ID NUM_PROCESSES PORT STORE_TEMPLATE OUT_JSON
 
-NUM_PROCESSES = 0: the single-process, single-device reference. Otherwise each process has 2
-CPU devices and joins the coordinator on 127.0.0.1:PORT (gloo collectives).
+On CPU (the default): NUM_PROCESSES = 0 is the single-process, single-device reference;
+otherwise each process has 2 CPU devices and joins the coordinator on 127.0.0.1:PORT (gloo
+collectives).
+
+With SSD_MH_PLATFORM=gpu (the GPU test): each of the NUM_PROCESSES processes drives the one GPU
+that its CUDA_VISIBLE_DEVICES leaves it (NCCL collectives across the processes), and
+NUM_PROCESSES = 0 is the reference: one process driving every visible GPU, with the same DP
+mesh over them (the same partitioned program, collectives within the process).
 """
 
+import hashlib
 import json
 import os
 import sys
 
+GPU = os.environ.get("SSD_MH_PLATFORM", "cpu") == "gpu"
 process_id, num_processes, port, template, out_path = sys.argv[1:6]
 process_id, num_processes = int(process_id), int(num_processes)
-if num_processes:
+if num_processes and not GPU:
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
   )
@@ -23,7 +31,8 @@ import numpy as np  # noqa: E402
 from _limits import HANG_S  # noqa: E402
 
 if num_processes:
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if not GPU:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
     f"127.0.0.1:{port}",
     num_processes=num_processes,
@@ -35,10 +44,26 @@ import jax_ssdtrain as ssd  # noqa: E402
 from models import parallel, training  # noqa: E402
 
 STEPS, BATCH = 3, 8
+SHARDED = bool(num_processes) or GPU  # the GPU reference is sharded over its GPUs too
+
+
+def open_files_in(directory: str) -> int:
+  """How many of this process's open files live in ``directory`` (Linux: /proc/self/fd)."""
+  prefix, n = os.path.join(os.path.realpath(directory), ""), 0
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      n += os.readlink(f"/proc/self/fd/{fd}").startswith(prefix)
+    except OSError:  # closed since listed
+      pass
+  return n
 
 
 def main():
-  ssd.configure(directory=template)  # after initialize: {process} is this process's index
+  # after initialize: {process} is this process's index
+  if GPU:  # the GPU machine's memory: no pinned host tier (every tag goes to nvme)
+    ssd.configure(directory=template, host_tier_bytes="64MiB", host_cache_bytes="256MiB")
+  else:
+    ssd.configure(directory=template)
   run = training.RunConfig(
     preset="tiny",
     batch=BATCH,
@@ -51,7 +76,7 @@ def main():
   state, _, _ = training.create_train_state(run)
   data = np.random.RandomState(0).randint(0, 256, (STEPS, BATCH, 17)).astype(np.int32)
   rng = jax.random.key(1)
-  if num_processes:
+  if SHARDED:
     par = parallel.Parallelism(data=jax.device_count())
     mesh = par.mesh()
     state, shardings = training.shard_train_state(state, par, mesh)
@@ -60,21 +85,36 @@ def main():
   else:
     step_fn = training.jit_train_step()
     batches = list(data)
-  losses = []
+  losses, grad_norms = [], []
   for tokens in batches:
     state, metrics = step_fn(state, tokens, rng)
     losses.append(float(metrics["loss"]))
+    grad_norms.append(float(metrics["grad_norm"]))
   params = [
-    np.asarray(p.addressable_data(0)) if num_processes else np.asarray(p)
+    np.asarray(p.addressable_data(0)) if SHARDED else np.asarray(p)
     for p in jax.tree.leaves(state.params)
   ]
   ssd.flush()
+  digest = hashlib.sha256()
+  for p in params:
+    digest.update(np.ascontiguousarray(p).tobytes())
+  directories = list(ssd.store_directories())
   result = {
     "losses": losses,
+    "grad_norms": grad_norms,
     "param_sums": [float(np.abs(p).sum()) for p in params],
-    "store_directories": list(ssd.store_directories()),
+    "params_sha256": digest.hexdigest(),  # bitwise comparisons of the parameters
+    "store_directories": directories,
+    # the store's files are O_TMPFILE (no name): its open files in each directory instead
+    "store_open_files": {d: open_files_in(d) for d in directories},
+    "store_stats": {
+      k: v for k, v in ssd.stats().items() if k in ("directories", "open_files") or "file0" in k
+    },
     "device_stats": {str(k): v for k, v in ssd.device_stats().items()},
     "local_devices": [d.id for d in jax.local_devices()],
+    "process_count": jax.process_count(),
+    "device_kinds": sorted({d.device_kind for d in jax.devices()}),
+    "platform": jax.default_backend(),
   }
   with open(out_path, "w") as f:
     json.dump(result, f)

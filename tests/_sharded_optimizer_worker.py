@@ -15,7 +15,8 @@ import tempfile
 
 GPU = os.environ.get("SSD_OPT_PLATFORM", "cpu") == "gpu"
 N = int(os.environ.get("SSD_OPT_DEVICES", "2" if GPU else "4"))
-if not GPU:
+if not GPU:  # CPU devices also on a GPU machine (whose memory the test process holds)
+  os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N}"
   )

@@ -60,7 +60,8 @@ def test_bench_rok_tiny(tmp_path):
 
 @pytest.mark.slow
 def test_bench_multigpu_cpu_smoke(tmp_path):
-  """1 vs 2 CPU devices, FSDP, offload only: the script runs end to end and writes its rows."""
+  """1 vs 2 CPU devices, FSDP, both offload policies and remat: the script runs end to end and
+  writes its rows, and the offload adds no collective to the compiled program."""
   cmd = [
     sys.executable,
     "-m",
@@ -71,10 +72,12 @@ def test_bench_multigpu_cpu_smoke(tmp_path):
     "--warmup",
     "1",
     "--policies",
-    "offload",
+    "offload,offload_host,remat",
     "--layouts",
     "fsdp",
     "--host-cache",
+    "64MiB",
+    "--host-tier",
     "64MiB",
     "--out",
     str(tmp_path),
@@ -92,13 +95,22 @@ def test_bench_multigpu_cpu_smoke(tmp_path):
   assert proc.returncode == 0, proc.stdout + proc.stderr
   (path,) = tmp_path.glob("multigpu_cpu_*.json")
   doc = json.loads(path.read_text())
-  (row,) = doc["rows"]
-  assert (row["layout"], row["policy"], row["gpus"]) == ("fsdp", "offload", 2)
-  assert row["efficiency"] > 0 and row["step_ms_1"] > 0 and row["step_ms_n"] > 0
-  (run2,) = doc["runs"]["2"]["rows"]
+  rows = {r["policy"]: r for r in doc["rows"]}
+  assert sorted(rows) == ["offload", "offload_host", "remat"]
+  for row in rows.values():
+    assert (row["layout"], row["gpus"]) == ("fsdp", 2)
+    assert row["efficiency"] > 0 and row["step_ms_1"] > 0 and row["step_ms_n"] > 0
+    assert row["collectives_n"] > 0  # FSDP's all-gathers and all-reduces
+  for policy in ("offload", "offload_host"):
+    assert rows[policy]["collectives_added_vs_remat"] == 0, rows[policy]
+    assert rows[policy]["collectives_same_as_remat"] is True, rows[policy]
+  run2 = {r["policy"]: r for r in doc["runs"]["2"]["rows"]}
+  host = run2["offload_host"]["engine"]
+  assert host["host_tier_bytes_peak"] > 0 and host["disk_bytes_written"] == 0
   # Both devices stored the same (their own) shards; the stores are one directory per device.
-  stats = run2["device_stats"]
-  assert len(stats) == 2 and len({s["bytes_written"] for s in stats.values()}) == 1
+  for policy in ("offload", "offload_host"):
+    stats = run2[policy]["device_stats"]
+    assert len(stats) == 2 and len({s["bytes_written"] for s in stats.values()}) == 1
   assert doc["runs"]["2"]["store_directories"] == [
     str(tmp_path / "store" / "n2" / f"gpu{i}") for i in range(2)
   ]

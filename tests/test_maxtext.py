@@ -204,6 +204,53 @@ def test_bench_maxtext_tiny_with_a_variants_own_store_options(tmp_path):
   assert ours_small["config_host_tier_bytes"] == 256 << 20, ours_small
 
 
+@pytest.mark.slow
+@needs_maxtext
+def test_bench_maxtext_fsdp_on_2_devices(tmp_path):
+  # --fsdp 2 as the two-GPU call runs it: each variant on 2 (CPU) devices, MaxText's FSDP over
+  # them, our store one directory per device, each device storing its own shards.
+  env = dict(
+    os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+  )
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "scripts.bench_maxtext",
+      "--tiny",
+      "--fsdp",
+      "2",
+      "--steps",
+      "3",
+      "--warmup",
+      "1",
+      "--variants",
+      "minimal,minimal_offloaded@host",
+      "--store-dir",
+      str(tmp_path / "work"),
+      "--out",
+      str(tmp_path),
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=env,
+    timeout=HANG_S,
+  )
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+  (path,) = tmp_path.glob("maxtext_*_fsdp2_tiny.json")
+  doc = json.loads(path.read_text())
+  assert doc["config"]["fsdp"] == 2
+  device, ours = doc["rows"]
+  assert device["devices"] == ours["devices"] == 2, doc["rows"]
+  assert ours["last_loss"] == device["last_loss"], (ours, device)
+  per_device = ours["store_bytes_per_step_per_device"]
+  assert sorted(per_device) == ["0", "1"] and all(b > 0 for b in per_device.values()), ours
+  assert sum(per_device.values()) == ours["store_bytes_per_step"], ours
+  store = tmp_path / "work" / "minimal_offloaded_host" / "store"
+  assert sorted(p.name for p in store.iterdir()) == ["gpu0", "gpu1"]
+
+
 def test_bench_maxtext_rejects_bad_variants():
   from scripts import bench_maxtext
 
@@ -294,3 +341,56 @@ def test_install_without_maxtext_says_how(monkeypatch):
     ssd_maxtext.install()
   with pytest.raises(ValueError, match="location"):
     ssd_maxtext.install("device")
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/maxtext.md, "MaxText's optimizer_memory_host_offload": the optimizer state in our store
+# under nnx.Optimizer, as a loop of one's own around a MaxText model would build it
+
+
+def test_nnx_optimizer_takes_offload_optimizer_with_pure_params(tmp_path):
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+
+  import jax_ssdtrain as ssd
+
+  ssd.configure(str(tmp_path / "store"), capacity_bytes=64 << 20)
+
+  def losses(make_tx):
+    model = nnx.Linear(256, 256, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, make_tx(optax.adamw(1e-3)), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, x):
+      loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+      opt.update(model, grads)
+      return loss
+
+    x = jnp.ones((8, 256))
+    return [float(step(model, opt, x)) for _ in range(3)], opt
+
+  def in_store(tx):
+    offloaded = ssd.offload_optimizer(tx, location="host", min_bytes=1024)
+    # nnx.Optimizer passes init the Params (Variables), update plain arrays: init gets them pure
+    return optax.GradientTransformationExtraArgs(
+      lambda params: offloaded.init(nnx.as_pure(params)), offloaded.update
+    )
+
+  reference, _ = losses(lambda tx: tx)
+  ours, opt = losses(in_store)
+  assert ours[0] == reference[0]
+  assert jnp.allclose(jnp.array(ours), jnp.array(reference), rtol=1e-5), (ours, reference)
+  ssd.flush()
+  assert ssd.stats()["tensors_written"] > 0
+  # the moments of the kernel are in the store: on the device, only handles
+  assert any(
+    isinstance(x, ssd.OffloadedState)
+    for x in jax.tree.leaves(
+      nnx.as_pure(opt.opt_state), is_leaf=lambda x: isinstance(x, ssd.OffloadedState)
+    )
+  )
+  # without as_pure, update rebuilds tx's state with the Variables init saw, and refuses it
+  with pytest.raises(ssd.OptimizerOffloadError, match="another structure"):
+    losses(lambda tx: ssd.offload_optimizer(tx, location="host", min_bytes=1024))

@@ -1,5 +1,7 @@
-"""Two CPU processes on this machine (coordinator on 127.0.0.1), 2 devices each, DP training of
-a tiny GPT with offload; each process uses its own store directory ("{process}")."""
+"""Two processes on this machine (coordinator on 127.0.0.1), DP training of a tiny GPT with
+offload; each process uses its own store directory ("{process}"). On CPU: 2 devices per process
+vs a single-device reference. On GPUs (marked gpu): one GPU per process vs one process driving
+both GPUs."""
 
 import json
 import os
@@ -22,16 +24,8 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_processes_match_single_process(tmp_path):
-  env = dict(
-    os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu"
-  )
-  template = str(tmp_path / "store-{process}")
-  port = _free_port()
-  outs = [tmp_path / f"out{i}.json" for i in range(3)]
-  argv = [[str(i), "2", str(port), template, str(outs[i])] for i in range(2)]
-  argv.append(["0", "0", "0", str(tmp_path / "ref-{process}"), str(outs[2])])
+def _run_workers(runs) -> None:
+  """Runs ``[(worker argv, env), ...]`` at once; asserts each exits 0 (its log's tail if not)."""
   procs = [
     subprocess.Popen(
       [sys.executable, WORKER, *a],
@@ -40,7 +34,7 @@ def test_two_processes_match_single_process(tmp_path):
       stderr=subprocess.STDOUT,
       text=True,
     )
-    for a in argv
+    for a, env in runs
   ]
   logs = []
   try:
@@ -52,6 +46,19 @@ def test_two_processes_match_single_process(tmp_path):
         p.kill()
   for p, log in zip(procs, logs):
     assert p.returncode == 0, log[-4000:]
+
+
+@pytest.mark.slow
+def test_two_processes_match_single_process(tmp_path):
+  env = dict(
+    os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu"
+  )
+  template = str(tmp_path / "store-{process}")
+  port = _free_port()
+  outs = [tmp_path / f"out{i}.json" for i in range(3)]
+  argv = [[str(i), "2", str(port), template, str(outs[i])] for i in range(2)]
+  argv.append(["0", "0", "0", str(tmp_path / "ref-{process}"), str(outs[2])])
+  _run_workers([(a, env) for a in argv])
   p0, p1, ref = (json.loads(o.read_text()) for o in outs)
   assert p0["store_directories"] == [str(tmp_path / "store-0")]
   assert p1["store_directories"] == [str(tmp_path / "store-1")]
@@ -65,3 +72,76 @@ def test_two_processes_match_single_process(tmp_path):
     assert sorted(map(int, r["device_stats"])) == r["local_devices"], r
     for s in r["device_stats"].values():
       assert 4 * s["bytes_written"] == ref["device_stats"]["0"]["bytes_written"]
+
+
+def _gpu_count(env) -> int:
+  """GPUs JAX sees in a worker's environment, counted in a subprocess (no CUDA use here)."""
+  proc = subprocess.run(
+    [sys.executable, "-c", "import jax; print(len(jax.devices('gpu')))"],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=HANG_S,
+  )
+  lines = proc.stdout.split()
+  return int(lines[-1]) if proc.returncode == 0 and lines else 0
+
+
+# Both programs run the same per-device computation (the same 2-way DP program; the gradient
+# all-reduce adds 2 values, the same bits in either order): bitwise equal once XLA picks its
+# kernels without timing them and without atomics (scatter-add of the embedding gradient).
+GPU_XLA_FLAGS = " --xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
+
+
+@pytest.mark.gpu
+def test_two_gpu_processes_match_one_process(tmp_path):
+  """2 processes with one GPU each (NCCL across processes, a store per process) vs one process
+  driving both GPUs: the same losses, gradient norms and parameters, bit for bit."""
+  env = dict(
+    os.environ,
+    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    XLA_PYTHON_CLIENT_PREALLOCATE="false",
+  )
+  env.pop("JAX_PLATFORMS", None)
+  if _gpu_count(env) < 2:
+    pytest.skip("needs 2 GPUs")
+  visible = env.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")[:2]
+  env.update(
+    SSD_MH_PLATFORM="gpu",
+    XLA_FLAGS=env.get("XLA_FLAGS", "") + GPU_XLA_FLAGS,
+    CUDA_VISIBLE_DEVICES=",".join(visible),
+  )
+  template = str(tmp_path / "store-{process}")
+  port = _free_port()
+  outs = [tmp_path / f"out{i}.json" for i in range(3)]
+  # the two processes together, then the reference (both GPUs, one process)
+  _run_workers(
+    [
+      ([str(i), "2", str(port), template, str(outs[i])], dict(env, CUDA_VISIBLE_DEVICES=visible[i]))
+      for i in range(2)
+    ]
+  )
+  _run_workers([(["0", "0", "0", str(tmp_path / "ref-{process}"), str(outs[2])], env)])
+  p0, p1, ref = (json.loads(o.read_text()) for o in outs)
+  for r, n, local in ((p0, 2, 1), (p1, 2, 1), (ref, 1, 2)):
+    assert (r["platform"], r["process_count"], len(r["local_devices"])) == ("gpu", n, local), r
+  assert p0["local_devices"] != p1["local_devices"]  # global device ids: a device each
+  # Each process's store is its own directory, holding that process's store file(s).
+  for r, directory in ((p0, "store-0"), (p1, "store-1"), (ref, "ref-0")):
+    assert r["store_directories"] == [str(tmp_path / directory)], r
+    assert r["store_open_files"][str(tmp_path / directory)] >= 1, r
+    assert r["store_stats"]["file0_bytes_written"] > 0, r
+  # Bitwise: the two processes (the same all-reduce result on both) and the reference.
+  for r in (p1, ref):
+    assert r["losses"] == p0["losses"], (r["losses"], p0["losses"])
+    assert r["grad_norms"] == p0["grad_norms"], (r["grad_norms"], p0["grad_norms"])
+    assert r["params_sha256"] == p0["params_sha256"], np.max(
+      np.abs(np.array(r["param_sums"]) / np.array(p0["param_sums"]) - 1)
+    )
+  # Each GPU stored only its shards: the same bytes as each GPU of the reference.
+  assert len(ref["device_stats"]) == 2, ref["device_stats"]
+  (shard,) = {s["bytes_written"] for s in ref["device_stats"].values()}
+  assert shard > 0
+  for r in (p0, p1):
+    (s,) = r["device_stats"].values()  # one GPU: the CUDA ordinal it sees, 0
+    assert s["bytes_written"] == s["bytes_read"] == shard, (r["device_stats"], shard)

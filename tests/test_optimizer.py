@@ -139,6 +139,17 @@ def test_one_step_state_is_bit_exact(store):
     assert (np.asarray(a) == np.asarray(b)).all()
 
 
+def test_min_bytes_zero_keeps_scalars_on_the_device(store):
+  # A step count stored alone would be read by every parameter's update (one group of all of
+  # them: refused); init also returns it as a constant, which the plan must take.
+  tx = offload_optimizer(optax.adam(1e-3), location="host", min_bytes=0, chunk_bytes=32 << 10)
+  history, state = _train(tx, 2)
+  want, _ = _train(optax.adam(1e-3), 2)
+  assert len(state.handles) == 6 and len(state.device) == 1  # mu and nu of a, b, c; the count
+  np.testing.assert_allclose(history[-1]["c"], want[-1]["c"], rtol=1e-5, atol=1e-7)
+  assert int(optimizer_state(state)[0].count) == 2
+
+
 def test_multisteps_around_it(store):
   k = 3
   want, _ = _train(optax.MultiSteps(optax.adam(1e-3), k), 2 * k)

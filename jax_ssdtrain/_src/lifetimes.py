@@ -254,7 +254,22 @@ def collect() -> int:
       raise
     if any(a.is_deleted() for a in arrays):
       return 0
+    if _dispatched_since(arrays):
+      return 0
     return native.sweep(pairs, seq_limit)
+
+
+def _dispatched_since(snapshot) -> bool:
+  """True when a program that may hold handles was dispatched since ``snapshot`` was taken: new
+  arrays that could hold handles exist (its outputs, which the snapshot did not wait for).
+  Such a program may have taken, donated, the arrays that held the handles it loads, so that
+  they were never in the snapshot (a donated array is deleted at once): the next sweep decides."""
+  seen = {id(a) for a in snapshot}
+  return any(id(a) not in seen and _may_hold_handles(a) for a in live_arrays())
+
+
+def _may_hold_handles(a) -> bool:
+  return a.dtype == np.uint32 and a.ndim > 0 and a.shape[-1] == 2
 
 
 _sweep_lock = threading.Lock()
@@ -325,7 +340,7 @@ def _handle_pairs(arrays) -> np.ndarray:
   """Every (id, check) uint32 pair held by a live array that could hold handles."""
   chunks = []
   for a in arrays:
-    if a.dtype != np.uint32 or a.ndim == 0 or a.shape[-1] != 2:
+    if not _may_hold_handles(a):
       continue
     for shard in a.addressable_shards:  # a handle declared replicated differs per device
       chunks.append(np.asarray(shard.data).reshape(-1, 2))

@@ -93,7 +93,8 @@ def offload_optimizer(
       (the host tier while it has room, then the files); ``"device"`` runs the same streamed
       program with the state on the device (a reference: the store's results equal it bit for
       bit).
-    min_bytes: state leaves smaller than this stay on the device.
+    min_bytes: state leaves smaller than this stay on the device (scalars always do: a step
+      count is read by every parameter's update).
     chunk_bytes: rows of a leaf streamed at once (a leaf is cut along its first axis).
 
   Returns:
@@ -419,7 +420,7 @@ def _make_layout(shapes: Any, opts: _Options, name: str, params: Any = None) -> 
       )
     shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
     leaf = LeafLayout(jax.tree_util.keystr(path), shape, dtype)
-    if leaf.nbytes >= max(opts.min_bytes, 1):
+    if shape and leaf.nbytes >= max(opts.min_bytes, 1):  # a scalar is no bigger than a handle
       if mesh is not None:
         spec = _spec_for(path, shape, param_specs)
         block = _block_shape(shape, spec, mesh, leaf.path, name)
@@ -860,7 +861,7 @@ def _plan(prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str) 
     for r in roots[1:]:
       parent[r] = roots[0]
 
-  passed = {i for i, v in stored_out.items() if stored_in.get(v) == i}
+  passed = {i for i, v in stored_out.items() if _is_var(v) and stored_in.get(v) == i}
   deps: dict[Any, frozenset[int]] = {v: frozenset({i}) for v, i in stored_in.items()}
   eqn_deps = []
   for eqn in prog.eqns:

@@ -70,6 +70,7 @@ from jax_ssdtrain._src.config import (
 from jax_ssdtrain._src.optimizer import (
   OffloadedState,
   OptimizerOffloadError,
+  apply_gradients,
   offload_optimizer,
   optimizer_state,
   state_from_host,
@@ -101,6 +102,7 @@ __version__ = "0.1.0"
 
 __all__ = [
   "accumulate_gradients",
+  "apply_gradients",
   "HigherOrderOffloadError",
   "Location",
   "OffloadedState",

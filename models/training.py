@@ -70,7 +70,15 @@ class RunConfig:
 
 
 class TrainState(train_state.TrainState):
-  pass
+  def apply_gradients(self, *, grads, **kwargs):
+    """Flax's, except that optimizer state in the store (``offload_optimizer``) updates the
+    parameters inside its stream (``ssd.apply_gradients``: no whole array of updates)."""
+    import jax_ssdtrain as ssd
+
+    if not isinstance(self.opt_state, ssd.OffloadedState):
+      return super().apply_gradients(grads=grads, **kwargs)
+    params, opt_state = ssd.apply_gradients(self.tx, grads, self.opt_state, self.params)
+    return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
 
 
 def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:

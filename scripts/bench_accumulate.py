@@ -127,8 +127,8 @@ def run(args) -> dict:
 
       def update(p, s, acc, k, tx=tx):
         g = jax.tree.map(lambda a, b: (a + b) / k, acc, grads_of(p))
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, jax.tree.map(jnp.zeros_like, acc)
+        p, s = ssd.apply_gradients(tx, g, s, p)  # in place inside the stream for ours
+        return p, s, jax.tree.map(jnp.zeros_like, acc)
 
       step = jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=(None, state_sharding, None))
       acc = jax.tree.map(jnp.zeros_like, p)

@@ -69,8 +69,7 @@ def _time(step, params, state, grads, steps, warmup):
 
 def _step_for(tx):
   def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
+    return ssd.apply_gradients(tx, g, s, p)  # ours: the parameters updated inside the stream
 
   return jax.jit(step, donate_argnums=(0, 1))
 

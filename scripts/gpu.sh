@@ -55,7 +55,7 @@ LIMIT_S=${LIMIT_S:-570}
 if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
 KNOWN=(tests reliability jaxlayer rok rok8192 hostrows hosttier link planner planner32k planner8192
-  plannernvme cap emulated train maxtext multigpu optimizer multihost optimizer2 accumulate
+  plannernvme cap emulated train maxtext multigpu multihost optimizer optimizer2 accumulate
   maxtextfsdp)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
@@ -104,6 +104,33 @@ planner() {  # planner NAME STAGING bench_planner args...: predicted vs measured
   SSDTRAIN_STAGING=$staging SSDTRAIN_HOST_TIER=32GiB run "$name" 280 $PY -m scripts.bench_planner \
     --no-cap --store-dir /var/tmp/plan --stack-policies selective,auto,host_all \
     --out "$OUT/$name" "$@"
+}
+
+# maxtext_venv: MaxText's venv over the machine's packages, from the carried wheels (1: missing)
+maxtext_venv() {
+  MX_WHEELS="maxtext qwix aqtp tokamax pydantic pydantic_core annotated_types typing_inspection
+    annotated_doc omegaconf antlr4_python3_runtime tensorboardx pathwaysutils fastapi
+    starlette uvicorn grain array_record portpicker drjax ml_collections einshape typeguard
+    immutabledict six opentelemetry_api typing_extensions"
+  missing=""
+  for w in $MX_WHEELS; do
+    ls .whl/mx/"$w"-*.whl > /dev/null 2>&1 || missing="$missing .whl/mx/$w-*.whl"
+  done
+  [ -f .whl/xprof_min.tar.xz ] || missing="$missing .whl/xprof_min.tar.xz"
+  if [ -n "$missing" ]; then
+    log "== maxtext: not run, missing:$missing (carry .whl/, see this script's header)"
+    return 1
+  fi
+  # a venv over the machine's packages (its python3 is itself a venv: a .pth makes them
+  # visible), the carried wheels installed into it first
+  rm -rf /tmp/mx-venv /tmp/mx-pylib
+  $PY -m venv /tmp/mx-venv
+  $PY -c "import site; print('\n'.join(site.getsitepackages()))" \
+    > "$(/tmp/mx-venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/machine.pth"
+  /tmp/mx-venv/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/mx/*.whl \
+    >> "$OUT/install.log" 2>&1 || { log "== maxtext: install failed (install.log)"; return 1; }
+  mkdir -p /tmp/mx-pylib && tar xJf .whl/xprof_min.tar.xz -C /tmp/mx-pylib \
+    || { log "== maxtext: .whl/xprof_min.tar.xz does not extract"; return 1; }
 }
 
 for stage in "${STAGES[@]}"; do
@@ -173,41 +200,10 @@ for stage in "${STAGES[@]}"; do
           --model gpt --preset gpt-1.3b --batch 8 --seq-len 1024 --steps 30 --log-every 30 \
           ${placement#*:} --store-dir "/var/tmp/train_$name" --summary-json "$OUT/train_$name.json"
       done ;;
-    maxtext | maxtextfsdp)
-      MX_WHEELS="maxtext qwix aqtp tokamax pydantic pydantic_core annotated_types typing_inspection
-        annotated_doc omegaconf antlr4_python3_runtime tensorboardx pathwaysutils fastapi
-        starlette uvicorn grain array_record portpicker drjax ml_collections einshape typeguard
-        immutabledict six opentelemetry_api typing_extensions"
-      missing=""
-      for w in $MX_WHEELS; do
-        ls .whl/mx/"$w"-*.whl > /dev/null 2>&1 || missing="$missing .whl/mx/$w-*.whl"
-      done
-      [ -f .whl/xprof_min.tar.xz ] || missing="$missing .whl/xprof_min.tar.xz"
-      if [ -n "$missing" ]; then
-        log "== maxtext: not run, missing:$missing (carry .whl/, see this script's header)"
-        continue
-      fi
-      # a venv over the machine's packages (its python3 is itself a venv: a .pth makes them
-      # visible), the carried wheels installed into it first
-      rm -rf /tmp/mx-venv /tmp/mx-pylib
-      $PY -m venv /tmp/mx-venv
-      $PY -c "import site; print('\n'.join(site.getsitepackages()))" \
-        > "$(/tmp/mx-venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/machine.pth"
-      /tmp/mx-venv/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/mx/*.whl \
-        >> "$OUT/install.log" 2>&1 || { log "== maxtext: install failed (install.log)"; continue; }
-      mkdir -p /tmp/mx-pylib && tar xJf .whl/xprof_min.tar.xz -C /tmp/mx-pylib \
-        || { log "== maxtext: .whl/xprof_min.tar.xz does not extract"; continue; }
+    maxtext)
+      maxtext_venv || continue
       # XLA's autotuning of the same fusions shared by the variants' processes (setting
       # XLA_FLAGS also keeps MaxText from setting its HLO dump flags)
-      if [ "$stage" = maxtextfsdp ]; then  # FSDP over both GPUs, MaxText's policies and ours
-        PYTHONPATH="$PYTHONPATH:/tmp/mx-pylib" \
-          XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune_mx" \
-          run maxtextfsdp $((LIMIT_S - SECONDS)) /tmp/mx-venv/bin/python -m scripts.bench_maxtext \
-          --fsdp 2 --out "$OUT/maxtextfsdp" --store-dir /var/tmp/bench_maxtext_fsdp \
-          --budget-s $((LIMIT_S - SECONDS - 20)) --ssd staging_bytes=4GiB --ssd host_tier_bytes=24GiB \
-          --variants "minimal,minimal_offloaded@host,minimal_offloaded,minimal_offloaded@nvme,full"
-        continue
-      fi
       PYTHONPATH="$PYTHONPATH:/tmp/mx-pylib" \
         XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune_mx" \
         run maxtext $((LIMIT_S - SECONDS)) /tmp/mx-venv/bin/python -m scripts.bench_maxtext \
@@ -217,6 +213,8 @@ for stage in "${STAGES[@]}"; do
     multigpu)
       run multigpu 600 $PY -m scripts.bench_multigpu --policies offload,offload_host,remat --batch-per-gpu 32 \
         --out "$OUT/multigpu" ;;
+    multihost)
+      run multihost 300 $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_multihost.py ;;
     optimizer)
       run optimizer_tests 300 $PY -m pytest -q -ra -p no:cacheprovider tests/test_optimizer.py
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run optimizer 300 $PY -m scripts.bench_optimizer \
@@ -228,8 +226,14 @@ for stage in "${STAGES[@]}"; do
     accumulate)
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run accumulate 400 $PY -m scripts.bench_accumulate \
         --preset gpt-1.3b --accum 1,4,16 --store-dir /var/tmp/acc --out "$OUT/accumulate" ;;
-    multihost)
-      run multihost 300 $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_multihost.py ;;
+    maxtextfsdp)  # FSDP over both GPUs: MaxText's policies and ours
+      maxtext_venv || continue
+      PYTHONPATH="$PYTHONPATH:/tmp/mx-pylib" \
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune_mx" \
+        run maxtextfsdp $((LIMIT_S - SECONDS)) /tmp/mx-venv/bin/python -m scripts.bench_maxtext \
+        --fsdp 2 --out "$OUT/maxtextfsdp" --store-dir /var/tmp/bench_maxtext_fsdp \
+        --budget-s $((LIMIT_S - SECONDS - 20)) --ssd staging_bytes=4GiB --ssd host_tier_bytes=24GiB \
+        --variants "minimal,minimal_offloaded@host,minimal_offloaded,minimal_offloaded@nvme,full" ;;
   esac
 done
 log "total $SECONDS s; results under $OUT"

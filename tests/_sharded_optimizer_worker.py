@@ -9,12 +9,15 @@ sharding, a checkpoint round trip and the resumed run, and the refusal of a tran
 that needs whole leaves (LAMB's per-leaf norms).
 """
 
+import functools
 import json
 import os
 import tempfile
 
 GPU = os.environ.get("SSD_OPT_PLATFORM", "cpu") == "gpu"
 N = int(os.environ.get("SSD_OPT_DEVICES", "2" if GPU else "4"))
+if GPU:  # an embedding's gradient (models.training's case) is a scatter-add: no atomics
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true"
 if not GPU:  # CPU devices also on a GPU machine (whose memory the test process holds)
   os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ["XLA_FLAGS"] = (
@@ -150,6 +153,26 @@ def train_case() -> dict:
   }
 
 
+def collect_between_steps() -> list[int]:
+  """What ``ssd.collect()`` releases after each step of a loop that donates its state (the
+  handle arrays are sharded: reading them makes per-shard arrays, which a sweep must not take
+  for the results of a program dispatched meanwhile)."""
+  tx = ssd.offload_optimizer(optax.adam(1e-3), location="host", min_bytes=4096, chunk_bytes=CHUNK)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(p, s):
+    u, s = tx.update(jax.grad(loss)(p, X), s, p)
+    return optax.apply_updates(p, u), s
+
+  p = make_params()
+  s = tx.init(p)
+  released = []
+  for _ in range(4):
+    p, s = jax.block_until_ready(step(p, s))
+    released.append(ssd.collect())
+  return released
+
+
 def main():
   result = {"devices": N, "platform": jax.default_backend(), "tx": {}}
   root = tempfile.mkdtemp(prefix="ssd-opt-")
@@ -173,6 +196,10 @@ def main():
           }
           r["expected_per_device"] = block_bytes(state.layout) * (STEPS + 1)  # init + steps
       state = runs["host"][1]
+      # A sweep between steps keeps one version of each live state (host and nvme), no more.
+      ssd.collect()
+      per_version = N * sum(len(leaf.bounds) for leaf in state.layout.leaves if leaf.stored)
+      r["live_entries"] = [ssd.stats()["live_entries"], 2 * per_version]
       r["handles"] = [[list(h.shape), str(h.sharding.spec)] for h in state.handles]
       r["params_specs"] = {n: str(x.sharding.spec) for n, x in runs["host"][0].items()}
       r["host_eq_device"] = equal(runs["host"][0], runs["device"][0])
@@ -196,6 +223,7 @@ def main():
       del runs, state, fresh, restored, a, b
       ssd.collect()
     result["train"] = train_case()
+    result["collect_between_steps"] = collect_between_steps()
     try:
       train(ssd.offload_optimizer(optax.lamb(1e-3), min_bytes=4096), make_params(), 1)
       result["lamb"] = "accepted"

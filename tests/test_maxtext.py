@@ -349,14 +349,11 @@ def test_install_without_maxtext_says_how(monkeypatch):
 
 
 def test_nnx_optimizer_takes_offload_optimizer_with_pure_params(tmp_path):
-  import jax
   import jax.numpy as jnp
   import optax
   from flax import nnx
 
   import jax_ssdtrain as ssd
-
-  ssd.configure(str(tmp_path / "store"), capacity_bytes=64 << 20)
 
   def losses(make_tx):
     model = nnx.Linear(256, 256, rngs=nnx.Rngs(0))
@@ -377,6 +374,17 @@ def test_nnx_optimizer_takes_offload_optimizer_with_pure_params(tmp_path):
     return optax.GradientTransformationExtraArgs(
       lambda params: offloaded.init(nnx.as_pure(params)), offloaded.update
     )
+
+  with ssd.configured(str(tmp_path / "store"), capacity_bytes=64 << 20):
+    _check_nnx_losses(losses, in_store)
+
+
+def _check_nnx_losses(losses, in_store):
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  import jax_ssdtrain as ssd
 
   reference, _ = losses(lambda tx: tx)
   ours, opt = losses(in_store)

@@ -150,6 +150,54 @@ def test_min_bytes_zero_keeps_scalars_on_the_device(store):
   assert int(optimizer_state(state)[0].count) == 2
 
 
+@pytest.mark.parametrize("name", ["chain", "adam", "sgd_momentum"])
+def test_apply_gradients_updates_the_parameters_in_place(store, name):
+  tx = TRANSFORMS[name]()
+  x = jax.random.normal(jax.random.key(7), (16, 64))
+
+  def run(tx, apply, steps=3):
+    def step(p, s):
+      g = jax.grad(_loss)(p, x)
+      if apply:
+        return ssd.apply_gradients(tx, g, s, p)
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    p = _params()
+    s = tx.init(p)
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    temp = jitted.lower(p, s).compile().memory_analysis().temp_size_in_bytes
+    for _ in range(steps):
+      p, s = jitted(p, s)
+    return p, s, temp
+
+  ours = {
+    loc: offload_optimizer(tx, location=loc, min_bytes=4096, chunk_bytes=32 << 10)
+    for loc in ("device", "host", "nvme")
+  }
+  host, host_state, host_temp = run(ours["host"], True)
+  for loc in ("device", "nvme"):  # bit for bit the same streamed program
+    p, _, _ = run(ours[loc], True)
+    for k in host:
+      np.testing.assert_array_equal(np.asarray(p[k]), np.asarray(host[k]), err_msg=(loc, k))
+  plain, plain_state, plain_temp = run(ours["host"], False)
+  want, _, _ = run(tx, False)  # tx itself, its state on the device
+  for k in host:  # an ulp here and there (see apply_gradients)
+    np.testing.assert_allclose(np.asarray(host[k]), np.asarray(plain[k]), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(host[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-7)
+  # No whole array of updates of the streamed leaves ("a", "c"; "b" stays on the device).
+  streamed = (_params()["a"].nbytes + _params()["c"].nbytes) * 9 // 10
+  assert plain_temp - host_temp >= streamed, (plain_temp, host_temp)
+  # Any other transformation: update + apply_updates, as they are.
+  p = _params()
+  s = tx.init(p)
+  g = jax.grad(_loss)(p, x)
+  u, s2 = tx.update(g, s, p)
+  got, s3 = ssd.apply_gradients(tx, g, s, p)
+  for a, b in zip(jax.tree.leaves((optax.apply_updates(p, u), s2)), jax.tree.leaves((got, s3))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_multisteps_around_it(store):
   k = 3
   want, _ = _train(optax.MultiSteps(optax.adam(1e-3), k), 2 * k)
@@ -456,6 +504,10 @@ def _check_sharded(r: dict, devices: int) -> None:
       "P(None, 'data')"
     )
     assert t["saved_eq_state"] and t["resumed_eq"], name
+    live, one_version_each = t["live_entries"]
+    assert live == one_version_each, (name, t["live_entries"])
+  # each sweep between the steps of a donating loop releases the version before
+  assert all(n > 0 for n in r["collect_between_steps"]), r["collect_between_steps"]
   # models.training's FSDP path (scripts/train.py --mesh dp=N,fsdp --optimizer-location host)
   t = r["train"]
   assert t["stored_leaves"] > 0 and t["handle_rows"] == [devices], t

@@ -246,15 +246,16 @@ def collect() -> int:
     arrays = ready_live_arrays(strict=True)
     if arrays is None:  # a program took arrays of the snapshot: the next sweep sees its results
       return 0
+    # Before reading the handles (reading makes per-shard arrays, which would look new).
+    if _dispatched_since(arrays):
+      return 0
     try:
       pairs = _handle_pairs(arrays)
     except RuntimeError:
       if any(a.is_deleted() for a in arrays):  # donated between the wait and the read
         return 0
       raise
-    if any(a.is_deleted() for a in arrays):
-      return 0
-    if _dispatched_since(arrays):
+    if any(a.is_deleted() for a in arrays):  # taken by a program dispatched since
       return 0
     return native.sweep(pairs, seq_limit)
 

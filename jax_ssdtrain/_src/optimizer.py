@@ -134,7 +134,39 @@ def offload_optimizer(
     fn = lambda g, s, p: tx.update(g, s, p, **extra_args) if extra_args else tx.update(g, s, p)
     return _stream(fn, (updates, params), state.layout, state, name)
 
+  def apply_fn(updates, state, params, **extra_args):  # apply_gradients' streamed form
+    if not isinstance(state, OffloadedState):
+      raise TypeError(
+        f"opt_state: expected the OffloadedState that offload_optimizer(...).init made, got "
+        f"{type(state).__name__}"
+      )
+    fn = lambda g, s, p: tx.update(g, s, p, **extra_args) if extra_args else tx.update(g, s, p)
+    return _stream(fn, (updates, params), state.layout, state, name, apply=True)
+
+  update_fn.apply_gradients = apply_fn
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_args):
+  """One optimizer step: ``tx.update`` and ``optax.apply_updates``; returns ``(new params, new
+  opt_state)``.
+
+  With a transformation made by :func:`offload_optimizer`, the updates of the streamed state are
+  added to the parameters inside the stream, chunk by chunk, in place: no array of updates is
+  ever whole on the device (4 bytes per float32 parameter less than ``update`` followed by
+  ``optax.apply_updates``; donate the parameters to the jitted step, or XLA copies them once).
+  The results equal the same call with ``location="device"`` bit for bit, and ``update`` +
+  ``apply_updates`` to float32 rounding (XLA fuses the two programs differently: an ulp). Any
+  other transformation (``accumulate_gradients(...)`` around the store too) runs as ``update`` +
+  ``apply_updates``.
+  """
+  import optax
+
+  streamed = getattr(getattr(tx, "update", None), "apply_gradients", None)
+  if streamed is not None:
+    return streamed(grads, opt_state, params, **extra_args)
+  updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+  return optax.apply_updates(params, updates), opt_state
 
 
 def optimizer_state(state: OffloadedState) -> Any:
@@ -481,11 +513,12 @@ def _block_shape(shape, spec, mesh, path: str, name: str) -> tuple[int, ...]:
 # Streaming: the device part, then each group, chunk by chunk
 
 
-def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str):
+def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str, apply=False):
   """Update (``state`` given): runs ``fn(updates, tx_state, params)`` with ``tx_state``'s stored
-  leaves loaded and the new ones stored chunk by chunk; returns ``(updates, new state)``.
-  Init (``state`` None): runs ``fn(params)`` and stores its stored leaves; returns
-  ``(None, state)``."""
+  leaves loaded and the new ones stored chunk by chunk; returns ``(updates, new state)``, with
+  ``apply`` ``(new params, new state)``, the updates of the streamed groups added to the
+  parameters chunk by chunk in place. Init (``state`` None): runs ``fn(params)`` and stores its
+  stored leaves; returns ``(None, state)``."""
   leaves = layout.leaves
   stored_ids = [i for i, leaf in enumerate(leaves) if leaf.stored]
   if state is not None:
@@ -521,6 +554,10 @@ def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str):
     stored_in = {prog.invars[first_state_in + i]: i for i in stored_ids}
   stored_out = {i: prog.outvars[n_updates + i] for i in stored_ids}
   plan = _plan(prog, stored_in, stored_out, leaves, name)
+  applied = set()
+  if apply:
+    first_param_in = first_state_in + len(leaves)
+    applied = _mark_applied(plan, prog, prog.invars[first_param_in:], n_updates)
 
   env = dict(prog.consts)
   for v, x in zip(prog.invars, in_values):
@@ -548,8 +585,37 @@ def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str):
   new_state = OffloadedState(device_state, [new_handles[i] for i in stored_ids], layout)
   if state is None:
     return None, new_state
+  if apply:  # the parameters: updated in place where applied, else as optax.apply_updates
+    new_params = [
+      outs[k] if v in applied else jnp.asarray(p + outs[k]).astype(p.dtype)
+      for k, (v, p) in enumerate(zip(prog.outvars[:n_updates], jax.tree_util.tree_leaves(params)))
+    ]
+    return jax.tree_util.tree_structure(params).unflatten(new_params), new_state
   new_updates = jax.tree_util.tree_structure(updates).unflatten(outs[:n_updates])
   return new_updates, new_state
+
+
+def _mark_applied(plan: _Plan, prog: _Program, param_vars: list, n_updates: int) -> set:
+  """For ``apply_gradients``: each update that a chunked group computes for a parameter that no
+  other group reads is added to that parameter inside the group, chunk by chunk, in place (no
+  whole array of updates on the device). Returns the update vars so applied."""
+  readers: dict[Any, int] = {}
+  for group in plan.groups:
+    for v in set(group.reads):
+      readers[v] = readers.get(v, 0) + 1
+  returned = [v for v in prog.outvars if _is_var(v)]
+  applied = set()
+  for u, p in zip(prog.outvars[:n_updates], param_vars):
+    if not _is_var(u) or returned.count(u) != 1 or tuple(u.aval.shape) != tuple(p.aval.shape):
+      continue
+    group = next((g for g in plan.groups if u in g.outputs), None)
+    if group is None or not group.chunked or readers.get(p, 0) > (p in group.reads):
+      continue
+    group.applied[u] = p
+    if p not in group.reads:
+      group.reads.append(p)
+    applied.add(u)
+  return applied
 
 
 def _on_each_device(run, plan: _Plan, layout: Layout, env: dict, handles_in: dict, name: str):
@@ -641,20 +707,35 @@ def _run_groups(plan: _Plan, leaves, stored_out: dict, tier: int, env: dict, han
     zero = jnp.zeros((max(len(group.stores), 1), 2), jnp.uint32)
     on_device = tier == DEVICE_TIER
 
-    def body(carry, c, run=run, rows=rows, hs_in=hs_in):
-      before_last, newest = carry
-      handles, outs = run(c, hs_in, rows, wait=before_last)
+    # Parameters updated in place (apply_gradients) are carried whole, the others stacked.
+    applied = group.applied
+    carried = {p: env[p] for p in applied.values()}
+    for v in applied:
+      del stacked_o[v]
+
+    def split(outs, applied=applied):
+      return {p: outs[u] for u, p in applied.items()}, {
+        v: o for v, o in outs.items() if v not in applied
+      }
+
+    def body(carry, c, run=run, rows=rows, hs_in=hs_in, split=split):
+      before_last, newest, carried = carry
+      handles, outs = run(c, hs_in, rows, wait=before_last, carried=carried)
       mine = jnp.stack(list(handles.values())) if handles and not on_device else zero
-      return (newest, mine), (handles, outs)
+      carried, outs = split(outs)
+      return (newest, mine, carried), (handles, outs)
 
     if full > 1:
-      (_, newest), (hs, os) = jax.lax.scan(body, (zero, zero), jnp.arange(full, dtype=jnp.int32))
+      (_, newest, carried), (hs, os) = jax.lax.scan(
+        body, (zero, zero, carried), jnp.arange(full, dtype=jnp.int32)
+      )
       for i, h in hs.items():
         stacked_h[i].append(h.reshape((full * rows,) + h.shape[2:]) if on_device else h)
       for v, o in os.items():
         stacked_o[v].append(o.reshape((full * rows,) + o.shape[2:]))
     else:  # a scan of one step: XLA inlines it and fuses across its barriers (not bit-stable)
-      handles, outs = run(0, hs_in, rows, start=0)
+      handles, outs = run(0, hs_in, rows, start=0, carried=carried)
+      carried, outs = split(outs)
       for i, h in handles.items():
         stacked_h[i].append(h if on_device else h[None])
       stacked_o.update({v: [o] for v, o in outs.items()})
@@ -662,7 +743,8 @@ def _run_groups(plan: _Plan, leaves, stored_out: dict, tier: int, env: dict, han
     last = [newest]
     if full < len(group.chunks):  # the rest of the rows
       r0, r1 = group.chunks[full]
-      handles, outs = run(full, hs_in, r1 - r0, wait=newest, start=r0)
+      handles, outs = run(full, hs_in, r1 - r0, wait=newest, start=r0, carried=carried)
+      carried, outs = split(outs)
       for i, h in handles.items():
         stacked_h[i].append(h if on_device else h[None])
       for v, o in outs.items():
@@ -672,12 +754,18 @@ def _run_groups(plan: _Plan, leaves, stored_out: dict, tier: int, env: dict, han
       new_handles[i] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     for v, parts in stacked_o.items():
       outputs[v] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    outputs.update({u: carried[p] for u, p in applied.items()})
   return new_handles, outputs
 
 
-def _run_chunk(group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, start=None):
+def _run_chunk(
+  group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, start=None, carried=None
+):
   """One chunk of a group (``c``: its index, traced in the scan; ``rows``: its length), or the
-  whole group (``rows`` None). Returns ``({stored leaf: handle(s)}, {output var: value})``."""
+  whole group (``rows`` None). Returns ``({stored leaf: handle(s)}, {output var: value})``; with
+  ``group.applied``, the parameters (``carried``: the whole arrays, the chunk's rows read from
+  and written back into them) are the values of their update vars."""
+  carried = {} if carried is None else carried
   local: dict[Any, Any] = {} if rows is not None else dict(env)
   first = None if rows is None else start if start is not None else c * rows
   for v, i in group.loads:
@@ -702,7 +790,7 @@ def _run_chunk(group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, 
     local[v] = jax.lax.optimization_barrier(local[v])
   if rows is not None:
     for v in group.reads:
-      x = env[v]
+      x = carried[v] if v in carried else env[v]  # a parameter updated in place: its rows
       local[v] = jax.lax.dynamic_slice_in_dim(x, first, rows) if np.ndim(x) else x
     shape = (rows,) + group.shape[1:]
   for eqn in group.eqns:
@@ -722,8 +810,16 @@ def _run_chunk(group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, 
       handles[i] = jnp.stack(hs)
   # The results leaving the group (the updates) pass one too: XLA may otherwise fuse their last
   # operation with the caller's (p + u into an FMA) in one mode and not the other.
-  outs = [_read(local, v) for v in group.outputs]
-  return handles, dict(zip(group.outputs, jax.lax.optimization_barrier(outs)))
+  outs = dict(
+    zip(group.outputs, jax.lax.optimization_barrier([_read(local, v) for v in group.outputs]))
+  )
+  for u, p in group.applied.items():  # as optax.apply_updates: (p + u) in p's dtype
+    if rows is None:
+      outs[u] = jnp.asarray(env[p] + outs[u]).astype(env[p].dtype)
+    else:
+      new = jnp.asarray(local[p] + outs[u]).astype(local[p].dtype)
+      outs[u] = jax.lax.dynamic_update_slice_in_dim(carried[p], new, first, axis=0)
+  return handles, outs
 
 
 def _load(handle, leaf: LeafLayout, k: int, tier: int, shape=None):
@@ -830,6 +926,9 @@ class _Group:
   shape: tuple[int, ...]
   chunked: bool
   chunks: tuple[tuple[int, int], ...]
+  # apply_gradients: {update var: parameter var} whose sum the group writes into the parameter,
+  # chunk by chunk in place (the value under the update var is then the new parameter)
+  applied: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -271,6 +271,17 @@ def test_bad_arguments_name_themselves(kwargs, message):
     offload_optimizer(lambda g: g)
 
 
+def test_a_location_the_state_does_not_fit_in_is_refused_at_init(tmp_path):
+  params = {"w": jnp.ones((1024, 1024))}  # Adam: 8 MiB of state, 16 MiB with the new version
+  with ssd.configured(tmp_path / "s", capacity_bytes=12 * MiB, host_tier_bytes=4 * MiB):
+    for location, room in (("host", "host_tier_bytes = 4194304"), ("nvme", "capacity_bytes")):
+      tx = offload_optimizer(optax.adam(1e-3), location=location)
+      with pytest.raises(OptimizerOffloadError, match=f"location='{location}' holds.*{room}"):
+        tx.init(params)
+    state = offload_optimizer(optax.adam(1e-3), location="host,nvme").init(params)  # 16 MiB
+    assert isinstance(state, OffloadedState)
+
+
 def test_update_with_a_state_it_did_not_make(store):
   with pytest.raises(TypeError, match="state: expected the OffloadedState"):
     offload_optimizer(optax.adam(1e-3)).update(_params(), optax.adam(1e-3).init(_params()))

@@ -122,6 +122,7 @@ def offload_optimizer(
   def init_fn(params):
     shapes = jax.eval_shape(tx.init, params)
     layout = _make_layout(shapes, opts, name, params)
+    _check_room(layout, loc, name)
     # Under jit: a stored leaf is made and stored chunk by chunk, never whole next to the others.
     return jax.jit(lambda p: _stream(tx.init, (p,), layout, None, name)[1])(params)
 
@@ -461,6 +462,40 @@ def _make_layout(shapes: Any, opts: _Options, name: str, params: Any = None) -> 
       leaf = dataclasses.replace(leaf, bounds=bounds, site=new_site_id())
     leaves.append(leaf)
   return Layout(treedef, tuple(leaves), opts.tier, mesh)
+
+
+def _check_room(layout: Layout, loc: Location, name: str) -> None:
+  """Refuses a state whose two versions (the one an update reads and the one it writes beside
+  it) do not fit where it is to live: this process's host tier, its files, or both."""
+  if layout.tier == DEVICE_TIER:
+    return
+  from jax_ssdtrain._src.config import ensure_configured
+
+  local = 1
+  if layout.mesh is not None:
+    local = sum(d.process_index == jax.process_index() for d in layout.mesh.devices.flat)
+  version = local * sum(
+    math.prod(leaf.block_shape) * leaf.dtype.itemsize for leaf in layout.leaves if leaf.stored
+  )
+  cfg = ensure_configured()
+  files = cfg.capacity_bytes  # None: the default, decided by the free space when the store opens
+  if loc is not Location.HOST and files is None:
+    return
+  room = cfg.host_tier_bytes if loc is Location.HOST else files
+  if loc is Location.HOST_NVME:
+    room += cfg.host_tier_bytes
+  if 2 * version > room:
+    what = {
+      Location.HOST: "host_tier_bytes",
+      Location.NVME: "capacity_bytes",
+      Location.HOST_NVME: "host_tier_bytes + capacity_bytes",
+    }[loc]
+    raise OptimizerOffloadError(
+      f"{name}: its state takes {version} bytes in the store, and an update writes the new "
+      f"version beside the old one ({2 * version} bytes), more than location={loc.value!r} "
+      f"holds ({what} = {room}): configure more (ssd.configure(...)), or use "
+      f"location='host,nvme' (the host tier spilling to the files)"
+    )
 
 
 def _param_specs(params: Any, name: str) -> tuple[Any, dict]:

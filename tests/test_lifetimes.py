@@ -343,6 +343,34 @@ def test_a_sweep_that_missed_a_donating_dispatch_releases_nothing(store, monkeyp
   assert ssd.collect() > 0  # now the old versions go
 
 
+def test_a_background_sweep_during_a_dispatch_releases_nothing(store, monkeypatch):
+  # The window of the dispatch itself: the donated state is deleted (and no longer listed), the
+  # step's results do not exist yet (the dispatch has not returned), its loads may still come.
+  # A sweep on another thread can fall in it (seen on the GPU: 2 H200, bench_optimizer and
+  # bench_accumulate, 2026-11-25, "activation was already released"); the background sweeper
+  # releases only what the sweep before it also found unreferenced.
+  import optax
+
+  from jax_ssdtrain._src import lifetimes
+
+  tx = ssd.offload_optimizer(optax.sgd(1e-2, momentum=0.9), min_bytes=0, chunk_bytes=4096)
+  params = {"w": jnp.ones((64, 64))}
+  step = jax.jit(lambda s: tx.update(params, s, params)[1], donate_argnums=0)
+  state = jax.block_until_ready(step(tx.init(params)))
+  monkeypatch.setattr(lifetimes, "_previous", None)
+  lifetimes._sweep(background=True)  # the sweep before: the state's handles are live
+  real = lifetimes.live_arrays
+  before = {id(a) for a in real()}
+  results = jax.block_until_ready(step(state))  # the state donated; its results hidden below
+  monkeypatch.setattr(lifetimes, "live_arrays", lambda: [a for a in real() if id(a) in before])
+  lifetimes._sweep(background=True)  # may release the init's version, dead at both sweeps
+  per_version = results.handles[0].shape[0]
+  assert native.stats()["live_entries"] == 2 * per_version  # the step's input and its results
+  monkeypatch.undo()
+  assert ssd.collect() == per_version  # on this thread, with the results: the input goes
+  del results
+
+
 def test_a_scan_of_no_layers_with_a_storing_body_compiles(store):
   # A stack split where one part has no layers (Plan.scan with every layer on one side): the
   # count once divided by the zero runs of the store.

@@ -237,8 +237,19 @@ def _has_store(jaxpr) -> bool:
 
 def collect() -> int:
   """Releases every stored tensor no program can load any more (see the module doc); returns
-  how many were released. Blocks until the live arrays are ready."""
+  how many were released. Blocks until the live arrays are ready. Call it from the thread that
+  dispatches the steps (between steps): see :func:`_sweep` for sweeps on other threads."""
+  return _sweep(background=False)
 
+
+def _sweep(background: bool) -> int:
+  """A sweep. One on the dispatching thread sees every array a later program can take. One on
+  another thread (the background sweeper) can run while a step is being dispatched: the step
+  has taken (donated) the arrays that held the handles it will load, and its results do not
+  exist yet, so that no live array holds those handles. Such a sweep releases only what the
+  sweep before it also found unreferenced (and older than that sweep's start): by now the
+  results of a program dispatched then exist, and this sweep waited for them."""
+  global _previous
   from jax_ssdtrain._src import native
 
   with _sweep_lock:
@@ -246,25 +257,31 @@ def collect() -> int:
     arrays = ready_live_arrays(strict=True)
     if arrays is None:  # a program took arrays of the snapshot: the next sweep sees its results
       return 0
-    # Before reading the handles (reading makes per-shard arrays, which would look new).
-    if _dispatched_since(arrays):
-      return 0
     try:
-      pairs = _handle_pairs(arrays)
+      pairs, shards = _handle_pairs(arrays, with_shards=True)
     except RuntimeError:
       if any(a.is_deleted() for a in arrays):  # donated between the wait and the read
         return 0
       raise
     if any(a.is_deleted() for a in arrays):  # taken by a program dispatched since
       return 0
-    return native.sweep(pairs, seq_limit)
+    if _dispatched_since(arrays + shards):
+      return 0
+    if not background:
+      return native.sweep(pairs, seq_limit)
+    previous, _previous = _previous, (pairs, seq_limit)
+    if previous is None:
+      return 0
+    return native.sweep(np.concatenate([pairs, previous[0]]), previous[1])
+
+
+# The background sweeper's last (pairs, seq_limit) (see _sweep).
+_previous: tuple[np.ndarray, int] | None = None
 
 
 def _dispatched_since(snapshot) -> bool:
   """True when a program that may hold handles was dispatched since ``snapshot`` was taken: new
-  arrays that could hold handles exist (its outputs, which the snapshot did not wait for).
-  Such a program may have taken, donated, the arrays that held the handles it loads, so that
-  they were never in the snapshot (a donated array is deleted at once): the next sweep decides."""
+  arrays that could hold handles exist (its results, which the snapshot did not wait for)."""
   seen = {id(a) for a in snapshot}
   return any(id(a) not in seen and _may_hold_handles(a) for a in live_arrays())
 
@@ -337,17 +354,20 @@ def _platforms():
   return names
 
 
-def _handle_pairs(arrays) -> np.ndarray:
-  """Every (id, check) uint32 pair held by a live array that could hold handles."""
-  chunks = []
+def _handle_pairs(arrays, with_shards: bool = False):
+  """Every (id, check) uint32 pair held by a live array that could hold handles; with
+  ``with_shards`` also the per-shard arrays read (JAX makes them, and keeps them with ``a``)."""
+  chunks, shards = [], []
   for a in arrays:
     if not _may_hold_handles(a):
       continue
     for shard in a.addressable_shards:  # a handle declared replicated differs per device
-      chunks.append(np.asarray(shard.data).reshape(-1, 2))
-  if not chunks:
-    return np.zeros((0, 2), np.uint32)
-  return np.ascontiguousarray(np.concatenate(chunks), dtype=np.uint32)
+      shards.append(shard.data)
+      chunks.append(np.asarray(shards[-1]).reshape(-1, 2))
+  pairs = np.zeros((0, 2), np.uint32)
+  if chunks:
+    pairs = np.ascontiguousarray(np.concatenate(chunks), dtype=np.uint32)
+  return (pairs, shards) if with_shards else pairs
 
 
 class _Sweeper:
@@ -378,7 +398,7 @@ class _Sweeper:
     while not self._stop.wait(self.POLL_S):
       try:
         if native.sweep_requested():
-          collect()
+          _sweep(background=True)
       except Exception:  # noqa: BLE001 - the engine is being replaced or shut down
         time.sleep(self.POLL_S)
 

@@ -176,6 +176,7 @@ def run(args) -> dict:
       r[f"x_device_k{kk}"] = r[f"step_s_k{kk}"] / base[f"step_s_k{kk}"] if base else None
   return dict(
     bench="accumulate",
+    date=bc.today(),
     args={k: str(v) for k, v in vars(args).items()},
     env=bc.host_env(),
     param_gb=param_bytes / 1e9,

@@ -155,6 +155,7 @@ def run(args) -> dict:
     r["x_device"] = r["step_s"] / base if base else None
   return dict(
     bench="optimizer",
+    date=bc.today(),
     args={k: str(v) for k, v in vars(args).items()},
     env=bc.host_env(),
     devices=n,
@@ -186,9 +187,8 @@ def table(doc: dict) -> str:
   for r in doc["rows"]:
     rate = f"{r['each_way_gbps']:.1f}" if "each_way_gbps" in r else "-"
     xl = f"{r['x_two_way_link']:.2f}" if "x_two_way_link" in r else "-"
-    lines.append(
-      f"| {r['variant']} | {1e3 * r['step_s']:.1f} | {r['x_device']:.3f} | {rate} | {xl} |"
-    )
+    xd = f"{r['x_device']:.3f}" if r["x_device"] is not None else "-"
+    lines.append(f"| {r['variant']} | {1e3 * r['step_s']:.1f} | {xd} | {rate} | {xl} |")
   return "\n".join(lines)
 
 

@@ -39,8 +39,10 @@ def shown(doc: dict, bench: str) -> list[str]:
     return [ms(r[k]) for r in autos for k in ("predicted_ms", "step_ms")]
   if bench == "train":
     return [f"{r['tokens_per_s']:,}" for r in doc["rows"]]
-  if bench == "maxtext":
-    return [ms(r["step_s_median"] * 1e3) for r in doc["rows"]]
+  if bench in ("maxtext", "maxtext_fsdp"):  # rows that failed or were skipped show why
+    return [ms(r["step_s_median"] * 1e3) for r in doc["rows"] if r.get("step_s_median")]
+  if bench == "optimizer":
+    return [ms(r["step_s"] * 1e3) for r in doc["rows"]]
   if bench == "multigpu":
     return [ms(r[k]) for r in doc["rows"] for k in ("step_ms_1", "step_ms_n")]
   raise AssertionError(f"benchmarks/{bench}.json: no rule for what its table shows")

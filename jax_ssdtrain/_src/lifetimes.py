@@ -258,14 +258,12 @@ def _sweep(background: bool) -> int:
     if arrays is None:  # a program took arrays of the snapshot: the next sweep sees its results
       return 0
     try:
-      pairs, shards = _handle_pairs(arrays, with_shards=True)
+      pairs = _handle_pairs(arrays)
     except RuntimeError:
       if any(a.is_deleted() for a in arrays):  # donated between the wait and the read
         return 0
       raise
     if any(a.is_deleted() for a in arrays):  # taken by a program dispatched since
-      return 0
-    if _dispatched_since(arrays + shards):
       return 0
     if not background:
       return native.sweep(pairs, seq_limit)
@@ -277,13 +275,6 @@ def _sweep(background: bool) -> int:
 
 # The background sweeper's last (pairs, seq_limit) (see _sweep).
 _previous: tuple[np.ndarray, int] | None = None
-
-
-def _dispatched_since(snapshot) -> bool:
-  """True when a program that may hold handles was dispatched since ``snapshot`` was taken: new
-  arrays that could hold handles exist (its results, which the snapshot did not wait for)."""
-  seen = {id(a) for a in snapshot}
-  return any(id(a) not in seen and _may_hold_handles(a) for a in live_arrays())
 
 
 def _may_hold_handles(a) -> bool:
@@ -354,20 +345,17 @@ def _platforms():
   return names
 
 
-def _handle_pairs(arrays, with_shards: bool = False):
-  """Every (id, check) uint32 pair held by a live array that could hold handles; with
-  ``with_shards`` also the per-shard arrays read (JAX makes them, and keeps them with ``a``)."""
-  chunks, shards = [], []
+def _handle_pairs(arrays) -> np.ndarray:
+  """Every (id, check) uint32 pair held by a live array that could hold handles."""
+  chunks = []
   for a in arrays:
     if not _may_hold_handles(a):
       continue
     for shard in a.addressable_shards:  # a handle declared replicated differs per device
-      shards.append(shard.data)
-      chunks.append(np.asarray(shards[-1]).reshape(-1, 2))
-  pairs = np.zeros((0, 2), np.uint32)
-  if chunks:
-    pairs = np.ascontiguousarray(np.concatenate(chunks), dtype=np.uint32)
-  return (pairs, shards) if with_shards else pairs
+      chunks.append(np.asarray(shard.data).reshape(-1, 2))
+  if not chunks:
+    return np.zeros((0, 2), np.uint32)
+  return np.ascontiguousarray(np.concatenate(chunks), dtype=np.uint32)
 
 
 class _Sweeper:

@@ -517,7 +517,8 @@ def _check_sharded(r: dict, devices: int) -> None:
     assert t["params_specs"]["rows"] == "P('data',)" and t["params_specs"]["cols"] == (
       "P(None, 'data')"
     )
-    assert t["saved_eq_state"] and t["resumed_eq"], name
+    if name == "chain":  # a checkpoint of the sharded state, restored, resumed
+      assert t["saved_eq_state"] and t["resumed_eq"], name
     live, one_version_each = t["live_entries"]
     assert live == one_version_each, (name, t["live_entries"])
   # each sweep between the steps of a donating loop releases the version before

@@ -16,6 +16,10 @@ cached per directory (real path and device), size, threads, tensor size and cap 
 ``$XDG_CACHE_HOME/jax_ssdtrain/probe.json``; ``refresh=True`` measures again. The measurement
 runs in a child process: the caller's store is left alone.
 
+:func:`measure_disk_duplex` measures a directory reading and writing at once (plain O_DIRECT,
+in this process, not cached): the load on a disk of a stream that reads one version of a state
+while it writes the next, as ``offload_optimizer(location="nvme")`` does.
+
 ``python -m jax_ssdtrain.probe --link`` (and :func:`measure_link`) measures the PCIe link of a
 GPU instead: pinned host <-> device copies, each direction alone and both at once, cached per
 host, GPU model and size. The host tier moves its bytes over this link; the planner takes its
@@ -44,11 +48,13 @@ from pathlib import Path
 from jax_ssdtrain._src.config import GiB, MiB, parse_bandwidth, parse_size
 
 __all__ = [
+  "DiskDuplexResult",
   "LinkResult",
   "ProbeResult",
   "Recommendation",
   "Wear",
   "measure",
+  "measure_disk_duplex",
   "measure_link",
   "recommend",
   "wear",
@@ -112,6 +118,24 @@ class LinkResult:
     """One rate for both directions, as the planner's host model takes it: the slower
     direction alone (the forward pass copies to the host, the backward pass back)."""
     return min(self.d2h_gbps, self.h2d_gbps)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskDuplexResult:
+  """A directory read and written at once: ``size`` bytes each way (GB/s = 1e9 bytes/s)."""
+
+  directory: str
+  size: int  # bytes read, and bytes written, at the same time
+  threads: int  # half read, half write
+  seconds: float  # until both directions finished
+  read_gbps: float  # each direction's bytes over its own time
+  write_gbps: float
+  o_direct: bool
+
+  @property
+  def each_way_gbps(self) -> float:
+    """``size`` over the time both directions took together."""
+    return self.size / self.seconds / 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +215,84 @@ def measure(
   result = ProbeResult(**json.loads(lines[-1]))
   _cache_put(key, result)
   return result
+
+
+def measure_disk_duplex(
+  directory: str | os.PathLike, size: int | str = 1 * GiB, *, threads: int = 8
+) -> DiskDuplexResult:
+  """Reads ``size`` bytes of ``directory`` while it writes ``size`` others (plain pwrite/pread
+  of RAW_BLOCK blocks on an unlinked file, O_DIRECT where the filesystem allows it; half of
+  ``threads`` each way), after writing the bytes read. Needs ``2 * size`` bytes free."""
+  size = parse_size(size)
+  _positive("size", size)
+  if threads < 2:
+    raise ValueError(f"threads={threads}: at least 2 (one reads while one writes)")
+  blocks = max(1, size // RAW_BLOCK)
+  size = blocks * RAW_BLOCK
+  directory = os.path.realpath(os.fspath(directory))
+  free = shutil.disk_usage(directory).free
+  if 2 * size + 64 * MiB > free:
+    raise ValueError(
+      f"size={size} ({size / GiB:.2f} GiB): the duplex probe needs {2 * size + 64 * MiB} bytes "
+      f"free in {directory!r}, which has {free}"
+    )
+  fd, direct = _open_private(directory)
+  bufs = [mmap.mmap(-1, RAW_BLOCK) for _ in range(threads)]  # page aligned
+  try:
+    for b in bufs:
+      b.write(os.urandom(RAW_BLOCK))
+    half = threads // 2
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      for f in [pool.submit(_blocks, fd, bufs[t], True, t, half, blocks, 0) for t in range(half)]:
+        f.result()
+      os.fsync(fd)
+      done: dict[bool, list[float]] = {True: [], False: []}  # each thread's end
+
+      def side(write: bool, t: int, n: int) -> None:
+        first = 0 if write else half
+        _blocks(fd, bufs[first + t], write, t, n, blocks, size if write else 0)
+        done[write].append(time.perf_counter())
+
+      t0 = time.perf_counter()
+      futures = [pool.submit(side, True, t, half) for t in range(half)]
+      futures += [pool.submit(side, False, t, threads - half) for t in range(threads - half)]
+      for f in futures:
+        f.result()
+      os.fsync(fd)
+      end = time.perf_counter()
+  finally:
+    os.close(fd)
+    for b in bufs:
+      b.close()
+  return DiskDuplexResult(
+    directory=directory,
+    size=size,
+    threads=threads,
+    seconds=end - t0,
+    read_gbps=size / (max(done[False]) - t0) / 1e9,
+    write_gbps=size / (end - t0) / 1e9,  # its fsync included
+    o_direct=direct,
+  )
+
+
+def _blocks(fd: int, buf, write: bool, t: int, stride: int, blocks: int, base: int) -> None:
+  """Blocks t, t + stride, ... of ``blocks`` RAW_BLOCK blocks from file offset ``base``, each
+  written from (or read into) ``buf``; a transfer of 0 bytes raises."""
+  view = memoryview(buf)
+  for i in range(t, blocks, stride):
+    off, moved = base + i * RAW_BLOCK, 0
+    while moved < RAW_BLOCK:
+      n = (
+        os.pwrite(fd, view[moved:], off + moved)
+        if write
+        else os.preadv(fd, [view[moved:]], off + moved)
+      )
+      if n <= 0:
+        raise OSError(
+          _errno.EIO,
+          f"raw probe: {'pwrite' if write else 'pread'} moved 0 bytes at offset {off + moved}",
+        )
+      moved += n
 
 
 def measure_link(
@@ -654,28 +756,12 @@ def _raw(directory: str, size: int, threads: int) -> tuple[float, float, bool]:
   for b in bufs:
     b.write(os.urandom(RAW_BLOCK))
 
-  def run(write: bool, t: int) -> None:
-    view = memoryview(bufs[t])
-    for i in range(t, blocks, threads):
-      off, done = i * RAW_BLOCK, 0
-      while done < RAW_BLOCK:
-        n = (
-          os.pwrite(fd, view[done:], off + done)
-          if write
-          else os.preadv(fd, [view[done:]], off + done)
-        )
-        if n <= 0:
-          raise OSError(
-            _errno.EIO,
-            f"raw probe: {'pwrite' if write else 'pread'} moved 0 "
-            f"bytes at offset {off + done} in {directory!r}",
-          )
-        done += n
-
   def timed(write: bool) -> float:
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-      for f in [pool.submit(run, write, t) for t in range(threads)]:
+      for f in [
+        pool.submit(_blocks, fd, bufs[t], write, t, threads, blocks, 0) for t in range(threads)
+      ]:
         f.result()
     if write:
       os.fsync(fd)

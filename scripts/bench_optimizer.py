@@ -6,7 +6,8 @@ state on the device (``location="device"``), in the host tier and in the store f
 GPU) JAX's own memory kinds: the state in ``pinned_host``, moved to the device inside the step and
 back, as MaxText's ``optimizer_memory_host_offload`` does. The GPU's link is measured in the
 same run (pinned copies each way, and both at once): the streamed update moves the state both
-ways, so its rate is compared with the two-way rate.
+ways, so its rate is compared with the two-way rate. Likewise the store directory, read and
+written at once with plain O_DIRECT (``probe.measure_disk_duplex``), for the ``nvme`` row.
 
   python -m scripts.bench_optimizer [--leaves 8 --rows 4096 --cols 8192] [--out DIR]
   python -m scripts.bench_optimizer --devices 2   (FSDP: each device ROWS rows of every leaf)
@@ -115,6 +116,13 @@ def run(args) -> dict:
       d2h=r.d2h_gbps, h2d=r.h2d_gbps, duplex_d2h=r.duplex_d2h_gbps, duplex_h2d=r.duplex_h2d_gbps
     )
   store = args.store_dir or tempfile.mkdtemp(prefix="bench-opt-")
+  disk = None
+  if "nvme" in args.variants.split(","):  # the disk reading one version while writing the next
+    from jax_ssdtrain import probe
+
+    Path(store).mkdir(parents=True, exist_ok=True)
+    d = probe.measure_disk_duplex(store, min(state_bytes, 2 << 30))
+    disk = dict(each_way=d.each_way_gbps, read=d.read_gbps, write=d.write_gbps, size=d.size)
   rows = []
   with ssd.configured(
     store,
@@ -146,8 +154,10 @@ def run(args) -> dict:
         row["read_gb_per_step"] = s["bytes_read"] / runs / 1e9
         row["written_gb_per_step"] = s["bytes_written"] / runs / 1e9
         row["each_way_gbps"] = state_bytes / n / t / 1e9  # per device: each has its own link
-        if link:
+        if link and variant == "host":
           row["x_two_way_link"] = row["each_way_gbps"] / min(link["duplex_d2h"], link["duplex_h2d"])
+        if disk and variant == "nvme":  # every device's state goes to the one directory
+          row["x_two_way_disk"] = state_bytes / t / 1e9 / disk["each_way"]
       rows.append(row)
       del step, state
   base = next((r["step_s"] for r in rows if r["variant"] == "device"), None)
@@ -162,6 +172,7 @@ def run(args) -> dict:
     param_gb=param_bytes / 1e9,
     state_gb=state_bytes / 1e9,
     link_gbps=link,
+    disk_duplex_gbps=disk,
     rows=rows,
   )
 
@@ -178,15 +189,22 @@ def table(doc: dict) -> str:
       else ""
     )
   )
+  disk = doc.get("disk_duplex_gbps")
+  if disk:
+    head += (
+      f"; store directory read and written at once (raw O_DIRECT, {disk['size'] / 1e9:.2f} GB "
+      f"each way): {disk['each_way']:.2f} GB/s each way"
+    )
   lines = [
     head,
     "",
-    "| variant | step ms | x device | state GB/s each way (per device) | x two-way link |",
+    "| variant | step ms | x device | state GB/s each way (per device) | x two-way link or disk |",
     "|---|---|---|---|---|",
   ]
   for r in doc["rows"]:
-    rate = f"{r['each_way_gbps']:.1f}" if "each_way_gbps" in r else "-"
-    xl = f"{r['x_two_way_link']:.2f}" if "x_two_way_link" in r else "-"
+    rate = f"{r['each_way_gbps']:.2f}" if "each_way_gbps" in r else "-"
+    ratio = r.get("x_two_way_link", r.get("x_two_way_disk"))
+    xl = f"{ratio:.2f}" if ratio is not None else "-"
     xd = f"{r['x_device']:.3f}" if r["x_device"] is not None else "-"
     lines.append(f"| {r['variant']} | {1e3 * r['step_s']:.1f} | {xd} | {rate} | {xl} |")
   return "\n".join(lines)

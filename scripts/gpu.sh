@@ -12,6 +12,7 @@
 #   tests        the GPU test suite: pytest -m gpu tests                           [Tests]
 #   reliability  tests/test_reliability.py through the CUDA handlers               [Tests]
 #   jaxlayer     tests/test_jax_layer.py and tests/test_lifetimes.py on the GPU     [Tests]
+#   lifetimes    tests/test_lifetimes.py alone (sweeps on the GPU: a quick check)   [Tests]
 #   rok          bench_rok, 4096,2048,4,8, every policy                             [rok]
 #   rok8192      bench_rok, 8192,2048,2,4, JAX's policies and the host tier         [rok]
 #   hostrows     bench_rok, 4096 and 8192 stacks: selective vs the 4 tags in the host tier
@@ -54,7 +55,7 @@ OUT=${OUT:-/tmp/jax_ssdtrain-gpu}
 LIMIT_S=${LIMIT_S:-570}
 if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
-KNOWN=(tests reliability jaxlayer rok rok8192 hostrows hosttier link planner planner32k planner8192
+KNOWN=(tests reliability jaxlayer lifetimes rok rok8192 hostrows hosttier link planner planner32k planner8192
   plannernvme cap emulated train maxtext multigpu multihost optimizer optimizer2 accumulate
   maxtextfsdp)
 if [ ${#STAGES[@]} -eq 0 ]; then
@@ -143,6 +144,8 @@ for stage in "${STAGES[@]}"; do
     jaxlayer)
       run jaxlayer 400 $PY -m pytest -q -ra -p no:cacheprovider tests/test_jax_layer.py \
         tests/test_lifetimes.py ;;
+    lifetimes)
+      run lifetimes 300 $PY -m pytest -q -ra -p no:cacheprovider tests/test_lifetimes.py ;;
     rok)
       run rok 900 $PY -m scripts.bench_rok --shape 4096,2048,4,8 "${ROK[@]}" \
         --policies 'keep,recompute,selective,jax_host_layer_in,jax_host_named,ssd_host_named,ssd_nvme_layer_in,ssd_nvme_sweep_*' \

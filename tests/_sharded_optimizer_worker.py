@@ -113,11 +113,7 @@ def rel(a, b) -> float:
 
 def block_bytes(layout) -> int:
   """Bytes one device stores for one version of the state: its block of each stored leaf."""
-  return sum(
-    int(np.prod(leaf.block_shape)) * np.dtype(leaf.dtype).itemsize
-    for leaf in layout.leaves
-    if leaf.stored
-  )
+  return sum(leaf.block_nbytes for leaf in layout.leaves if leaf.stored)
 
 
 def train_case() -> dict:

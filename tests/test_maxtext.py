@@ -152,15 +152,9 @@ def test_launcher_runs_train_main(tmp_path):
   assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
 
 
-@pytest.mark.slow
-@needs_maxtext
-def test_bench_maxtext_tiny_with_a_variants_own_store_options(tmp_path):
-  # scripts/bench_maxtext.py as the GPU call runs it: each variant in its own process; the
-  # second @host variant's own staging arena overrides --ssd's.
-  variants = (
-    "minimal,minimal_offloaded@host,"
-    "minimal_offloaded@host:staging_bytes=32MiB:host_tier_bytes=256MiB"
-  )
+def _run_bench(tmp_path, *args):
+  """scripts/bench_maxtext.py --tiny, 3 steps after 1 of warmup, with ``args``: the path of the
+  JSON it wrote in ``tmp_path`` and its contents."""
   env = dict(
     os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
   )
@@ -174,10 +168,7 @@ def test_bench_maxtext_tiny_with_a_variants_own_store_options(tmp_path):
       "3",
       "--warmup",
       "1",
-      "--variants",
-      variants,
-      "--ssd",
-      "staging_bytes=16MiB",
+      *args,
       "--store-dir",
       str(tmp_path / "work"),
       "--out",
@@ -191,7 +182,20 @@ def test_bench_maxtext_tiny_with_a_variants_own_store_options(tmp_path):
   )
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
   (path,) = tmp_path.glob("maxtext_*_tiny.json")
-  rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+  return path, json.loads(path.read_text())
+
+
+@pytest.mark.slow
+@needs_maxtext
+def test_bench_maxtext_tiny_with_a_variants_own_store_options(tmp_path):
+  # scripts/bench_maxtext.py as the GPU call runs it: each variant in its own process; the
+  # second @host variant's own staging arena overrides --ssd's.
+  variants = (
+    "minimal,minimal_offloaded@host,"
+    "minimal_offloaded@host:staging_bytes=32MiB:host_tier_bytes=256MiB"
+  )
+  _, doc = _run_bench(tmp_path, "--variants", variants, "--ssd", "staging_bytes=16MiB")
+  rows = {r["variant"]: r for r in doc["rows"]}
   assert list(rows) == variants.split(","), rows
   device, ours, ours_small = rows.values()
   assert device["store_bytes_per_step"] is None and device["location"] == "maxtext"
@@ -209,37 +213,8 @@ def test_bench_maxtext_tiny_with_a_variants_own_store_options(tmp_path):
 def test_bench_maxtext_fsdp_on_2_devices(tmp_path):
   # --fsdp 2 as the two-GPU call runs it: each variant on 2 (CPU) devices, MaxText's FSDP over
   # them, our store one directory per device, each device storing its own shards.
-  env = dict(
-    os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-  )
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "scripts.bench_maxtext",
-      "--tiny",
-      "--fsdp",
-      "2",
-      "--steps",
-      "3",
-      "--warmup",
-      "1",
-      "--variants",
-      "minimal,minimal_offloaded@host",
-      "--store-dir",
-      str(tmp_path / "work"),
-      "--out",
-      str(tmp_path),
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    env=env,
-    timeout=HANG_S,
-  )
-  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-  (path,) = tmp_path.glob("maxtext_*_fsdp2_tiny.json")
-  doc = json.loads(path.read_text())
+  path, doc = _run_bench(tmp_path, "--fsdp", "2", "--variants", "minimal,minimal_offloaded@host")
+  assert path.name.endswith("_fsdp2_tiny.json"), path
   assert doc["config"]["fsdp"] == 2
   device, ours = doc["rows"]
   assert device["devices"] == ours["devices"] == 2, doc["rows"]

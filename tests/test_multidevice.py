@@ -15,9 +15,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def _run_worker(tmp_dir, **env_vars):
-  """The worker's JSON result, with ``"left_behind"``: what it left in ``tmp_dir``, its TMPDIR
-  (the store directories it configures and the default store's temporary directory)."""
+def _run_worker(tmp_dir, worker="_multidevice_worker.py", **env_vars):
+  """The JSON result of ``worker`` (a script in tests/, run with ``env_vars`` in its
+  environment), with ``"left_behind"``: what it left in ``tmp_dir``, its TMPDIR (the store
+  directories it configures and the default store's temporary directory)."""
   env = dict(
     os.environ,
     PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -25,7 +26,7 @@ def _run_worker(tmp_dir, **env_vars):
     **env_vars,
   )
   proc = subprocess.run(
-    [sys.executable, os.path.join(HERE, "_multidevice_worker.py")],
+    [sys.executable, os.path.join(HERE, worker)],
     capture_output=True,
     text=True,
     env=env,

@@ -335,8 +335,8 @@ def test_host_nvme_spills_activations_to_the_files(tmp_path):
     assert s["spilled_bytes"] == spilled * MiB and s["disk_tensors_written"] <= spilled
 
 
-@pytest.mark.slow
-def test_bench_optimizer_tiny(tmp_path):
+def _tiny_bench(tmp_path, module, prefix) -> dict:
+  """``python -m scripts.<module> --tiny`` on CPU: the JSON it wrote, ``<prefix>_cpu_*.json``."""
   import json
   import os
   import subprocess
@@ -344,12 +344,17 @@ def test_bench_optimizer_tiny(tmp_path):
   from pathlib import Path
 
   root = Path(__file__).resolve().parents[1]
-  cmd = [sys.executable, "-m", "scripts.bench_optimizer", "--tiny", "--out", str(tmp_path)]
+  cmd = [sys.executable, "-m", f"scripts.{module}", "--tiny", "--out", str(tmp_path)]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr
-  (path,) = tmp_path.glob("optimizer_cpu_*.json")
-  doc = json.loads(path.read_text())
+  (path,) = tmp_path.glob(f"{prefix}_cpu_*.json")
+  return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_bench_optimizer_tiny(tmp_path):
+  doc = _tiny_bench(tmp_path, "bench_optimizer", "optimizer")
   rows = {r["variant"]: r for r in doc["rows"]}
   assert set(rows) == {"device", "streamed_device", "host", "nvme"}
   # the whole state went through the store each step, both ways, once
@@ -360,19 +365,7 @@ def test_bench_optimizer_tiny(tmp_path):
 
 @pytest.mark.slow
 def test_bench_accumulate_tiny(tmp_path):
-  import json
-  import os
-  import subprocess
-  import sys
-  from pathlib import Path
-
-  root = Path(__file__).resolve().parents[1]
-  cmd = [sys.executable, "-m", "scripts.bench_accumulate", "--tiny", "--out", str(tmp_path)]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  (path,) = tmp_path.glob("accumulate_cpu_*.json")
-  doc = json.loads(path.read_text())
+  doc = _tiny_bench(tmp_path, "bench_accumulate", "accumulate")
   rows = {r["variant"]: r for r in doc["rows"]}
   assert set(rows) == {"device", "host", "nvme"} and doc["accum"] == [1, 4, 16]
   assert rows["device"]["written_gb_per_update"] == 0
@@ -471,34 +464,6 @@ def test_a_checkpoint_of_another_layout_is_refused(store):
 # State sharded over several devices (FSDP): each device streams its own blocks
 
 
-def _sharded_worker(tmp_path, **env_vars) -> dict:
-  """tests/_sharded_optimizer_worker.py's JSON result (a process of its own: the device count is
-  fixed when jax starts)."""
-  import json
-  import os
-  import subprocess
-  import sys
-
-  from _limits import HANG_S
-
-  here = os.path.dirname(os.path.abspath(__file__))
-  env = dict(
-    os.environ,
-    PYTHONPATH=os.path.dirname(here) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    TMPDIR=str(tmp_path),
-    **env_vars,
-  )
-  proc = subprocess.run(
-    [sys.executable, os.path.join(here, "_sharded_optimizer_worker.py")],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=HANG_S,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def _check_sharded(r: dict, devices: int) -> None:
   assert r["devices"] == devices
   assert sorted(r["tx"]) == ["adam", "chain", "lion", "sgd_momentum"]
@@ -532,16 +497,23 @@ def _check_sharded(r: dict, devices: int) -> None:
 
 
 def test_state_sharded_over_4_cpu_devices(tmp_path):
-  _check_sharded(_sharded_worker(tmp_path), 4)
+  from test_multidevice import _run_worker
+
+  # a process of its own: the device count is fixed when jax starts
+  _check_sharded(_run_worker(tmp_path, worker="_sharded_optimizer_worker.py"), 4)
 
 
 @pytest.mark.gpu
 def test_state_sharded_over_2_gpus(tmp_path):
-  from test_multidevice import _gpu_count
+  from test_multidevice import _gpu_count, _run_worker
 
   if _gpu_count() < 2:
     pytest.skip("needs 2 GPUs")
-  r = _sharded_worker(
-    tmp_path, SSD_OPT_PLATFORM="gpu", SSD_OPT_DEVICES="2", XLA_PYTHON_CLIENT_PREALLOCATE="false"
+  r = _run_worker(
+    tmp_path,
+    worker="_sharded_optimizer_worker.py",
+    SSD_OPT_PLATFORM="gpu",
+    SSD_OPT_DEVICES="2",
+    XLA_PYTHON_CLIENT_PREALLOCATE="false",
   )
   _check_sharded(r, 2)

@@ -319,3 +319,23 @@ def test_gpu_offload_through_a_capped_store(tmp_path):
   assert s["bandwidth_cap"] == cap and s["disk_bytes_written"] >= layers * 8 * MiB
   assert s["write_seconds"] >= 0.95 * s["disk_bytes_written"] / cap
   assert s["read_seconds"] >= 0.95 * s["disk_bytes_read"] / cap
+
+
+# ---------------------------------------------------------------------------------------------
+# measure_disk_duplex()
+
+
+def test_disk_duplex_reads_while_it_writes(tmp_path):
+  r = probe.measure_disk_duplex(tmp_path, "16MiB", threads=2)
+  assert (r.directory, r.size, r.threads) == (os.path.realpath(tmp_path), 16 * MiB, 2)
+  assert r.read_gbps > 0 and r.write_gbps > 0 and r.o_direct in (True, False)
+  # both directions moved `size` in `seconds` at most: neither side's rate is below that
+  assert r.each_way_gbps <= min(r.read_gbps, r.write_gbps) * (1 + 1e-9)
+  assert os.listdir(tmp_path) == []  # an unlinked file only
+
+
+def test_disk_duplex_refuses_what_it_cannot_measure(tmp_path):
+  with pytest.raises(ValueError, match="threads=1"):
+    probe.measure_disk_duplex(tmp_path, "16MiB", threads=1)
+  with pytest.raises(ValueError, match="needs .* bytes free"):
+    probe.measure_disk_duplex(tmp_path, "1000TiB")

@@ -24,7 +24,8 @@ that can still be loaded is either held by a live array, or is internal to an ex
 was dispatched earlier; waiting for the live arrays waits for every such execution whose result
 anyone can observe (an execution with no live outputs is unobservable: its loads may fail
 harmlessly). A daemon thread sweeps when the engine has made enough uncounted entries since
-the last sweep; ``ssd.flush()`` and ``ssd.collect()`` sweep at once.
+the last sweep; ``ssd.flush()`` and ``ssd.collect()`` sweep at once. The daemon's sweeps can fall
+inside a dispatch, where that reasoning does not hold: they only retire (see :func:`_sweep`).
 """
 
 from __future__ import annotations
@@ -246,9 +247,12 @@ def _sweep(background: bool) -> int:
   """A sweep. One on the dispatching thread sees every array a later program can take. One on
   another thread (the background sweeper) can run while a step is being dispatched: the step
   has taken (donated) the arrays that held the handles it will load, and its results do not
-  exist yet, so that no live array holds those handles. Such a sweep releases only what the
-  sweep before it also found unreferenced (and older than that sweep's start): by now the
-  results of a program dispatched then exist, and this sweep waited for them."""
+  exist yet, so that no live array holds those handles. Such a sweep takes only what the sweep
+  before it also found unreferenced (and older than that sweep's start), and it only *retires*
+  it: a load still finds a retired entry, whose room goes to the next store that needs it
+  (oldest first). Where XLA runs a program while dispatching it (GPU; CPU without async
+  dispatch) a dispatch lasts as long as the step's blocking copies and writes: several sweeps
+  can fall inside it."""
   global _previous
   from jax_ssdtrain._src import native
 
@@ -270,7 +274,7 @@ def _sweep(background: bool) -> int:
     previous, _previous = _previous, (pairs, seq_limit)
     if previous is None:
       return 0
-    return native.sweep(np.concatenate([pairs, previous[0]]), previous[1])
+    return native.sweep(np.concatenate([pairs, previous[0]]), previous[1], retire=True)
 
 
 # The background sweeper's last (pairs, seq_limit) (see _sweep).
@@ -368,6 +372,9 @@ class _Sweeper:
     self._stop = threading.Event()
 
   def start(self) -> None:
+    global _previous
+    with _sweep_lock:  # a new engine numbers its entries from 1: the last snapshot is stale
+      _previous = None
     if self._thread is not None and self._thread.is_alive():
       return
     self._stop.clear()

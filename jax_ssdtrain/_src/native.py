@@ -141,6 +141,7 @@ def lib() -> ctypes.CDLL:
       ctypes.c_void_p,
       ctypes.c_uint64,
       ctypes.c_uint64,
+      ctypes.c_int,
       ctypes.POINTER(ctypes.c_uint64),
       c_char_p,
       c_size_t,
@@ -396,15 +397,21 @@ def store_host(address: int, nbytes: int, site: int, uses: int = MANUAL) -> tupl
   return handle[0], handle[1]
 
 
-def sweep(pairs, seq_limit: int) -> int:
+def sweep(pairs, seq_limit: int, *, retire: bool = False) -> int:
   """Releases entries older than ``seq_limit`` whose handle is not a row of ``pairs`` (an
-  (n, 2) C-contiguous uint32 array); returns how many were released."""
+  (n, 2) C-contiguous uint32 array); returns how many were released. ``retire``: retires them
+  instead (a load still finds a retired entry; its room goes to the next store that needs it)."""
   import numpy as np
 
   pairs = np.ascontiguousarray(pairs, dtype=np.uint32).reshape(-1, 2)
   released = ctypes.c_uint64(0)
   _call_err(
-    lib().ssdtrain_sweep, pairs.ctypes.data, pairs.shape[0], int(seq_limit), ctypes.byref(released)
+    lib().ssdtrain_sweep,
+    pairs.ctypes.data,
+    pairs.shape[0],
+    int(seq_limit),
+    int(retire),
+    ctypes.byref(released),
   )
   return int(released.value)
 

@@ -410,6 +410,11 @@ class LeafLayout:
     """The shape one device streams: the leaf's, or its block where the state is sharded."""
     return self.shape if self.local_shape is None else self.local_shape
 
+  @property
+  def block_nbytes(self) -> int:
+    """Bytes of one device's block of the leaf (``nbytes`` where the state is not sharded)."""
+    return math.prod(self.block_shape) * np.dtype(self.dtype).itemsize
+
   def chunk_shape(self, r0: int, r1: int) -> tuple[int, ...]:
     shape = self.block_shape
     return (r1 - r0,) + shape[1:] if shape else ()
@@ -474,9 +479,7 @@ def _check_room(layout: Layout, loc: Location, name: str) -> None:
   local = 1
   if layout.mesh is not None:
     local = sum(d.process_index == jax.process_index() for d in layout.mesh.devices.flat)
-  version = local * sum(
-    math.prod(leaf.block_shape) * leaf.dtype.itemsize for leaf in layout.leaves if leaf.stored
-  )
+  version = local * sum(leaf.block_nbytes for leaf in layout.leaves if leaf.stored)
   cfg = ensure_configured()
   files = cfg.capacity_bytes  # None: the default, decided by the free space when the store opens
   if loc is not Location.HOST and files is None:

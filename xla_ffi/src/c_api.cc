@@ -194,14 +194,15 @@ SSD_EXPORT int ssdtrain_store_host(const void* src, uint64_t nbytes, int64_t sit
 }
 
 // Sweep (jax_ssdtrain/_src/lifetimes.py): releases the entries older than `seq_limit` whose
-// handle is not among the n_pairs {id, check} pairs (the handles live arrays still hold).
+// handle is not among the n_pairs {id, check} pairs (the handles live arrays still hold);
+// retire != 0 (the background sweeper): retires them instead (Engine::Sweep).
 SSD_EXPORT int ssdtrain_sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit,
-                              uint64_t* released, char* err, size_t errlen) {
+                              int retire, uint64_t* released, char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
     *released = 0;
     auto e = ssdtrain::PeekEngine();
     if (!e) return Status::Ok();
-    return e->Sweep(pairs, n_pairs, seq_limit, released);
+    return e->Sweep(pairs, n_pairs, seq_limit, released, retire != 0);
   });
 }
 

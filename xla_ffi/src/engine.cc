@@ -101,6 +101,8 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
       hooks_->ReclaimReleases(true);
       in_host_tier = AllocHost(Arena::kHostTier, e->padded_, &host_off);
     }
+    while (!in_host_tier && ReleaseOldestRetired())  // then entries a background sweep retired
+      in_host_tier = AllocHost(Arena::kHostTier, e->padded_, &host_off);
     if (tier == Tier::kHostThenNvme) {  // the entry's tier is where it went
       e->tier_ = in_host_tier ? Tier::kHost : Tier::kNvme;
       if (!in_host_tier) {
@@ -131,6 +133,8 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
       hooks_->ReclaimReleases(true);
       got_slot = space_.Alloc(e->device_, e->padded_, &off);
     }
+    while (!got_slot && ReleaseOldestRetired())
+      got_slot = space_.Alloc(e->device_, e->padded_, &off);
     if (!got_slot) {
       const RangeAllocator& group = space_.Group(e->device_);
       full =

@@ -56,6 +56,7 @@ Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int
                               std::to_string(nbytes) + " bytes but " + std::to_string(e->nbytes_) +
                               " bytes were stored");
   if (!e->error_.ok()) return e->error_.With("load of " + DescribeTag(name, site, e->id_));
+  if (e->retired_) Revive(*e);
   if (e->loads_++ == 0) {
     unloaded_.erase(e->seq_);
     if (cfg_.forwarding && e->w_ == WState::kQueued) {
@@ -85,7 +86,7 @@ bool Engine::PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbyt
     auto it = entries_.find(id);
     if (it == entries_.end()) continue;
     const Entry* e = it->second.get();
-    if (e->loads_ || e->run_id_ != run_id || e->nbytes_ != nbytes) continue;  // (device: by key)
+    if (e->loads_ || e->retired_ || e->run_id_ != run_id || e->nbytes_ != nbytes) continue;
     if (!best || e->seq_ > best->seq_) best = e;
   }
   if (!best) return false;
@@ -114,7 +115,7 @@ bool Engine::CountLoad(const EntryPtr& e, bool defer) {
 }
 
 Status Engine::Sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit,
-                     uint64_t* released) {
+                     uint64_t* released, bool retire) {
   std::set<uint64_t> live;
   for (uint64_t i = 0; i < n_pairs; ++i)
     live.insert(static_cast<uint64_t>(pairs[2 * i]) << 32 | pairs[2 * i + 1]);
@@ -126,15 +127,16 @@ Status Engine::Sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit
     const uint64_t key = static_cast<uint64_t>(id) << 32 | HandleCheck(id);
     if (e->uses_left_ == Entry::kManual) continue;
     if (e->seq_ >= seq_limit || e->loading_ > 0 || e->filling_ || live.count(key)) {
-      if (e->uses_left_ == Entry::kUncounted) {
+      if (e->retired_ && live.count(key)) Revive(*e);
+      if (e->uses_left_ == Entry::kUncounted && !e->retired_) {
         survivors++;
         survivor_bytes += e->nbytes_;
       }
       continue;
     }
-    dead.push_back(e);
+    if (!(retire && e->retired_)) dead.push_back(e);
   }
-  for (auto& e : dead) Release(e);
+  for (auto& e : dead) retire ? Retire(e) : Release(e);
   stats_.sweeps++;
   stats_.swept_entries += dead.size();
   *released = dead.size();
@@ -159,9 +161,37 @@ bool Engine::SweepRequested() {
          (uncounted_since_sweep_ > 0 && uncounted_bytes_since_sweep_ >= sweep_mark_bytes_);
 }
 
+void Engine::Retire(const EntryPtr& e) {
+  e->retired_ = true;
+  retired_[e->seq_] = e;
+  retired_bytes_ += e->nbytes_;
+  unloaded_.erase(e->seq_);  // no read-ahead of it (a load that comes reads on demand)
+}
+
+void Engine::Revive(Entry& e) {
+  e.retired_ = false;
+  retired_.erase(e.seq_);
+  retired_bytes_ -= e.nbytes_;
+  stats_.revived_entries++;
+  if (e.loads_ == 0) unloaded_[e.seq_] = entries_.at(e.id_);
+}
+
+bool Engine::ReleaseOldestRetired() {
+  if (retired_.empty()) return false;
+  EntryPtr e = retired_.begin()->second;
+  stats_.retired_reclaimed++;
+  Release(e);
+  return true;
+}
+
 void Engine::Release(const EntryPtr& e) {
   if (e->released_) return;
   e->released_ = true;
+  if (e->retired_) {
+    e->retired_ = false;
+    retired_.erase(e->seq_);
+    retired_bytes_ -= e->nbytes_;
+  }
   entries_.erase(e->id_);
   auto s = by_site_.find({e->device_, e->site_});
   if (s != by_site_.end()) {

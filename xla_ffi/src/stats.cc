@@ -86,8 +86,13 @@ std::string Engine::StatsString() {
   u("unused_stores", s.unused_stores);
   u("sweeps", s.sweeps);
   u("swept_entries", s.swept_entries);
+  u("revived_entries", s.revived_entries);
+  u("retired_reclaimed", s.retired_reclaimed);
+  u("retired_entries", retired_.size());
+  u("retired_bytes", retired_bytes_);
   uint64_t uncounted = 0;
-  for (const auto& [id, e] : entries_) uncounted += e->uses_left_ == Entry::kUncounted;
+  for (const auto& [id, e] : entries_)
+    uncounted += e->uses_left_ == Entry::kUncounted && !e->retired_;
   u("uncounted_entries", uncounted);
   u("next_seq", next_seq_);
   d("stall_seconds", s.stall_seconds);
@@ -103,7 +108,7 @@ std::string Engine::StatsString() {
   u("file_bytes_in_use", space_.InUse());
   u("file_bytes_peak", space_.Peak());
   u("file_bytes_allocated", space_.AllocatedBytes());
-  u("live_entries", entries_.size());
+  u("live_entries", entries_.size() - retired_.size());
   u("writes_in_flight", writes_inflight_);
   u("reads_in_flight", reads_inflight_);
   u("o_direct", space_.o_direct() ? 1 : 0);

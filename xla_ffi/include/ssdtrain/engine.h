@@ -129,6 +129,7 @@ class Entry {
   std::string name_;
   bool filling_ = true;
   bool released_ = false;
+  bool retired_ = false;  // a background sweep found it dead: released when its room is needed
   bool freed_ = false;
   int loads_ = 0;
   int64_t uses_left_ = kUncounted;
@@ -211,6 +212,9 @@ struct Stats {
   // Lifetimes: entries released after their counted last load, stores nobody loads (never
   // kept), sweeps and the entries they released.
   uint64_t counted_releases = 0, unused_stores = 0, sweeps = 0, swept_entries = 0;
+  // Loads of a retired entry (a background sweep fell inside the dispatch of the step that
+  // loads it), and retired entries released to make room for a store.
+  uint64_t revived_entries = 0, retired_reclaimed = 0;
 };
 
 // Per-device counters (device = the XLA device ordinal the handler ran on).
@@ -257,7 +261,12 @@ class Engine {
   void ReleaseLocked(const EntryPtr& e) { Release(e); }
   // Releases every entry older than `seq_limit` (seq < seq_limit) whose {id, check} is not
   // among `pairs` (n_pairs pairs of uint32) and that no load is using. `*released`: how many.
-  Status Sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit, uint64_t* released);
+  // `retire` (a sweep on a thread other than the dispatching one): such entries are retired
+  // instead: a load still finds a retired entry (and revives it); its host and file room is
+  // given back when a store needs it (oldest first), by a sweep without `retire`, or by
+  // ReleaseAll. A sweep that finds a retired entry's handle held again revives it.
+  Status Sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit, uint64_t* released,
+               bool retire = false);
   // True when enough uncounted entries were stored since the last sweep that one is due.
   bool SweepRequested();
   // The bytes are (or, for the device path, will be once WaitHostReady
@@ -339,7 +348,11 @@ class Engine {
   // ---- entries and their lifetimes (entries.cc) --------------------------
   uint32_t HandleCheck(uint32_t id) const;  // the check word of a handle
   void Release(const EntryPtr& e);          // no load can reach it any more
-  void MaybeFree(const EntryPtr& e);        // frees a released entry once nothing uses its buffers
+  void Retire(const EntryPtr& e);           // a background sweep found it dead (Sweep)
+  void Revive(Entry& e);                    // a retired entry is loaded or held again
+  // Releases the oldest retired entry (a store needs room); false when there is none.
+  bool ReleaseOldestRetired();
+  void MaybeFree(const EntryPtr& e);  // frees a released entry once nothing uses its buffers
   // ---- host memory (host_memory.cc) ---------------------------------------
   bool AllocHost(Arena arena, uint64_t padded, uint64_t* off);
   void FreeHostBuffer(Entry& e);
@@ -386,6 +399,8 @@ class Engine {
   std::unordered_map<uint32_t, EntryPtr> entries_;                 // live entries
   std::map<std::pair<int, int64_t>, std::set<uint32_t>> by_site_;  // live ids per (device, site)
   std::map<uint64_t, EntryPtr> unloaded_;                          // by store seq
+  std::map<uint64_t, EntryPtr> retired_;                           // by store seq (Retire)
+  uint64_t retired_bytes_ = 0;
   // Uncounted entries (and bytes) stored since the last sweep; a sweep is due past the marks.
   uint64_t uncounted_since_sweep_ = 0, uncounted_bytes_since_sweep_ = 0;
   uint64_t sweep_mark_entries_ = 64, sweep_mark_bytes_ = 0;

@@ -30,11 +30,14 @@
 #   multigpu     bench_multigpu: 1 vs 2 GPUs, DP and FSDP (needs 2 GPUs)            [multigpu]
 #   multihost    tests/test_multihost.py: 2 processes x 1 GPU vs 1 x 2 (needs 2 GPUs) [Tests]
 #   optimizer    tests/test_optimizer.py on the GPU, then bench_optimizer (one GPU)  [optimizer]
+#   optimizerbench  bench_optimizer alone (one GPU)                                 [optimizer]
 #   optimizer2   the state sharded over 2 GPUs: its -m gpu test, bench_optimizer --devices 2
 #                (needs 2 GPUs)                                                      [optimizer]
 #   accumulate   bench_accumulate, gpt-1.3b, accumulation 1/4/16 (one GPU)          [accumulate]
 #   maxtextfsdp  bench_maxtext --fsdp 2: MaxText's policies and ours over 2 GPUs
 #                (needs 2 GPUs; carry .whl/ as for maxtext)                          [maxtext_fsdp]
+#   maxtextfsdpqkv  the same for the query/key/value projections (their nvme variant moves a
+#                third of the bytes of minimal's, which do not fit one call on one disk) [maxtext_fsdp]
 #
 # What must be carried to the GPU machine besides the checkout (git-ignored, e.g. in .whl/):
 #   .whl/*.whl            optional: libkvikio-cu13, kvikio-cu13, rapids-logger wheels: the build
@@ -56,8 +59,8 @@ LIMIT_S=${LIMIT_S:-570}
 if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
 KNOWN=(tests reliability jaxlayer lifetimes rok rok8192 hostrows hosttier link planner planner32k planner8192
-  plannernvme cap emulated train maxtext multigpu multihost optimizer optimizer2 accumulate
-  maxtextfsdp)
+  plannernvme cap emulated train maxtext multigpu multihost optimizer optimizerbench optimizer2 accumulate
+  maxtextfsdp maxtextfsdpqkv)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
   exit 2
@@ -222,21 +225,27 @@ for stage in "${STAGES[@]}"; do
       run optimizer_tests 300 $PY -m pytest -q -ra -p no:cacheprovider tests/test_optimizer.py
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run optimizer 300 $PY -m scripts.bench_optimizer \
         --store-dir /var/tmp/opt --out "$OUT/optimizer" ;;
+    optimizerbench)
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run optimizer 300 $PY -m scripts.bench_optimizer \
+        --store-dir /var/tmp/opt --out "$OUT/optimizer" ;;
     optimizer2)
       run optimizer2_tests 300 $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_optimizer.py
       run optimizer2 300 $PY -m scripts.bench_optimizer --devices 2 --store-dir /var/tmp/opt2 \
         --out "$OUT/optimizer2" ;;
     accumulate)
-      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run accumulate 400 $PY -m scripts.bench_accumulate \
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run accumulate 500 $PY -m scripts.bench_accumulate \
         --preset gpt-1.3b --accum 1,4,16 --store-dir /var/tmp/acc --out "$OUT/accumulate" ;;
-    maxtextfsdp)  # FSDP over both GPUs: MaxText's policies and ours
+    maxtextfsdp|maxtextfsdpqkv)  # FSDP over both GPUs: MaxText's policies and ours
       maxtext_venv || continue
+      variants="minimal,minimal_offloaded@host,minimal_offloaded,minimal_offloaded@nvme,full"
+      [ "$stage" = maxtextfsdpqkv ] \
+        && variants="save_qkv_proj,qkv_proj_offloaded@nvme,qkv_proj_offloaded@host,qkv_proj_offloaded"
       PYTHONPATH="$PYTHONPATH:/tmp/mx-pylib" \
         XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune_mx" \
-        run maxtextfsdp $((LIMIT_S - SECONDS)) /tmp/mx-venv/bin/python -m scripts.bench_maxtext \
-        --fsdp 2 --out "$OUT/maxtextfsdp" --store-dir /var/tmp/bench_maxtext_fsdp \
+        run "$stage" $((LIMIT_S - SECONDS)) /tmp/mx-venv/bin/python -m scripts.bench_maxtext \
+        --fsdp 2 --out "$OUT/$stage" --store-dir /var/tmp/bench_maxtext_fsdp \
         --budget-s $((LIMIT_S - SECONDS - 20)) --ssd staging_bytes=4GiB --ssd host_tier_bytes=24GiB \
-        --variants "minimal,minimal_offloaded@host,minimal_offloaded,minimal_offloaded@nvme,full" ;;
+        --variants "$variants" ;;
   esac
 done
 log "total $SECONDS s; results under $OUT"

@@ -110,6 +110,17 @@ planner() {  # planner NAME STAGING bench_planner args...: predicted vs measured
     --out "$OUT/$name" "$@"
 }
 
+# maxtext_fsdp NAME VARIANTS: bench_maxtext --fsdp 2 over both GPUs, within LIMIT_S
+maxtext_fsdp() {
+  maxtext_venv || return 0
+  PYTHONPATH="$PYTHONPATH:/tmp/mx-pylib" \
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune_mx" \
+    run "$1" $((LIMIT_S - SECONDS)) /tmp/mx-venv/bin/python -m scripts.bench_maxtext \
+    --fsdp 2 --out "$OUT/$1" --store-dir /var/tmp/bench_maxtext_fsdp \
+    --budget-s $((LIMIT_S - SECONDS - 20)) --ssd staging_bytes=4GiB --ssd host_tier_bytes=24GiB \
+    --variants "$2"
+}
+
 # maxtext_venv: MaxText's venv over the machine's packages, from the carried wheels (1: missing)
 maxtext_venv() {
   MX_WHEELS="maxtext qwix aqtp tokamax pydantic pydantic_core annotated_types typing_inspection
@@ -235,17 +246,12 @@ for stage in "${STAGES[@]}"; do
     accumulate)
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run accumulate 500 $PY -m scripts.bench_accumulate \
         --preset gpt-1.3b --accum 1,4,16 --store-dir /var/tmp/acc --out "$OUT/accumulate" ;;
-    maxtextfsdp|maxtextfsdpqkv)  # FSDP over both GPUs: MaxText's policies and ours
-      maxtext_venv || continue
-      variants="minimal,minimal_offloaded@host,minimal_offloaded,minimal_offloaded@nvme,full"
-      [ "$stage" = maxtextfsdpqkv ] \
-        && variants="save_qkv_proj,qkv_proj_offloaded@nvme,qkv_proj_offloaded@host,qkv_proj_offloaded"
-      PYTHONPATH="$PYTHONPATH:/tmp/mx-pylib" \
-        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune_mx" \
-        run "$stage" $((LIMIT_S - SECONDS)) /tmp/mx-venv/bin/python -m scripts.bench_maxtext \
-        --fsdp 2 --out "$OUT/$stage" --store-dir /var/tmp/bench_maxtext_fsdp \
-        --budget-s $((LIMIT_S - SECONDS - 20)) --ssd staging_bytes=4GiB --ssd host_tier_bytes=24GiB \
-        --variants "$variants" ;;
+    maxtextfsdp)  # FSDP over both GPUs: MaxText's policies and ours
+      maxtext_fsdp maxtextfsdp \
+        "minimal,minimal_offloaded@host,minimal_offloaded,minimal_offloaded@nvme,full" ;;
+    maxtextfsdpqkv)
+      maxtext_fsdp maxtextfsdpqkv \
+        "save_qkv_proj,qkv_proj_offloaded@nvme,qkv_proj_offloaded@host,qkv_proj_offloaded" ;;
   esac
 done
 log "total $SECONDS s; results under $OUT"

@@ -161,6 +161,11 @@ _SHAPES = {
   "large": (36, 1280, 20, 1024),  # GPT-2 774M
   "xl": (48, 1600, 25, 1024),  # GPT-2 1.5B
   "gpt-1.3b": (24, 2048, 16, 2048),
+  # Larger GPTs of the same structure (GPT-3's 2.7B and 6.7B shapes; 4B and 8B between and past).
+  "gpt-2.7b": (32, 2560, 32, 2048),
+  "gpt-4b": (36, 3072, 24, 2048),
+  "gpt-6.7b": (32, 4096, 32, 2048),
+  "gpt-8b": (40, 4096, 32, 2048),
   # SSDTrain evaluation shapes (few layers, very wide, head dim 128).
   "ssdtrain-h8192": (4, 8192, 64, 1024),
   "ssdtrain-h12288": (3, 12288, 96, 1024),

@@ -34,6 +34,7 @@
 #   optimizer2   the state sharded over 2 GPUs: its -m gpu test, bench_optimizer --devices 2
 #                (needs 2 GPUs)                                                      [optimizer]
 #   accumulate   bench_accumulate, gpt-1.3b, accumulation 1/4/16 (one GPU)          [accumulate]
+#   fit          bench_fit: the largest GPT JAX alone trains against ours (FIT_ARGS)  [fit]
 #   maxtextfsdp  bench_maxtext --fsdp 2: MaxText's policies and ours over 2 GPUs
 #                (needs 2 GPUs; carry .whl/ as for maxtext)                          [maxtext_fsdp]
 #   maxtextfsdpqkv  the same for the query/key/value projections (their nvme variant moves a
@@ -60,7 +61,7 @@ if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
 KNOWN=(tests reliability jaxlayer lifetimes rok rok8192 hostrows hosttier link planner planner32k planner8192
   plannernvme cap emulated train maxtext multigpu multihost optimizer optimizerbench optimizer2 accumulate
-  maxtextfsdp maxtextfsdpqkv)
+  fit maxtextfsdp maxtextfsdpqkv)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
   exit 2
@@ -246,6 +247,9 @@ for stage in "${STAGES[@]}"; do
     accumulate)
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run accumulate 500 $PY -m scripts.bench_accumulate \
         --preset gpt-1.3b --accum 1,4,16 --store-dir /var/tmp/acc --out "$OUT/accumulate" ;;
+    fit)  # FIT_ARGS: bench_fit's arguments (presets, ways, store sizes): one call's worth each
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run fit $((LIMIT_S - SECONDS)) \
+        $PY -m scripts.bench_fit --store-dir /var/tmp/fit --out "$OUT/fit" ${FIT_ARGS:-} ;;
     maxtextfsdp)  # FSDP over both GPUs: MaxText's policies and ours
       maxtext_fsdp maxtextfsdp \
         "minimal,minimal_offloaded@host,minimal_offloaded,minimal_offloaded@nvme,full" ;;

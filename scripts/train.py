@@ -16,6 +16,7 @@ import csv
 import dataclasses
 import json
 import os
+import resource
 import sys
 import time
 
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     choices=("auto", "xla", "cudnn"),
     default="auto",
     help="attention implementation (auto: cudnn on GPU in bf16/fp16, else xla)",
+  )
+  p.add_argument(
+    "--layers", type=_positive(int), default=None, help="layer count (default: the preset's)"
   )
   p.add_argument("--batch", type=_positive(int), default=8, help="sequences per step")
   p.add_argument("--seq-len", type=_positive(int), default=None, help="default: the preset's")
@@ -319,7 +323,8 @@ def main(argv=None) -> dict:
     locations=args.locations,
     optimizer_location=args.optimizer_location,
     dtype=args.dtype,
-    model_overrides={"attention": args.attention},
+    model_overrides={"attention": args.attention}
+    | ({"num_layers": args.layers} if args.layers else {}),
     min_bytes=args.min_bytes
     if args.min_bytes is not None
     else (0 if args.preset == "tiny" else 1 << 20),
@@ -472,6 +477,8 @@ def main(argv=None) -> dict:
           ["loss", "grad_norm", "lr", "tokens_per_s", "gb_written", "gb_read"], row[1:]
         ):
           tb.add_scalar(k, v, step + 1)
+      if run.optimizer_location:  # the state's version before this step's (docs/optimizer.md)
+        ssd.collect()
     if manager and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
       training.save_checkpoint(manager, state)
   bar.close()
@@ -494,6 +501,10 @@ def main(argv=None) -> dict:
     gb_written=st.get("bytes_written", 0) / 1e9,
     gb_read=st.get("bytes_read", 0) / 1e9,
     peak_device_gb=mem.get("peak_bytes_in_use", 0) / 1e9,
+    # the process's peak resident memory: the store's host tier and cache once touched
+    peak_host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+    n_params=n_params,
+    tokens_per_step=tokens_per_step,
     steps=int(state.step),
     offload=offloading,
   )

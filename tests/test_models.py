@@ -130,7 +130,17 @@ def test_presets(preset):
   tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
   shapes = jax.eval_shape(lambda t: models.GPT(cfg).init(jax.random.key(0), t), tokens)
   n = sum(x.size for x in jax.tree.leaves(shapes))
-  expected = {"small": 124e6, "medium": 355e6, "large": 774e6, "xl": 1.56e9, "gpt-1.3b": 1.3e9}
+  expected = {
+    "small": 124e6,
+    "medium": 355e6,
+    "large": 774e6,
+    "xl": 1.56e9,
+    "gpt-1.3b": 1.3e9,
+    "gpt-2.7b": 2.65e9,
+    "gpt-4b": 4.2e9,
+    "gpt-6.7b": 6.65e9,
+    "gpt-8b": 8.25e9,
+  }
   if preset in expected:
     assert abs(n / expected[preset] - 1) < 0.05, n
 

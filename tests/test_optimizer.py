@@ -335,8 +335,9 @@ def test_host_nvme_spills_activations_to_the_files(tmp_path):
     assert s["spilled_bytes"] == spilled * MiB and s["disk_tensors_written"] <= spilled
 
 
-def _tiny_bench(tmp_path, module, prefix) -> dict:
-  """``python -m scripts.<module> --tiny`` on CPU: the JSON it wrote, ``<prefix>_cpu_*.json``."""
+def _tiny_bench(tmp_path, module, prefix, *args) -> dict:
+  """``python -m scripts.<module> --tiny ARGS`` on CPU: the JSON it wrote,
+  ``<prefix>_cpu_*.json``."""
   import json
   import os
   import subprocess
@@ -344,7 +345,7 @@ def _tiny_bench(tmp_path, module, prefix) -> dict:
   from pathlib import Path
 
   root = Path(__file__).resolve().parents[1]
-  cmd = [sys.executable, "-m", f"scripts.{module}", "--tiny", "--out", str(tmp_path)]
+  cmd = [sys.executable, "-m", f"scripts.{module}", "--tiny", "--out", str(tmp_path), *args]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -374,6 +375,20 @@ def test_bench_accumulate_tiny(tmp_path):
     assert r["x_device_k4"] == pytest.approx(r["step_s_k4"] / rows["device"]["step_s_k4"])
   for v in ("host", "nvme"):  # the stored state went through the store at each update
     assert rows[v]["written_gb_per_update"] > 0
+
+
+@pytest.mark.slow
+def test_bench_fit_tiny(tmp_path):
+  doc = _tiny_bench(tmp_path, "bench_fit", "fit", "--ways", "jax_remat,ours")
+  rows = {r["way"]: r for r in doc["rows"]}
+  assert set(rows) == {"jax_remat", "ours"} and all(r["fits"] for r in rows.values())
+  assert rows["jax_remat"]["store_gb_written_per_step"] == 0
+  assert rows["ours"]["store_gb_written_per_step"] > 0  # activations and optimizer state
+  ideal = rows["ours"]["ideal"]  # tiny has 2 layers: the ideal is the 2-layer run itself
+  assert ideal["step_s"] == pytest.approx(ideal["step_s_2"])
+  assert rows["ours"]["x_ideal"] == pytest.approx(
+    rows["ours"]["tokens_per_s"] / ideal["tokens_per_s"]
+  )
 
 
 def _train_state_steps(tx, state, n):

@@ -39,12 +39,17 @@ def shown(doc: dict, bench: str) -> list[str]:
     return [ms(r[k]) for r in autos for k in ("predicted_ms", "step_ms")]
   if bench == "train":
     return [f"{r['tokens_per_s']:,}" for r in doc["rows"]]
-  if bench in ("maxtext", "maxtext_fsdp"):  # rows that failed or were skipped show why
+  if bench in ("maxtext", "maxtext_fsdp", "maxtext_fsdp_qkv"):  # failed or skipped rows: why
     return [ms(r["step_s_median"] * 1e3) for r in doc["rows"] if r.get("step_s_median")]
-  if bench == "optimizer":
+  if bench in ("optimizer", "optimizer_fsdp"):
     return [ms(r["step_s"] * 1e3) for r in doc["rows"]]
+  if bench == "accumulate":  # each row: update and accumulate ms, then x device at each k
+    times = [ms(r[k] * 1e3) for r in doc["rows"] for k in ("update_s", "accumulate_s")]
+    return times + [f"{r[f'x_device_k{k}']:.3f}" for r in doc["rows"] for k in doc["accum"]]
   if bench == "multigpu":
     return [ms(r[k]) for r in doc["rows"] for k in ("step_ms_1", "step_ms_n")]
+  if bench == "fit":  # rows that do not fit show why
+    return [f"{r['tokens_per_s']:,.0f}" for r in doc["rows"] if r["fits"]]
   raise AssertionError(f"benchmarks/{bench}.json: no rule for what its table shows")
 
 

@@ -1,0 +1,220 @@
+"""What fits on one GPU: GPTs of growing size trained by JAX alone and with jax_ssdtrain.
+
+    python -m scripts.bench_fit [--presets gpt-2.7b,gpt-4b,gpt-6.7b,gpt-8b]
+        [--ways jax_remat,ours] [--ideal] [--steps 6] [--batch 4] [--out DIR]
+    python -m scripts.bench_fit --tiny            (a CPU smoke run)
+
+Each (preset, way) trains ``scripts/train.py`` in a process of its own (device memory starts
+empty; a run that runs out of it cannot spoil the next) for ``--steps`` steps of ``--batch``
+sequences of the preset's length, bfloat16 compute, float32 parameters and AdamW. The ways:
+
+* ``jax_keep``: JAX alone, no rematerialization, the optimizer state on the device;
+* ``jax_remat``: JAX alone, each layer recomputed from its input (JAX's least memory);
+* ``ours``: the four tags of every layer in the store's host tier, the optimizer state in the
+  host tier (``--optimizer-location host``: ``offload_optimizer`` and ``apply_gradients``, 8 bytes
+  per parameter on the device);
+* ``ours_spill``: the same with the optimizer state in ``host,nvme`` (the host tier first, the
+  files for what does not fit).
+
+A run that fails with XLA's RESOURCE_EXHAUSTED (at compile or at run time) does not fit. Reported
+per run: tokens/s over the second half of the steps, the step time, MFU (6 x parameters x tokens/s
+over ``--peak-tflops``; attention's FLOPs left out), XLA's peak device memory, the process's peak
+resident host memory and the store's traffic. ``--ideal`` also trains each width with 1 and 2
+layers, everything on the device, and extends the time per layer to the preset's layer count:
+the step of a device with room for everything (the issue's "ideal"); each run's ``x ideal`` is
+its tokens/s over that.
+
+Writes OUT/fit_<device>_<date>.json, .md and (with matplotlib) .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from scripts import bench_common as bc
+
+TAGS = "layer_in=host,qkv=host,attn=host,mlp_up=host"
+WAYS = {
+  "jax_keep": ["--remat-policy", "keep"],
+  "jax_remat": ["--remat-policy", "remat"],
+  "ours": ["--locations", TAGS, "--optimizer-location", "host"],
+  "ours_spill": ["--locations", TAGS, "--optimizer-location", "host,nvme"],
+}
+# bf16 dense peak of the device kinds this runs on (TFLOP/s), for MFU.
+PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0}
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--presets", default="gpt-2.7b,gpt-4b,gpt-6.7b,gpt-8b")
+  p.add_argument("--ways", default="jax_remat,ours", help=f"of {', '.join(WAYS)}")
+  p.add_argument("--ideal", action="store_true", help="also the 1- and 2-layer runs (see above)")
+  p.add_argument("--steps", type=int, default=6)
+  p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
+  p.add_argument("--peak-tflops", type=float, default=None, help="default: by device kind")
+  p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+  p.add_argument("--store-dir", default=None, help="store directory (default: a private temp)")
+  p.add_argument(
+    "--ssd",
+    action="append",
+    default=[],
+    metavar="VAR=VALUE",
+    help="SSDTRAIN_* variable for the runs (e.g. SSDTRAIN_HOST_TIER=100GiB)",
+  )
+  p.add_argument("--tiny", action="store_true", help="the tiny preset, 2 steps (CPU smoke run)")
+  bc.add_out_option(p)
+  return p
+
+
+def _train(args, preset: str, way_args: list[str], env: dict, layers: int | None = None) -> dict:
+  """One scripts/train.py process: its summary JSON, or {"error", "oom", "stderr_tail"}."""
+  with tempfile.TemporaryDirectory(prefix="bench-fit-") as tmp:
+    summary = Path(tmp) / "summary.json"
+    cmd = bc.module_command(
+      "scripts.train",
+      "--preset",
+      preset,
+      "--batch",
+      str(args.batch),
+      "--steps",
+      str(args.steps),
+      "--summary-json",
+      str(summary),
+      *(["--seq-len", str(args.seq_len)] if args.seq_len else []),
+      *(["--layers", str(layers)] if layers else []),
+      *(["--store-dir", args.store_dir] if args.store_dir else []),
+      *way_args,
+    )
+    row = bc.run_json_child(cmd, args.timeout, env)
+    if summary.exists():
+      return json.loads(summary.read_text())
+  text = row.get("stderr_tail", "") + row.get("error", "")
+  full = [ln for ln in text.splitlines() if "RESOURCE_EXHAUSTED" in ln or "Out of memory" in ln]
+  row["oom"] = bool(full) and "ssdtrain" not in full[-1]  # the device's memory, not the store's
+  if full and not row["oom"]:
+    row["error"] = full[-1].split("RESOURCE_EXHAUSTED: ")[-1][:300]
+  return row
+
+
+def _measured(s: dict, peak_flops: float | None) -> dict:
+  tps = s["tokens_per_s_second_half"] or s["tokens_per_s"]
+  return dict(
+    fits=True,
+    n_params=s["n_params"],
+    tokens_per_s=tps,
+    step_s=s["tokens_per_step"] / tps if tps else None,
+    mfu=6 * s["n_params"] * tps / peak_flops if peak_flops and tps else None,
+    peak_device_gb=s["peak_device_gb"],
+    peak_host_gb=s["peak_host_gb"],
+    store_gb_written_per_step=s["gb_written"] / max(1, s["steps"]),
+  )
+
+
+def run(args) -> dict:
+  import jax
+
+  kind = jax.devices()[0].device_kind
+  peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in kind.lower()), None)
+  peak_flops = peak * 1e12 if peak else None
+  env = dict(os.environ)
+  for item in args.ssd:
+    key, sep, value = item.partition("=")
+    if not sep or not key.startswith("SSDTRAIN_"):
+      raise SystemExit(f"--ssd {item!r}: expected SSDTRAIN_VAR=VALUE")
+    env[key] = value
+  rows = []
+  for preset in args.presets.split(","):
+    ideal = None
+    if args.ideal:
+      one, two = (_train(args, preset, WAYS["jax_keep"], env, layers=n) for n in (1, 2))
+      if "n_params" in one and "n_params" in two:
+        import models
+
+        layers = models.get_config("gpt", preset).num_layers
+        t1, t2 = (s["tokens_per_step"] / s["tokens_per_s_second_half"] for s in (one, two))
+        ideal = dict(step_s_1=t1, step_s_2=t2, step_s=t1 + (layers - 1) * (t2 - t1))
+        ideal["tokens_per_s"] = one["tokens_per_step"] / ideal["step_s"]
+    for way in args.ways.split(","):
+      s = _train(args, preset, WAYS[way], env)
+      if "n_params" in s:
+        row = dict(preset=preset, way=way) | _measured(s, peak_flops)
+        if ideal:
+          row["x_ideal"] = row["tokens_per_s"] / ideal["tokens_per_s"]
+      else:
+        row = dict(preset=preset, way=way, fits=False, oom=s["oom"], error=s.get("error"))
+        row["stderr_tail"] = bc.tail(s.get("stderr_tail", ""), 1500)
+      row |= dict(ideal=ideal, batch=args.batch, steps=args.steps, ssd=list(args.ssd))
+      rows.append(row)
+      print(json.dumps({k: v for k, v in row.items() if k != "stderr_tail"}), flush=True)
+  return dict(
+    bench="fit",
+    date=bc.today(),
+    args={k: str(v) for k, v in vars(args).items()},
+    env=bc.host_env(),
+    device_kind=kind,
+    peak_tflops=peak,
+    rows=rows,
+  )
+
+
+def table(doc: dict) -> str:
+  lines = [
+    f"{doc['device_kind']}, sequences of the preset's length (2048)",
+    "",
+    "| model | way | batch | fits | tokens/s | step s | MFU | x ideal | device GB | host GB |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in doc["rows"]:
+    head = f"| {r['preset']} | {r['way']} | {r['batch']} |"
+    if not r["fits"]:
+      why = "no (device memory)" if r.get("oom") else f"no: {r.get('error')}"
+      lines.append(f"{head} {why} | | | | | | |")
+      continue
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+    xi = f"{r['x_ideal']:.2f}" if r.get("x_ideal") else "-"
+    lines.append(
+      f"{head} yes ({r['n_params'] / 1e9:.2f}B) | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} | "
+      f"{mfu} | {xi} | {r['peak_device_gb']:.1f} | {r['peak_host_gb']:.1f} |"
+    )
+  return "\n".join(lines)
+
+
+def plot(doc: dict):
+  def draw(plt, path: Path) -> bool:
+    fits = [r for r in doc["rows"] if r["fits"]]
+    if not fits:
+      return False
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for way in sorted({r["way"] for r in fits}):
+      pts = [(r["n_params"] / 1e9, r["tokens_per_s"]) for r in fits if r["way"] == way]
+      ax.plot(*zip(*pts), marker="o", label=way)
+    ax.set_xlabel("parameters (billions)")
+    ax.set_ylabel("tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+  return draw
+
+
+def main(argv=None) -> dict:
+  args = build_parser().parse_args(argv)
+  if args.tiny:
+    args.presets, args.steps, args.batch, args.ideal = "tiny", 2, 2, True
+  doc = run(args)
+  args.out.mkdir(parents=True, exist_ok=True)
+  stem = args.out / f"fit_{bc.slug(doc['device_kind'])}_{bc.today()}"
+  bc.write_results(stem, doc, table(doc), plot(doc))
+  print(f"wrote {stem}.json")
+  return doc
+
+
+if __name__ == "__main__":
+  main()

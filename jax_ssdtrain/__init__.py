@@ -67,6 +67,7 @@ from jax_ssdtrain._src.config import (
 from jax_ssdtrain._src.config import (
   defaults as default_config,
 )
+from jax_ssdtrain._src.master_weights import MasterWeightsState, with_master_weights
 from jax_ssdtrain._src.optimizer import (
   OffloadedState,
   OptimizerOffloadError,
@@ -105,6 +106,7 @@ __all__ = [
   "apply_gradients",
   "HigherOrderOffloadError",
   "Location",
+  "MasterWeightsState",
   "OffloadedState",
   "OffloadPolicy",
   "OptimizerOffloadError",
@@ -138,5 +140,6 @@ __all__ = [
   "stats",
   "store_directories",
   "TagProfile",
+  "with_master_weights",
   "timeline",
 ]

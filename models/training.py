@@ -37,6 +37,9 @@ class RunConfig:
   # Where the optimizer state lives: None (the device) or a store location (host | nvme |
   # host,nvme), through jax_ssdtrain.offload_optimizer.
   optimizer_location: str | None = None
+  # bfloat16 parameters on the device, their float32 copy in the optimizer state
+  # (jax_ssdtrain.with_master_weights; in the store with optimizer_location).
+  master_weights: bool = False
   # Split scan: the first offload_layers layers use ``locations``, the others the same with
   # host/nvme tags kept on the device (None: every layer uses ``locations``).
   offload_layers: int | None = None
@@ -94,6 +97,10 @@ def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.
     optax.clip_by_global_norm(run.clip_norm),
     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=run.weight_decay, mask=mask),
   )
+  if run.master_weights:
+    import jax_ssdtrain as ssd
+
+    tx = ssd.with_master_weights(tx)
   if run.optimizer_location is not None:
     import jax_ssdtrain as ssd
 
@@ -114,6 +121,10 @@ def create_train_state(run: RunConfig, policy=None):
   params = jax.jit(lambda r: model.init(r, tokens, loss_rng, method="loss")["params"])(init_rng)
   tx, schedule = make_optimizer(run)
   state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  if run.master_weights:  # the copy was made from the float32 values; the model trains on bf16
+    low = lambda p: p.astype(jnp.bfloat16) if jnp.issubdtype(p.dtype, jnp.floating) else p  # noqa: E731
+    state = state.replace(params=jax.tree.map(low, state.params))
+    del params
   # Array step and committed arrays, like a restored state: one compilation for both.
   state = jax.device_put(state.replace(step=jnp.zeros((), jnp.int32)), jax.local_devices()[0])
   return state, model, schedule

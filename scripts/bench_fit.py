@@ -14,7 +14,9 @@ sequences of the preset's length, bfloat16 compute, float32 parameters and AdamW
   host tier (``--optimizer-location host``: ``offload_optimizer`` and ``apply_gradients``, 8 bytes
   per parameter on the device);
 * ``ours_spill``: the same with the optimizer state in ``host,nvme`` (the host tier first, the
-  files for what does not fit).
+  files for what does not fit);
+* ``ours_master``: ``ours_spill`` with bfloat16 parameters on the device and their float32 copy
+  in the store (``--master-weights``: 4 bytes per parameter on the device, 12 in the store).
 
 A run that fails with XLA's RESOURCE_EXHAUSTED (at compile or at run time) does not fit. Reported
 per run: tokens/s over the second half of the steps, the step time, MFU (6 x parameters x tokens/s
@@ -43,6 +45,7 @@ WAYS = {
   "jax_remat": ["--remat-policy", "remat"],
   "ours": ["--locations", TAGS, "--optimizer-location", "host"],
   "ours_spill": ["--locations", TAGS, "--optimizer-location", "host,nvme"],
+  "ours_master": ["--locations", TAGS, "--optimizer-location", "host,nvme", "--master-weights"],
 }
 # bf16 dense peak of the device kinds this runs on (TFLOP/s), for MFU.
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0}

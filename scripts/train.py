@@ -184,10 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument(
     "--optimizer-location",
-    choices=["host", "nvme", "host,nvme"],
+    choices=["host", "nvme", "host,nvme", "auto"],
     default=None,
     help="keep the optimizer state in the store (jax_ssdtrain.offload_optimizer) instead of on "
     "the device",
+  )
+  p.add_argument(
+    "--master-weights",
+    action="store_true",
+    help="bfloat16 parameters on the device, their float32 copy in the optimizer state "
+    "(jax_ssdtrain.with_master_weights; in the store with --optimizer-location)",
   )
   p.add_argument(
     "--restore", action="store_true", help="resume from the latest checkpoint in --workdir"
@@ -322,6 +328,7 @@ def main(argv=None) -> dict:
     remat_policy=args.remat_policy,
     locations=args.locations,
     optimizer_location=args.optimizer_location,
+    master_weights=args.master_weights,
     dtype=args.dtype,
     model_overrides={"attention": args.attention}
     | ({"num_layers": args.layers} if args.layers else {}),

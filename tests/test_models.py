@@ -52,6 +52,21 @@ def test_tiny_loss_falls(model):
   assert losses[-3:].mean() < losses[0] - 0.5, losses
 
 
+def test_master_weights_in_the_store_train():
+  # bfloat16 parameters on the device, their float32 copy streamed with AdamW's moments.
+  import jax_ssdtrain as ssd
+
+  run = training.RunConfig(
+    batch=8, steps=20, optimizer_location="host", master_weights=True, min_bytes=0
+  )
+  losses, state = train_losses(run, 20)
+  assert losses[-3:].mean() < losses[0] - 0.5, losses
+  master = ssd.optimizer_state(state.opt_state).master
+  for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(master)):
+    assert p.dtype == jnp.bfloat16 and m.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(jnp.bfloat16)))
+
+
 @pytest.mark.parametrize(
   "model,dtype",
   [

@@ -59,6 +59,27 @@ def _train(tx, steps, params=None):
   return history, state
 
 
+def _jitted_steps(tx, apply, x, params, state, steps):
+  """``steps`` jitted, donating steps of ``_loss`` at ``x``: ``ssd.apply_gradients`` (``apply``)
+  or ``update`` + ``optax.apply_updates``. Returns (the parameters after each step, as NumPy
+  arrays: the next step donates them; the last state; XLA's memory analysis of the step)."""
+
+  def step(p, s):
+    g = jax.grad(_loss)(p, x)
+    if apply:
+      return ssd.apply_gradients(tx, g, s, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  memory = jitted.lower(params, state).compile().memory_analysis()
+  history = []
+  for _ in range(steps):
+    params, state = jitted(params, state)
+    history.append(jax.tree.map(np.asarray, params))
+  return history, state, memory
+
+
 def _project_chain():
   sched = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 100)
   mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
@@ -156,20 +177,8 @@ def test_apply_gradients_updates_the_parameters_in_place(store, name):
   x = jax.random.normal(jax.random.key(7), (16, 64))
 
   def run(tx, apply, steps=3):
-    def step(p, s):
-      g = jax.grad(_loss)(p, x)
-      if apply:
-        return ssd.apply_gradients(tx, g, s, p)
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-
-    p = _params()
-    s = tx.init(p)
-    jitted = jax.jit(step, donate_argnums=(0, 1))
-    temp = jitted.lower(p, s).compile().memory_analysis().temp_size_in_bytes
-    for _ in range(steps):
-      p, s = jitted(p, s)
-    return p, s, temp
+    history, s, memory = _jitted_steps(tx, apply, x, _params(), tx.init(_params()), steps)
+    return history[-1], s, memory.temp_size_in_bytes
 
   ours = {
     loc: offload_optimizer(tx, location=loc, min_bytes=4096, chunk_bytes=32 << 10)
@@ -198,6 +207,63 @@ def test_apply_gradients_updates_the_parameters_in_place(store, name):
   u, s2 = tx.update(g, s, p)
   got, s3 = ssd.apply_gradients(tx, g, s, p)
   for a, b in zip(jax.tree.leaves((optax.apply_updates(p, u), s2)), jax.tree.leaves((got, s3))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_master_weights_in_the_store(store):
+  # bfloat16 parameters and gradients on the device; the float32 copy streams with the moments.
+  tx = ssd.with_master_weights(_project_chain())
+  x = jax.random.normal(jax.random.key(7), (16, 64)).astype(jnp.bfloat16)
+  full = _params()
+
+  def run(t, apply, steps=3):
+    p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), full)
+    s = t.init(full)  # the copy is made from the float32 values
+    history, s, m = _jitted_steps(t, apply, x, p, s, steps)
+    return history[-1], s, m.temp_size_in_bytes + m.argument_size_in_bytes
+
+  ours = {
+    loc: offload_optimizer(tx, location=loc, min_bytes=4096, chunk_bytes=32 << 10)
+    for loc in ("device", "host")
+  }
+  host, host_state, host_bytes = run(ours["host"], True)
+  device, _, _ = run(ours["device"], True)
+  want, want_state, want_bytes = run(tx, False)  # plain optax, its state on the device
+  master = ssd.optimizer_state(host_state).master
+  for k in host:
+    assert host[k].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(host[k]), np.asarray(device[k]), err_msg=k)
+    # the parameters are the copy's rounding, and the copy is tx's float32 update
+    np.testing.assert_array_equal(np.asarray(host[k]), np.asarray(master[k].astype(jnp.bfloat16)))
+    assert master[k].dtype == jnp.float32
+    np.testing.assert_allclose(master[k], want_state.master[k], rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(host[k]), np.asarray(want[k]), err_msg=k)
+  # On the device: 4 bytes per streamed parameter (bf16 parameters and gradients) where optax
+  # holds 16 (and the copy, the moments); chunks and XLA's buffers on top.
+  streamed = full["a"].size + full["c"].size
+  if jax.default_backend() == "cpu":
+    assert host_bytes < want_bytes - 8 * streamed, (host_bytes, want_bytes)
+  with pytest.raises(ValueError, match="params: with_master_weights needs"):
+    tx.update(full, tx.init(full))
+  with pytest.raises(ValueError, match="dtype: expected a floating-point dtype"):
+    ssd.with_master_weights(optax.sgd(1.0), dtype=jnp.int32)
+
+
+def test_auto_location_takes_the_host_tier_while_two_versions_fit_in_it(store):
+  # The fixture's host tier: 64 MiB. Adam's state of 4 MiB of parameters: two versions of 8 MiB
+  # fit; of 16 MiB of parameters: two of 32 MiB do not fit three quarters of it (48 MiB).
+  tx = offload_optimizer(optax.adam(1e-3), location="auto", chunk_bytes=1 << 20)
+  small = {"w": jnp.ones((1024, 1024))}
+  assert tx.init(small).location == "host"
+  big = {f"w{i}": jnp.full((1024, 1024), 0.5 + i) for i in range(4)}
+  state = tx.init(big)
+  assert state.location == "host,nvme" and "host,nvme" in repr(state)
+  grads = jax.tree.map(lambda p: 1e-3 * p, big)
+  step = jax.jit(lambda s: tx.update(grads, s, big))
+  on_device = offload_optimizer(optax.adam(1e-3), location="device", chunk_bytes=1 << 20)
+  want = jax.jit(lambda s: on_device.update(grads, s, big))(on_device.init(big))
+  got = step(state)
+  for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -241,6 +307,31 @@ def test_accumulate_gradients_streams_once_per_k(store, location):
     assert ssd.stats()["tensors_read"] == 2 * n_chunks
 
 
+def test_apply_gradients_through_accumulate_gradients(store):
+  k, x = 2, jax.random.normal(jax.random.key(7), (16, 64))
+  kw = dict(min_bytes=4096, chunk_bytes=32 << 10)
+
+  def run(tx, apply, steps=2 * k):
+    history, _, memory = _jitted_steps(tx, apply, x, _params(), tx.init(_params()), steps)
+    return history, memory.temp_size_in_bytes
+
+  acc = {
+    loc: ssd.accumulate_gradients(offload_optimizer(optax.adam(1e-3), location=loc, **kw), k)
+    for loc in ("device", "host")
+  }
+  (host, host_temp), (device, _) = run(acc["host"], True), run(acc["device"], True)
+  plain, plain_temp = run(acc["host"], False)
+  if jax.default_backend() == "cpu":  # no whole array of updates of the streamed leaves
+    streamed = (_params()["a"].nbytes + _params()["c"].nbytes) * 9 // 10
+    assert plain_temp - host_temp >= streamed, (plain_temp, host_temp)
+  for h, d, u in zip(host, device, plain):
+    for name in h:
+      np.testing.assert_array_equal(h[name], d[name])
+      np.testing.assert_allclose(h[name], u[name], rtol=1e-5, atol=1e-7)
+  np.testing.assert_array_equal(host[0]["a"], np.asarray(_params()["a"]))  # nothing applied yet
+  assert (host[k - 1]["a"] != np.asarray(_params()["a"])).any()
+
+
 def test_accumulate_gradients_bad_arguments():
   with pytest.raises(ValueError, match="every_k: expected an integer >= 1, got 0"):
     ssd.accumulate_gradients(optax.adam(1e-3), 0)
@@ -261,8 +352,8 @@ def test_multisteps_inside_is_refused_with_the_way_round():
 @pytest.mark.parametrize(
   "kwargs,message",
   [
-    ({"location": "remat"}, "location: expected 'host', 'nvme', 'host,nvme' or 'device'"),
-    ({"location": "ssd"}, "unknown location 'ssd'"),
+    ({"location": "remat"}, "location: expected 'host', 'nvme', 'host,nvme', 'auto' or 'device'"),
+    ({"location": "ssd"}, "expected .* got 'ssd'"),
     ({"min_bytes": -1}, "min_bytes: expected an integer >= 0"),
     ({"chunk_bytes": 100}, "chunk_bytes: expected an integer >= 4096"),
   ],

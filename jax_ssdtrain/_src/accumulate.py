@@ -26,7 +26,9 @@ def accumulate_gradients(tx: Any, every_k: int):
   last of them (the updates are zero at the others), calling ``tx.update`` only then.
 
   The results are those of ``optax.MultiSteps(tx, every_k)`` (its default mean). Use it around
-  :func:`offload_optimizer`: ``accumulate_gradients(offload_optimizer(tx), k)``.
+  :func:`offload_optimizer`: ``accumulate_gradients(offload_optimizer(tx), k)``; through
+  :func:`jax_ssdtrain.apply_gradients` the inner transformation's own ``apply_gradients`` runs
+  at the last micro-step (with the store, the updates added to the parameters in place).
   """
   import optax
 
@@ -39,10 +41,17 @@ def accumulate_gradients(tx: Any, every_k: int):
     acc = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
     return AccumulateState(jnp.zeros((), jnp.int32), acc, tx.init(params))
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def accumulated(updates, state):
     acc = jax.tree.map(lambda g, a: a + (g - a) / (state.mini_step + 1), updates, state.acc_grads)
     acc = jax.tree.map(lambda a: a.astype(jnp.float32), acc)
-    emit = state.mini_step == every_k - 1
+    return acc, state.mini_step == every_k - 1
+
+  def next_state(state, acc, emit, inner):
+    new_acc = jax.tree.map(lambda a: (1 - emit) * a, acc)
+    return AccumulateState((state.mini_step + 1) % every_k, new_acc, inner)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    acc, emit = accumulated(updates, state)
 
     def apply(inner):
       grads = jax.tree.map(lambda a, g: a.astype(g.dtype), acc, updates)
@@ -53,8 +62,24 @@ def accumulate_gradients(tx: Any, every_k: int):
       return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner
 
     new_updates, inner = jax.lax.cond(emit, apply, skip, state.inner_state)
-    new_acc = jax.tree.map(lambda a: (1 - emit) * a, acc)
-    mini_step = (state.mini_step + 1) % every_k
-    return new_updates, AccumulateState(mini_step, new_acc, inner)
+    return new_updates, next_state(state, acc, emit, inner)
 
+  def apply_fn(updates, state, params, **extra_args):  # apply_gradients' form
+    from jax_ssdtrain._src.optimizer import apply_gradients
+
+    acc, emit = accumulated(updates, state)
+
+    def apply(operands):
+      inner, params = operands
+      grads = jax.tree.map(lambda a, g: a.astype(g.dtype), acc, updates)
+      return apply_gradients(tx, grads, inner, params, **extra_args)
+
+    def keep(operands):
+      inner, params = operands
+      return params, inner
+
+    new_params, inner = jax.lax.cond(emit, apply, keep, (state.inner_state, params))
+    return new_params, next_state(state, acc, emit, inner)
+
+  update_fn.apply_gradients = apply_fn
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -90,9 +90,10 @@ def offload_optimizer(
       k)`` streams the state once per ``k`` micro-batches (``optax.MultiSteps`` around it
       streams it at every micro-batch).
     location: ``"host"`` (pinned host memory), ``"nvme"`` (the store files) or ``"host,nvme"``
-      (the host tier while it has room, then the files); ``"device"`` runs the same streamed
-      program with the state on the device (a reference: the store's results equal it bit for
-      bit).
+      (the host tier while it has room, then the files); ``"auto"``: chosen by ``init`` from the
+      state's size and the store's (see :func:`choose_location`); ``"device"`` runs the same
+      streamed program with the state on the device (a reference: the store's results equal it
+      bit for bit).
     min_bytes: state leaves smaller than this stay on the device (scalars always do: a step
       count is read by every parameter's update).
     chunk_bytes: rows of a leaf streamed at once (a leaf is cut along its first axis).
@@ -106,11 +107,14 @@ def offload_optimizer(
 
   if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
     raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")
-  loc = Location.parse(location, what="location")
+  auto = location == "auto"
+  expected = f"location: expected 'host', 'nvme', 'host,nvme', 'auto' or 'device', got {location!r}"
+  try:
+    loc = Location.HOST if auto else Location.parse(location, what="location")
+  except ValueError:
+    raise ValueError(expected) from None
   if not loc.in_store and loc is not Location.DEVICE:
-    raise ValueError(
-      f"location: expected 'host', 'nvme', 'host,nvme' or 'device', got {location!r}"
-    )
+    raise ValueError(expected)
   if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
     raise ValueError(f"min_bytes: expected an integer >= 0, got {min_bytes!r}")
   if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
@@ -122,7 +126,10 @@ def offload_optimizer(
   def init_fn(params):
     shapes = jax.eval_shape(tx.init, params)
     layout = _make_layout(shapes, opts, name, params)
-    _check_room(layout, loc, name)
+    where = choose_location(_version_bytes(layout)) if auto else loc
+    if where is not loc:
+      layout = dataclasses.replace(layout, tier=TIER_CODES[where])
+    _check_room(layout, where, name)
     # Under jit: a stored leaf is made and stored chunk by chunk, never whole next to the others.
     return jax.jit(lambda p: _stream(tx.init, (p,), layout, None, name)[1])(params)
 
@@ -157,9 +164,9 @@ def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_ar
   ever whole on the device (4 bytes per float32 parameter less than ``update`` followed by
   ``optax.apply_updates``; donate the parameters to the jitted step, or XLA copies them once).
   The results equal the same call with ``location="device"`` bit for bit, and ``update`` +
-  ``apply_updates`` to float32 rounding (XLA fuses the two programs differently: an ulp). Any
-  other transformation (``accumulate_gradients(...)`` around the store too) runs as ``update`` +
-  ``apply_updates``.
+  ``apply_updates`` to float32 rounding (XLA fuses the two programs differently: an ulp).
+  ``accumulate_gradients(offload_optimizer(tx), k)`` does the same at its k-th micro-step. Any
+  other transformation runs as ``update`` + ``apply_updates``.
   """
   import optax
 
@@ -349,6 +356,14 @@ class OffloadedState:
     self.handles = tuple(handles)
     self.layout = layout
 
+  @property
+  def location(self) -> str:
+    """Where the stored leaves live: ``"host"``, ``"nvme"``, ``"host,nvme"`` or ``"device"``
+    (``location="auto"`` says here what it chose)."""
+    if self.layout.tier == DEVICE_TIER:
+      return Location.DEVICE.value
+    return next(loc.value for loc, code in TIER_CODES.items() if code == self.layout.tier)
+
   def tree_flatten(self):
     return (self.device, self.handles), self.layout
 
@@ -358,8 +373,8 @@ class OffloadedState:
 
   def __repr__(self):
     return (
-      f"OffloadedState({len(self.layout.leaves)} leaves, {len(self.handles)} in the store, "
-      f"{self.layout.stored_bytes} bytes)"
+      f"OffloadedState({len(self.layout.leaves)} leaves, {len(self.handles)} in the store "
+      f"({self.location}), {self.layout.stored_bytes} bytes)"
     )
 
 
@@ -469,6 +484,29 @@ def _make_layout(shapes: Any, opts: _Options, name: str, params: Any = None) -> 
   return Layout(treedef, tuple(leaves), opts.tier, mesh)
 
 
+def choose_location(version_bytes: int) -> Location:
+  """``location="auto"``: where a state of ``version_bytes`` (this process's share of one
+  version) goes. An update writes the new version beside the old one, so the store holds two.
+  The host tier is taken when both fit in three quarters of it (the rest is left to
+  activations); else the host tier spilling to the files. The files alone never: the link
+  carries the host tier's bytes an order of magnitude faster than a disk (45 GB/s each way
+  against about 1 GB/s on the results' machine, docs/optimizer.md). A state that fits neither is
+  refused by ``init``, naming the settings."""
+  from jax_ssdtrain._src.config import ensure_configured
+
+  if 2 * version_bytes <= ensure_configured().host_tier_bytes * 3 // 4:
+    return Location.HOST
+  return Location.HOST_NVME
+
+
+def _version_bytes(layout: Layout) -> int:
+  """Bytes of one version of the stored leaves that this process's devices hold."""
+  local = 1
+  if layout.mesh is not None:
+    local = sum(d.process_index == jax.process_index() for d in layout.mesh.devices.flat)
+  return local * sum(leaf.block_nbytes for leaf in layout.leaves if leaf.stored)
+
+
 def _check_room(layout: Layout, loc: Location, name: str) -> None:
   """Refuses a state whose two versions (the one an update reads and the one it writes beside
   it) do not fit where it is to live: this process's host tier, its files, or both."""
@@ -476,10 +514,7 @@ def _check_room(layout: Layout, loc: Location, name: str) -> None:
     return
   from jax_ssdtrain._src.config import ensure_configured
 
-  local = 1
-  if layout.mesh is not None:
-    local = sum(d.process_index == jax.process_index() for d in layout.mesh.devices.flat)
-  version = local * sum(leaf.block_nbytes for leaf in layout.leaves if leaf.stored)
+  version = _version_bytes(layout)
   cfg = ensure_configured()
   files = cfg.capacity_bytes  # None: the default, decided by the free space when the store opens
   if loc is not Location.HOST and files is None:

@@ -210,6 +210,17 @@ def test_apply_gradients_updates_the_parameters_in_place(store, name):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def assert_rounds_to(params, master):
+  """``params`` equal ``master`` in bfloat16, but for values that shrank so much in a step that
+  the float32 update rounded (near zero): a few bfloat16 spacings from it there (see
+  with_master_weights)."""
+  p, m = np.asarray(params, np.float32), np.asarray(master, np.float32)
+  want = np.asarray(jnp.asarray(master).astype(jnp.bfloat16), np.float32)
+  off = p != want
+  assert not off.any() or np.abs(m[off]).max() < 1e-4 * np.abs(m).max(), m[off]
+  np.testing.assert_allclose(p[off], want[off], rtol=2**-4)
+
+
 def test_master_weights_in_the_store(store):
   # bfloat16 parameters and gradients on the device; the float32 copy streams with the moments.
   tx = ssd.with_master_weights(_project_chain())
@@ -234,7 +245,7 @@ def test_master_weights_in_the_store(store):
     assert host[k].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(host[k]), np.asarray(device[k]), err_msg=k)
     # the parameters are the copy's rounding, and the copy is tx's float32 update
-    np.testing.assert_array_equal(np.asarray(host[k]), np.asarray(master[k].astype(jnp.bfloat16)))
+    assert_rounds_to(host[k], master[k])
     assert master[k].dtype == jnp.float32
     np.testing.assert_allclose(master[k], want_state.master[k], rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(host[k]), np.asarray(want[k]), err_msg=k)

@@ -32,9 +32,11 @@ def with_master_weights(tx: Any, dtype: Any = jnp.float32):
   the copy (``tx`` sees the copy as its ``params``: weight decay decays the float32 values) and
   returns, for each floating-point parameter, the update that ``optax.apply_updates`` (or
   :func:`jax_ssdtrain.apply_gradients`) turns into the new copy rounded to the parameter's
-  dtype: the parameters then equal ``state.master`` cast to their dtype (exactly, unless a
-  value moves by more than 2**16 of its own spacing in one step, where the float32 difference
-  rounds). Non-floating leaves get zero updates.
+  dtype: the parameters then equal ``state.master`` cast to their dtype. Not always exactly: an
+  update is a float32 difference added to the old parameter, and where a value shrinks more
+  than about 2**15-fold in one step (near zero, crossing it) that difference rounds, and the
+  parameter lands a few of its dtype's spacings from the copy's rounding. The copy is not
+  affected, and the next step starts again from it. Non-floating leaves get zero updates.
 
   Compose it inside :func:`jax_ssdtrain.offload_optimizer` to stream the copy with the rest of
   the state: ``offload_optimizer(with_master_weights(tx), location="host")``.

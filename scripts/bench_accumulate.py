@@ -238,10 +238,8 @@ def main(argv=None) -> dict:
     args.preset, args.batch, args.seq_len, args.steps, args.warmup = "tiny", 2, 16, 3, 1
     args.min_bytes = 4096
   doc = run(args)
-  args.out.mkdir(parents=True, exist_ok=True)
-  stem = args.out / f"accumulate_{bc.slug(jax.devices()[0].device_kind)}_{bc.today()}"
-  bc.write_results(stem, doc, table(doc), plot(doc))
-  print(f"wrote {stem}.json")
+  kind = bc.slug(jax.devices()[0].device_kind)
+  bc.write_bench(args.out, f"accumulate_{kind}", doc, table(doc), plot(doc))
   return doc
 
 

@@ -83,6 +83,16 @@ def write_results(stem: Path, doc: dict, text: str, plot=None, *, quiet: bool = 
     print(f"plot: {stem.with_suffix('.png')}")
 
 
+def write_bench(out: Path, name: str, doc: dict, text: str, plot=None) -> Path:
+  """``write_results`` into OUT/NAME_<today>.* (OUT made if missing), then prints the JSON's
+  path; returns the stem."""
+  out.mkdir(parents=True, exist_ok=True)
+  stem = out / f"{name}_{today()}"
+  write_results(stem, doc, text, plot)
+  print(f"wrote {stem}.json")
+  return stem
+
+
 def slug(text: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", str(text).lower()).strip("_") or "unknown"
 

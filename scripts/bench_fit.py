@@ -139,7 +139,7 @@ def run(args) -> dict:
         import models
 
         layers = models.get_config("gpt", preset).num_layers
-        t1, t2 = (s["tokens_per_step"] / s["tokens_per_s_second_half"] for s in (one, two))
+        t1, t2 = (_measured(s, None)["step_s"] for s in (one, two))
         ideal = dict(step_s_1=t1, step_s_2=t2, step_s=t1 + (layers - 1) * (t2 - t1))
         ideal["tokens_per_s"] = one["tokens_per_step"] / ideal["step_s"]
     for way in args.ways.split(","):
@@ -212,10 +212,7 @@ def main(argv=None) -> dict:
   if args.tiny:
     args.presets, args.steps, args.batch, args.ideal = "tiny", 2, 2, True
   doc = run(args)
-  args.out.mkdir(parents=True, exist_ok=True)
-  stem = args.out / f"fit_{bc.slug(doc['device_kind'])}_{bc.today()}"
-  bc.write_results(stem, doc, table(doc), plot(doc))
-  print(f"wrote {stem}.json")
+  bc.write_bench(args.out, f"fit_{bc.slug(doc['device_kind'])}", doc, table(doc), plot(doc))
   return doc
 
 

@@ -231,11 +231,8 @@ def main(argv=None) -> dict:
     args.leaves, args.rows, args.cols, args.steps, args.warmup = 2, 300, 256, 2, 1
     args.chunk, args.min_bytes = 32 << 10, 4096
   doc = run(args)
-  args.out.mkdir(parents=True, exist_ok=True)
   kind = bc.slug(jax.devices()[0].device_kind) + (f"_x{args.devices}" if args.devices > 1 else "")
-  stem = args.out / f"optimizer_{kind}_{bc.today()}"
-  bc.write_results(stem, doc, table(doc), plot(doc))
-  print(f"wrote {stem}.json")
+  bc.write_bench(args.out, f"optimizer_{kind}", doc, table(doc), plot(doc))
   return doc
 
 

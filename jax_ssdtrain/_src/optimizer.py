@@ -56,7 +56,7 @@ import numpy as np
 
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.policies import Location
-from jax_ssdtrain._src.primitives import TIER_CODES, load_p, store_p
+from jax_ssdtrain._src.primitives import TIER_CODES, TIER_NAMES, load_p, store_p
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_MIN_BYTES = 1 << 20
@@ -362,7 +362,7 @@ class OffloadedState:
     (``location="auto"`` says here what it chose)."""
     if self.layout.tier == DEVICE_TIER:
       return Location.DEVICE.value
-    return next(loc.value for loc, code in TIER_CODES.items() if code == self.layout.tier)
+    return TIER_NAMES[self.layout.tier]
 
   def tree_flatten(self):
     return (self.device, self.handles), self.layout

@@ -40,6 +40,11 @@ class RunConfig:
   # bfloat16 parameters on the device, their float32 copy in the optimizer state
   # (jax_ssdtrain.with_master_weights; in the store with optimizer_location).
   master_weights: bool = False
+  # offload_optimizer(in_place=True): one version of the state in the store (optimizer_location)
+  optimizer_in_place: bool = False
+  # micro-batches per optimizer step (jax_ssdtrain.accumulate_gradients); a step is one
+  accum: int = 1
+  accum_dtype: str = "float32"  # of the running mean of the gradients (on the device)
   # Split scan: the first offload_layers layers use ``locations``, the others the same with
   # host/nvme tags kept on the device (None: every layer uses ``locations``).
   offload_layers: int | None = None
@@ -78,7 +83,8 @@ class TrainState(train_state.TrainState):
     parameters inside its stream (``ssd.apply_gradients``: no whole array of updates)."""
     import jax_ssdtrain as ssd
 
-    if not isinstance(self.opt_state, ssd.OffloadedState):
+    streamed = getattr(self.tx.update, "apply_gradients", None)  # offload or accumulate
+    if streamed is None:
       return super().apply_gradients(grads=grads, **kwargs)
     params, opt_state = ssd.apply_gradients(self.tx, grads, self.opt_state, self.params)
     return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
@@ -105,8 +111,17 @@ def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.
     import jax_ssdtrain as ssd
 
     tx = ssd.offload_optimizer(
-      tx, location=run.optimizer_location, min_bytes=max(run.min_bytes, 4096)
+      tx,
+      location=run.optimizer_location,
+      min_bytes=max(run.min_bytes, 4096),
+      in_place=run.optimizer_in_place,
     )
+  elif run.optimizer_in_place:
+    raise ValueError("optimizer_in_place needs optimizer_location (the state in the store)")
+  if run.accum > 1:
+    import jax_ssdtrain as ssd
+
+    tx = ssd.accumulate_gradients(tx, run.accum, dtype=jnp.dtype(run.accum_dtype))
   return tx, schedule
 
 

@@ -1,7 +1,7 @@
 """What fits on one GPU: GPTs of growing size trained by JAX alone and with jax_ssdtrain.
 
     python -m scripts.bench_fit [--presets gpt-2.7b,gpt-4b,gpt-6.7b,gpt-8b]
-        [--ways jax_remat,ours] [--ideal] [--steps 6] [--batch 4] [--out DIR]
+        [--ways jax_remat,ours] [--ideal] [--steps 6] [--batch 4] [--accum K] [--out DIR]
     python -m scripts.bench_fit --tiny            (a CPU smoke run)
 
 Each (preset, way) trains ``scripts/train.py`` in a process of its own (device memory starts
@@ -17,6 +17,16 @@ sequences of the preset's length, bfloat16 compute, float32 parameters and AdamW
   files for what does not fit);
 * ``ours_master``: ``ours_spill`` with bfloat16 parameters on the device and their float32 copy
   in the store (``--master-weights``: 4 bytes per parameter on the device, 12 in the store).
+* ``ours_master_inplace``: ``ours_master`` with the update in place (``--optimizer-in-place``:
+  one version of the 12 bytes per parameter in the store instead of two).
+* ``ours_master_inplace_keep`` and ``ours_master_inplace_remat``: the same with the four tags
+  saved on the device, or each layer recomputed from its input, instead of the tags in the host
+  tier (the host tier all the optimizer state's).
+
+``--accum K`` trains ``K`` micro-batches of ``--batch`` sequences per optimizer step
+(``accumulate_gradients``: a float32 mean of the gradients on the device, 4 bytes per parameter;
+``--accum-dtype bfloat16`` for the ways with master weights: 2), every way and the ideal alike;
+``--steps`` then counts optimizer steps.
 
 A run that fails with XLA's RESOURCE_EXHAUSTED (at compile or at run time) does not fit. Reported
 per run: tokens/s over the second half of the steps, the step time, MFU (6 x parameters x tokens/s
@@ -24,7 +34,8 @@ over ``--peak-tflops``; attention's FLOPs left out), XLA's peak device memory, t
 resident host memory and the store's traffic. ``--ideal`` also trains each width with 1 and 2
 layers, everything on the device, and extends the time per layer to the preset's layer count:
 the step of a device with room for everything (the issue's "ideal"); each run's ``x ideal`` is
-its tokens/s over that.
+its tokens/s over that. A way with master weights is measured against an ideal with them too
+(bfloat16 parameters, their float32 copy on the device: the same model and arithmetic).
 
 Writes OUT/fit_<device>_<date>.json, .md and (with matplotlib) .png.
 """
@@ -40,12 +51,25 @@ from pathlib import Path
 from scripts import bench_common as bc
 
 TAGS = "layer_in=host,qkv=host,attn=host,mlp_up=host"
+KEPT = TAGS.replace("=host", "=device")  # the same four tags saved on the device
 WAYS = {
   "jax_keep": ["--remat-policy", "keep"],
   "jax_remat": ["--remat-policy", "remat"],
   "ours": ["--locations", TAGS, "--optimizer-location", "host"],
   "ours_spill": ["--locations", TAGS, "--optimizer-location", "host,nvme"],
   "ours_master": ["--locations", TAGS, "--optimizer-location", "host,nvme", "--master-weights"],
+  "ours_master_inplace": [
+    *("--locations", TAGS, "--optimizer-location", "host,nvme", "--master-weights"),
+    "--optimizer-in-place",
+  ],
+  "ours_master_inplace_keep": [
+    *("--locations", KEPT, "--optimizer-location", "host,nvme", "--master-weights"),
+    "--optimizer-in-place",
+  ],
+  "ours_master_inplace_remat": [
+    *("--remat-policy", "remat", "--optimizer-location", "host,nvme", "--master-weights"),
+    "--optimizer-in-place",
+  ],
 }
 # bf16 dense peak of the device kinds this runs on (TFLOP/s), for MFU.
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0}
@@ -58,6 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--ideal", action="store_true", help="also the 1- and 2-layer runs (see above)")
   p.add_argument("--steps", type=int, default=6)
   p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+  p.add_argument(
+    "--tags",
+    default=TAGS,
+    help="--locations of the ways that put activations in the host tier (default: %(default)s)",
+  )
+  p.add_argument(
+    "--accum-dtype",
+    choices=["float32", "bfloat16"],
+    default="float32",
+    help="of the running mean of the gradients, for the ways with master weights (the ideal's "
+    "and JAX's stay float32)",
+  )
   p.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
   p.add_argument("--peak-tflops", type=float, default=None, help="default: by device kind")
   p.add_argument("--timeout", type=float, default=900, help="seconds per run")
@@ -85,7 +122,13 @@ def _train(args, preset: str, way_args: list[str], env: dict, layers: int | None
       "--batch",
       str(args.batch),
       "--steps",
-      str(args.steps),
+      str(args.steps * args.accum),  # train.py's steps are micro-batches
+      *(["--accum", str(args.accum)] if args.accum > 1 else []),
+      *(
+        ["--accum-dtype", args.accum_dtype]
+        if args.accum > 1 and "--master-weights" in way_args
+        else []
+      ),
       "--summary-json",
       str(summary),
       *(["--seq-len", str(args.seq_len)] if args.seq_len else []),
@@ -118,6 +161,23 @@ def _measured(s: dict, peak_flops: float | None) -> dict:
   )
 
 
+def _ideal(args, preset: str, env: dict, master: bool) -> dict | None:
+  """The step of a device with room for everything: the preset's width with 1 and 2 layers,
+  the state on the device (``jax_keep``; with ``master``: bfloat16 parameters, as the way that
+  it measures), the time per layer extended to the preset's depth."""
+  way = WAYS["jax_keep"] + (["--master-weights"] if master else [])
+  one, two = (_train(args, preset, way, env, layers=n) for n in (1, 2))
+  if "n_params" not in one or "n_params" not in two:
+    return None
+  import models
+
+  layers = models.get_config("gpt", preset).num_layers
+  t1, t2 = (_measured(s, None)["step_s"] for s in (one, two))
+  ideal = dict(step_s_1=t1, step_s_2=t2, step_s=t1 + (layers - 1) * (t2 - t1), master=master)
+  ideal["tokens_per_s"] = one["tokens_per_step"] / ideal["step_s"]
+  return ideal
+
+
 def run(args) -> dict:
   import jax
 
@@ -132,18 +192,19 @@ def run(args) -> dict:
     env[key] = value
   rows = []
   for preset in args.presets.split(","):
-    ideal = None
-    if args.ideal:
-      one, two = (_train(args, preset, WAYS["jax_keep"], env, layers=n) for n in (1, 2))
-      if "n_params" in one and "n_params" in two:
-        import models
+    ideals: dict[bool, dict | None] = {}
 
-        layers = models.get_config("gpt", preset).num_layers
-        t1, t2 = (_measured(s, None)["step_s"] for s in (one, two))
-        ideal = dict(step_s_1=t1, step_s_2=t2, step_s=t1 + (layers - 1) * (t2 - t1))
-        ideal["tokens_per_s"] = one["tokens_per_step"] / ideal["step_s"]
+    def ideal_for(master: bool, preset=preset) -> dict | None:
+      """The ideal of a way with (or without) master weights: the same parameters' dtype."""
+      if master not in ideals:
+        ideals[master] = _ideal(args, preset, env, master) if args.ideal else None
+      return ideals[master]
+
     for way in args.ways.split(","):
-      s = _train(args, preset, WAYS[way], env)
+      master = "--master-weights" in WAYS[way]
+      ideal = ideal_for(master)
+      way_args = [args.tags if a == TAGS else a for a in WAYS[way]]
+      s = _train(args, preset, way_args, env)
       if "n_params" in s:
         row = dict(preset=preset, way=way) | _measured(s, peak_flops)
         if ideal:
@@ -151,7 +212,16 @@ def run(args) -> dict:
       else:
         row = dict(preset=preset, way=way, fits=False, oom=s["oom"], error=s.get("error"))
         row["stderr_tail"] = bc.tail(s.get("stderr_tail", ""), 1500)
-      row |= dict(ideal=ideal, batch=args.batch, steps=args.steps, ssd=list(args.ssd))
+      low = args.accum > 1 and master
+      row |= dict(
+        ideal=ideal,
+        batch=args.batch,
+        accum=args.accum,
+        accum_dtype=args.accum_dtype if low else "float32",
+        tags=args.tags if TAGS in WAYS[way] else None,
+        steps=args.steps,
+        ssd=list(args.ssd),
+      )
       rows.append(row)
       print(json.dumps({k: v for k, v in row.items() if k != "stderr_tail"}), flush=True)
   return dict(
@@ -169,11 +239,14 @@ def table(doc: dict) -> str:
   lines = [
     f"{doc['device_kind']}, sequences of the preset's length (2048)",
     "",
-    "| model | way | batch | fits | tokens/s | step s | MFU | x ideal | device GB | host GB |",
+    "| model | way | batch x accum | fits | tokens/s | micro-batch s | MFU | x ideal | device GB "
+    "| host GB |",
     "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in doc["rows"]:
-    head = f"| {r['preset']} | {r['way']} | {r['batch']} |"
+    low = " (bf16 mean)" if r.get("accum_dtype") == "bfloat16" else ""
+    way = r["way"] + (f" (`{r['tags']}`)" if r.get("tags") not in (None, TAGS) else "")
+    head = f"| {r['preset']} | {way} | {r['batch']} x {r.get('accum', 1)}{low} |"
     if not r["fits"]:
       why = "no (device memory)" if r.get("oom") else f"no: {r.get('error')}"
       lines.append(f"{head} {why} | | | | | | |")

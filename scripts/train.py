@@ -196,6 +196,25 @@ def build_parser() -> argparse.ArgumentParser:
     "(jax_ssdtrain.with_master_weights; in the store with --optimizer-location)",
   )
   p.add_argument(
+    "--optimizer-in-place",
+    action="store_true",
+    help="the update writes each chunk of the state into the room of the one it read: one "
+    "version in the store instead of two (offload_optimizer(in_place=True))",
+  )
+  p.add_argument(
+    "--accum",
+    type=_positive(int),
+    default=1,
+    help="micro-batches per optimizer step (jax_ssdtrain.accumulate_gradients; each training "
+    "step is one micro-batch)",
+  )
+  p.add_argument(
+    "--accum-dtype",
+    choices=["float32", "bfloat16"],
+    default="float32",
+    help="dtype of the running mean of the gradients (--accum), on the device",
+  )
+  p.add_argument(
     "--restore", action="store_true", help="resume from the latest checkpoint in --workdir"
   )
   p.add_argument(
@@ -329,6 +348,9 @@ def main(argv=None) -> dict:
     locations=args.locations,
     optimizer_location=args.optimizer_location,
     master_weights=args.master_weights,
+    optimizer_in_place=args.optimizer_in_place,
+    accum=args.accum,
+    accum_dtype=args.accum_dtype,
     dtype=args.dtype,
     model_overrides={"attention": args.attention}
     | ({"num_layers": args.layers} if args.layers else {}),

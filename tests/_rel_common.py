@@ -75,7 +75,7 @@ def store(x, site=1, name="t"):
 def load(h, like, site=1, name="t"):
   return jax.ffi.ffi_call(
     "ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype), has_side_effect=True
-  )(h, site=np.int64(site), tier=np.int32(0), name=name, exact=np.int32(0))
+  )(h, site=np.int64(site), tier=np.int32(0), name=name, exact=np.int32(0), consume=np.int32(0))
 
 
 def store_fds(directory):

@@ -78,7 +78,7 @@ def store(x, site=1, tier=0, name="t", uses=-1):
 def load(h, like, site=1, tier=0, name="t"):
   return jax.ffi.ffi_call(
     "ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype), has_side_effect=True
-  )(h, site=np.int64(site), tier=np.int32(tier), name=name, exact=np.int32(0))
+  )(h, site=np.int64(site), tier=np.int32(tier), name=name, exact=np.int32(0), consume=np.int32(0))
 
 
 def rand(shape, dtype, seed=0):

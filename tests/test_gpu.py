@@ -159,7 +159,7 @@ def _raw_store(x, site):
 def _raw_load(h, like, site):
   return jax.ffi.ffi_call(
     "ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype), has_side_effect=True
-  )(h, site=np.int64(site), tier=np.int32(1), name="raw", exact=np.int32(0))
+  )(h, site=np.int64(site), tier=np.int32(1), name="raw", exact=np.int32(0), consume=np.int32(0))
 
 
 def test_gpu_loads_predict_their_handles(store):

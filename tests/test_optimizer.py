@@ -241,14 +241,20 @@ def test_master_weights_in_the_store(store):
   device, _, _ = run(ours["device"], True)
   want, want_state, want_bytes = run(tx, False)  # plain optax, its state on the device
   master = ssd.optimizer_state(host_state).master
+  # Against plain optax: an ulp on the CPU. On a GPU XLA picks each program's bfloat16 matmul
+  # algorithm: the two programs' gradients differ in their last bits, and 3 steps of Adam carry
+  # that to ~4e-6 (measured on an H100); a wrong chunk or leaf is ~1e-3 off.
+  cpu = jax.default_backend() == "cpu"
+  close = dict(rtol=1e-6, atol=1e-7) if cpu else dict(rtol=1e-4, atol=2e-5)
   for k in host:
     assert host[k].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(host[k]), np.asarray(device[k]), err_msg=k)
     # the parameters are the copy's rounding, and the copy is tx's float32 update
     assert_rounds_to(host[k], master[k])
     assert master[k].dtype == jnp.float32
-    np.testing.assert_allclose(master[k], want_state.master[k], rtol=1e-6, atol=1e-7)
-    np.testing.assert_array_equal(np.asarray(host[k]), np.asarray(want[k]), err_msg=k)
+    np.testing.assert_allclose(master[k], want_state.master[k], **close)
+    if cpu:
+      np.testing.assert_array_equal(np.asarray(host[k]), np.asarray(want[k]), err_msg=k)
   # On the device: 4 bytes per streamed parameter (bf16 parameters and gradients) where optax
   # holds 16 (and the copy, the moments); chunks and XLA's buffers on top.
   streamed = full["a"].size + full["c"].size
@@ -335,6 +341,9 @@ def test_apply_gradients_through_accumulate_gradients(store):
   if jax.default_backend() == "cpu":  # no whole array of updates of the streamed leaves
     streamed = (_params()["a"].nbytes + _params()["c"].nbytes) * 9 // 10
     assert plain_temp - host_temp >= streamed, (plain_temp, host_temp)
+    # nor a second float32 tree of the running mean: it is updated in place (0.38 of the
+    # parameters' bytes in all; 1.36 when the mean was reset after the update)
+    assert host_temp < sum(p.nbytes for p in _params().values()) // 2, host_temp
   for h, d, u in zip(host, device, plain):
     for name in h:
       np.testing.assert_array_equal(h[name], d[name])
@@ -348,6 +357,27 @@ def test_accumulate_gradients_bad_arguments():
     ssd.accumulate_gradients(optax.adam(1e-3), 0)
   with pytest.raises(TypeError, match="tx: expected an optax GradientTransformation"):
     ssd.accumulate_gradients(None, 2)
+  for bad in ("int32", "nonsense"):
+    with pytest.raises(ValueError, match=f"dtype: expected a floating dtype, got '{bad}'"):
+      ssd.accumulate_gradients(optax.adam(1e-3), 2, dtype=bad)
+
+
+def test_accumulate_gradients_in_bfloat16(store):
+  # A bfloat16 running mean: half the device memory of float32's, each micro-step's mean
+  # rounded to bfloat16; the parameters stay within bfloat16 rounding of the float32 mean's.
+  k, x = 4, jax.random.normal(jax.random.key(7), (16, 64))
+  kw = dict(min_bytes=4096, chunk_bytes=32 << 10)
+  runs = {}
+  for dtype in (jnp.float32, jnp.bfloat16):
+    tx = ssd.accumulate_gradients(offload_optimizer(optax.sgd(0.1), **kw), k, dtype=dtype)
+    state = tx.init(_params())
+    assert all(a.dtype == dtype for a in jax.tree.leaves(state.acc_grads))
+    runs[dtype] = _jitted_steps(tx, True, x, _params(), state, k)[0][-1]
+  for name, p in _params().items():
+    moved = np.abs(runs[jnp.float32][name] - np.asarray(p)).max()
+    assert moved > 1e-3, name  # the update applied
+    np.testing.assert_allclose(runs[jnp.bfloat16][name], runs[jnp.float32][name], atol=moved / 50)
+    assert (runs[jnp.bfloat16][name] != runs[jnp.float32][name]).any(), name  # it did round
 
 
 def test_multisteps_inside_is_refused_with_the_way_round():
@@ -412,6 +442,68 @@ def test_the_store_holds_one_copy_and_nothing_grows(store):
   n_chunks = sum(len(h) for h in state.handles)
   assert live[-1] == live[2] == n_chunks, live  # exactly this step's state, every step
   assert 0 < stored <= ssd.stats()["host_tier_bytes_in_use"] <= stored + n_chunks * 4096
+
+
+def test_in_place_holds_one_version_and_equals_the_state_on_the_device(tmp_path):
+  # Adam's state of _params' a and c: 856 KiB a version. A host tier of 1.25 MiB holds one and
+  # the chunks in flight (32 KiB chunks), not two: the update must write each new chunk into
+  # the room its old one had.
+  kw = dict(min_bytes=4096, chunk_bytes=32 << 10)
+  with ssd.configured(tmp_path / "s", capacity_bytes=16 * MiB, host_tier_bytes=1280 << 10):
+    with pytest.raises(OptimizerOffloadError, match="update in place"):
+      offload_optimizer(optax.adam(1e-3), location="host", **kw).init(_params())
+    ours = offload_optimizer(optax.adam(1e-3), location="host", in_place=True, **kw)
+    x = jax.random.normal(jax.random.key(7), (16, 64))
+    got, state, _ = _jitted_steps(ours, True, x, _params(), ours.init(_params()), 6)
+    ssd.flush()
+    s = ssd.stats()
+    assert s["live_entries"] == sum(len(h) for h in state.handles), s
+    assert s["host_tier_bytes_in_use"] <= state.layout.stored_bytes + (64 << 10), s
+    got_state = jax.tree.map(np.asarray, optimizer_state(state))
+    del state
+    ssd.collect()
+    # The state it was given is gone: a second update from it raises, naming in_place.
+    old = ours.init(_params())
+    jax.block_until_ready(jax.jit(ours.update)(_params(), old, _params()))
+    with pytest.raises(Exception, match="already released.*in_place=True"):
+      jax.block_until_ready(jax.jit(ours.update)(_params(), old, _params()))
+  same = offload_optimizer(optax.adam(1e-3), location="device", **kw)
+  want, want_state, _ = _jitted_steps(same, True, x, _params(), same.init(_params()), 6)
+  for w, g in zip(want, got):
+    for k in w:
+      np.testing.assert_array_equal(g[k], w[k])
+  for a, b in zip(jax.tree.leaves(optimizer_state(want_state)), jax.tree.leaves(got_state)):
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_failed_write_of_the_state(tmp_path, monkeypatch, in_place):
+  # The files only (no forwarding: every store is written). A write of the first update fails:
+  # the update raises. Two versions: the state it started from is intact, and the retried
+  # update equals one that never failed. In place: that state is gone, and a retry says so.
+  kw = dict(location="nvme", min_bytes=4096, chunk_bytes=32 << 10, in_place=in_place)
+  x = jax.random.normal(jax.random.key(7), (16, 64))
+  grads = jax.jit(jax.grad(_loss))(_params(), x)
+  ref = offload_optimizer(optax.adam(1e-3), **dict(kw, location="device", in_place=False))
+  want = jax.jit(ref.update)(grads, ref.init(_params()), _params())[0]
+  n_init = 2 * (64 * 512 * 4 // (32 << 10) + -(-300 * 256 * 4 // (32 << 10)))  # chunks
+  monkeypatch.setenv("SSDTRAIN_FAULT", f"write:{n_init + 5}:EIO")
+  with ssd.configured(tmp_path / "s", capacity_bytes=16 * MiB, forwarding=False):
+    tx = offload_optimizer(optax.adam(1e-3), **kw)
+    state = tx.init(_params())
+    ssd.flush()
+    assert ssd.stats()["disk_tensors_written"] == n_init
+    update = jax.jit(tx.update)
+    with pytest.raises(Exception, match="Input/output error"):
+      jax.block_until_ready(update(grads, state, _params()))
+      ssd.flush()
+    if in_place:
+      with pytest.raises(Exception, match="already released.*in_place=True"):
+        jax.block_until_ready(update(grads, state, _params()))
+    else:
+      got = update(grads, state, _params())[0]
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_host_nvme_spills_activations_to_the_files(tmp_path):
@@ -481,9 +573,11 @@ def test_bench_accumulate_tiny(tmp_path):
 
 @pytest.mark.slow
 def test_bench_fit_tiny(tmp_path):
-  doc = _tiny_bench(tmp_path, "bench_fit", "fit", "--ways", "jax_remat,ours")
+  ways = "jax_remat,ours,ours_master_inplace"
+  doc = _tiny_bench(tmp_path, "bench_fit", "fit", "--ways", ways, "--accum", "2")
   rows = {r["way"]: r for r in doc["rows"]}
-  assert set(rows) == {"jax_remat", "ours"} and all(r["fits"] for r in rows.values())
+  assert set(rows) == set(ways.split(",")) and all(r["fits"] for r in rows.values())
+  assert all(r["accum"] == 2 for r in rows.values())
   assert rows["jax_remat"]["store_gb_written_per_step"] == 0
   assert rows["ours"]["store_gb_written_per_step"] > 0  # activations and optimizer state
   ideal = rows["ours"]["ideal"]  # tiny has 2 layers: the ideal is the 2-layer run itself

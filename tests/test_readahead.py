@@ -157,7 +157,14 @@ def ffi_store(x, site):
 def ffi_load(h, like, site):
   return jax.ffi.ffi_call(
     "ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype), has_side_effect=True
-  )(h, site=np.int64(site), tier=np.int32(0), name=f"s{site}", exact=np.int32(0))
+  )(
+    h,
+    site=np.int64(site),
+    tier=np.int32(0),
+    name=f"s{site}",
+    exact=np.int32(0),
+    consume=np.int32(0),
+  )
 
 
 def test_stores_while_the_cache_holds_reads_ahead(tmp_path):

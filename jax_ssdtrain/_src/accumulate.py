@@ -17,11 +17,14 @@ import jax.numpy as jnp
 
 class AccumulateState(NamedTuple):
   mini_step: jax.Array  # int32: micro-steps accumulated since the last update
-  acc_grads: Any  # the running mean of the gradients (float32)
+  # The running mean of the gradients (float32, or accumulate_gradients' dtype) of mini_step
+  # micro-steps; at mini_step 0 the last update's mean, which the next micro-step replaces (no
+  # reset: one tree).
+  acc_grads: Any
   inner_state: Any  # tx's state
 
 
-def accumulate_gradients(tx: Any, every_k: int):
+def accumulate_gradients(tx: Any, every_k: int, *, dtype: Any = jnp.float32):
   """Averages the gradients of ``every_k`` micro-steps and applies ``tx`` to the mean at the
   last of them (the updates are zero at the others), calling ``tx.update`` only then.
 
@@ -29,6 +32,12 @@ def accumulate_gradients(tx: Any, every_k: int):
   :func:`offload_optimizer`: ``accumulate_gradients(offload_optimizer(tx), k)``; through
   :func:`jax_ssdtrain.apply_gradients` the inner transformation's own ``apply_gradients`` runs
   at the last micro-step (with the store, the updates added to the parameters in place).
+
+  ``dtype``: of the running mean, which stays on the device (4 bytes per parameter in float32,
+  MultiSteps' own). ``jnp.bfloat16`` halves it where bfloat16 parameters leave no room for a
+  float32 tree (``with_master_weights``): each micro-step's mean then rounds to bfloat16 (the
+  gradients of bfloat16 parameters are bfloat16 already), and the results no longer equal
+  MultiSteps'.
   """
   import optax
 
@@ -36,19 +45,34 @@ def accumulate_gradients(tx: Any, every_k: int):
     raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")
   if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
     raise ValueError(f"every_k: expected an integer >= 1, got {every_k!r}")
+  try:
+    floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+  except TypeError:
+    floating = False
+  if not floating:
+    raise ValueError(f"dtype: expected a floating dtype, got {dtype!r}")
+  dtype = jnp.dtype(dtype)
 
   def init_fn(params):
-    acc = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    acc = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), dtype), params)
     return AccumulateState(jnp.zeros((), jnp.int32), acc, tx.init(params))
 
   def accumulated(updates, state):
-    acc = jax.tree.map(lambda g, a: a + (g - a) / (state.mini_step + 1), updates, state.acc_grads)
-    acc = jax.tree.map(lambda a: a.astype(jnp.float32), acc)
+    # MultiSteps' mean, from zeros at the first micro-step: one elementwise pass that XLA runs
+    # in place on the (donated) running mean; resetting it after the update instead would
+    # make a second float32 tree beside it at the step's peak.
+    first = state.mini_step == 0
+
+    def add(g, a):
+      a = jnp.where(first, jnp.zeros_like(a), a)
+      return (a + (g - a) / (state.mini_step + 1)).astype(dtype)
+
+    acc = jax.tree.map(add, updates, state.acc_grads)
     return acc, state.mini_step == every_k - 1
 
   def next_state(state, acc, emit, inner):
-    new_acc = jax.tree.map(lambda a: (1 - emit) * a, acc)
-    return AccumulateState((state.mini_step + 1) % every_k, new_acc, inner)
+    del emit
+    return AccumulateState((state.mini_step + 1) % every_k, acc, inner)
 
   def update_fn(updates, state, params=None, **extra_args):
     acc, emit = accumulated(updates, state)

@@ -39,7 +39,11 @@ is refused.
 
 The new version of each chunk is written beside the old one: the old entries are released by the
 store's sweeps once no live array holds their handles (lifetimes.py), so a failed step leaves
-the state it started from intact.
+the state it started from intact. The store then holds two versions at the update. With
+``in_place=True`` it holds one: each chunk's load is its entry's last (``consume``), the engine
+releases the entry once the chunk is on the device, and the new chunk's store takes its room. A
+failed update then leaves a state that is part old, part new, and gone: its next use raises
+(the entries are released), and training resumes from a checkpoint.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ def offload_optimizer(
   location: str | Location = "host",
   min_bytes: int = DEFAULT_MIN_BYTES,
   chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+  in_place: bool = False,
 ):
   """Wraps an optax transformation so that its state lives in the store.
 
@@ -97,6 +102,13 @@ def offload_optimizer(
     min_bytes: state leaves smaller than this stay on the device (scalars always do: a step
       count is read by every parameter's update).
     chunk_bytes: rows of a leaf streamed at once (a leaf is cut along its first axis).
+    in_place: the update reads each chunk of the state for the last time and writes the new
+      chunk into its room, so the store holds one version of the state instead of two (half
+      the host memory or disk: what lets the largest models fit). The state an update was given
+      is then gone (donate it to the jitted step; using it again raises), and an update that
+      fails part way (a write error, say) leaves no consistent state: resume from a checkpoint.
+      Default ``False``: the new version is written beside the old, and a failed update leaves
+      the old one intact.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` runs ``tx``'s operations (its
@@ -119,14 +131,16 @@ def offload_optimizer(
     raise ValueError(f"min_bytes: expected an integer >= 0, got {min_bytes!r}")
   if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
     raise ValueError(f"chunk_bytes: expected an integer >= 4096, got {chunk_bytes!r}")
+  if not isinstance(in_place, bool):
+    raise ValueError(f"in_place: expected True or False, got {in_place!r}")
   tier = DEVICE_TIER if loc is Location.DEVICE else TIER_CODES[loc]
-  opts = _Options(tier=tier, min_bytes=min_bytes, chunk_bytes=chunk_bytes)
+  opts = _Options(tier=tier, min_bytes=min_bytes, chunk_bytes=chunk_bytes, in_place=in_place)
   name = _describe(tx)
 
   def init_fn(params):
     shapes = jax.eval_shape(tx.init, params)
     layout = _make_layout(shapes, opts, name, params)
-    where = choose_location(_version_bytes(layout)) if auto else loc
+    where = choose_location(_room_bytes(layout)) if auto else loc
     if where is not loc:
       layout = dataclasses.replace(layout, tier=TIER_CODES[where])
     _check_room(layout, where, name)
@@ -395,6 +409,7 @@ class _Options:
   tier: int
   min_bytes: int
   chunk_bytes: int
+  in_place: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,6 +457,7 @@ class Layout:
   tier: int
   # A jax.sharding.Mesh where the state is sharded (from the params init saw); None: one device.
   mesh: Any = None
+  in_place: bool = False  # updates consume the chunks they read (offload_optimizer's in_place)
 
   @property
   def stored_bytes(self) -> int:
@@ -481,40 +497,63 @@ def _make_layout(shapes: Any, opts: _Options, name: str, params: Any = None) -> 
       bounds = _row_bounds(leaf.block_shape, opts.chunk_bytes)
       leaf = dataclasses.replace(leaf, bounds=bounds, site=new_site_id())
     leaves.append(leaf)
-  return Layout(treedef, tuple(leaves), opts.tier, mesh)
+  return Layout(treedef, tuple(leaves), opts.tier, mesh, opts.in_place)
 
 
-def choose_location(version_bytes: int) -> Location:
-  """``location="auto"``: where a state of ``version_bytes`` (this process's share of one
-  version) goes. An update writes the new version beside the old one, so the store holds two.
-  The host tier is taken when both fit in three quarters of it (the rest is left to
+def choose_location(room_bytes: int) -> Location:
+  """``location="auto"``: where a state that needs ``room_bytes`` of the store (this process's
+  share of what an update holds at once: two versions, the new written beside the old, or with
+  ``in_place`` one and the chunks in flight) goes. The host tier is taken when that fits in
+  three quarters of it (the rest is left to
   activations); else the host tier spilling to the files. The files alone never: the link
   carries the host tier's bytes an order of magnitude faster than a disk (45 GB/s each way
   against about 1 GB/s on the results' machine, docs/optimizer.md). A state that fits neither is
   refused by ``init``, naming the settings."""
   from jax_ssdtrain._src.config import ensure_configured
 
-  if 2 * version_bytes <= ensure_configured().host_tier_bytes * 3 // 4:
+  if room_bytes <= ensure_configured().host_tier_bytes * 3 // 4:
     return Location.HOST
   return Location.HOST_NVME
 
 
+def _local_devices(layout: Layout) -> int:
+  """This process's devices that stream the state (each its own block where it is sharded)."""
+  if layout.mesh is None:
+    return 1
+  return sum(d.process_index == jax.process_index() for d in layout.mesh.devices.flat)
+
+
 def _version_bytes(layout: Layout) -> int:
   """Bytes of one version of the stored leaves that this process's devices hold."""
-  local = 1
-  if layout.mesh is not None:
-    local = sum(d.process_index == jax.process_index() for d in layout.mesh.devices.flat)
-  return local * sum(leaf.block_nbytes for leaf in layout.leaves if leaf.stored)
+  return _local_devices(layout) * sum(leaf.block_nbytes for leaf in layout.leaves if leaf.stored)
+
+
+def _room_bytes(layout: Layout) -> int:
+  """Bytes of the store an update holds at once (this process's share): two versions (the one
+  it reads and the one it writes beside it), or in place one version and the chunks in flight
+  (every stored leaf of a shape, ``PIPELINE_DEPTH + 1`` chunks of each)."""
+  version = _version_bytes(layout)
+  if not layout.in_place:
+    return 2 * version
+  per_shape: dict[tuple[int, ...], int] = {}
+  for leaf in layout.leaves:
+    if leaf.stored:
+      r0, r1 = leaf.bounds[0]
+      chunk = math.prod(leaf.chunk_shape(r0, r1)) * np.dtype(leaf.dtype).itemsize
+      per_shape[leaf.block_shape] = per_shape.get(leaf.block_shape, 0) + chunk
+  in_flight = (PIPELINE_DEPTH + 1) * max(per_shape.values(), default=0)
+  return version + _local_devices(layout) * in_flight
 
 
 def _check_room(layout: Layout, loc: Location, name: str) -> None:
-  """Refuses a state whose two versions (the one an update reads and the one it writes beside
-  it) do not fit where it is to live: this process's host tier, its files, or both."""
+  """Refuses a state whose versions (the one an update reads and the one it writes beside it;
+  with ``in_place`` one, and the chunks in flight) do not fit where it is to live: this
+  process's host tier, its files, or both."""
   if layout.tier == DEVICE_TIER:
     return
   from jax_ssdtrain._src.config import ensure_configured
 
-  version = _version_bytes(layout)
+  version, need = _version_bytes(layout), _room_bytes(layout)
   cfg = ensure_configured()
   files = cfg.capacity_bytes  # None: the default, decided by the free space when the store opens
   if loc is not Location.HOST and files is None:
@@ -522,17 +561,22 @@ def _check_room(layout: Layout, loc: Location, name: str) -> None:
   room = cfg.host_tier_bytes if loc is Location.HOST else files
   if loc is Location.HOST_NVME:
     room += cfg.host_tier_bytes
-  if 2 * version > room:
+  if need > room:
     what = {
       Location.HOST: "host_tier_bytes",
       Location.NVME: "capacity_bytes",
       Location.HOST_NVME: "host_tier_bytes + capacity_bytes",
     }[loc]
+    held = (
+      f"an update holds it and the chunks in flight ({need} bytes, in_place=True)"
+      if layout.in_place
+      else f"an update writes the new version beside the old one ({need} bytes)"
+    )
     raise OptimizerOffloadError(
-      f"{name}: its state takes {version} bytes in the store, and an update writes the new "
-      f"version beside the old one ({2 * version} bytes), more than location={loc.value!r} "
-      f"holds ({what} = {room}): configure more (ssd.configure(...)), or use "
-      f"location='host,nvme' (the host tier spilling to the files)"
+      f"{name}: its state takes {version} bytes in the store, and {held}, more than "
+      f"location={loc.value!r} holds ({what} = {room}): configure more (ssd.configure(...)), "
+      + ("" if layout.in_place else "update in place (in_place=True: one version), ")
+      + "or use location='host,nvme' (the host tier spilling to the files)"
     )
 
 
@@ -643,7 +687,8 @@ def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str, a
   new_handles: dict[int, Any] = {}
   for group in plan.groups:  # a leaf the update leaves as it is: the same entries
     new_handles.update({i: handles_in[i] for i in group.passed})
-  run = functools.partial(_run_groups, plan, leaves, stored_out, layout.tier)
+  consume = layout.in_place and state is not None  # in place: each load is its entry's last
+  run = functools.partial(_run_groups, plan, leaves, stored_out, layout.tier, consume=consume)
   if layout.mesh is None:  # 2. each group, chunk by chunk
     handles, group_outs = run(env, handles_in)
   else:  # 2. each device runs every group on its own blocks
@@ -751,9 +796,12 @@ def _on_each_device(run, plan: _Plan, layout: Layout, env: dict, handles_in: dic
   return dict(zip(stored, new)), dict(zip(out_vars, outs))
 
 
-def _run_groups(plan: _Plan, leaves, stored_out: dict, tier: int, env: dict, handles_in: dict):
+def _run_groups(
+  plan: _Plan, leaves, stored_out: dict, tier: int, env: dict, handles_in: dict, consume=False
+):
   """Runs ``plan``'s groups one after the other; returns ``({stored leaf: new handles},
-  {output var: value})``. ``env`` holds every value a group reads."""
+  {output var: value})``. ``env`` holds every value a group reads; ``consume``: each load is its
+  entry's last (``in_place``)."""
   env = dict(env)
   new_handles: dict[int, Any] = {}
   outputs: dict[Any, Any] = {}
@@ -764,7 +812,7 @@ def _run_groups(plan: _Plan, leaves, stored_out: dict, tier: int, env: dict, han
     hs_in = {i: handles_in[i] for _, i in group.loads}
     if last:  # this group's loads start once the last group's stores are under way
       hs_in, _ = jax.lax.optimization_barrier((hs_in, last))
-    run = functools.partial(_run_chunk, group, leaves, env, stored_out, tier)
+    run = functools.partial(_run_chunk, group, leaves, env, stored_out, tier, consume=consume)
     if not group.chunked:
       handles, outs = run(None, hs_in, None)
       new_handles.update({i: h for i, h in handles.items()})
@@ -832,7 +880,18 @@ def _run_groups(plan: _Plan, leaves, stored_out: dict, tier: int, env: dict, han
 
 
 def _run_chunk(
-  group, leaves, env, stored_out, tier, c, hs_in, rows, wait=None, start=None, carried=None
+  group,
+  leaves,
+  env,
+  stored_out,
+  tier,
+  c,
+  hs_in,
+  rows,
+  wait=None,
+  start=None,
+  carried=None,
+  consume=False,
 ):
   """One chunk of a group (``c``: its index, traced in the scan; ``rows``: its length), or the
   whole group (``rows`` None). Returns ``({stored leaf: handle(s)}, {output var: value})``; with
@@ -849,13 +908,13 @@ def _run_chunk(
       local[v] = hs if rows is None else jax.lax.dynamic_slice_in_dim(hs, first, rows)
       continue
     if rows is None:  # every chunk of the leaf, joined
-      parts = [_load(hs[k], leaf, k, tier) for k in range(len(leaf.bounds))]
+      parts = [_load(hs[k], leaf, k, tier, consume=consume) for k in range(len(leaf.bounds))]
       local[v] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
       continue
     h = hs[c]
     if wait is not None:  # the chunk before last has been stored: see PIPELINE_DEPTH
       h, _ = jax.lax.optimization_barrier((h, wait))
-    local[v] = _load(h, leaf, 0, tier, shape=(rows,) + leaf.block_shape[1:])
+    local[v] = _load(h, leaf, 0, tier, shape=(rows,) + leaf.block_shape[1:], consume=consume)
   # The loaded and the new state pass an optimization barrier, in every mode: XLA fuses and
   # rewrites the group's operations alike whether the chunk came from the store (a custom call
   # it cannot see into) or from the device (location="device"), so that the two agree bit for bit.
@@ -895,11 +954,12 @@ def _run_chunk(
   return handles, outs
 
 
-def _load(handle, leaf: LeafLayout, k: int, tier: int, shape=None):
+def _load(handle, leaf: LeafLayout, k: int, tier: int, shape=None, consume=False):
   shape = leaf.chunk_shape(*leaf.bounds[k]) if shape is None else shape
   aval = jax.core.ShapedArray(shape, leaf.dtype)
   name = f"opt_state{leaf.path}"
-  return load_p.bind(handle, aval=aval, site=leaf.site, tier=tier, name=name, exact=True)
+  extra = {"consume": True} if consume else {}
+  return load_p.bind(handle, aval=aval, site=leaf.site, tier=tier, name=name, exact=True, **extra)
 
 
 def _store(x, leaf: LeafLayout, k: int, tier: int):

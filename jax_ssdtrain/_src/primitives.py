@@ -173,11 +173,13 @@ load_p = ji.Primitive("ssd_load")
 
 # Params: aval, site, tier, name as the store's; exact (optional, default False): read the handle
 # on the GPU instead of predicting it (the entry was stored by an earlier execution: optimizer
-# state; a prediction looks among this execution's entries of the site).
+# state; a prediction looks among this execution's entries of the site); consume (optional,
+# default False): this load is the entry's last, the engine releases it once its bytes are
+# copied (optimizer state updated in place: the new version takes the old one's room).
 
 
-def _load_abstract_eval(handle, *, aval, site, tier, name, exact=False):
-  del handle, site, tier, name, exact
+def _load_abstract_eval(handle, *, aval, site, tier, name, exact=False, consume=False):
+  del handle, site, tier, name, exact, consume
   return aval
 
 
@@ -185,10 +187,10 @@ load_p.def_abstract_eval(_load_abstract_eval)
 load_p.def_impl(lambda h, **params: ji.apply_primitive(load_p, h, **params))
 
 
-def _load_lowering(ctx, handle, *, aval, site, tier, name, exact=False):
+def _load_lowering(ctx, handle, *, aval, site, tier, name, exact=False, consume=False):
   _ensure_engine()
   if sharded.needs_partitioning(ctx):  # each device loads its own shard
-    if exact:
+    if exact or consume:
       raise NotImplementedError(
         f"jax_ssdtrain: {name!r}: optimizer state made for one device is used in a program "
         "partitioned over several; call offload_optimizer(...).init with the parameters already "
@@ -201,7 +203,13 @@ def _load_lowering(ctx, handle, *, aval, site, tier, name, exact=False):
     )(ctx, handle)
   call = jax.ffi.ffi_lowering(LOAD_TARGET, has_side_effect=True)
   return call(
-    ctx, handle, site=np.int64(site), tier=np.int32(tier), name=name, exact=np.int32(exact)
+    ctx,
+    handle,
+    site=np.int64(site),
+    tier=np.int32(tier),
+    name=name,
+    exact=np.int32(exact),
+    consume=np.int32(consume),
   )
 
 
@@ -209,13 +217,13 @@ ji.register_lowering(load_p, _load_lowering)
 ji.prim_requires_devices_during_lowering.add(load_p)
 
 
-def _load_batch(args, dims, *, aval, site, tier, name, exact=False):
+def _load_batch(args, dims, *, aval, site, tier, name, exact=False, consume=False):
   (handle,), (d,) = args, dims
   # handle: [B, 2], every row equal (see _store_batch); the stored tensor is the batched one.
   size = handle.shape[d]
   handle = jax.lax.index_in_dim(handle, 0, axis=d, keepdims=False)
   batched = aval.update(shape=(size,) + tuple(aval.shape))
-  extra = {"exact": True} if exact else {}
+  extra = ({"exact": True} if exact else {}) | ({"consume": True} if consume else {})
   return load_p.bind(handle, aval=batched, site=site, tier=tier, name=name, **extra), 0
 
 

@@ -400,11 +400,11 @@ void Engine::ReleaseHost(Lock& lk, HostRef* ref) {
 }
 
 Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
-                          std::string_view name, int device) {
+                          std::string_view name, int device, bool consume) {
   Lock lk(mu_);
   SSD_RETURN_IF_ERROR(TakePendingError());
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(LookupForLoad(lk, handle, nbytes, site, name, &e, device));
+  SSD_RETURN_IF_ERROR(LookupForLoad(lk, handle, nbytes, site, name, &e, device, consume));
   e->loading_++;
   HostRef ref;
   Status s = AcquireHost(lk, e, &ref);

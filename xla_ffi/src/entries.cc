@@ -27,7 +27,7 @@ void Engine::MakeHandle(const Entry& e, uint32_t h[2]) const {
 }
 
 Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int64_t site,
-                             std::string_view name, EntryPtr* out, int device) {
+                             std::string_view name, EntryPtr* out, int device, bool consume) {
   if (h[0] == 0 || HandleCheck(h[0]) != h[1])
     return Status(EINVAL, "invalid or stale ssdtrain handle {" + std::to_string(h[0]) + ", " +
                               std::to_string(h[1]) + "} for tag '" + std::string(name) +
@@ -40,7 +40,9 @@ Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int
                               " (an entry is released after its last load in the execution that "
                               "stored it, or, when its handle left that execution, by a sweep "
                               "once no live jax.Array holds the handle; also by release_all() "
-                              "and by reconfiguration)");
+                              "and by reconfiguration; optimizer state updated in place "
+                              "(offload_optimizer(in_place=True)) is released by the update that "
+                              "read it)");
   EntryPtr e = it->second;
   if (e->site_ != site)
     return Status(EINVAL, "ssdtrain handle of " + DescribeTag(e->name_, e->site_, e->id_) +
@@ -57,6 +59,8 @@ Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int
                               " bytes were stored");
   if (!e->error_.ok()) return e->error_.With("load of " + DescribeTag(name, site, e->id_));
   if (e->retired_) Revive(*e);
+  // A consuming load is the last: CountLoad releases the entry (a manual one stays manual).
+  if (consume && e->uses_left_ != Entry::kManual && e->uses_left_ != 0) e->uses_left_ = 1;
   if (e->loads_++ == 0) {
     unloaded_.erase(e->seq_);
     if (cfg_.forwarding && e->w_ == WState::kQueued) {

@@ -20,7 +20,7 @@ ffi::Error StoreCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::Buffe
 
 ffi::Error LoadCpuImpl(int32_t device, ffi::Buffer<ffi::U32> handle,
                        ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
-                       std::string_view name, int32_t exact) {
+                       std::string_view name, int32_t exact, int32_t consume) {
   (void)exact;  // the host reads every handle: nothing is predicted on the CPU
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
@@ -28,7 +28,7 @@ ffi::Error LoadCpuImpl(int32_t device, ffi::Buffer<ffi::U32> handle,
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
     return engine->LoadToHost(handle.typed_data(), out->untyped_data(), out->size_bytes(), site,
-                              name, device);
+                              name, device, consume != 0);
   });
 }
 
@@ -59,4 +59,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("site")           // tag site id (must match the store)
         .Attr<int32_t>("tier")           // tier of the matching store
         .Attr<std::string_view>("name")  // tag name, for messages only
-        .Attr<int32_t>("exact"));        // 1: never predict the handle (CUDA only)
+        .Attr<int32_t>("exact")          // 1: never predict the handle (CUDA only)
+        .Attr<int32_t>("consume"));      // 1: the entry's last load (released after it)

@@ -36,7 +36,7 @@ ffi::Error StoreCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run, ff
 
 ffi::Error LoadCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run,
                         ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out, int64_t site,
-                        int32_t tier, std::string_view name, int32_t exact) {
+                        int32_t tier, std::string_view name, int32_t exact, int32_t consume) {
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
     Status st;
@@ -44,6 +44,7 @@ ffi::Error LoadCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run,
     if (!engine) return st;
     DeviceLoad load;
     load.exact = exact != 0;
+    load.consume = consume != 0;
     load.device = device;
     load.stream = stream;
     load.run_id = run.run_id;
@@ -87,4 +88,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("site")                     // tag site id (must match the store)
         .Attr<int32_t>("tier")                     // tier of the matching store
         .Attr<std::string_view>("name")            // tag name, for messages only
-        .Attr<int32_t>("exact"));  // 1: read the handle, never predict (state from a past step)
+        .Attr<int32_t>("exact")      // 1: read the handle, never predict (state from a past step)
+        .Attr<int32_t>("consume"));  // 1: the entry's last load (state updated in place)

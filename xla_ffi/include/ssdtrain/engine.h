@@ -241,8 +241,10 @@ class Engine {
   Status StoreFromHost(const void* src, uint64_t nbytes, int64_t site, Tier tier,
                        std::string_view name, uint32_t handle[2], int device = 0,
                        int64_t uses = -1);
+  // `consume`: this load is the entry's last (optimizer state updated in place): the entry is
+  // released once its bytes are copied out, whatever its count.
   Status LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
-                    std::string_view name, int device = 0);
+                    std::string_view name, int device = 0, bool consume = false);
 
   // ---- building blocks (device module) -----------------------------------
   // Registers a new entry that `uses` loads will consume (-1: until a sweep) and reserves its
@@ -285,9 +287,10 @@ class Engine {
   bool PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes, uint32_t h[2],
                    uint64_t* left) const;
 
-  // Validates the handle and marks the entry loaded. Lock held.
+  // Validates the handle and marks the entry loaded. Lock held. `consume`: this load is the
+  // entry's last (its CountLoad releases it, after the load's copy on the GPU).
   Status LookupForLoad(Lock& lk, const uint32_t handle[2], uint64_t nbytes, int64_t site,
-                       std::string_view name, EntryPtr* out, int device = 0);
+                       std::string_view name, EntryPtr* out, int device = 0, bool consume = false);
   struct HostRef {
     EntryPtr e;
     const char* ptr = nullptr;

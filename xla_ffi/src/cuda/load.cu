@@ -179,8 +179,8 @@ Status LoadToDevice(Engine& eng, const DeviceLoad& load) {
   eng.AddHandleSync(sync_s);
   SSD_RETURN_IF_ERROR(eng.TakePendingError());
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(
-      eng.LookupForLoad(lk, handle.h, load.nbytes, load.site, load.name, &e, load.device));
+  SSD_RETURN_IF_ERROR(eng.LookupForLoad(lk, handle.h, load.nbytes, load.site, load.name, &e,
+                                        load.device, load.consume));
   // The entry counts as being loaded until this function returns, although the lock is dropped
   // while its bytes are read or copied through a bounce buffer (the scope ends under the lock).
   Entry::LoadingScope loading(*e);

@@ -39,6 +39,7 @@ struct DeviceLoad {
   int64_t site = 0;       // tag site id (must match the store)
   std::string_view name;  // tag name, for messages only
   bool exact = false;     // read the handle, never predict it (an entry of an earlier execution)
+  bool consume = false;   // the entry's last load: released once copied (state updated in place)
 };
 
 // Loads the entry `load.handle` names into `load.dst`, in order on the compute stream.

@@ -327,6 +327,10 @@ def main(argv=None) -> dict:
     parser.error("--restore needs --workdir")
   if args.checkpoint_every and not args.workdir:
     parser.error("--checkpoint-every needs --workdir")
+  if args.optimizer_in_place and not args.optimizer_location:
+    parser.error("--optimizer-in-place needs --optimizer-location (the state in the store)")
+  if args.accum_dtype != "float32" and args.accum == 1:
+    parser.error("--accum-dtype needs --accum K > 1")
   if (
     args.data != "synthetic"
     and not any(c in args.data for c in "*?[")

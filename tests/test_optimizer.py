@@ -453,6 +453,8 @@ def test_in_place_holds_one_version_and_equals_the_state_on_the_device(tmp_path)
     with pytest.raises(OptimizerOffloadError, match="update in place"):
       offload_optimizer(optax.adam(1e-3), location="host", **kw).init(_params())
     ours = offload_optimizer(optax.adam(1e-3), location="host", in_place=True, **kw)
+    assert "(host, updated in place)" in repr(ours.init(_params()))
+    ssd.collect()
     x = jax.random.normal(jax.random.key(7), (16, 64))
     got, state, _ = _jitted_steps(ours, True, x, _params(), ours.init(_params()), 6)
     ssd.flush()
@@ -699,6 +701,10 @@ def _check_sharded(r: dict, devices: int) -> None:
     assert live == one_version_each, (name, t["live_entries"])
   # each sweep between the steps of a donating loop releases the version before
   assert all(n > 0 for n in r["collect_between_steps"]), r["collect_between_steps"]
+  # in place: each device consumes its own blocks' entries; one version is left, bit for bit
+  # the state on the devices' results
+  live, one_version = r["in_place"]["live_entries"]
+  assert r["in_place"]["eq_device"] and live == one_version, r["in_place"]
   # models.training's FSDP path (scripts/train.py --mesh dp=N,fsdp --optimizer-location host)
   t = r["train"]
   assert t["stored_leaves"] > 0 and t["handle_rows"] == [devices], t

@@ -388,7 +388,8 @@ class OffloadedState:
   def __repr__(self):
     return (
       f"OffloadedState({len(self.layout.leaves)} leaves, {len(self.handles)} in the store "
-      f"({self.location}), {self.layout.stored_bytes} bytes)"
+      f"({self.location}{', updated in place' if self.layout.in_place else ''}), "
+      f"{self.layout.stored_bytes} bytes)"
     )
 
 

@@ -453,7 +453,10 @@ def test_in_place_holds_one_version_and_equals_the_state_on_the_device(tmp_path)
     with pytest.raises(OptimizerOffloadError, match="update in place"):
       offload_optimizer(optax.adam(1e-3), location="host", **kw).init(_params())
     ours = offload_optimizer(optax.adam(1e-3), location="host", in_place=True, **kw)
-    assert "(host, updated in place)" in repr(ours.init(_params()))
+    first = ours.init(_params())
+    assert "(host, updated in place)" in repr(first)
+    jax.block_until_ready(first)  # its stores done: collect() then releases them
+    del first
     ssd.collect()
     x = jax.random.normal(jax.random.key(7), (16, 64))
     got, state, _ = _jitted_steps(ours, True, x, _params(), ours.init(_params()), 6)

@@ -244,3 +244,30 @@ def test_gpu_vjp_across_jits_applied_twice_then_swept(store):
   gc.collect()
   assert ssd.collect() == 4 * 3
   assert native.stats()["live_entries"] == 0
+
+
+def test_gpu_accumulation_adds_its_running_mean_and_no_more(store):
+  # accumulate_gradients on a scanned GPT (gpt-1.3b's width, 4 layers, each recomputed): the
+  # step's device memory exceeds the plain step's by its running mean. A tree of zeros for the
+  # mean's first micro-step was merged by XLA with the backward pass's zero-initialized
+  # gradient buffers and materialized: a second gradient-sized tree (16.5 GB at 8B).
+  import dataclasses
+
+  from models.training import RunConfig, build_model, step_memory_bytes
+
+  base = RunConfig(
+    preset="gpt-1.3b", batch=1, seq_len=512, remat_policy="remat", model_overrides={"num_layers": 4}
+  )
+  cfg = base.model_config()
+  model = build_model(base.model, cfg, None)
+  tokens = jnp.zeros((1, base.example_length(cfg)), jnp.int32)
+  shapes = jax.eval_shape(
+    lambda r: model.init(r, tokens, r, method="loss")["params"], jax.random.key(0)
+  )
+  mean = sum(x.size * 4 for x in jax.tree.leaves(shapes))  # float32, as the parameters
+  plain = step_memory_bytes(base)
+  accumulated = step_memory_bytes(dataclasses.replace(base, accum=4))
+  print(
+    f"step: plain {plain / 1e9:.2f} GB, accumulated {accumulated / 1e9:.2f} GB, mean {mean / 1e9:.2f} GB"
+  )
+  assert accumulated - plain <= 1.25 * mean, (plain, accumulated, mean)

@@ -58,14 +58,17 @@ def accumulate_gradients(tx: Any, every_k: int, *, dtype: Any = jnp.float32):
     return AccumulateState(jnp.zeros((), jnp.int32), acc, tx.init(params))
 
   def accumulated(updates, state):
-    # MultiSteps' mean, from zeros at the first micro-step: one elementwise pass that XLA runs
-    # in place on the (donated) running mean; resetting it after the update instead would
-    # make a second float32 tree beside it at the step's peak.
+    # MultiSteps' mean: one elementwise pass that XLA runs in place on the (donated) running
+    # mean. At the first micro-step MultiSteps starts from zeros, where the mean is the gradient
+    # itself (0 + (g - 0) / 1), and it is selected as such: a jnp.zeros_like tree would be
+    # materialized (XLA merges it with the backward pass's zero-initialized gradient buffers,
+    # one broadcast with two outputs: on an H100, a second tree of the parameters' size among
+    # the step's temporaries). Resetting the mean after the update would make one too.
     first = state.mini_step == 0
 
     def add(g, a):
-      a = jnp.where(first, jnp.zeros_like(a), a)
-      return (a + (g - a) / (state.mini_step + 1)).astype(dtype)
+      mean = (a + (g - a) / (state.mini_step + 1)).astype(dtype)
+      return jnp.where(first, jnp.asarray(g).astype(dtype), mean)
 
     acc = jax.tree.map(add, updates, state.acc_grads)
     return acc, state.mini_step == every_k - 1

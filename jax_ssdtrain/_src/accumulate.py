@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_ssdtrain._src.optimizer import floating_dtype
+
 
 class AccumulateState(NamedTuple):
   mini_step: jax.Array  # int32: micro-steps accumulated since the last update
@@ -45,13 +47,7 @@ def accumulate_gradients(tx: Any, every_k: int, *, dtype: Any = jnp.float32):
     raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")
   if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
     raise ValueError(f"every_k: expected an integer >= 1, got {every_k!r}")
-  try:
-    floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-  except TypeError:
-    floating = False
-  if not floating:
-    raise ValueError(f"dtype: expected a floating dtype, got {dtype!r}")
-  dtype = jnp.dtype(dtype)
+  dtype = floating_dtype(dtype)
 
   def init_fn(params):
     acc = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), dtype), params)

@@ -66,8 +66,7 @@ def accumulate_gradients(tx: Any, every_k: int, *, dtype: Any = jnp.float32):
     acc = jax.tree.map(add, updates, state.acc_grads)
     return acc, state.mini_step == every_k - 1
 
-  def next_state(state, acc, emit, inner):
-    del emit
+  def next_state(state, acc, inner):
     return AccumulateState((state.mini_step + 1) % every_k, acc, inner)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -82,7 +81,7 @@ def accumulate_gradients(tx: Any, every_k: int, *, dtype: Any = jnp.float32):
       return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner
 
     new_updates, inner = jax.lax.cond(emit, apply, skip, state.inner_state)
-    return new_updates, next_state(state, acc, emit, inner)
+    return new_updates, next_state(state, acc, inner)
 
   def apply_fn(updates, state, params, **extra_args):  # apply_gradients' form
     from jax_ssdtrain._src.optimizer import apply_gradients
@@ -99,7 +98,7 @@ def accumulate_gradients(tx: Any, every_k: int, *, dtype: Any = jnp.float32):
       return params, inner
 
     new_params, inner = jax.lax.cond(emit, apply, keep, (state.inner_state, params))
-    return new_params, next_state(state, acc, emit, inner)
+    return new_params, next_state(state, acc, inner)
 
   update_fn.apply_gradients = apply_fn
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

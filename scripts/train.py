@@ -327,8 +327,6 @@ def main(argv=None) -> dict:
     parser.error("--restore needs --workdir")
   if args.checkpoint_every and not args.workdir:
     parser.error("--checkpoint-every needs --workdir")
-  if args.optimizer_in_place and not args.optimizer_location:
-    parser.error("--optimizer-in-place needs --optimizer-location (the state in the store)")
   if args.accum_dtype != "float32" and args.accum == 1:
     parser.error("--accum-dtype needs --accum K > 1")
   if (
@@ -362,6 +360,10 @@ def main(argv=None) -> dict:
     if args.min_bytes is not None
     else (0 if args.preset == "tiny" else 1 << 20),
   )
+  try:  # the optimizer's settings (in place needs a location, ...): make_optimizer checks them
+    training.make_optimizer(run)
+  except ValueError as e:
+    parser.error(str(e))
   cfg = run.model_config()
   if cfg.positions == "learned" and (args.seq_len or 0) > cfg.max_len:
     parser.error(f"--seq-len {args.seq_len} exceeds the preset's max_len {cfg.max_len}")

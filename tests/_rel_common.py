@@ -5,6 +5,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _ffi_common import raw_load
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
@@ -73,9 +74,7 @@ def store(x, site=1, name="t"):
 
 
 def load(h, like, site=1, name="t"):
-  return jax.ffi.ffi_call(
-    "ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype), has_side_effect=True
-  )(h, site=np.int64(site), tier=np.int32(0), name=name, exact=np.int32(0), consume=np.int32(0))
+  return raw_load(h, like, site=site, name=name)
 
 
 def store_fds(directory):

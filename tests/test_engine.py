@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _ffi_common import raw_load as load
 from _limits import HANG_S
 
 from jax_ssdtrain._src import options
@@ -73,12 +74,6 @@ def store(x, site=1, tier=0, name="t", uses=-1):
   return jax.ffi.ffi_call(
     "ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32), has_side_effect=True
   )(x, site=np.int64(site), tier=np.int32(tier), name=name, uses=np.int64(uses))
-
-
-def load(h, like, site=1, tier=0, name="t"):
-  return jax.ffi.ffi_call(
-    "ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype), has_side_effect=True
-  )(h, site=np.int64(site), tier=np.int32(tier), name=name, exact=np.int32(0), consume=np.int32(0))
 
 
 def rand(shape, dtype, seed=0):

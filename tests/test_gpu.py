@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _ffi_common import raw_load
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
@@ -157,9 +158,7 @@ def _raw_store(x, site):
 
 
 def _raw_load(h, like, site):
-  return jax.ffi.ffi_call(
-    "ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype), has_side_effect=True
-  )(h, site=np.int64(site), tier=np.int32(1), name="raw", exact=np.int32(0), consume=np.int32(0))
+  return raw_load(h, like, site=site, tier=1, name="raw")
 
 
 def test_gpu_loads_predict_their_handles(store):

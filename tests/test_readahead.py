@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _ffi_common import raw_load
 from _limits import HANG_S
 from jax.ad_checkpoint import checkpoint_name
 
@@ -155,16 +156,7 @@ def ffi_store(x, site):
 
 
 def ffi_load(h, like, site):
-  return jax.ffi.ffi_call(
-    "ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype), has_side_effect=True
-  )(
-    h,
-    site=np.int64(site),
-    tier=np.int32(0),
-    name=f"s{site}",
-    exact=np.int32(0),
-    consume=np.int32(0),
-  )
+  return raw_load(h, like, site=site, name=f"s{site}")
 
 
 def test_stores_while_the_cache_holds_reads_ahead(tmp_path):

@@ -207,7 +207,7 @@ def test_cli_memmap_data(tmp_path, shards, capsys):
     (["--data", "/nonexistent/tokens.npy"], "no such file"),
     (["--data", "/nonexistent/*.npy"], "no data files match"),
     (["--restore"], "--restore needs --workdir"),
-    (["--optimizer-in-place"], "--optimizer-in-place needs --optimizer-location"),
+    (["--optimizer-in-place"], "optimizer_in_place needs optimizer_location"),
     (["--accum-dtype", "bfloat16"], "--accum-dtype needs --accum K > 1"),
     (["--accum", "0"], "must be > 0"),
     (["--seq-len", "4096"], "exceeds the preset's max_len"),

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_ssdtrain._src.optimizer import floating_dtype
+
 
 class AccumulateState(NamedTuple):
   mini_step: jax.Array  # int32: micro-steps accumulated since the last update
@@ -45,13 +47,7 @@ def accumulate_gradients(tx: Any, every_k: int, *, dtype: Any = jnp.float32):
     raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")
   if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
     raise ValueError(f"every_k: expected an integer >= 1, got {every_k!r}")
-  try:
-    floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-  except TypeError:
-    floating = False
-  if not floating:
-    raise ValueError(f"dtype: expected a floating dtype, got {dtype!r}")
-  dtype = jnp.dtype(dtype)
+  dtype = floating_dtype(dtype)
 
   def init_fn(params):
     acc = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), dtype), params)
@@ -73,8 +69,7 @@ def accumulate_gradients(tx: Any, every_k: int, *, dtype: Any = jnp.float32):
     acc = jax.tree.map(add, updates, state.acc_grads)
     return acc, state.mini_step == every_k - 1
 
-  def next_state(state, acc, emit, inner):
-    del emit
+  def next_state(state, acc, inner):
     return AccumulateState((state.mini_step + 1) % every_k, acc, inner)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -89,7 +84,7 @@ def accumulate_gradients(tx: Any, every_k: int, *, dtype: Any = jnp.float32):
       return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner
 
     new_updates, inner = jax.lax.cond(emit, apply, skip, state.inner_state)
-    return new_updates, next_state(state, acc, emit, inner)
+    return new_updates, next_state(state, acc, inner)
 
   def apply_fn(updates, state, params, **extra_args):  # apply_gradients' form
     from jax_ssdtrain._src.optimizer import apply_gradients
@@ -106,7 +101,7 @@ def accumulate_gradients(tx: Any, every_k: int, *, dtype: Any = jnp.float32):
       return params, inner
 
     new_params, inner = jax.lax.cond(emit, apply, keep, (state.inner_state, params))
-    return new_params, next_state(state, acc, emit, inner)
+    return new_params, next_state(state, acc, inner)
 
   update_fn.apply_gradients = apply_fn
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_ssdtrain._src.optimizer import floating_dtype
+
 
 class MasterWeightsState(NamedTuple):
   """``master``: the high-precision copy of the parameters; ``inner``: ``tx``'s state."""
@@ -45,9 +47,7 @@ def with_master_weights(tx: Any, dtype: Any = jnp.float32):
 
   if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
     raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")
-  dtype = jnp.dtype(dtype)
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"dtype: expected a floating-point dtype, got {dtype}")
+  dtype = floating_dtype(dtype)
 
   def init_fn(params):
     master = jax.tree.map(lambda p: _master_copy(p, dtype), params)

@@ -356,6 +356,18 @@ def _check_state(state: Any, what: str) -> None:
     raise TypeError(f"{what}: expected an OffloadedState, got {type(state).__name__}")
 
 
+def floating_dtype(dtype: Any, what: str = "dtype") -> np.dtype:
+  """``dtype`` as a dtype where it is a floating-point one (bfloat16 included), else a
+  ValueError naming ``what`` and the value given (for anything ``jnp.dtype`` refuses too)."""
+  try:
+    out = jnp.dtype(dtype)
+  except TypeError:
+    out = None
+  if out is None or not jnp.issubdtype(out, jnp.floating):
+    raise ValueError(f"{what}: expected a floating-point dtype, got {dtype!r}")
+  return out
+
+
 @jax.tree_util.register_pytree_node_class
 class OffloadedState:
   """The state of ``offload_optimizer(tx)``: ``tx``'s state with its large leaves in the store.

@@ -1,0 +1,20 @@
+"""The engine's load handler called raw (``jax.ffi.ffi_call``, without jax_ssdtrain's
+primitives): shared by test_engine, test_gpu, test_readahead and _rel_common."""
+
+import jax
+import numpy as np
+
+
+def raw_load(h, like, site=1, tier=0, name="t", *, exact=0, consume=0):
+  """``ssdtrain_load`` of the handle ``h`` into an array of ``like``'s shape and dtype (a call
+  with a side effect, which XLA neither removes nor merges with another)."""
+  return jax.ffi.ffi_call(
+    "ssdtrain_load", jax.ShapeDtypeStruct(like.shape, like.dtype), has_side_effect=True
+  )(
+    h,
+    site=np.int64(site),
+    tier=np.int32(tier),
+    name=name,
+    exact=np.int32(exact),
+    consume=np.int32(consume),
+  )

@@ -32,7 +32,8 @@ A run that fails with XLA's RESOURCE_EXHAUSTED (at compile or at run time) does 
 per run: tokens/s over the second half of the steps, the step time, MFU (6 x parameters x tokens/s
 over ``--peak-tflops``; attention's FLOPs left out), XLA's peak device memory, the process's peak
 resident host memory and the store's traffic. ``--ideal`` also trains each width with 1 and 2
-layers, everything on the device, and extends the time per layer to the preset's layer count:
+layers (``--ideal-layers``), everything on the device, and extends the time per layer (a least
+squares line through the step times) to the preset's layer count:
 the step of a device with room for everything (the issue's "ideal"); each run's ``x ideal`` is
 its tokens/s over that. A way with master weights is measured against an ideal with them too
 (bfloat16 parameters, their float32 copy on the device: the same model and arithmetic).
@@ -47,6 +48,8 @@ import json
 import os
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 from scripts import bench_common as bc
 
@@ -73,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--presets", default="gpt-2.7b,gpt-4b,gpt-6.7b,gpt-8b")
   p.add_argument("--ways", default="jax_remat,ours", help=f"of {', '.join(WAYS)}")
   p.add_argument("--ideal", action="store_true", help="also the 1- and 2-layer runs (see above)")
+  p.add_argument(
+    "--ideal-layers",
+    type=_layer_counts,
+    default=(1, 2),
+    help="layer counts of the ideal's runs, comma-separated (default: 1,2; more counts steady "
+    "the time per layer)",
+  )
   p.add_argument("--steps", type=int, default=6)
   p.add_argument("--batch", type=int, default=4)
   p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -154,20 +164,33 @@ def _measured(s: dict, peak_flops: float | None) -> dict:
   )
 
 
+def _layer_counts(text: str) -> tuple[int, ...]:
+  try:
+    counts = tuple(sorted({int(t) for t in text.split(",")}))
+  except ValueError:
+    counts = ()
+  if len(counts) < 2 or counts[0] < 1:
+    raise argparse.ArgumentTypeError(f"expected two or more layer counts >= 1, got {text!r}")
+  return counts
+
+
 def _ideal(args, preset: str, env: dict, master: bool) -> dict | None:
-  """The step of a device with room for everything: the preset's width with 1 and 2 layers,
-  the state on the device (``jax_keep``; with ``master``: bfloat16 parameters, as the way that
-  it measures), the time per layer extended to the preset's depth."""
+  """The step of a device with room for everything: the preset's width with few layers
+  (``--ideal-layers``), the state on the device (``jax_keep``; with ``master``: bfloat16
+  parameters, as the way that it measures), the time per layer (a least squares line through
+  the step times) extended to the preset's depth."""
   way = WAYS["jax_keep"] + (["--master-weights"] if master else [])
-  one, two = (_train(args, preset, way, env, layers=n) for n in (1, 2))
-  if "n_params" not in one or "n_params" not in two:
+  runs = [_train(args, preset, way, env, layers=n) for n in args.ideal_layers]
+  if any("n_params" not in s for s in runs):
     return None
   import models
 
   layers = models.get_config("gpt", preset).num_layers
-  t1, t2 = (_measured(s, None)["step_s"] for s in (one, two))
-  ideal = dict(step_s_1=t1, step_s_2=t2, step_s=t1 + (layers - 1) * (t2 - t1), master=master)
-  ideal["tokens_per_s"] = one["tokens_per_step"] / ideal["step_s"]
+  times = [_measured(s, None)["step_s"] for s in runs]
+  per_layer, fixed = np.polyfit(args.ideal_layers, times, 1)
+  ideal = {f"step_s_{n}": t for n, t in zip(args.ideal_layers, times)}
+  ideal |= dict(step_s=fixed + layers * per_layer, per_layer_s=per_layer, master=master)
+  ideal["tokens_per_s"] = runs[0]["tokens_per_step"] / ideal["step_s"]
   return ideal
 
 

@@ -516,6 +516,17 @@ def test_in_place_holds_one_version_and_equals_the_state_on_the_device(tmp_path)
     np.testing.assert_array_equal(np.asarray(a), b)
 
 
+def test_multisteps_around_an_in_place_state_raises_naming_the_way_round(store):
+  # MultiSteps runs the update at every micro-step and keeps the old state where it does not
+  # apply: in place, that state was consumed by the update that read it.
+  kw = dict(min_bytes=4096, chunk_bytes=32 << 10)
+  ours = offload_optimizer(optax.adam(1e-3), location="host", in_place=True, **kw)
+  tx = optax.MultiSteps(ours, 2)
+  x = jax.random.normal(jax.random.key(7), (16, 64))
+  with pytest.raises(Exception, match=r"in_place=True.*MultiSteps.*accumulate_gradients"):
+    _jitted_steps(tx, False, x, _params(), tx.init(_params()), 2)
+
+
 @pytest.mark.parametrize("in_place", [False, True])
 def test_a_failed_write_of_the_state(tmp_path, monkeypatch, in_place):
   # The files only (no forwarding: every store is written). A write of the first update fails:

@@ -42,7 +42,8 @@ Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int
                               "once no live jax.Array holds the handle; also by release_all() "
                               "and by reconfiguration; optimizer state updated in place "
                               "(offload_optimizer(in_place=True)) is released by the update that "
-                              "read it)");
+                              "read it: optax.MultiSteps around it keeps that state where it does "
+                              "not apply the update, use jax_ssdtrain.accumulate_gradients)");
   EntryPtr e = it->second;
   if (e->site_ != site)
     return Status(EINVAL, "ssdtrain handle of " + DescribeTag(e->name_, e->site_, e->id_) +

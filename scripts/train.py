@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     type=_size("--memory-budget"),
     default=None,
     help="with --policy auto: device memory cap (e.g. 20GB); picks the batch "
-    "(powers of two up to --batch) and plan with the most tokens/s",
+    "(powers of two up to --batch) and plan with the most tokens/s; with --optimizer-location "
+    "auto: the cap the step must fit with the state on the device (default: the device's memory)",
   )
   p.add_argument(
     "--bandwidth",
@@ -187,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     choices=["host", "nvme", "host,nvme", "auto"],
     default=None,
     help="keep the optimizer state in the store (jax_ssdtrain.offload_optimizer) instead of on "
-    "the device",
+    "the device; auto: on the device when the step fits there with it (--memory-budget, else the "
+    "device's memory), else the store's tier for its size",
   )
   p.add_argument(
     "--master-weights",
@@ -320,6 +322,53 @@ def auto_plan(run: training.RunConfig, args) -> training.RunConfig:
   return training.apply_plan(run, plan)
 
 
+def _optimizer_location(opt_state) -> str:
+  """Where the optimizer state lives: "device", or the store's tier that holds it."""
+  import jax_ssdtrain as ssd
+
+  stored = [
+    x
+    for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ssd.OffloadedState))
+    if isinstance(x, ssd.OffloadedState)
+  ]
+  return stored[0].location if stored else "device"
+
+
+def choose_optimizer_location(run: training.RunConfig, args) -> training.RunConfig:
+  """--optimizer-location auto: the state stays on the device when the step fits there with it
+  (XLA's memory analysis of the compiled step, with --policy auto the planner's plan for the
+  activations at the run's batch, against --memory-budget or else the device's memory), where
+  the update reads no link; else it goes to the store, whose tier offload_optimizer(
+  location="auto") chooses from the state's size. Without a budget (a CPU reports no memory
+  limit) it goes to the store."""
+  budget = args.memory_budget
+  if budget is None:
+    budget = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+  planned = args.policy == "auto"
+  if budget is None:
+    print("optimizer state: in the store (no device memory limit to weigh it against)", flush=True)
+    return auto_plan(run, args) if planned else run
+  on_device = dataclasses.replace(run, optimizer_location=None, optimizer_in_place=False)
+  try:
+    if planned:
+      on_device = auto_plan(on_device, args)
+    need = training.step_memory_bytes(on_device)
+    why = f"the step takes {need / 1e9:.2f} GB with it on the device"
+  except ValueError:  # no plan fits the budget with the state on the device
+    need, why = None, "no plan fits with it on the device"
+  if need is not None and on_device.batch < run.batch:  # the planner gave up batch for it
+    need, why = None, f"with it on the device the plan fits batch {on_device.batch} only"
+  if need is not None and need <= budget:
+    print(
+      f"optimizer state: on the device (the step takes {need / 1e9:.2f} GB of "
+      f"{budget / 1e9:.2f} GB)",
+      flush=True,
+    )
+    return on_device
+  print(f"optimizer state: in the store ({why}, budget {budget / 1e9:.2f} GB)", flush=True)
+  return auto_plan(run, args) if planned else run
+
+
 def main(argv=None) -> dict:
   parser = build_parser()
   args = parser.parse_args(argv)
@@ -367,8 +416,8 @@ def main(argv=None) -> dict:
   cfg = run.model_config()
   if cfg.positions == "learned" and (args.seq_len or 0) > cfg.max_len:
     parser.error(f"--seq-len {args.seq_len} exceeds the preset's max_len {cfg.max_len}")
-  if args.memory_budget and args.policy != "auto":
-    parser.error("--memory-budget needs --policy auto")
+  if args.memory_budget and args.policy != "auto" and args.optimizer_location != "auto":
+    parser.error("--memory-budget needs --policy auto or --optimizer-location auto")
   if args.max_slowdown < 0:
     parser.error(f"--max-slowdown must be >= 0, got {args.max_slowdown}")
   missing = sorted(t for t in (args.locations or {}) if t not in models.MODEL_TAGS[args.model])
@@ -402,11 +451,13 @@ def main(argv=None) -> dict:
     + ("" if ssd.current_config().directories else " (private, removed at exit)"),
     flush=True,
   )
-  if args.policy == "auto":
-    try:
+  try:
+    if run.optimizer_location == "auto":
+      run = choose_optimizer_location(run, args)
+    elif args.policy == "auto":
       run = auto_plan(run, args)
-    except ValueError as e:
-      parser.error(str(e))
+  except ValueError as e:
+    parser.error(str(e))
   locations = run.resolved_locations()
   offloading = bool(locations) and any(v in ("host", "nvme") for v in locations.values())
   try:
@@ -542,6 +593,7 @@ def main(argv=None) -> dict:
     tokens_per_step=tokens_per_step,
     steps=int(state.step),
     offload=offloading,
+    optimizer_location=_optimizer_location(state.opt_state),
   )
   print(
     f"done: steps {summary['steps']}  final loss {loss:.4f}  tokens/s {summary['tokens_per_s']:,.0f} "

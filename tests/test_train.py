@@ -150,6 +150,25 @@ def test_cli_optimizer_state_in_the_store_and_restore(tmp_path):
   assert resumed["final_loss"] == ours["final_loss"]
 
 
+def test_cli_optimizer_location_auto_weighs_the_device(tmp_path, capsys):
+  # auto keeps the state on the device when the compiled step fits the budget with it there
+  # (nothing then goes through the store), else leaves it to the store's choice of tier.
+  base = ["--preset", "tiny", "--batch", "2", "--steps", "2", "--store-dir", str(tmp_path / "s")]
+  base += ["--optimizer-location", "auto"]
+  roomy = train_script.main(base + ["--memory-budget", "10GB"])
+  assert "optimizer state: on the device (the step takes" in capsys.readouterr().out
+  assert roomy["optimizer_location"] == "device" and roomy["gb_written"] == 0
+  args = train_script.build_parser().parse_args(base + ["--memory-budget", "64KB"])
+  run = training.RunConfig(preset="tiny", batch=2, steps=2, optimizer_location="auto")
+  assert train_script.choose_optimizer_location(run, args) is run
+  out = capsys.readouterr().out
+  assert "optimizer state: in the store (the step takes" in out and "budget 0.00 GB" in out
+  if jax.default_backend() == "cpu":  # no memory limit to weigh the state against
+    args.memory_budget = None
+    assert train_script.choose_optimizer_location(run, args) is run
+    assert "no device memory limit" in capsys.readouterr().out
+
+
 def test_progress_bar_counts_every_step(tmp_path, capsys):
   # Each refresh of the bar that shows a step's loss shows that step's count: 1/5 ... 5/5 (a
   # bar iterating the range kept showing 1/5 while the losses of later steps were logged).
@@ -208,6 +227,10 @@ def test_cli_memmap_data(tmp_path, shards, capsys):
     (["--data", "/nonexistent/*.npy"], "no data files match"),
     (["--restore"], "--restore needs --workdir"),
     (["--optimizer-in-place"], "optimizer_in_place needs optimizer_location"),
+    (
+      ["--memory-budget", "1GB"],
+      "--memory-budget needs --policy auto or --optimizer-location auto",
+    ),
     (["--accum-dtype", "bfloat16"], "--accum-dtype needs --accum K > 1"),
     (["--accum", "0"], "must be > 0"),
     (["--seq-len", "4096"], "exceeds the preset's max_len"),

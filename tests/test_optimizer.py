@@ -762,6 +762,7 @@ def _check_sharded(r: dict, devices: int) -> None:
   assert "cannot stream sharded state" in r["lamb"] and "not elementwise" in r["lamb"], r["lamb"]
 
 
+@pytest.mark.slow  # a worker process of 49 s on 2 cores (run by .ci/run's slow stage)
 def test_state_sharded_over_4_cpu_devices(tmp_path):
   from test_multidevice import _run_worker
 

@@ -38,11 +38,16 @@ def _run_worker(tmp_dir, worker="_multidevice_worker.py", **env_vars):
   return result
 
 
+# The tests of the worker's result: one process of about 40 s on 2 cores, run by the slow stage.
+SLOW = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
   return _run_worker(tmp_path_factory.mktemp("multidevice"), JAX_PLATFORMS="cpu")
 
 
+@SLOW
 def test_worker_leaves_nothing_behind(result):
   # The {device} store directories (ssd-md-*) and the default store's temporary directory
   # are removed by the time the worker exits.
@@ -52,6 +57,7 @@ def test_worker_leaves_nothing_behind(result):
 CASES = ("dp-nvme", "fsdp-nvme", "tp-nvme", "tp-host")
 
 
+@SLOW
 @pytest.mark.parametrize("case", CASES)
 def test_grads_match_single_device(result, case):
   r = result["layouts"][case]
@@ -61,18 +67,21 @@ def test_grads_match_single_device(result, case):
   assert r["vs_device_saving"] == 0.0, r
 
 
+@SLOW
 @pytest.mark.parametrize("case", CASES)
 def test_every_device_releases_its_entries_after_the_step(result, case):
   # Counted per device: each device's entries are released at their last load in the step.
   assert result["layouts"][case]["live_after_step"] == 0, result["layouts"][case]
 
 
+@SLOW
 @pytest.mark.parametrize("case", CASES)
 def test_no_collectives_added(result, case):
   r = result["layouts"][case]
   assert r["collectives"] == r["collectives_device_saving"], r
 
 
+@SLOW
 def test_fsdp_gathers_weights_not_activations(result):
   # Under FSDP (inside the training step's batch_sharded_activations) only weights are
   # gathered: no all-to-all of logits, and no more all-reduces than data parallelism's
@@ -87,6 +96,7 @@ def test_fsdp_gathers_weights_not_activations(result):
   assert fsdp["all-gather"] > 0, fsdp  # the sharded weights
 
 
+@SLOW
 @pytest.mark.parametrize("case", CASES)
 def test_each_device_stores_its_shard(result, case):
   r = result["layouts"][case]
@@ -97,6 +107,7 @@ def test_each_device_stores_its_shard(result, case):
     assert s["bytes_read"] == r["expected_shard_bytes"], (dev, s)
 
 
+@SLOW
 def test_shard_map(result):
   r = result["shard_map"]
   assert r["diff"] == 0.0
@@ -107,6 +118,7 @@ def test_shard_map(result):
   }
 
 
+@SLOW
 def test_device_placeholder_gives_each_device_its_own_files(result):
   r = result["per_device_dirs"]
   n = r["directories"]
@@ -117,6 +129,7 @@ def test_device_placeholder_gives_each_device_its_own_files(result):
   assert r["file_bytes_read"] == [4096] * n, r
 
 
+@SLOW
 def test_handle_on_another_device_is_refused(result):
   msg = result["wrong_device"]["error"]
   assert msg and "stored by device" in msg and "used by a load on device" in msg, msg

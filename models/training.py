@@ -371,6 +371,12 @@ def _is_offloaded(x) -> bool:
   return isinstance(x, ssd.OffloadedState)
 
 
+def optimizer_location(opt_state) -> str:
+  """Where the optimizer state lives: "device", or the store's tier that holds it."""
+  stored = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_offloaded) if _is_offloaded(x)]
+  return stored[0].location if stored else "device"
+
+
 def _state_for_checkpoint(state: TrainState) -> TrainState:
   """``state`` with optimizer state in the store read into host memory (NumPy), chunk by chunk."""
   import jax_ssdtrain as ssd

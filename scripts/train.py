@@ -322,18 +322,6 @@ def auto_plan(run: training.RunConfig, args) -> training.RunConfig:
   return training.apply_plan(run, plan)
 
 
-def _optimizer_location(opt_state) -> str:
-  """Where the optimizer state lives: "device", or the store's tier that holds it."""
-  import jax_ssdtrain as ssd
-
-  stored = [
-    x
-    for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ssd.OffloadedState))
-    if isinstance(x, ssd.OffloadedState)
-  ]
-  return stored[0].location if stored else "device"
-
-
 def choose_optimizer_location(run: training.RunConfig, args) -> training.RunConfig:
   """--optimizer-location auto: the state stays on the device when the step fits there with it
   (XLA's memory analysis of the compiled step, with --policy auto the planner's plan for the
@@ -593,7 +581,7 @@ def main(argv=None) -> dict:
     tokens_per_step=tokens_per_step,
     steps=int(state.step),
     offload=offloading,
-    optimizer_location=_optimizer_location(state.opt_state),
+    optimizer_location=training.optimizer_location(state.opt_state),
   )
   print(
     f"done: steps {summary['steps']}  final loss {loss:.4f}  tokens/s {summary['tokens_per_s']:,.0f} "

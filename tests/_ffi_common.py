@@ -1,8 +1,16 @@
-"""The engine's load handler called raw (``jax.ffi.ffi_call``, without jax_ssdtrain's
+"""The engine's store and load handlers called raw (``jax.ffi.ffi_call``, without jax_ssdtrain's
 primitives): shared by test_engine, test_gpu, test_readahead and _rel_common."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+
+def raw_store(x, site=1, tier=0, name="t", uses=-1):
+  """``ssdtrain_store`` of ``x``: its handle (uint32[2])."""
+  return jax.ffi.ffi_call(
+    "ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32), has_side_effect=True
+  )(x, site=np.int64(site), tier=np.int32(tier), name=name, uses=np.int64(uses))
 
 
 def raw_load(h, like, site=1, tier=0, name="t", *, exact=0, consume=0):

@@ -5,7 +5,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _ffi_common import raw_load
+from _ffi_common import raw_load, raw_store
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
@@ -68,9 +68,7 @@ def assert_close(a, b):
 
 
 def store(x, site=1, name="t"):
-  return jax.ffi.ffi_call(
-    "ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32), has_side_effect=True
-  )(x, site=np.int64(site), tier=np.int32(0), name=name, uses=np.int64(-1))
+  return raw_store(x, site=site, name=name)
 
 
 def load(h, like, site=1, name="t"):

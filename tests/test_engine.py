@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _ffi_common import raw_load as load
+from _ffi_common import raw_store as store
 from _limits import HANG_S
 
 from jax_ssdtrain._src import options
@@ -68,12 +69,6 @@ def cfg(tmp_path, **kw):
   sent = settings(tmp_path, **kw)
   native.configure(sent)
   return sent
-
-
-def store(x, site=1, tier=0, name="t", uses=-1):
-  return jax.ffi.ffi_call(
-    "ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32), has_side_effect=True
-  )(x, site=np.int64(site), tier=np.int32(tier), name=name, uses=np.int64(uses))
 
 
 def rand(shape, dtype, seed=0):

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _ffi_common import raw_load
+from _ffi_common import raw_load, raw_store
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
@@ -152,9 +152,7 @@ def test_gpu_gpt_stack_memory_and_bytes(store):
 
 
 def _raw_store(x, site):
-  return jax.ffi.ffi_call(
-    "ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32), has_side_effect=True
-  )(x, site=np.int64(site), tier=np.int32(1), name="raw", uses=np.int64(-1))
+  return raw_store(x, site=site, tier=1, name="raw")
 
 
 def _raw_load(h, like, site):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _ffi_common import raw_load
+from _ffi_common import raw_load, raw_store
 from _limits import HANG_S
 from jax.ad_checkpoint import checkpoint_name
 
@@ -150,9 +150,7 @@ def test_hoisted_residual_loaded_in_every_layer(tmp_path):
 
 
 def ffi_store(x, site):
-  return jax.ffi.ffi_call(
-    "ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32), has_side_effect=True
-  )(x, site=np.int64(site), tier=np.int32(0), name=f"s{site}", uses=np.int64(-1))
+  return raw_store(x, site=site, name=f"s{site}")
 
 
 def ffi_load(h, like, site):

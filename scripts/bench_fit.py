@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--presets", default="gpt-2.7b,gpt-4b,gpt-6.7b,gpt-8b")
   p.add_argument("--ways", default="jax_remat,ours", help=f"of {', '.join(WAYS)}")
-  p.add_argument("--ideal", action="store_true", help="also the 1- and 2-layer runs (see above)")
+  p.add_argument(
+    "--ideal", action="store_true", help="also the runs of --ideal-layers layers (see above)"
+  )
   p.add_argument(
     "--ideal-layers",
     type=_layer_counts,

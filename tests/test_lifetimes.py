@@ -398,11 +398,22 @@ def _escaping_store(tier: int):
   return jax.jit(lambda x: store_p.bind(x, site=991, tier=tier, name="t", uses=None)[1])
 
 
-def test_a_retired_entry_gives_its_room_to_the_next_store(tmp_path):
+@pytest.mark.parametrize("bandwidth_cap", [None, "2MB/s"])
+def test_a_retired_entry_gives_its_room_to_the_next_store(tmp_path, bandwidth_cap, monkeypatch):
   # Retired entries hold their room until a store needs it (oldest first): they never fill it.
+  # A retired entry whose write is still running gives its room back when the write ends: the
+  # store waits for it (capped at 2 MB/s, the four writes take half a second; a loaded CI
+  # machine once got here before they had ended, and the store called the space full).
   from jax_ssdtrain._src import lifetimes
 
-  with ssd.configured(str(tmp_path / "s"), capacity_bytes=1 << 20, host_cache_bytes=1 << 20):
+  # The test's own sweeps only: a background sweep between them moves what they retire.
+  monkeypatch.setattr(native, "sweep_requested", lambda: False)
+  with ssd.configured(
+    str(tmp_path / "s"),
+    capacity_bytes=1 << 20,
+    host_cache_bytes=1 << 20,
+    bandwidth_cap=bandwidth_cap,
+  ):
     store = _escaping_store(0)
     x = jnp.ones((64, 1024), jnp.float32)  # 256 KiB: four fill the file space
     for _ in range(3):

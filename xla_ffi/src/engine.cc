@@ -133,7 +133,9 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
       hooks_->ReclaimReleases(true);
       got_slot = space_.Alloc(e->device_, e->padded_, &off);
     }
-    while (!got_slot && ReleaseOldestRetired())
+    // Then retired entries, oldest first; a released one whose write is still running gives
+    // its room back when the write ends.
+    while (!got_slot && (ReleaseOldestRetired() || WaitForReleasedRoom(lk)))
       got_slot = space_.Alloc(e->device_, e->padded_, &off);
     if (!got_slot) {
       const RangeAllocator& group = space_.Group(e->device_);

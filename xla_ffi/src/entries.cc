@@ -226,7 +226,18 @@ void Engine::MaybeFree(const EntryPtr& e) {
   if (hooks_ && e->dev_) hooks_->OnEntryFree(*e);
   e->freed_ = true;
   pending_free_--;
+  frees_++;
   cv_.notify_all();
+}
+
+bool Engine::WaitForReleasedRoom(Lock& lk) {
+  const auto io_in_flight = [&] { return writes_inflight_ > 0 || reads_inflight_ > 0; };
+  if (pending_free_ == 0 || !io_in_flight()) return false;  // nothing I/O would free
+  const uint64_t before = frees_;
+  const auto t0 = Clock::now();
+  cv_.wait(lk, [&] { return frees_ != before || !io_in_flight(); });
+  stats_.stall_seconds += Seconds(t0, Clock::now());
+  return frees_ != before;
 }
 
 Status Engine::ReleaseAll() {

@@ -356,6 +356,10 @@ class Engine {
   // Releases the oldest retired entry (a store needs room); false when there is none.
   bool ReleaseOldestRetired();
   void MaybeFree(const EntryPtr& e);  // frees a released entry once nothing uses its buffers
+  // A released entry whose write or read is still running frees its room when that I/O ends
+  // (MaybeFree). Waits until some released entry is freed or no I/O is left in flight; true
+  // when one was freed (the caller tries its allocation again).
+  bool WaitForReleasedRoom(Lock& lk);
   // ---- host memory (host_memory.cc) ---------------------------------------
   bool AllocHost(Arena arena, uint64_t padded, uint64_t* off);
   void FreeHostBuffer(Entry& e);
@@ -410,6 +414,7 @@ class Engine {
   std::map<int, DeviceStats> device_stats_;
   // I/O in flight and its busy time; an asynchronous error for the next call to report.
   int writes_inflight_ = 0, reads_inflight_ = 0, pending_free_ = 0;
+  uint64_t frees_ = 0;  // released entries freed so far (WaitForReleasedRoom waits on it)
   Status pending_error_;
   int active_[2] = {0, 0};
   Clock::time_point busy_since_[2];

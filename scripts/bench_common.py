@@ -369,3 +369,89 @@ def stack_params(H, S, B, L):
     "w2": w(k[3], (4 * H, H)),
   }
   return params, jax.random.normal(k[4], (B, S, H), jnp.bfloat16)
+
+
+# ---- the engine's counters and GPU copy timeline (ssd.stats(), ssd.timeline())
+
+
+def engine_row(s: dict, steps: int) -> dict:
+  per = lambda key: s.get(key, 0) / steps  # noqa: E731
+  gb = lambda key: s.get(key, 0) / 1e9  # noqa: E731
+  gpu = {}
+  if "link_d2h_bytes" in s:  # CUDA handlers: copies timed with CUDA events
+    gpu = {
+      "link_d2h_GB_per_step": per("link_d2h_bytes") / 1e9,
+      "link_h2d_GB_per_step": per("link_h2d_bytes") / 1e9,
+      "link_d2h_busy_ms_per_step": per("link_d2h_busy_seconds") * 1e3,
+      "link_h2d_busy_ms_per_step": per("link_h2d_busy_seconds") * 1e3,
+      "link_overlap_ms_per_step": per("link_overlap_seconds") * 1e3,
+      "link_d2h_GBps": s.get("link_d2h_GBps", 0.0),
+      "link_h2d_GBps": s.get("link_h2d_GBps", 0.0),
+      "compute_wait_ms_per_step": per("gpu_compute_wait_seconds") * 1e3,
+      "load_host_ms_per_step": per("gpu_load_host_seconds") * 1e3,
+      "stage_copies_ms_per_step": (per("gpu_stage_in_seconds") + per("gpu_load_staged_seconds"))
+      * 1e3,
+      "d2h_elided_GB_per_step": per("d2h_elided_bytes") / 1e9,
+    }
+  return gpu | {
+    "offload_GB_per_step": per("bytes_written") / 1e9,
+    "loaded_GB_per_step": per("bytes_read") / 1e9,
+    "disk_MB_written_per_step": per("disk_bytes_written") / 1e6,
+    "disk_MB_read_per_step": per("disk_bytes_read") / 1e6,
+    "write_skipped_MB_per_step": per("write_skipped_bytes") / 1e6,
+    "host_tier_GB_peak": gb("host_tier_bytes_peak"),
+    "host_cache_GB_peak": gb("host_cache_bytes_peak"),
+    "staging_GB_peak": gb("staging_bytes_peak"),
+    "file_GB_peak": gb("file_bytes_peak"),
+    "stall_ms_per_step": per("stall_seconds") * 1e3,
+    "prefetch_hits_per_step": per("prefetch_hits"),
+    "prefetch_misses_per_step": per("prefetch_misses"),
+    "forwarded_tensors_per_step": per("forwarded_tensors"),
+    "write_GBps": s.get("write_GBps", 0.0),
+    "read_GBps": s.get("read_GBps", 0.0),
+    "engine": s,
+  }
+
+
+# The stream each of the timeline's operations runs on (docs: ssd.timeline()).
+STREAM_OF = {
+  "stage_in": "compute",
+  "load_staged": "compute",
+  "load_host": "compute",
+  "compute_wait": "compute",
+  "d2h": "copy (D2H)",
+  "read_ahead": "read-ahead (H2D)",
+}
+
+
+def timeline_trace(groups) -> dict:
+  """``(label, timeline)`` pairs as a Chrome trace (chrome://tracing, ui.perfetto.dev): a process
+  per pair, a thread per stream."""
+  events = []
+  for pid, (label, records) in enumerate(groups):
+    events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
+    for rec in records:
+      events.append(
+        {
+          "ph": "X",
+          "pid": pid,
+          "tid": STREAM_OF.get(rec["op"], rec["op"]),
+          "name": f"{rec['op']} {rec['name']}",
+          "cat": rec["op"],
+          "ts": rec["start"] * 1e6,
+          "dur": (rec["end"] - rec["start"]) * 1e6,
+          "args": {"bytes": rec["bytes"], "device": rec["device"]},
+        }
+      )
+  return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def timeline_summary(records: list[dict]) -> dict:
+  """Per operation of one step: count, bytes and busy ms."""
+  out: dict = {}
+  for rec in records:
+    o = out.setdefault(rec["op"], {"count": 0, "bytes": 0, "ms": 0.0})
+    o["count"] += 1
+    o["bytes"] += rec["bytes"]
+    o["ms"] += (rec["end"] - rec["start"]) * 1e3
+  return out

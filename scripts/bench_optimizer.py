@@ -17,6 +17,7 @@ written at once with plain O_DIRECT (``probe.measure_disk_duplex``), for the ``n
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -51,21 +52,33 @@ def build_parser() -> argparse.ArgumentParser:
     help="shard every leaf's rows over this many devices (each holds ROWS rows: weak scaling); "
     "each streams its own blocks",
   )
+  p.add_argument(
+    "--timeline",
+    action="store_true",
+    help="write the last step's GPU copies of the host and nvme rows as a Chrome trace "
+    "(optimizer_timeline_<device>.json in --out; the JSON keeps a per-operation summary)",
+  )
   p.add_argument("--tiny", action="store_true", help="a CPU smoke run (small leaves, 2 steps)")
   bc.add_out_option(p)
   return p
 
 
-def _time(step, params, state, grads, steps, warmup):
-  times = []
+def _time(step, params, state, grads, steps, warmup, timeline=False):
+  """Median step time, the parameters, and (``timeline``) the last step's GPU copies."""
+  times, last_step = [], []
   for i in range(warmup + steps):
+    last = timeline and i == warmup + steps - 1
+    if last:
+      ssd.timeline()  # forget the copies of the steps before
     t0 = time.perf_counter()
     params, state = step(params, state, grads)
     jax.block_until_ready((params, state))
     if i >= warmup:
       times.append(time.perf_counter() - t0)
+    if last:
+      last_step = ssd.timeline()
     ssd.collect()  # the last version of the state, untimed (see docs/optimizer.md)
-  return statistics.median(times), params
+  return statistics.median(times), params, last_step
 
 
 def _step_for(tx):
@@ -145,12 +158,18 @@ def run(args) -> dict:
         step, state = _step_for(otx), otx.init(params)
       ssd.flush()
       ssd.reset_stats()
-      t, _ = _time(step, params, state, grads, args.steps, args.warmup)
+      stored = variant in ("host", "nvme")
+      t, _, last_step = _time(
+        step, params, state, grads, args.steps, args.warmup, timeline=stored and args.timeline
+      )
       ssd.flush()
       s = ssd.stats()
       row = dict(variant=variant, step_s=t, state_gb=state_bytes / 1e9)
-      if variant in ("host", "nvme"):
+      if stored:
         runs = args.steps + args.warmup
+        row["engine"] = bc.engine_row(s, runs)  # per step: link busy time, loads served, ...
+        if last_step:
+          row["timeline"] = last_step
         row["read_gb_per_step"] = s["bytes_read"] / runs / 1e9
         row["written_gb_per_step"] = s["bytes_written"] / runs / 1e9
         row["each_way_gbps"] = state_bytes / n / t / 1e9  # per device: each has its own link
@@ -232,6 +251,15 @@ def main(argv=None) -> dict:
     args.chunk, args.min_bytes = 32 << 10, 4096
   doc = run(args)
   kind = bc.slug(jax.devices()[0].device_kind) + (f"_x{args.devices}" if args.devices > 1 else "")
+  traced = [r for r in doc["rows"] if r.get("timeline")]
+  if traced:
+    trace = bc.timeline_trace(
+      (f"{r['variant']} {1e3 * r['step_s']:.1f} ms", r["timeline"]) for r in traced
+    )
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"optimizer_timeline_{kind}.json").write_text(json.dumps(trace) + "\n")
+  for r in traced:  # the JSON keeps a per-operation summary of the step, not every copy
+    r["timeline_step"] = bc.timeline_summary(r.pop("timeline"))
   bc.write_bench(args.out, f"optimizer_{kind}", doc, table(doc), plot(doc))
   return doc
 

@@ -113,45 +113,6 @@ def run_check(step, reference, params, shape, cfg: dict) -> dict:
   return out
 
 
-def engine_row(s: dict, steps: int) -> dict:
-  per = lambda key: s.get(key, 0) / steps  # noqa: E731
-  gb = lambda key: s.get(key, 0) / 1e9  # noqa: E731
-  gpu = {}
-  if "link_d2h_bytes" in s:  # CUDA handlers: copies timed with CUDA events
-    gpu = {
-      "link_d2h_GB_per_step": per("link_d2h_bytes") / 1e9,
-      "link_h2d_GB_per_step": per("link_h2d_bytes") / 1e9,
-      "link_d2h_busy_ms_per_step": per("link_d2h_busy_seconds") * 1e3,
-      "link_h2d_busy_ms_per_step": per("link_h2d_busy_seconds") * 1e3,
-      "link_overlap_ms_per_step": per("link_overlap_seconds") * 1e3,
-      "link_d2h_GBps": s.get("link_d2h_GBps", 0.0),
-      "link_h2d_GBps": s.get("link_h2d_GBps", 0.0),
-      "compute_wait_ms_per_step": per("gpu_compute_wait_seconds") * 1e3,
-      "load_host_ms_per_step": per("gpu_load_host_seconds") * 1e3,
-      "stage_copies_ms_per_step": (per("gpu_stage_in_seconds") + per("gpu_load_staged_seconds"))
-      * 1e3,
-      "d2h_elided_GB_per_step": per("d2h_elided_bytes") / 1e9,
-    }
-  return gpu | {
-    "offload_GB_per_step": per("bytes_written") / 1e9,
-    "loaded_GB_per_step": per("bytes_read") / 1e9,
-    "disk_MB_written_per_step": per("disk_bytes_written") / 1e6,
-    "disk_MB_read_per_step": per("disk_bytes_read") / 1e6,
-    "write_skipped_MB_per_step": per("write_skipped_bytes") / 1e6,
-    "host_tier_GB_peak": gb("host_tier_bytes_peak"),
-    "host_cache_GB_peak": gb("host_cache_bytes_peak"),
-    "staging_GB_peak": gb("staging_bytes_peak"),
-    "file_GB_peak": gb("file_bytes_peak"),
-    "stall_ms_per_step": per("stall_seconds") * 1e3,
-    "prefetch_hits_per_step": per("prefetch_hits"),
-    "prefetch_misses_per_step": per("prefetch_misses"),
-    "forwarded_tensors_per_step": per("forwarded_tensors"),
-    "write_GBps": s.get("write_GBps", 0.0),
-    "read_GBps": s.get("read_GBps", 0.0),
-    "engine": s,
-  }
-
-
 def child(cfg: dict) -> int:
   """``cfg["mode"]``: "time" (compile, warm up, time, engine stats) or "check"."""
   import jax
@@ -219,7 +180,7 @@ def child(cfg: dict) -> int:
       ssd.flush()  # every copy of the step done, so that all of them are in the timeline
       last_step = ssd.timeline()
   if ssd:
-    row.update(engine_row(ssd.stats(), cfg["steps"]))
+    row.update(common.engine_row(ssd.stats(), cfg["steps"]))
     if cfg.get("timeline"):
       # times from the step's dispatch (host clock); the first record shows any offset
       row["timeline"] = [
@@ -660,49 +621,16 @@ def replot(paths: list[Path], out: Path) -> int:
   return 0
 
 
-STREAM_OF = {
-  "stage_in": "compute",
-  "load_staged": "compute",
-  "load_host": "compute",
-  "compute_wait": "compute",
-  "d2h": "copy (D2H)",
-  "read_ahead": "read-ahead (H2D)",
-}
-
-
 def chrome_trace(rows: list[dict]) -> dict:
   """The rows' one-step timelines as a Chrome trace: a process per row, a thread per stream."""
-  events = []
-  for pid, r in enumerate(rows):
-    if not r.get("timeline"):
-      continue
-    label = f"{r['policy']} [{r['H']},{r['S']},{r['B']},{r['L']}] {r['step_ms_median']:.1f} ms"
-    events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
-    for rec in r["timeline"]:
-      events.append(
-        {
-          "ph": "X",
-          "pid": pid,
-          "tid": STREAM_OF.get(rec["op"], rec["op"]),
-          "name": f"{rec['op']} {rec['name']}",
-          "cat": rec["op"],
-          "ts": rec["start"] * 1e6,
-          "dur": (rec["end"] - rec["start"]) * 1e6,
-          "args": {"bytes": rec["bytes"], "device": rec["device"]},
-        }
-      )
-  return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def timeline_summary(records: list[dict]) -> dict:
-  """Per operation of one step: count, bytes and busy ms."""
-  out: dict = {}
-  for rec in records:
-    o = out.setdefault(rec["op"], {"count": 0, "bytes": 0, "ms": 0.0})
-    o["count"] += 1
-    o["bytes"] += rec["bytes"]
-    o["ms"] += (rec["end"] - rec["start"]) * 1e3
-  return out
+  return common.timeline_trace(
+    (
+      f"{r['policy']} [{r['H']},{r['S']},{r['B']},{r['L']}] {r['step_ms_median']:.1f} ms",
+      r["timeline"],
+    )
+    for r in rows
+    if r.get("timeline")
+  )
 
 
 def failures(doc: dict) -> list[str]:
@@ -838,7 +766,7 @@ def main(argv=None) -> int:
     print(f"wrote {trace}")
   for r in rows:  # the JSON keeps a per-operation summary of the step, not every copy
     if "timeline" in r:
-      r["timeline_step"] = timeline_summary(r.pop("timeline"))
+      r["timeline_step"] = common.timeline_summary(r.pop("timeline"))
   doc = {
     "date": common.today(),
     "env": env,

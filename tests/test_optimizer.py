@@ -600,13 +600,16 @@ def _tiny_bench(tmp_path, module, prefix, *args) -> dict:
 
 @pytest.mark.slow
 def test_bench_optimizer_tiny(tmp_path):
-  doc = _tiny_bench(tmp_path, "bench_optimizer", "optimizer")
+  doc = _tiny_bench(tmp_path, "bench_optimizer", "optimizer", "--timeline")
   rows = {r["variant"]: r for r in doc["rows"]}
   assert set(rows) == {"device", "streamed_device", "host", "nvme"}
   # the whole state went through the store each step, both ways, once
   for v in ("host", "nvme"):
     assert rows[v]["read_gb_per_step"] == pytest.approx(doc["state_gb"], rel=1e-9)
     assert rows[v]["written_gb_per_step"] == pytest.approx(doc["state_gb"], rel=1e-9)
+    engine = rows[v]["engine"]  # the engine's counters, per step
+    assert engine["loaded_GB_per_step"] == pytest.approx(doc["state_gb"], rel=1e-9)
+  assert not list(tmp_path.glob("optimizer_timeline_*.json"))  # no GPU copies on the CPU
 
 
 @pytest.mark.slow

@@ -70,7 +70,7 @@ Status Engine::TakePendingError() {
 }
 
 Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_view name,
-                          EntryPtr* out, int device, int64_t uses) {
+                          EntryPtr* out, int device, int64_t uses, int64_t run_id) {
   if (tier != Tier::kNvme && tier != Tier::kHost && tier != Tier::kHostThenNvme)
     return Status(EINVAL, "store of tag '" + std::string(name) + "': invalid tier " +
                               std::to_string(static_cast<int32_t>(tier)) +
@@ -88,6 +88,7 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
   if (next_id_ == 0) next_id_ = 1;
   e->site_ = site;
   e->device_ = device;
+  e->run_id_ = run_id;
   e->tier_ = tier;
   e->nbytes_ = nbytes;
   e->padded_ = RoundUp(nbytes, kAlign);
@@ -270,14 +271,15 @@ void Engine::AbortStore(const EntryPtr& e) {
 }
 
 Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, Tier tier,
-                             std::string_view name, uint32_t handle[2], int device, int64_t uses) {
+                             std::string_view name, uint32_t handle[2], int device, int64_t uses,
+                             int64_t run_id) {
   if (uses == 0) {
     CountUnusedStore(nbytes, device);
     MakeNullHandle(handle);
     return Status::Ok();
   }
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(BeginStore(site, tier, nbytes, name, &e, device, uses));
+  SSD_RETURN_IF_ERROR(BeginStore(site, tier, nbytes, name, &e, device, uses, run_id));
   MakeHandle(*e, handle);
   if (nbytes == 0 || e->host_ptr_) {
     if (nbytes) {
@@ -402,7 +404,7 @@ void Engine::ReleaseHost(Lock& lk, HostRef* ref) {
 }
 
 Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
-                          std::string_view name, int device, bool consume) {
+                          std::string_view name, int device, bool consume, bool exact) {
   Lock lk(mu_);
   SSD_RETURN_IF_ERROR(TakePendingError());
   EntryPtr e;
@@ -424,7 +426,7 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
   e->loading_--;
   ReleaseHost(lk, &ref);
   if (s.ok()) CountLoad(e);
-  SchedulePrefetch(lk, device);
+  SchedulePrefetch(lk, device, exact ? e.get() : nullptr);
   return s;
 }
 

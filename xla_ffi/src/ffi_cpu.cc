@@ -6,29 +6,31 @@ namespace ffi = xla::ffi;
 namespace ssdtrain {
 namespace {
 
-ffi::Error StoreCpuImpl(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> handle,
-                        int64_t site, int32_t tier, std::string_view name, int64_t uses) {
+ffi::Error StoreCpuImpl(int32_t device, ffi::RunId run, ffi::AnyBuffer x,
+                        ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
+                        std::string_view name, int64_t uses) {
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
     return engine->StoreFromHost(x.untyped_data(), x.size_bytes(), site, TierFromAttr(tier), name,
-                                 handle->typed_data(), device, uses);
+                                 handle->typed_data(), device, uses, run.run_id);
   });
 }
 
 ffi::Error LoadCpuImpl(int32_t device, ffi::Buffer<ffi::U32> handle,
                        ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
                        std::string_view name, int32_t exact, int32_t consume) {
-  (void)exact;  // the host reads every handle: nothing is predicted on the CPU
+  // The host reads every handle: nothing is predicted on the CPU. `exact` (state an earlier
+  // execution stored, loaded in its store order) orders the read-ahead of the files.
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
     return engine->LoadToHost(handle.typed_data(), out->untyped_data(), out->size_bytes(), site,
-                              name, device, consume != 0);
+                              name, device, consume != 0, exact != 0);
   });
 }
 
@@ -43,6 +45,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainStoreCpu, ssdtrain::StoreCpuImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::DeviceOrdinal>()       // device of the call (per-device sites, stats)
+        .Ctx<ffi::RunId>()               // XLA execution (the read-ahead of exact loads)
         .Arg<ffi::AnyBuffer>()           // x: the activation to store
         .Ret<ffi::Buffer<ffi::U32>>()    // handle: uint32[2] = {id, check word}
         .Attr<int64_t>("site")           // tag site id (shared by store and load)
@@ -59,5 +62,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("site")           // tag site id (must match the store)
         .Attr<int32_t>("tier")           // tier of the matching store
         .Attr<std::string_view>("name")  // tag name, for messages only
-        .Attr<int32_t>("exact")          // 1: never predict the handle (CUDA only)
+        .Attr<int32_t>("exact")          // 1: an earlier execution's entry (read ahead in order)
         .Attr<int32_t>("consume"));      // 1: the entry's last load (released after it)

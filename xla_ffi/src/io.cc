@@ -177,24 +177,33 @@ void Engine::BusyEnd(bool write) {
   }
 }
 
-std::vector<EntryPtr> Engine::PredictNext(uint64_t budget, int device) {
+std::vector<EntryPtr> Engine::PredictNext(uint64_t budget, int device, const Entry* after) {
   std::vector<EntryPtr> out;
-  for (auto it = unloaded_.rbegin(); it != unloaded_.rend(); ++it) {
-    const EntryPtr& e = it->second;
-    if (device >= 0 && e->device_ != device) continue;
-    if (e->padded_ > budget) break;
+  auto take = [&](const EntryPtr& e) {  // false: the budget is spent
+    if (device >= 0 && e->device_ != device) return true;
+    if (e->padded_ > budget) return false;
     budget -= e->padded_;
     out.push_back(e);
+    return true;
+  };
+  if (after) {
+    for (auto it = unloaded_.upper_bound(after->seq_); it != unloaded_.end(); ++it) {
+      if (it->second->run_id_ != after->run_id_) break;  // a later execution's entries
+      if (!take(it->second)) break;
+    }
+    return out;
   }
+  for (auto it = unloaded_.rbegin(); it != unloaded_.rend(); ++it)
+    if (!take(it->second)) break;
   return out;
 }
 
 // Never costs a second read of anything: it only takes room EvictOne may take (loaded or older
 // entries, never a read no load has taken yet, its own earlier fetches included), and stops at
 // the first entry it cannot place instead of making room some other way.
-void Engine::SchedulePrefetch(Lock& lk, int device) {
+void Engine::SchedulePrefetch(Lock& lk, int device, const Entry* after) {
   if (cfg_.prefetch_bytes == 0) return;
-  for (const EntryPtr& e : PredictNext(cfg_.prefetch_bytes, device)) {
+  for (const EntryPtr& e : PredictNext(cfg_.prefetch_bytes, device, after)) {
     if (e->host_ptr_ || e->reading_ || e->filling_ || e->w_ != WState::kDone) continue;
     if (e->padded_ > cache_.size) continue;
     if (hooks_ && e->dev_ && hooks_->HasDeviceCopy(*e)) continue;  // its load reads no host copy

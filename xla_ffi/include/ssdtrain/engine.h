@@ -239,20 +239,23 @@ class Engine {
   // `uses`: loads per stored entry in its execution (0: nobody loads it; Entry::kUncounted,
   // Entry::kManual).
   Status StoreFromHost(const void* src, uint64_t nbytes, int64_t site, Tier tier,
-                       std::string_view name, uint32_t handle[2], int device = 0,
-                       int64_t uses = -1);
+                       std::string_view name, uint32_t handle[2], int device = 0, int64_t uses = -1,
+                       int64_t run_id = -1);
   // `consume`: this load is the entry's last (optimizer state updated in place): the entry is
-  // released once its bytes are copied out, whatever its count.
+  // released once its bytes are copied out, whatever its count. `exact`: the entry was stored
+  // by an earlier execution that stored the next loads after it (optimizer state): the
+  // read-ahead follows store order (PredictNext).
   Status LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
-                    std::string_view name, int device = 0, bool consume = false);
+                    std::string_view name, int device = 0, bool consume = false,
+                    bool exact = false);
 
   // ---- building blocks (device module) -----------------------------------
   // Registers a new entry that `uses` loads will consume (-1: until a sweep) and reserves its
   // host buffer and file slot. e->host_ptr == nullptr means "no host buffer": use
   // WriteThrough. A store nobody loads (uses == 0) keeps nothing: the caller writes the
-  // null handle (MakeNullHandle) instead.
+  // null handle (MakeNullHandle) instead. `run_id`: the XLA execution storing it (-1: none).
   Status BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_view name, EntryPtr* out,
-                    int device = 0, int64_t uses = -1);
+                    int device = 0, int64_t uses = -1, int64_t run_id = -1);
   static void MakeNullHandle(uint32_t h[2]) { h[0] = h[1] = 0; }
   // Counts a store nobody loads (uses == 0).
   void CountUnusedStore(uint64_t nbytes, int device);
@@ -304,8 +307,9 @@ class Engine {
   void ReleaseHost(Lock& lk, HostRef* ref);
   // Lock held. A load used the bytes of `e`'s host buffer (GPU: through device staging).
   void ConsumeRead(Entry& e);
-  // Read-ahead of `device`'s next predicted entries (-1: every device's). Lock held.
-  void SchedulePrefetch(Lock& lk, int device = -1);
+  // Read-ahead of `device`'s next predicted entries (-1: every device's; `after`: see
+  // PredictNext). Lock held.
+  void SchedulePrefetch(Lock& lk, int device = -1, const Entry* after = nullptr);
   // Returns (and clears) a recorded asynchronous error. Lock held.
   Status TakePendingError();
 
@@ -328,9 +332,12 @@ class Engine {
   DeviceHooks* hooks() { return hooks_.get(); }
   void SetHooks(std::unique_ptr<DeviceHooks> h) { hooks_ = std::move(h); }
   const HostArena& arena(Arena which) const { return which == Arena::kCache ? cache_ : tier_; }
-  // Predicted next loads (newest first) within the read-ahead budget. Lock held.
-  // Only entries stored by `device` unless it is -1.
-  std::vector<EntryPtr> PredictNext(uint64_t budget, int device = -1);
+  // Predicted next loads within the read-ahead budget. Lock held. Only entries stored by
+  // `device` unless it is -1. Activations are loaded in reverse store order: the newest
+  // unloaded entries first. With `after` (just loaded: state an earlier execution stored, such
+  // as an optimizer's, which a step loads in its store order) the unloaded entries that the
+  // same execution stored after it, oldest first.
+  std::vector<EntryPtr> PredictNext(uint64_t budget, int device = -1, const Entry* after = nullptr);
   // Statistics the device module keeps (lock held): seconds a handler blocked on a copy, and
   // on reading a load's handle; predicted loads, and those found wrong on the device; staging
   // reuses ordered after a still-running user; device staging bytes taken and given back; a

@@ -30,7 +30,8 @@
 #   multigpu     bench_multigpu: 1 vs 2 GPUs, DP and FSDP (needs 2 GPUs)            [multigpu]
 #   multihost    tests/test_multihost.py: 2 processes x 1 GPU vs 1 x 2 (needs 2 GPUs) [Tests]
 #   optimizer    tests/test_optimizer.py on the GPU, then bench_optimizer (one GPU)  [optimizer]
-#   optimizerbench  bench_optimizer alone (one GPU)                                 [optimizer]
+#   optimizerbench  bench_optimizer alone (one GPU); both write the host and nvme rows' last
+#                step of GPU copies as a Chrome trace (--timeline)                  [optimizer]
 #   optimizer2   the state sharded over 2 GPUs: its -m gpu test, bench_optimizer --devices 2
 #                (needs 2 GPUs)                                                      [optimizer]
 #   accumulate   bench_accumulate, gpt-1.3b, accumulation 1/4/16 (one GPU)          [accumulate]
@@ -236,10 +237,10 @@ for stage in "${STAGES[@]}"; do
     optimizer)
       run optimizer_tests 300 $PY -m pytest -q -ra -p no:cacheprovider tests/test_optimizer.py
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run optimizer 300 $PY -m scripts.bench_optimizer \
-        --store-dir /var/tmp/opt --out "$OUT/optimizer" ;;
+        --store-dir /var/tmp/opt --timeline --out "$OUT/optimizer" ;;
     optimizerbench)
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run optimizer 300 $PY -m scripts.bench_optimizer \
-        --store-dir /var/tmp/opt --out "$OUT/optimizer" ;;
+        --store-dir /var/tmp/opt --timeline --out "$OUT/optimizer" ;;
     optimizer2)
       run optimizer2_tests 300 $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_optimizer.py
       run optimizer2 300 $PY -m scripts.bench_optimizer --devices 2 --store-dir /var/tmp/opt2 \

@@ -186,7 +186,7 @@ def shard_train_state(state: TrainState, parallelism, mesh):
   offloaded = jax.tree.leaves(state.opt_state, is_leaf=_is_offloaded)
   if any(_is_offloaded(x) for x in offloaded):
     placed, _ = shard_train_state(state.replace(opt_state=()), parallelism, mesh)
-    values = _state_for_checkpoint(state).opt_state  # NumPy, read chunk by chunk
+    values = _state_on_host(state).opt_state  # NumPy, read chunk by chunk
     fresh = state.tx.init(placed.params)
     opt_state = jax.tree.map(
       lambda f, v: ssd.state_from_host(v, f) if _is_offloaded(f) else _place_like(v, f),
@@ -377,7 +377,7 @@ def optimizer_location(opt_state) -> str:
   return stored[0].location if stored else "device"
 
 
-def _state_for_checkpoint(state: TrainState) -> TrainState:
+def _state_on_host(state: TrainState) -> TrainState:
   """``state`` with optimizer state in the store read into host memory (NumPy), chunk by chunk."""
   import jax_ssdtrain as ssd
 
@@ -393,37 +393,16 @@ def _state_for_checkpoint(state: TrainState) -> TrainState:
 def save_checkpoint(manager, state: TrainState) -> None:
   """Saves ``state`` at its step (Orbax: written beside the last checkpoint and made current
   when complete, so an interrupted save leaves the last one). Optimizer state in the store is
-  read from it one chunk at a time."""
-  import orbax.checkpoint as ocp
+  written from it one chunk at a time (jax_ssdtrain.checkpointing): never whole in memory."""
+  from jax_ssdtrain import checkpointing
 
-  manager.save(int(state.step), args=ocp.args.StandardSave(_state_for_checkpoint(state)))
+  manager.save(int(state.step), args=checkpointing.save_args(state))
   manager.wait_until_finished()
 
 
 def restore_checkpoint(manager, state: TrainState, step: int | None = None) -> TrainState:
-  """Restore ``step`` (default: the latest) into the structure of ``state``."""
-  import orbax.checkpoint as ocp
+  """Restore ``step`` (default: the latest) into the structure of ``state``; optimizer state in
+  the store is written back into it chunk by chunk, in the layout of ``state``'s."""
+  from jax_ssdtrain import checkpointing
 
-  import jax_ssdtrain as ssd
-
-  step = manager.latest_step() if step is None else step
-  if step is None:
-    raise FileNotFoundError(f"no checkpoint in {manager.directory}")
-  # Optimizer state in the store was saved as tx's own state (NumPy): restored as such, then
-  # written back into the store in the layout of ``state``'s.
-  host_like = lambda x: x.layout.treedef.unflatten(
-    [np.zeros(leaf.shape, leaf.dtype) for leaf in x.layout.leaves]
-  )
-  template = state.replace(
-    opt_state=jax.tree.map(
-      lambda x: host_like(x) if _is_offloaded(x) else x, state.opt_state, is_leaf=_is_offloaded
-    )
-  )
-  restored = manager.restore(step, args=ocp.args.StandardRestore(template))
-  opt_state = jax.tree.map(
-    lambda like, r: ssd.state_from_host(r, like) if _is_offloaded(like) else r,
-    state.opt_state,
-    restored.opt_state,
-    is_leaf=_is_offloaded,
-  )
-  return restored.replace(opt_state=opt_state)
+  return checkpointing.restore(manager, state, step)

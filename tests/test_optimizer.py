@@ -663,12 +663,23 @@ def test_checkpoint_resume_equals_never_stopping(store, tmp_path):
   manager = training.checkpoint_manager(str(tmp_path / "ckpt"))
   half = _train_state_steps(ours, fresh(), 2)
   training.save_checkpoint(manager, half)
-  # The checkpoint holds tx's own state, not handles.
-  saved = training._state_for_checkpoint(half).opt_state
-  assert not any(
-    isinstance(x, OffloadedState)
-    for x in jax.tree.leaves(saved, is_leaf=lambda x: isinstance(x, OffloadedState))
-  )
+  # The checkpoint holds tx's own state (its layout, and its leaves as arrays), not handles.
+  from jax_ssdtrain import checkpointing
+
+  step_dir = manager.directory / "2" / checkpointing.STATE_ITEM
+  layout = checkpointing.OptimizerStateHandler().metadata(step_dir)
+  (saved,) = layout["states"]
+  assert [leaf["shape"] for leaf in saved["leaves"]] == [
+    list(np.shape(x)) for x in jax.tree.leaves(optimizer_state(half.opt_state))
+  ]
+  want = ssd.state_to_host(half.opt_state)
+  import tensorstore as ts
+
+  for i, w in enumerate(jax.tree.leaves(want)):
+    got = ts.open(
+      {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(step_dir / f"state0/leaf{i}")}}
+    ).result()
+    np.testing.assert_array_equal(got.read().result(), w)
   del half
   restored = training.restore_checkpoint(manager, fresh())
   assert isinstance(restored.opt_state, OffloadedState) and int(restored.step) == 2

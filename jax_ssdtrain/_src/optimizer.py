@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -200,26 +200,18 @@ def optimizer_state(state: OffloadedState) -> Any:
 
 def state_to_host(state: OffloadedState) -> Any:
   """``tx``'s state as NumPy arrays in host memory, read from the store one chunk at a time (the
-  device holds one chunk at once; sharded state: each device one chunk of its block): what a
-  checkpoint saves. See :func:`state_from_host`."""
+  device holds one chunk at once; sharded state: each device one chunk of its block). A
+  checkpoint needs no whole copy: :mod:`jax_ssdtrain.checkpointing` writes chunk by chunk. See
+  :func:`state_from_host`."""
   _check_state(state, "state")
   layout = state.layout
-  blocks = _device_blocks(layout, "state_to_host")
+  out = [np.empty(leaf.shape, leaf.dtype) for leaf in layout.leaves]
 
-  def read(leaf, hs):
-    out = np.empty(leaf.shape, leaf.dtype)
-    for k, (r0, r1) in enumerate(leaf.bounds):
-      chunk = np.asarray(_load_jit(leaf, k, layout.tier, layout.mesh)(hs[k] if not blocks else hs))
-      if blocks:  # [devices, rows, ...]: each device's rows of its block
-        for d, index in enumerate(blocks(leaf)):
-          out[index][r0:r1] = chunk[d]
-      elif leaf.shape:
-        out[r0:r1] = chunk
-      else:
-        out[...] = chunk
-    return out
+  def put(i, leaf, index, value):
+    out[i][index] = value
 
-  return jax.tree.map(np.asarray, _tx_state(state, read))
+  stream_out(state, put)
+  return layout.treedef.unflatten(out)
 
 
 def state_from_host(tree: Any, like: OffloadedState) -> OffloadedState:
@@ -229,47 +221,101 @@ def state_from_host(tree: Any, like: OffloadedState) -> OffloadedState:
   layout)."""
   _check_state(like, "like")
   layout = like.layout
-  blocks = _device_blocks(layout, "state_from_host")
   values, treedef = jax.tree_util.tree_flatten(tree)
   if treedef != layout.treedef:
     raise OptimizerOffloadError(
       f"tree: the state has another structure than the optimizer's ({treedef} against "
       f"{layout.treedef}): a checkpoint of another optimizer or model?"
     )
-  device, handles = [], []
   for leaf, value in zip(layout.leaves, values):
-    if tuple(np.shape(value)) != leaf.shape or np.dtype(value.dtype) != leaf.dtype:
-      raise OptimizerOffloadError(
-        f"tree: state leaf {leaf.path} is {np.dtype(value.dtype).name}{list(np.shape(value))}, "
-        f"the optimizer's is {leaf.dtype.name}{list(leaf.shape)}: a checkpoint of another layout?"
-      )
+    check_leaf(leaf, tuple(np.shape(value)), np.dtype(value.dtype), "tree")
+  return stream_in(like, lambda i, leaf, index: np.asarray(values[i])[index])
+
+
+def check_leaf(leaf: LeafLayout, shape: tuple[int, ...], dtype: Any, what: str) -> None:
+  """Raises OptimizerOffloadError unless a saved leaf of ``shape`` and ``dtype`` fits ``leaf``."""
+  if shape != leaf.shape or np.dtype(dtype) != leaf.dtype:
+    raise OptimizerOffloadError(
+      f"{what}: state leaf {leaf.path} is {np.dtype(dtype).name}{list(shape)}, "
+      f"the optimizer's is {leaf.dtype.name}{list(leaf.shape)}: a checkpoint of another layout?"
+    )
+
+
+def stream_out(state: OffloadedState, write: Callable[..., None]) -> None:
+  """Reads ``tx``'s state out of ``state`` piece by piece: ``write(i, leaf, index, value)`` for
+  each, with ``i`` the leaf's index in ``state.layout.leaves``, ``index`` the piece's place in
+  the whole leaf (a tuple of slices; ``()`` for a whole leaf) and ``value`` a NumPy array. A
+  stored leaf comes one chunk at a time (sharded state: each device's rows of that chunk of its
+  block), read from the store onto the device and then into host memory; the rest whole."""
+  _check_state(state, "state")
+  layout = state.layout
+  blocks = _device_blocks(layout, "reading the state out of the store")
+  device, handles = iter(state.device), iter(state.handles)
+  for i, leaf in enumerate(layout.leaves):
     if not leaf.stored:
+      write(i, leaf, (), np.asarray(next(device)))
+      continue
+    hs = next(handles)
+    if layout.tier == DEVICE_TIER:
+      write(i, leaf, (), np.asarray(hs))
+      continue
+    for k, (r0, r1) in enumerate(leaf.bounds):
+      load = _load_jit(leaf, r1 - r0, layout.tier, layout.mesh)
+      chunk = np.asarray(load(hs, np.int32(k)) if blocks else load(hs[k]))
+      if blocks:  # [devices, rows, ...]: each device's rows of its block
+        for d, index in enumerate(blocks(leaf)):
+          write(i, leaf, _rows_of(index, r0, r1), chunk[d])
+      else:
+        write(i, leaf, (slice(r0, r1),), chunk)
+
+
+def stream_in(like: OffloadedState, read: Callable[..., Any]) -> OffloadedState:
+  """An :class:`OffloadedState` of ``like``'s layout whose pieces are ``read(i, leaf, index)``
+  (the pieces :func:`stream_out` writes, as NumPy arrays): each stored chunk read and written to
+  the store before the next (the host holds one chunk at once; sharded state: one chunk of
+  every device's block). The caller checks shapes and dtypes (:func:`check_leaf`)."""
+  _check_state(like, "like")
+  layout = like.layout
+  blocks = _device_blocks(layout, "writing the state into the store")
+  device, handles = [], []
+  for i, leaf in enumerate(layout.leaves):
+    if not leaf.stored:
+      value = np.asarray(read(i, leaf, ()))
       if layout.mesh is None:
         device.append(jnp.asarray(value))
       else:  # replicated over the mesh, as init makes them
         replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
-        device.append(jax.device_put(np.asarray(value), replicated))
+        device.append(jax.device_put(value, replicated))
     elif layout.tier == DEVICE_TIER:
       sharding = None if not layout.mesh else jax.sharding.NamedSharding(layout.mesh, leaf.spec)
-      handles.append(jax.device_put(np.asarray(value), sharding))
+      handles.append(jax.device_put(np.asarray(read(i, leaf, ())), sharding))
     elif blocks:  # chunk k of every device's block, one row per device
-      value, index = np.asarray(value), blocks(leaf)
+      index = blocks(leaf)
       rows = jax.sharding.NamedSharding(layout.mesh, _per_device(layout.mesh))
       hs = [
-        _store_jit(leaf, k, layout.tier, layout.mesh)(
-          jax.device_put(np.stack([value[i][r0:r1] for i in index]), rows)
+        _store_jit(leaf, layout.tier, layout.mesh)(
+          jax.device_put(
+            np.stack([np.asarray(read(i, leaf, _rows_of(ix, r0, r1))) for ix in index]), rows
+          )
         )
         for k, (r0, r1) in enumerate(leaf.bounds)
       ]
       handles.append(jnp.stack(hs, axis=1))
     else:
-      value = np.asarray(value)
       hs = [
-        _store_jit(leaf, k, layout.tier, None)(value[r0:r1] if leaf.shape else value)
+        _store_jit(leaf, layout.tier, None)(np.asarray(read(i, leaf, (slice(r0, r1),))))
         for k, (r0, r1) in enumerate(leaf.bounds)
       ]
       handles.append(jnp.stack(hs))
   return OffloadedState(device, handles, layout)
+
+
+def _rows_of(index: tuple, r0: int, r1: int) -> tuple:
+  """Rows ``r0:r1`` of the block at ``index`` (a device's slices of a leaf), as slices of the
+  leaf."""
+  first, rest = index[0], tuple(index[1:])
+  start = first.start or 0
+  return (slice(start + r0, start + r1),) + rest
 
 
 def _per_device(mesh) -> Any:
@@ -297,19 +343,28 @@ def _device_blocks(layout: Layout, what: str):
 
 
 @functools.cache
-def _load_jit(leaf: LeafLayout, k: int, tier: int, mesh: Any):
+def _load_jit(leaf: LeafLayout, rows: int, tier: int, mesh: Any):
+  """Reads a chunk of ``rows`` rows of ``leaf`` from the store: from its handle, or (sharded)
+  from every device's handles and the chunk's index. One program per chunk shape, not per
+  chunk (a leaf's chunks are alike but its last)."""
+  shape = leaf.chunk_shape(0, rows)
   if mesh is None:
-    return jax.jit(lambda h: _load(h, leaf, k, tier))
-  each = lambda hs: _load(hs[0, k], leaf, k, tier)[None]  # noqa: E731
+    return jax.jit(lambda h: _load(h, leaf, 0, tier, shape=shape))
+  each = lambda hs, k: _load(hs[0, k], leaf, 0, tier, shape=shape)[None]  # noqa: E731
   spec = _per_device(mesh)
-  return jax.jit(jax.shard_map(each, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+  replicated = jax.sharding.PartitionSpec()
+  return jax.jit(
+    jax.shard_map(each, mesh=mesh, in_specs=(spec, replicated), out_specs=spec, check_vma=False)
+  )
 
 
 @functools.cache
-def _store_jit(leaf: LeafLayout, k: int, tier: int, mesh: Any):
+def _store_jit(leaf: LeafLayout, tier: int, mesh: Any):
+  """Writes a chunk of ``leaf`` (sharded: one row per device) into the store; jit traces once
+  per chunk shape."""
   if mesh is None:
-    return jax.jit(lambda x: _store(x, leaf, k, tier))
-  each = lambda x: _store(x[0], leaf, k, tier)[None]  # noqa: E731
+    return jax.jit(lambda x: _store(x, leaf, 0, tier))
+  each = lambda x: _store(x[0], leaf, 0, tier)[None]  # noqa: E731
   spec = _per_device(mesh)
   return jax.jit(jax.shard_map(each, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 

@@ -1,0 +1,252 @@
+"""Orbax checkpoints of training state whose optimizer state is in the store.
+
+An :class:`~jax_ssdtrain.OffloadedState` holds handles, which mean nothing to another process:
+a checkpoint must hold ``tx``'s own state. This module writes it straight from the store into
+the checkpoint, one chunk at a time (tensorstore arrays, one per state leaf), and restores it
+into the store the same way: neither the device nor host memory ever holds the whole state, so
+a state larger than host memory (gpt-8b's 99 GB) can be saved. The rest of the tree (the
+parameters, the step, state kept on the device) is Orbax's ``StandardSave``::
+
+    import orbax.checkpoint as ocp
+    from jax_ssdtrain import checkpointing
+
+    manager = ocp.CheckpointManager(directory)
+    manager.save(step, args=checkpointing.save_args(train_state))
+    ...
+    train_state = checkpointing.restore(manager, like=train_state)  # the latest step
+
+Orbax writes a step into a temporary directory and makes it current only once every item is
+complete: a save that fails or is interrupted leaves the last checkpoint as it was. A restore
+checks the saved layout (structure, leaf shapes and dtypes) against ``like``'s and names the
+first difference. ``OptimizerStateSave`` / ``OptimizerStateRestore`` are the Orbax arguments
+of the optimizer state alone, for a ``Composite`` of one's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+try:
+  import orbax.checkpoint as ocp
+except ImportError as e:  # an optional dependency (the `demo` extra)
+  raise ImportError(
+    "jax_ssdtrain.checkpointing needs orbax-checkpoint: pip install orbax-checkpoint "
+    "(or jax_ssdtrain[demo])"
+  ) from e
+
+from jax_ssdtrain._src.optimizer import (
+  LeafLayout,
+  OffloadedState,
+  OptimizerOffloadError,
+  _device_blocks,
+  check_leaf,
+  stream_in,
+  stream_out,
+)
+
+__all__ = [
+  "OptimizerStateHandler",
+  "OptimizerStateRestore",
+  "OptimizerStateSave",
+  "restore",
+  "restore_args",
+  "save_args",
+]
+
+# Item names in a step's directory.
+TREE_ITEM = "tree"
+STATE_ITEM = "optimizer_state"
+
+
+def save_args(tree: Any) -> ocp.args.Composite:
+  """The Orbax arguments that save ``tree`` (a train state, or any pytree): every
+  :class:`OffloadedState` in it streamed from the store (:class:`OptimizerStateSave`), the rest
+  with ``StandardSave`` (items ``tree`` and ``optimizer_state`` of the step)."""
+  rest, states = _split(tree)
+  return ocp.args.Composite(
+    **{TREE_ITEM: ocp.args.StandardSave(rest), STATE_ITEM: OptimizerStateSave(states)}
+  )
+
+
+def restore_args(like: Any) -> ocp.args.Composite:
+  """The Orbax arguments that restore a checkpoint :func:`save_args` wrote into the structure
+  of ``like`` (its OffloadedStates give the layout and the store locations)."""
+  rest, states = _split(like)
+  return ocp.args.Composite(
+    **{TREE_ITEM: ocp.args.StandardRestore(rest), STATE_ITEM: OptimizerStateRestore(states)}
+  )
+
+
+def restore(manager: ocp.CheckpointManager, like: Any, step: int | None = None) -> Any:
+  """Restores ``step`` (default: the latest) of ``manager`` into the structure of ``like``:
+  ``like``'s own tree, each OffloadedState's leaves written into the store chunk by chunk."""
+  step = manager.latest_step() if step is None else step
+  if step is None:
+    raise FileNotFoundError(f"no checkpoint in {manager.directory}")
+  restored = manager.restore(step, args=restore_args(like))
+  return _join(like, restored[TREE_ITEM], restored[STATE_ITEM])
+
+
+@dataclasses.dataclass
+class OptimizerStateSave(ocp.args.CheckpointArgs):
+  """Saves ``states`` (OffloadedStates, in order) from the store, chunk by chunk."""
+
+  states: Sequence[OffloadedState]
+
+
+@dataclasses.dataclass
+class OptimizerStateRestore(ocp.args.CheckpointArgs):
+  """Restores the states an :class:`OptimizerStateSave` wrote into ``like``'s layouts (one
+  OffloadedState each, in the same order); returns a list of OffloadedStates."""
+
+  like: Sequence[OffloadedState]
+
+
+class OptimizerStateHandler(ocp.CheckpointHandler):
+  """Writes each OffloadedState's leaves into tensorstore arrays (``state<i>/leaf<j>``, zarr3,
+  one zarr chunk per stored chunk) and its layout into ``layout.json``, written last."""
+
+  def save(self, directory, args: OptimizerStateSave) -> None:
+    states = list(args.states)
+    for s in states:
+      _check_offloaded(s, "OptimizerStateSave.states")
+      # every process refuses state sharded over several processes' devices (each process
+      # can read only its own devices' blocks)
+      _device_blocks(s.layout, "saving the optimizer state")
+    writer = jax.process_index() == 0  # replicated state: written once
+    if writer:
+      (directory).mkdir(parents=True, exist_ok=True)
+    for si, state in enumerate(states):
+      arrays = {}
+
+      def write(i, leaf, index, value, si=si, arrays=arrays):
+        if i not in arrays:
+          arrays[i] = _open(directory, si, i, leaf, create=True)
+        target = arrays[i][index] if index else arrays[i]
+        target.write(value).result()
+
+      if writer:
+        stream_out(state, write)
+    if writer:
+      layout = {"format": 1, "states": [_describe(s) for s in states]}
+      (directory / "layout.json").write_text(json.dumps(layout, indent=1) + "\n")
+
+  def restore(self, directory, args: OptimizerStateRestore) -> list[OffloadedState]:
+    like = list(args.like)
+    for s in like:
+      _check_offloaded(s, "OptimizerStateRestore.like")
+    saved = self.metadata(directory)["states"]
+    if len(saved) != len(like):
+      raise OptimizerOffloadError(
+        f"the checkpoint holds {len(saved)} optimizer state(s) in the store, the tree to restore "
+        f"into {len(like)}: a checkpoint of another training setup?"
+      )
+    out = []
+    for si, (state, meta) in enumerate(zip(like, saved)):
+      _check_layout(state, meta, si)
+      arrays: dict[int, Any] = {}
+
+      def read(i, leaf, index, si=si, arrays=arrays):
+        if i not in arrays:
+          arrays[i] = _open(directory, si, i, leaf, create=False)
+        source = arrays[i][index] if index else arrays[i]
+        return source.read().result()
+
+      out.append(stream_in(state, read))
+    return out
+
+  def metadata(self, directory) -> dict:
+    path = directory / "layout.json"
+    if not path.exists():
+      raise FileNotFoundError(
+        f"{path}: no optimizer state layout (not written by jax_ssdtrain.checkpointing, or a "
+        "save that did not complete)"
+      )
+    return json.loads(path.read_text())
+
+
+ocp.args.register_with_handler(OptimizerStateHandler, for_save=True)(OptimizerStateSave)
+ocp.args.register_with_handler(OptimizerStateHandler, for_restore=True)(OptimizerStateRestore)
+
+
+def _is_offloaded(x) -> bool:
+  return isinstance(x, OffloadedState)
+
+
+def _check_offloaded(x, what: str) -> None:
+  if not _is_offloaded(x):
+    raise TypeError(f"{what}: expected OffloadedStates, got {type(x).__name__}")
+
+
+def _split(tree: Any) -> tuple[Any, list[OffloadedState]]:
+  """``tree`` with a placeholder (a scalar leaf, saved with the tree) for each OffloadedState,
+  and those states in tree order."""
+  states = [x for x in jax.tree.leaves(tree, is_leaf=_is_offloaded) if _is_offloaded(x)]
+  rest = jax.tree.map(
+    lambda x: _placeholder() if _is_offloaded(x) else x, tree, is_leaf=_is_offloaded
+  )
+  return rest, states
+
+
+def _placeholder():
+  return np.zeros((), np.int8)
+
+
+def _join(like: Any, rest: Any, states: list[OffloadedState]) -> Any:
+  """``rest`` (``like`` with a placeholder for each OffloadedState) with the restored states in
+  their places."""
+  leaves, treedef = jax.tree_util.tree_flatten(like, is_leaf=_is_offloaded)
+  restored = jax.tree_util.tree_leaves(rest)
+  it = iter(states)
+  return treedef.unflatten(
+    [next(it) if _is_offloaded(x) else r for x, r in zip(leaves, restored, strict=True)]
+  )
+
+
+def _open(directory, si: int, i: int, leaf: LeafLayout, *, create: bool):
+  import tensorstore as ts
+
+  spec = {
+    "driver": "zarr3",
+    "kvstore": {"driver": "file", "path": str(directory / f"state{si}/leaf{i}")},
+  }
+  if not create:
+    return ts.open(spec, open=True).result()
+  rows = leaf.bounds[0][1] - leaf.bounds[0][0] if leaf.stored and leaf.shape else None
+  chunk = ((rows or 1,) + tuple(leaf.block_shape[1:])) if leaf.shape else ()
+  return ts.open(
+    spec,
+    create=True,
+    dtype=ts.dtype(np.dtype(leaf.dtype).name),
+    shape=leaf.shape,
+    chunk_layout=ts.ChunkLayout(write_chunk_shape=chunk if leaf.stored else leaf.shape),
+  ).result()
+
+
+def _describe(state: OffloadedState) -> dict:
+  layout = state.layout
+  return {
+    "structure": str(layout.treedef),
+    "leaves": [
+      {"path": leaf.path, "shape": list(leaf.shape), "dtype": np.dtype(leaf.dtype).name}
+      for leaf in layout.leaves
+    ],
+  }
+
+
+def _check_layout(state: OffloadedState, meta: dict, si: int) -> None:
+  layout = state.layout
+  what = f"checkpointed optimizer state {si}"
+  if meta["structure"] != str(layout.treedef):
+    raise OptimizerOffloadError(
+      f"{what} has another structure than the optimizer's ({meta['structure']} against "
+      f"{layout.treedef}): a checkpoint of another optimizer or model?"
+    )
+  for leaf, saved in zip(layout.leaves, meta["leaves"]):
+    check_leaf(leaf, tuple(saved["shape"]), saved["dtype"], what)

@@ -89,7 +89,17 @@ def restore(manager: ocp.CheckpointManager, like: Any, step: int | None = None) 
   step = manager.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint in {manager.directory}")
-  restored = manager.restore(step, args=restore_args(like))
+  try:
+    restored = manager.restore(step, args=restore_args(like))
+  except ValueError as e:
+    if "single, unnamed" not in str(e):
+      raise
+    raise ValueError(
+      f"step {step} of {manager.directory} holds one unnamed item (a plain Orbax save, as "
+      "jax_ssdtrain's example trainer wrote before jax_ssdtrain.checkpointing), not what "
+      "checkpointing.save_args writes: restore it with ocp.args.StandardRestore and put the "
+      "optimizer state back with ssd.state_from_host"
+    ) from e
   return _join(like, restored[TREE_ITEM], restored[STATE_ITEM])
 
 

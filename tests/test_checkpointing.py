@@ -62,7 +62,12 @@ def _host_leaves(tree):
 def test_save_and_restore_a_tree_with_state_in_the_store(store, tmp_path, location):
   tx = ssd.offload_optimizer(optax.adamw(1e-3), location=location, chunk_bytes=CHUNK)
   params = _params()
-  tree = {"params": params, "opt": _stepped(tx, params), "step": np.asarray(2, np.int32), "none": None}
+  tree = {
+    "params": params,
+    "opt": _stepped(tx, params),
+    "step": np.asarray(2, np.int32),
+    "none": None,
+  }
   manager = _manager(tmp_path / "ckpt")
   manager.save(2, args=checkpointing.save_args(tree))
   manager.wait_until_finished()
@@ -158,6 +163,16 @@ def test_a_failed_write_leaves_the_last_checkpoint(store, tmp_path, monkeypatch)
   restored = checkpointing.restore(_manager(tmp_path / "ckpt"), {"opt": tx.init(params)})
   for got, w in zip(_host_leaves(restored), want, strict=True):
     np.testing.assert_array_equal(got, w)
+
+
+def test_a_plain_orbax_checkpoint_is_named_as_such(store, tmp_path):
+  tx = ssd.offload_optimizer(optax.adam(1e-3), location="host", chunk_bytes=CHUNK)
+  params = _params()
+  manager = _manager(tmp_path / "ckpt")
+  manager.save(1, args=ocp.args.StandardSave({"opt": ssd.state_to_host(tx.init(params))}))
+  manager.wait_until_finished()
+  with pytest.raises(ValueError, match="one unnamed item.*state_from_host"):
+    checkpointing.restore(manager, {"opt": tx.init(params)})
 
 
 def test_arguments_name_what_they_expect(tmp_path):

@@ -129,6 +129,10 @@ def test_cli_default_offload_run_and_restore(tmp_path):
   assert [int(r["step"]) for r in rows] == list(range(1, 9))
 
 
+# Three training runs of the CLI (41 s on 2 cores): in .ci/run's slow stage, so that the README's
+# test command stays within its 10 minutes. The checkpoint it restores is tested by default in
+# test_checkpointing.py and test_optimizer.py.
+@pytest.mark.slow
 def test_cli_optimizer_state_in_the_store_and_restore(tmp_path):
   import shutil
 

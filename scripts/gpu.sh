@@ -34,6 +34,8 @@
 #                step of GPU copies as a Chrome trace (--timeline)                  [optimizer]
 #   optimizer2   the state sharded over 2 GPUs: its -m gpu test, bench_optimizer --devices 2
 #                (needs 2 GPUs)                                                      [optimizer]
+#   checkpoint   bench_checkpoint: Adam's state saved and restored, streamed vs staged, against
+#                the checkpoint directory's raw write and read rates (one GPU)       [checkpoint]
 #   accumulate   bench_accumulate, gpt-1.3b, accumulation 1/4/16 (one GPU)          [accumulate]
 #   fit          bench_fit: the largest GPT JAX alone trains against ours (FIT_ARGS)  [fit]
 #   maxtextfsdp  bench_maxtext --fsdp 2: MaxText's policies and ours over 2 GPUs
@@ -61,7 +63,7 @@ LIMIT_S=${LIMIT_S:-570}
 if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
 KNOWN=(tests reliability jaxlayer lifetimes rok rok8192 hostrows hosttier link planner planner32k planner8192
-  plannernvme cap emulated train maxtext multigpu multihost optimizer optimizerbench optimizer2 accumulate
+  plannernvme cap emulated train maxtext multigpu multihost optimizer optimizerbench optimizer2 checkpoint accumulate
   fit maxtextfsdp maxtextfsdpqkv)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
@@ -241,6 +243,9 @@ for stage in "${STAGES[@]}"; do
     optimizerbench)
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run optimizer 300 $PY -m scripts.bench_optimizer \
         --store-dir /var/tmp/opt --timeline --out "$OUT/optimizer" ;;
+    checkpoint)
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run checkpoint 300 $PY -m scripts.bench_checkpoint \
+        --ckpt-dir /var/tmp/ckpt --store-dir /var/tmp/ckpt-store --out "$OUT/checkpoint" ;;
     optimizer2)
       run optimizer2_tests 300 $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_optimizer.py
       run optimizer2 300 $PY -m scripts.bench_optimizer --devices 2 --store-dir /var/tmp/opt2 \

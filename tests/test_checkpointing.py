@@ -183,3 +183,25 @@ def test_arguments_name_what_they_expect(tmp_path):
     handler.save(epath.Path(tmp_path), checkpointing.OptimizerStateSave([{"mu": 1}]))
   with pytest.raises(FileNotFoundError, match="no optimizer state layout"):
     handler.metadata(epath.Path(tmp_path))
+
+
+@pytest.mark.slow  # a benchmark's smoke run in its own process (.ci/run's slow stage)
+def test_bench_checkpoint_tiny(tmp_path):
+  import json
+  import os
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  root = Path(__file__).resolve().parents[1]
+  cmd = [sys.executable, "-m", "scripts.bench_checkpoint", "--tiny", "--out", str(tmp_path)]
+  cmd += ["--ckpt-dir", str(tmp_path / "ckpt"), "--store-dir", str(tmp_path / "store")]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=600)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  (path,) = tmp_path.glob("checkpoint_cpu_*.json")
+  doc = json.loads(path.read_text())
+  assert [r["variant"] for r in doc["rows"]] == ["streamed", "staged"]
+  assert all(r["save_gbps"] > 0 and r["restore_gbps"] > 0 for r in doc["rows"])
+  assert doc["disk"]["raw_write_gbps"] > 0
+  assert not list((tmp_path / "ckpt").glob("streamed_*"))  # each repeat's checkpoint removed

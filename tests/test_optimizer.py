@@ -726,6 +726,24 @@ def test_an_interrupted_save_leaves_the_last_checkpoint(store, tmp_path, monkeyp
     assert (np.asarray(a) == np.asarray(b)).all()
 
 
+def test_a_state_outliving_its_store_raises_naming_the_cause(tmp_path):
+  # The store holding a live optimizer state is closed (reconfigured) or shut down: the next
+  # update raises, naming the cause, instead of reading anything.
+  ours = offload_optimizer(optax.adam(1e-3), min_bytes=4096, chunk_bytes=32 << 10)
+  params = _params()
+  grads = jax.tree.map(jnp.ones_like, params)
+  update = jax.jit(ours.update)
+  with ssd.configured(tmp_path / "a", capacity_bytes=256 * MiB, host_tier_bytes=64 * MiB):
+    state = ours.init(params)
+  with ssd.configured(tmp_path / "b", capacity_bytes=256 * MiB, host_tier_bytes=64 * MiB):
+    with pytest.raises(Exception, match="stale ssdtrain handle.*reconfigured since"):
+      jax.block_until_ready(update(grads, state, params))
+    state = ours.init(params)
+    ssd.shutdown()
+    with pytest.raises(ssd.StoreShutDownError, match="shut down"):
+      jax.block_until_ready(update(grads, state, params))
+
+
 def test_a_checkpoint_of_another_layout_is_refused(store):
   ours = offload_optimizer(optax.adam(1e-3), min_bytes=4096, chunk_bytes=32 << 10)
   state = ours.init(_params())

@@ -131,7 +131,7 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
       _device_blocks(s.layout, "saving the optimizer state")
     writer = jax.process_index() == 0  # replicated state: written once
     if writer:
-      (directory).mkdir(parents=True, exist_ok=True)
+      directory.mkdir(parents=True, exist_ok=True)
     for si, state in enumerate(states):
       arrays = {}
 
@@ -157,9 +157,10 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
         f"the checkpoint holds {len(saved)} optimizer state(s) in the store, the tree to restore "
         f"into {len(like)}: a checkpoint of another training setup?"
       )
-    out = []
     for si, (state, meta) in enumerate(zip(like, saved)):
-      _check_layout(state, meta, si)
+      _check_layout(state, meta, si)  # all of them before anything is written to the store
+    out = []
+    for si, state in enumerate(like):
       arrays: dict[int, Any] = {}
 
       def read(i, leaf, index, si=si, arrays=arrays):

@@ -273,7 +273,8 @@ def test_optimizer_state_is_read_ahead_in_its_store_order(tmp_path):
   with ssd.configured(
     tmp_path / "s",
     capacity_bytes=256 * MiB,
-    host_cache_bytes=8 * MiB,
+    host_cache_bytes=64 * MiB,  # room for a step's new state and the read-ahead at once
+    forwarding=False,  # a written chunk leaves the cache: every load reads the files
     prefetch_bytes=4 * MiB,
     io_threads=4,
   ):
@@ -281,9 +282,7 @@ def test_optimizer_state_is_read_ahead_in_its_store_order(tmp_path):
     want_p, want_state, _ = run("device")
   loads = 3 * 2 * 4  # 3 leaves, 2 moments, 8 MiB each in 2 MiB chunks
   assert stats["tensors_read"] == stats["disk_tensors_read"] == loads, stats  # none cached
-  # All but the first when the write-behind keeps up (23 of 24 on an idle machine); a read-ahead
-  # finding the small cache full of new, unwritten chunks stops. Newest first gave 0.
-  assert stats["prefetch_hits"] >= loads // 2, stats
+  assert stats["prefetch_hits"] >= loads - 1, stats  # all but the first
   assert stats["disk_bytes_read"] == stats["disk_loaded_bytes"], stats  # no read wasted
   for got, want in zip(jax.tree.leaves((p, state)), jax.tree.leaves((want_p, want_state))):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # the same program

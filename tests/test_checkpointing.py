@@ -113,6 +113,34 @@ def test_save_never_holds_the_whole_state_in_host_memory(store, tmp_path):
   assert streamed < stored / 4, (streamed, stored)
 
 
+def test_a_save_is_complete_when_save_returns(store, tmp_path, monkeypatch):
+  # Orbax may run a handler's save on a thread of its own; a state updated in place consumes
+  # the chunks the save reads, so the save must be over when manager.save returns. A slow read
+  # of the store (half a second before the first chunk) shows whether it is.
+  import time
+
+  tx = ssd.offload_optimizer(optax.adam(1e-3), location="host", chunk_bytes=CHUNK, in_place=True)
+  params = _params()
+  state = _stepped(tx, params, 1)
+  want = _host_leaves({"opt": state})
+  real = checkpointing.stream_out
+
+  def slow(*args):
+    time.sleep(0.5)
+    return real(*args)
+
+  monkeypatch.setattr(checkpointing, "stream_out", slow)
+  manager = _manager(tmp_path / "ckpt")
+  manager.save(1, args=checkpointing.save_args({"opt": state}))
+  update = jax.jit(tx.update, donate_argnums=1)
+  _, later = update(jax.tree.map(jnp.ones_like, params), state, params)  # consumes its chunks
+  jax.block_until_ready(later)
+  manager.wait_until_finished()
+  restored = checkpointing.restore(manager, {"opt": later})
+  for got, w in zip(_host_leaves(restored), want, strict=True):
+    np.testing.assert_array_equal(got, w)
+
+
 def test_a_checkpoint_of_another_layout_is_refused(store, tmp_path):
   tx = ssd.offload_optimizer(optax.adam(1e-3), location="host", chunk_bytes=CHUNK)
   params = _params()

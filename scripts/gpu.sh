@@ -243,13 +243,13 @@ for stage in "${STAGES[@]}"; do
     optimizerbench)
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run optimizer 300 $PY -m scripts.bench_optimizer \
         --store-dir /var/tmp/opt --timeline --out "$OUT/optimizer" ;;
-    checkpoint)
-      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run checkpoint 300 $PY -m scripts.bench_checkpoint \
-        --ckpt-dir /var/tmp/ckpt --store-dir /var/tmp/ckpt-store --out "$OUT/checkpoint" ;;
     optimizer2)
       run optimizer2_tests 300 $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_optimizer.py
       run optimizer2 300 $PY -m scripts.bench_optimizer --devices 2 --store-dir /var/tmp/opt2 \
         --out "$OUT/optimizer2" ;;
+    checkpoint)
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run checkpoint 300 $PY -m scripts.bench_checkpoint \
+        --ckpt-dir /var/tmp/ckpt --store-dir /var/tmp/ckpt-store --out "$OUT/checkpoint" ;;
     accumulate)
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run accumulate 500 $PY -m scripts.bench_accumulate \
         --preset gpt-1.3b --accum 1,4,16 --store-dir /var/tmp/acc --out "$OUT/accumulate" ;;

@@ -129,9 +129,9 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
       # every process refuses state sharded over several processes' devices (each process
       # can read only its own devices' blocks)
       _device_blocks(s.layout, "saving the optimizer state")
-    writer = jax.process_index() == 0  # replicated state: written once
-    if writer:
-      directory.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() != 0:  # replicated state: written once
+      return
+    directory.mkdir(parents=True, exist_ok=True)
     for si, state in enumerate(states):
       arrays = {}
 
@@ -141,11 +141,9 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
         target = arrays[i][index] if index else arrays[i]
         target.write(value).result()
 
-      if writer:
-        stream_out(state, write)
-    if writer:
-      layout = {"format": 1, "states": [_describe(s) for s in states]}
-      (directory / "layout.json").write_text(json.dumps(layout, indent=1) + "\n")
+      stream_out(state, write)
+    layout = {"format": 1, "states": [_describe(s) for s in states]}
+    (directory / "layout.json").write_text(json.dumps(layout, indent=1) + "\n")
 
   def restore(self, directory, args: OptimizerStateRestore) -> list[OffloadedState]:
     like = list(args.like)
@@ -229,14 +227,16 @@ def _open(directory, si: int, i: int, leaf: LeafLayout, *, create: bool):
   }
   if not create:
     return ts.open(spec, open=True).result()
-  rows = leaf.bounds[0][1] - leaf.bounds[0][0] if leaf.stored and leaf.shape else None
-  chunk = ((rows or 1,) + tuple(leaf.block_shape[1:])) if leaf.shape else ()
+  chunk = leaf.shape  # a leaf kept on the device: one zarr chunk
+  if leaf.stored:  # one zarr chunk per stored chunk (sharded: of a device's block)
+    r0, r1 = leaf.bounds[0]
+    chunk = (r1 - r0,) + tuple(leaf.block_shape[1:])
   return ts.open(
     spec,
     create=True,
     dtype=ts.dtype(np.dtype(leaf.dtype).name),
     shape=leaf.shape,
-    chunk_layout=ts.ChunkLayout(write_chunk_shape=chunk if leaf.stored else leaf.shape),
+    chunk_layout=ts.ChunkLayout(write_chunk_shape=chunk),
   ).result()
 
 

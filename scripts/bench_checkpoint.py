@@ -29,6 +29,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
@@ -78,8 +79,11 @@ def _save(variant: str, manager, step: int, state) -> None:
 def _restore(variant: str, manager, step: int, like):
   if variant == "streamed":
     return checkpointing.restore(manager, {"opt": like}, step)["opt"]
-  template = {"opt": ssd.state_to_host(like)}
-  restored = manager.restore(step, args=ocp.args.StandardRestore(template))
+  # tx's state as NumPy arrays of the layout's shapes (np.zeros: pages untouched until read),
+  # not read out of the store: a template costs no I/O inside the timed restore
+  layout = like.layout
+  host = layout.treedef.unflatten([np.zeros(leaf.shape, leaf.dtype) for leaf in layout.leaves])
+  restored = manager.restore(step, args=ocp.args.StandardRestore({"opt": host}))
   return ssd.state_from_host(restored["opt"], like)
 
 

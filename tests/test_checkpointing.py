@@ -44,6 +44,14 @@ def _manager(path):
   return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=True))
 
 
+def _saved(path, step, tree):
+  """A manager at ``path`` that has saved ``tree`` (checkpointing.save_args) at ``step``."""
+  manager = _manager(path)
+  manager.save(step, args=checkpointing.save_args(tree))
+  manager.wait_until_finished()
+  return manager
+
+
 def _host_leaves(tree):
   """Every leaf of ``tree`` as NumPy, each OffloadedState read out of the store."""
   return [
@@ -58,6 +66,12 @@ def _host_leaves(tree):
   ]
 
 
+def _assert_leaves_equal(tree, want):
+  """``tree``'s leaves (OffloadedStates read out of the store) equal ``want`` bit for bit."""
+  for got, w in zip(_host_leaves(tree), want, strict=True):
+    np.testing.assert_array_equal(got, w)
+
+
 @pytest.mark.parametrize("location", ["host", "nvme", "device"])
 def test_save_and_restore_a_tree_with_state_in_the_store(store, tmp_path, location):
   tx = ssd.offload_optimizer(optax.adamw(1e-3), location=location, chunk_bytes=CHUNK)
@@ -68,22 +82,18 @@ def test_save_and_restore_a_tree_with_state_in_the_store(store, tmp_path, locati
     "step": np.asarray(2, np.int32),
     "none": None,
   }
-  manager = _manager(tmp_path / "ckpt")
-  manager.save(2, args=checkpointing.save_args(tree))
-  manager.wait_until_finished()
+  manager = _saved(tmp_path / "ckpt", 2, tree)
 
   like = {"params": params, "opt": tx.init(params), "step": np.asarray(0, np.int32), "none": None}
   restored = checkpointing.restore(manager, like)
   assert isinstance(restored["opt"], OffloadedState) and restored["none"] is None
   assert restored["opt"].location == location
-  for got, want in zip(_host_leaves(restored), _host_leaves(tree), strict=True):
-    np.testing.assert_array_equal(got, want)
+  _assert_leaves_equal(restored, _host_leaves(tree))
   # the restored state updates as the saved one does
   grads = jax.tree.map(jnp.ones_like, params)
   a = jax.jit(tx.update)(grads, restored["opt"], params)
   b = jax.jit(tx.update)(grads, tree["opt"], params)
-  for got, want in zip(_host_leaves(a), _host_leaves(b), strict=True):
-    np.testing.assert_array_equal(got, want)
+  _assert_leaves_equal(a, _host_leaves(b))
 
 
 def test_save_never_holds_the_whole_state_in_host_memory(store, tmp_path):
@@ -136,17 +146,13 @@ def test_a_save_is_complete_when_save_returns(store, tmp_path, monkeypatch):
   _, later = update(jax.tree.map(jnp.ones_like, params), state, params)  # consumes its chunks
   jax.block_until_ready(later)
   manager.wait_until_finished()
-  restored = checkpointing.restore(manager, {"opt": later})
-  for got, w in zip(_host_leaves(restored), want, strict=True):
-    np.testing.assert_array_equal(got, w)
+  _assert_leaves_equal(checkpointing.restore(manager, {"opt": later}), want)
 
 
 def test_a_checkpoint_of_another_layout_is_refused(store, tmp_path):
   tx = ssd.offload_optimizer(optax.adam(1e-3), location="host", chunk_bytes=CHUNK)
   params = _params()
-  manager = _manager(tmp_path / "ckpt")
-  manager.save(1, args=checkpointing.save_args({"opt": _stepped(tx, params)}))
-  manager.wait_until_finished()
+  manager = _saved(tmp_path / "ckpt", 1, {"opt": _stepped(tx, params)})
 
   other_shapes = _params(rows=512)
   with pytest.raises(OptimizerOffloadError, match=r"w0.*float32\[1024, 256\].*another layout"):
@@ -162,9 +168,7 @@ def test_a_failed_write_leaves_the_last_checkpoint(store, tmp_path, monkeypatch)
   tx = ssd.offload_optimizer(optax.adam(1e-3), location="nvme", chunk_bytes=CHUNK)
   params = _params()
   first = _stepped(tx, params, 1)
-  manager = _manager(tmp_path / "ckpt")
-  manager.save(1, args=checkpointing.save_args({"opt": first}))
-  manager.wait_until_finished()
+  manager = _saved(tmp_path / "ckpt", 1, {"opt": first})
   want = _host_leaves({"opt": first})
 
   real_open, writes = checkpointing._open, []
@@ -189,8 +193,7 @@ def test_a_failed_write_leaves_the_last_checkpoint(store, tmp_path, monkeypatch)
   monkeypatch.undo()
   assert manager.latest_step() == 1
   restored = checkpointing.restore(_manager(tmp_path / "ckpt"), {"opt": tx.init(params)})
-  for got, w in zip(_host_leaves(restored), want, strict=True):
-    np.testing.assert_array_equal(got, w)
+  _assert_leaves_equal(restored, want)
 
 
 def test_a_plain_orbax_checkpoint_is_named_as_such(store, tmp_path):

@@ -446,6 +446,19 @@ def timeline_trace(groups) -> dict:
   return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def write_timelines(path: Path, rows: list[dict], label) -> None:
+  """Writes the rows' one-step timelines (each row's ``"timeline"``) to ``path`` as a Chrome
+  trace, a process per row named ``label(row)``, and prints its path; each row then keeps a
+  per-operation summary (``"timeline_step"``) in place of every copy."""
+  traced = [r for r in rows if r.get("timeline")]
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(timeline_trace((label(r), r["timeline"]) for r in traced)) + "\n")
+  print(f"wrote {path}")
+  for r in rows:
+    if "timeline" in r:
+      r["timeline_step"] = timeline_summary(r.pop("timeline"))
+
+
 def timeline_summary(records: list[dict]) -> dict:
   """Per operation of one step: count, bytes and busy ms."""
   out: dict = {}

@@ -17,7 +17,6 @@ written at once with plain O_DIRECT (``probe.measure_disk_duplex``), for the ``n
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -251,15 +250,12 @@ def main(argv=None) -> dict:
     args.chunk, args.min_bytes = 32 << 10, 4096
   doc = run(args)
   kind = bc.slug(jax.devices()[0].device_kind) + (f"_x{args.devices}" if args.devices > 1 else "")
-  traced = [r for r in doc["rows"] if r.get("timeline")]
-  if traced:
-    trace = bc.timeline_trace(
-      (f"{r['variant']} {1e3 * r['step_s']:.1f} ms", r["timeline"]) for r in traced
+  if any(r.get("timeline") for r in doc["rows"]):  # GPU copies (none on a CPU)
+    bc.write_timelines(
+      Path(args.out) / f"optimizer_timeline_{kind}.json",
+      doc["rows"],
+      lambda r: f"{r['variant']} {1e3 * r['step_s']:.1f} ms",
     )
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"optimizer_timeline_{kind}.json").write_text(json.dumps(trace) + "\n")
-  for r in traced:  # the JSON keeps a per-operation summary of the step, not every copy
-    r["timeline_step"] = bc.timeline_summary(r.pop("timeline"))
   bc.write_bench(args.out, f"optimizer_{kind}", doc, table(doc), plot(doc))
   return doc
 

@@ -621,16 +621,9 @@ def replot(paths: list[Path], out: Path) -> int:
   return 0
 
 
-def chrome_trace(rows: list[dict]) -> dict:
-  """The rows' one-step timelines as a Chrome trace: a process per row, a thread per stream."""
-  return common.timeline_trace(
-    (
-      f"{r['policy']} [{r['H']},{r['S']},{r['B']},{r['L']}] {r['step_ms_median']:.1f} ms",
-      r["timeline"],
-    )
-    for r in rows
-    if r.get("timeline")
-  )
+def _trace_label(r: dict) -> str:
+  """A row's process name in the Chrome trace of timelines."""
+  return f"{r['policy']} [{r['H']},{r['S']},{r['B']},{r['L']}] {r['step_ms_median']:.1f} ms"
 
 
 def failures(doc: dict) -> list[str]:
@@ -760,13 +753,9 @@ def main(argv=None) -> int:
     "platform": next((r["platform"] for r in rows if "platform" in r), None),
   }
   args.out.mkdir(parents=True, exist_ok=True)
-  if args.timeline:
+  if args.timeline:  # the JSON keeps a per-operation summary of the step, not every copy
     trace = args.out / f"rok_timeline_{common.slug(device)}_{common.today()}.json"
-    trace.write_text(json.dumps(chrome_trace(rows)) + "\n")
-    print(f"wrote {trace}")
-  for r in rows:  # the JSON keeps a per-operation summary of the step, not every copy
-    if "timeline" in r:
-      r["timeline_step"] = common.timeline_summary(r.pop("timeline"))
+    common.write_timelines(trace, rows, _trace_label)
   doc = {
     "date": common.today(),
     "env": env,

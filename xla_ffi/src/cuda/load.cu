@@ -145,9 +145,13 @@ Status CountLoadAndRelease(Engine& eng, CudaModule* mod, DeviceState* ds, const 
 }
 
 // Lock held. Read-ahead of the GPU's next predicted loads: file -> host, then host -> staging.
-Status ReadAhead(Lock& lk, Engine& eng, CudaModule* mod, DeviceState* ds, int device) {
-  eng.SchedulePrefetch(lk, device);
-  return mod->StagePrefetch(ds);
+// After an exact load (state of an earlier execution, loaded in its store order) the entries
+// stored after `e` by the same execution; else the newest (activations: reverse order).
+Status ReadAhead(Lock& lk, Engine& eng, CudaModule* mod, DeviceState* ds, const Entry& e,
+                 const DeviceLoad& load) {
+  const Entry* after = load.exact ? &e : nullptr;
+  eng.SchedulePrefetch(lk, load.device, after);
+  return mod->StagePrefetch(ds, after);
 }
 
 // Lock held (released while waiting). The execution's last load on this GPU waits for the
@@ -199,7 +203,7 @@ Status LoadToDevice(Engine& eng, const DeviceLoad& load) {
   }
   if (handle.predicted) SSD_RETURN_IF_ERROR(VerifyHandle(eng, mod, load, handle));
   SSD_RETURN_IF_ERROR(CountLoadAndRelease(eng, mod, ds, e, load.stream));
-  SSD_RETURN_IF_ERROR(ReadAhead(lk, eng, mod, ds, load.device));
+  SSD_RETURN_IF_ERROR(ReadAhead(lk, eng, mod, ds, *e, load));
   if (handle.predicted && handle.left == 0)
     SSD_RETURN_IF_ERROR(SyncLastLoad(lk, eng, mod, load.stream));
   return Status::Ok();

@@ -10,11 +10,12 @@
 
 namespace ssdtrain {
 
-Status CudaModule::StagePrefetch(DeviceState* ds) {
-  const uint64_t budget = std::min<uint64_t>(eng_->config().prefetch_bytes, ds->staging_size);
+Status CudaModule::StagePrefetch(DeviceState* ds, const Entry* after) {
+  const uint64_t budget = std::min<uint64_t>(eng_->config().prefetch_bytes,
+                                             after ? ds->staging_size / 2 : ds->staging_size);
   if (!budget) return Status::Ok();
   // Only this device's entries: staging, streams and events belong to one device.
-  for (const EntryPtr& e : eng_->PredictNext(budget, ds->device)) {
+  for (const EntryPtr& e : eng_->PredictNext(budget, ds->device, after)) {
     if (e->filling() || e->reading() || !e->host_ptr() || !e->host_valid() || e->nbytes() == 0)
       continue;
     DeviceEntry* d = Attach(*e, ds->device);

@@ -2,8 +2,9 @@
 
 An :class:`~jax_ssdtrain.OffloadedState` holds handles, which mean nothing to another process:
 a checkpoint must hold ``tx``'s own state. This module writes it straight from the store into
-the checkpoint, one chunk at a time (tensorstore arrays, one per state leaf), and restores it
-into the store the same way: neither the device nor host memory ever holds the whole state, so
+the checkpoint, chunk by chunk (tensorstore arrays, one per state leaf; a few chunks written or
+read at once), and restores it into the store the same way: neither the device nor host memory
+ever holds the whole state, so
 a state larger than host memory (gpt-8b's 99 GB) can be saved. The rest of the tree (the
 parameters, the step, state kept on the device) is Orbax's ``StandardSave``::
 
@@ -24,6 +25,7 @@ of the optimizer state alone, for a ``Composite`` of one's own.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -62,6 +64,9 @@ __all__ = [
 # Item names in a step's directory.
 TREE_ITEM = "tree"
 STATE_ITEM = "optimizer_state"
+# Chunks a save writes at once (the restore reads optimizer.PIECES_AHEAD ahead): one chunk at a
+# time left the disk idle while the next chunk came out of the store.
+WRITES_IN_FLIGHT = 4
 
 
 def save_args(tree: Any) -> ocp.args.Composite:
@@ -134,14 +139,27 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
     directory.mkdir(parents=True, exist_ok=True)
     for si, state in enumerate(states):
       arrays = {}
+      writing = collections.deque()  # up to WRITES_IN_FLIGHT chunks written at once
 
-      def write(i, leaf, index, value, si=si, arrays=arrays):
+      def write(i, leaf, index, value, si=si, arrays=arrays, writing=writing):
         if i not in arrays:
           arrays[i] = _open(directory, si, i, leaf, create=True)
         target = arrays[i][index] if index else arrays[i]
-        target.write(value).result()
+        writing.append(target.write(value))
+        while len(writing) > WRITES_IN_FLIGHT:
+          writing.popleft().result()
 
-      stream_out(state, write)
+      try:
+        stream_out(state, write)
+      except BaseException:  # the writes in flight end before the error leaves the save
+        for w in writing:
+          try:
+            w.result()
+          except Exception:  # noqa: BLE001 (the first error is the one raised)
+            pass
+        raise
+      while writing:  # every write ends, or raises, before layout.json is written
+        writing.popleft().result()
     layout = {"format": 1, "states": [_describe(s) for s in states]}
     (directory / "layout.json").write_text(json.dumps(layout, indent=1) + "\n")
 
@@ -165,7 +183,7 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
         if i not in arrays:
           arrays[i] = _open(directory, si, i, leaf, create=False)
         source = arrays[i][index] if index else arrays[i]
-        return source.read().result()
+        return source.read()  # a future: stream_in reads ahead
 
       out.append(stream_in(state, read))
     return out

@@ -164,7 +164,11 @@ def test_a_checkpoint_of_another_layout_is_refused(store, tmp_path):
     checkpointing.restore(manager, {"a": tx.init(params), "b": tx.init(params)})
 
 
-def test_a_failed_write_leaves_the_last_checkpoint(store, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fails", ["when_issued", "when_waited"])
+def test_a_failed_write_leaves_the_last_checkpoint(store, tmp_path, monkeypatch, fails):
+  # A save keeps several chunks' writes in flight: a write may fail as it is issued, or later,
+  # in its future (the disk fills while it runs). Either way the save raises and the last
+  # checkpoint stays the latest.
   tx = ssd.offload_optimizer(optax.adam(1e-3), location="nvme", chunk_bytes=CHUNK)
   params = _params()
   first = _stepped(tx, params, 1)
@@ -172,6 +176,10 @@ def test_a_failed_write_leaves_the_last_checkpoint(store, tmp_path, monkeypatch)
   want = _host_leaves({"opt": first})
 
   real_open, writes = checkpointing._open, []
+
+  class Failed:  # a write future that fails when waited for
+    def result(self):
+      raise OSError(28, "No space left on device (injected)")
 
   class FullDisk:  # the third chunk written fails as a full disk would
     def __init__(self, array):
@@ -183,7 +191,9 @@ def test_a_failed_write_leaves_the_last_checkpoint(store, tmp_path, monkeypatch)
     def write(self, value):
       writes.append(value.shape)
       if len(writes) == 3:
-        raise OSError(28, "No space left on device (injected)")
+        if fails == "when_issued":
+          raise OSError(28, "No space left on device (injected)")
+        return Failed()
       return self.array.write(value)
 
   monkeypatch.setattr(checkpointing, "_open", lambda *a, **k: FullDisk(real_open(*a, **k)))

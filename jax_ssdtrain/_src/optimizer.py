@@ -65,6 +65,7 @@ from jax_ssdtrain._src.primitives import TIER_CODES, TIER_NAMES, load_p, store_p
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_MIN_BYTES = 1 << 20
 PIPELINE_DEPTH = 2  # the loads of chunk k wait for the stores of chunk k - PIPELINE_DEPTH
+PIECES_AHEAD = 3  # stream_in: pieces asked of `read` before the one it stores
 # location="device": the same streamed program with each stored leaf kept whole on the device
 # (the reference that the store's round trip must match bit for bit).
 DEVICE_TIER = -1
@@ -271,16 +272,18 @@ def stream_out(state: OffloadedState, write: Callable[..., None]) -> None:
 
 def stream_in(like: OffloadedState, read: Callable[..., Any]) -> OffloadedState:
   """An :class:`OffloadedState` of ``like``'s layout whose pieces are ``read(i, leaf, index)``
-  (the pieces :func:`stream_out` writes, as NumPy arrays): each stored chunk read and written to
-  the store before the next (the host holds one chunk at once; sharded state: one chunk of
-  every device's block). The caller checks shapes and dtypes (:func:`check_leaf`)."""
+  (the pieces :func:`stream_out` writes): a NumPy array, or a future of one (anything with
+  ``result()``, e.g. a tensorstore read), which is asked for :data:`PIECES_AHEAD` pieces before
+  its chunk goes to the store, so that reads overlap (the host holds at most that many chunks
+  and one more; sharded state: chunks of every device's block). The caller checks shapes and
+  dtypes (:func:`check_leaf`)."""
   _check_state(like, "like")
   layout = like.layout
   blocks = _device_blocks(layout, "writing the state into the store")
   device, handles = [], []
   for i, leaf in enumerate(layout.leaves):
     if not leaf.stored:
-      value = np.asarray(read(i, leaf, ()))
+      value = _resolved(read(i, leaf, ()))
       if layout.mesh is None:
         device.append(jnp.asarray(value))
       else:  # replicated over the mesh, as init makes them
@@ -288,26 +291,39 @@ def stream_in(like: OffloadedState, read: Callable[..., Any]) -> OffloadedState:
         device.append(jax.device_put(value, replicated))
     elif layout.tier == DEVICE_TIER:
       sharding = None if not layout.mesh else jax.sharding.NamedSharding(layout.mesh, leaf.spec)
-      handles.append(jax.device_put(np.asarray(read(i, leaf, ())), sharding))
+      handles.append(jax.device_put(_resolved(read(i, leaf, ())), sharding))
     elif blocks:  # chunk k of every device's block, one row per device
       index = blocks(leaf)
       rows = jax.sharding.NamedSharding(layout.mesh, _per_device(layout.mesh))
-      hs = [
-        _store_jit(leaf, layout.tier, layout.mesh)(
-          jax.device_put(
-            np.stack([np.asarray(read(i, leaf, _rows_of(ix, r0, r1))) for ix in index]), rows
-          )
-        )
-        for k, (r0, r1) in enumerate(leaf.bounds)
-      ]
+      store = _store_jit(leaf, layout.tier, layout.mesh)
+      pieces = _ahead(
+        lambda b, i=i, leaf=leaf, index=index: [
+          read(i, leaf, _rows_of(ix, b[0], b[1])) for ix in index
+        ],
+        leaf.bounds,
+      )
+      hs = [store(jax.device_put(np.stack([_resolved(p) for p in ps]), rows)) for ps in pieces]
       handles.append(jnp.stack(hs, axis=1))
     else:
-      hs = [
-        _store_jit(leaf, layout.tier, None)(np.asarray(read(i, leaf, (slice(r0, r1),))))
-        for k, (r0, r1) in enumerate(leaf.bounds)
-      ]
-      handles.append(jnp.stack(hs))
+      store = _store_jit(leaf, layout.tier, None)
+      pieces = _ahead(lambda b, i=i, leaf=leaf: read(i, leaf, (slice(b[0], b[1]),)), leaf.bounds)
+      handles.append(jnp.stack([store(_resolved(p)) for p in pieces]))
   return OffloadedState(device, handles, layout)
+
+
+def _ahead(fetch: Callable[[Any], Any], items: Sequence[Any]):
+  """``fetch(item)`` for each item in order, each asked for :data:`PIECES_AHEAD` items before
+  it is yielded."""
+  pending = [fetch(x) for x in items[:PIECES_AHEAD]]
+  for k in range(len(items)):
+    if k + PIECES_AHEAD < len(items):
+      pending.append(fetch(items[k + PIECES_AHEAD]))
+    yield pending.pop(0)
+
+
+def _resolved(piece: Any) -> np.ndarray:
+  """A piece :func:`stream_in`'s ``read`` gave: the array, or its future's result."""
+  return np.asarray(piece.result() if hasattr(piece, "result") else piece)
 
 
 def _rows_of(index: tuple, r0: int, r1: int) -> tuple:

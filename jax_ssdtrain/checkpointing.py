@@ -4,9 +4,9 @@ An :class:`~jax_ssdtrain.OffloadedState` holds handles, which mean nothing to an
 a checkpoint must hold ``tx``'s own state. This module writes it straight from the store into
 the checkpoint, chunk by chunk (tensorstore arrays, one per state leaf; a few chunks written or
 read at once), and restores it into the store the same way: neither the device nor host memory
-ever holds the whole state, so
-a state larger than host memory (gpt-8b's 99 GB) can be saved. The rest of the tree (the
-parameters, the step, state kept on the device) is Orbax's ``StandardSave``::
+ever holds the whole state, so a state larger than host memory (gpt-8b's 99 GB) can be saved.
+The rest of the tree (the parameters, the step, state kept on the device) is Orbax's
+``StandardSave``::
 
     import orbax.checkpoint as ocp
     from jax_ssdtrain import checkpointing

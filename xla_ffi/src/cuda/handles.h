@@ -19,7 +19,8 @@ namespace ssdtrain {
 Status LaunchWriteHandle(cudaStream_t stream, uint32_t* dst, const uint32_t h[2]);
 
 // Copies the device handle `handle` into `h` on `stream` (a kernel writing mapped host memory)
-// and waits for it; `*seconds`: how long the copy and the wait took. The engine's lock is not held.
+// and waits for it; `*seconds`: how long the copy and the wait took. The engine's lock is not
+// held.
 Status ReadHandle(cudaStream_t stream, const uint32_t* handle, uint32_t h[2], double* seconds);
 
 // A predicted load's check, in mapped host memory. Written by the device only on a mismatch.

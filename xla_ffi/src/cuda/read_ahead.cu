@@ -1,6 +1,8 @@
 // Read-ahead into device staging (device_module.h): after each load, the next predicted loads of
-// the GPU (newest stores first) whose bytes sit in host memory are copied into staging on the
-// h2d stream, so that their loads are device-to-device copies. It never evicts a read-ahead copy
+// the GPU whose bytes sit in host memory are copied into staging on the h2d stream, so that
+// their loads are device-to-device copies. Predicted: the newest stores first (activations), or
+// after an exact load the entries its execution stored after it (optimizer state), then within
+// half the arena. It never evicts a read-ahead copy
 // no load has used (it stops instead); a store takes one only when nothing else frees room,
 // which costs that load a host-to-device copy, never a disk read: the host copy of a read stays
 // until its load.

@@ -1,12 +1,11 @@
 """CUDA handlers: run on the device machine (skipped without a GPU)."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _ffi_common import raw_load, raw_store
+from _optimizer_readahead import check_state_read_ahead_in_store_order
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
@@ -278,47 +277,4 @@ def test_gpu_optimizer_state_is_read_ahead_in_its_store_order(tmp_path):
   # activations, and after each load the read-ahead takes the chunks stored next. The
   # newest-first read-ahead of activations read the old state's last chunks instead: the loads
   # before them waited for their own reads.
-  import optax
-
-  tx = optax.adam(1e-3)
-  params = {f"w{i}": jax.random.normal(jax.random.key(i), (1024, 2048)) for i in range(3)}
-  grads = jax.tree.map(lambda p: 1e-3 * p, params)
-  otx = ssd.offload_optimizer(tx, location="nvme", chunk_bytes=2 << 20, min_bytes=4096)
-
-  def step(opt, p, s):
-    return ssd.apply_gradients(opt, grads, s, p)
-
-  streamed = jax.jit(functools.partial(step, otx), donate_argnums=(0, 1))
-  with ssd.configured(
-    directory=tmp_path / "store",
-    capacity_bytes=256 << 20,
-    host_cache_bytes=64 << 20,  # room for a step's new state and the read-ahead at once
-    forwarding=False,  # a written chunk leaves the cache: every load reads the files
-    prefetch_bytes=4 << 20,
-    io_threads=4,
-  ):
-    p, s = jax.tree.map(jnp.copy, params), otx.init(params)
-    for _ in range(2):  # the first step loads what init stored
-      p, s = streamed(p, s)
-      ssd.flush()
-    ssd.reset_stats()
-    p, s = streamed(p, s)
-    ssd.flush()
-    stats = {k: v for k, v in ssd.stats().items() if "read" in k or "prefetch" in k or "load" in k}
-    p, s = jax.device_get((p, ssd.optimizer_state(s)))
-  loads = 3 * 2 * 4  # 3 leaves, 2 moments, 8 MiB each in 2 MiB chunks
-  assert stats["tensors_read"] == stats["disk_tensors_read"] == loads, stats  # none cached
-  assert stats["prefetch_hits"] >= loads - 1, stats  # all but the first
-  assert stats["disk_bytes_read"] == stats["disk_loaded_bytes"], stats  # no read wasted
-
-  # bit for bit what the same program gives with the state on the device
-  on_device = ssd.offload_optimizer(tx, location="device", chunk_bytes=2 << 20, min_bytes=4096)
-  device_step = jax.jit(functools.partial(step, on_device))
-  want_p, want_s = params, on_device.init(params)
-  for _ in range(3):
-    want_p, want_s = device_step(want_p, want_s)
-  for got, want in zip(
-    jax.tree.leaves((p, s)),
-    jax.tree.leaves((want_p, ssd.optimizer_state(want_s))),
-  ):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  check_state_read_ahead_in_store_order(tmp_path, jax.devices()[0])

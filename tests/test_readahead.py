@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from _ffi_common import raw_load, raw_store
 from _limits import HANG_S
+from _optimizer_readahead import check_state_read_ahead_in_store_order
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
@@ -244,45 +245,5 @@ def test_optimizer_state_is_read_ahead_in_its_store_order(tmp_path):
   # leaf by leaf), the reverse of activations: after each load the read-ahead takes the
   # entries that execution stored next. The newest-first read-ahead of activations took this
   # step's own new state (or the old state's last chunks): no load found its chunk read ahead.
-  # On the CPU backend on every machine (a GPU's loads read ahead into device staging).
-  import functools
-
-  import optax
-
-  cpu = jax.devices("cpu")[0]
-  tx = optax.adam(1e-3)
-  params = {
-    f"w{i}": jax.device_put(jax.random.normal(jax.random.key(i), (1024, 2048)), cpu)
-    for i in range(3)
-  }
-  grads = jax.tree.map(lambda p: 1e-3 * p, params)
-
-  def run(location):
-    otx = ssd.offload_optimizer(tx, location=location, chunk_bytes=2 * MiB, min_bytes=4096)
-    step = jax.jit(functools.partial(ssd.apply_gradients, otx), donate_argnums=(1, 2))
-    p, s = jax.tree.map(jnp.copy, params), otx.init(params)
-    for _ in range(2):  # the first step loads what init stored
-      p, s = step(grads, s, p)
-      ssd.flush()
-    ssd.reset_stats()
-    p, s = step(grads, s, p)
-    ssd.flush()
-    stats = ssd.stats()
-    return p, ssd.optimizer_state(s), stats
-
-  with ssd.configured(
-    tmp_path / "s",
-    capacity_bytes=256 * MiB,
-    host_cache_bytes=64 * MiB,  # room for a step's new state and the read-ahead at once
-    forwarding=False,  # a written chunk leaves the cache: every load reads the files
-    prefetch_bytes=4 * MiB,
-    io_threads=4,
-  ):
-    p, state, stats = run("nvme")
-    want_p, want_state, _ = run("device")
-  loads = 3 * 2 * 4  # 3 leaves, 2 moments, 8 MiB each in 2 MiB chunks
-  assert stats["tensors_read"] == stats["disk_tensors_read"] == loads, stats  # none cached
-  assert stats["prefetch_hits"] >= loads - 1, stats  # all but the first
-  assert stats["disk_bytes_read"] == stats["disk_loaded_bytes"], stats  # no read wasted
-  for got, want in zip(jax.tree.leaves((p, state)), jax.tree.leaves((want_p, want_state))):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # the same program
+  # On the CPU backend on every machine; test_gpu runs the same check through the CUDA handlers.
+  check_state_read_ahead_in_store_order(tmp_path, jax.devices("cpu")[0])

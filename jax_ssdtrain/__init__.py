@@ -1,4 +1,8 @@
-"""jax_ssdtrain: offload training activations to NVMe SSDs from ``jax.checkpoint``.
+"""jax_ssdtrain: JAX training state to pinned host memory or NVMe files, streamed back in time.
+
+The activations a step saves for its backward pass, the optimizer state and the float32 master
+weights of bfloat16 parameters leave the device for the store (a pinned host-memory tier and/or
+files in the store directory) and come back to the device in time for their use.
 
     import jax, jax_ssdtrain as ssd
     from jax.ad_checkpoint import checkpoint_name

@@ -1,15 +1,20 @@
 """Sphinx configuration of the jax_ssdtrain documentation: MyST Markdown pages, API pages from
 docstrings (autodoc), the results page included from the repository's BENCHMARKS.md.
 
-Build (warnings are errors, as in CI): ``pip install ".[docs]"`` then
-``sphinx-build -W -b html docs docs/_build/html``.
+Build (warnings are errors, as in CI): ``pip install -r docs/requirements.txt`` then
+``sphinx-build -W -b html docs docs/_build/html``. jax_ssdtrain is imported from this checkout
+and its native library is not needed: the package loads it on first use, which autodoc never
+makes, so the build compiles nothing.
 """
 
 import posixpath
 import re
+import sys
 from pathlib import Path
 
-import jax_ssdtrain
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's jax_ssdtrain
+
+import jax_ssdtrain  # noqa: E402
 
 project = "jax_ssdtrain"
 author = "the jax_ssdtrain authors"

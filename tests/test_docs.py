@@ -1,12 +1,18 @@
 """The documentation in docs/ against the code: every ```python block of a page runs (the page's
 blocks in order, in a fresh process per page, on CPU), every public name has an API entry and
-every exception class of the library a troubleshooting entry.
+every exception class of the library a troubleshooting entry; the docs build installs from
+docs/requirements.txt and needs no native library.
 
 Examples that cannot run on a CPU-only machine are written as ```console or ```text blocks.
 """
 
 import ast
 import builtins
+import os
+import re
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -76,3 +82,35 @@ def test_every_exception_class_has_a_troubleshooting_entry():
     and issubclass(getattr(jax_ssdtrain, n), BaseException)
   ]
   assert public and all(n in classes for n in public), public
+
+
+def test_docs_install_from_their_requirements_and_need_no_native_library():
+  reqs = (DOCS / "requirements.txt").read_text().splitlines()
+  reqs = [r.strip() for r in reqs if r.strip() and not r.startswith("#")]
+  assert {"sphinx>=7.2.5", "myst-parser>=4", "sphinx-book-theme"} <= set(reqs), reqs
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  jax_req = [d for d in project["dependencies"] if re.match(r"jax\b(?!lib)", d)]
+  assert jax_req and set(jax_req) <= set(reqs), (jax_req, reqs)  # autodoc imports jax_ssdtrain
+  command = "pip install -r docs/requirements.txt && sphinx-build -W -b html docs docs/_build/html"
+  assert command in " ".join((ROOT / "README.md").read_text().split()), "README's docs command"
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert "pip install -q -r docs/requirements.txt" in ci and "extra docs" not in ci
+  assert "docs" not in project["optional-dependencies"], "one list of the docs' requirements"
+  # What docs/conf.py and autodoc import, with no libssdtrain.so to be found.
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SSDTRAIN_")}
+  env.update(SSDTRAIN_LIB=str(ROOT / "no-such-dir" / "libssdtrain.so"), JAX_PLATFORMS="cpu")
+  env.pop("PYTHONPATH", None)
+  code = (
+    "import runpy, sys; runpy.run_path(sys.argv[1]); "
+    "import jax_ssdtrain.checkpointing, jax_ssdtrain.probe, jax_ssdtrain.maxtext; "
+    "from jax_ssdtrain._src import native; assert not native.available(); print('ok')"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code, str(DOCS / "conf.py")],
+    cwd=DOCS,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -5,6 +5,7 @@ has no defaults of its own, and the store stays closed after shutdown()."""
 import dataclasses
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -426,6 +427,43 @@ def test_native_store_needs_a_configured_store(tmp_path):
   with pytest.raises(ValueError, match="store was shut down"):
     native.store_host(src.ctypes.data, src.nbytes, 1)
   config.reset_to_unconfigured()
+
+
+# ---------------------------------------------------------------------------------------------
+# The private store directory of a killed process
+
+_PRIVATE_STORE = """
+import sys, time, jax_ssdtrain as ssd
+print(ssd.store_directories()[0], flush=True)
+if sys.argv[1] == "wait":
+  time.sleep(120)
+"""
+
+
+def test_a_killed_process_private_directory_is_removed_by_the_next(tmp_path):
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SSDTRAIN_")}
+  env.update(JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path), SSDTRAIN_CAPACITY="64MiB")
+  if "SSDTRAIN_LIB" in os.environ:
+    env["SSDTRAIN_LIB"] = os.environ["SSDTRAIN_LIB"]
+  cmd = [sys.executable, "-c", _PRIVATE_STORE]
+  killed = subprocess.Popen([*cmd, "wait"], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+  try:
+    first = killed.stdout.readline().strip()
+    assert first.startswith(str(tmp_path / f"jax_ssdtrain-{killed.pid}-")), first
+    assert config.remove_stale_temp_dirs(str(tmp_path)) == []  # its owner is alive
+    assert os.path.isdir(first)
+  finally:
+    killed.send_signal(signal.SIGKILL)  # no atexit: the directory stays
+    killed.wait()
+  assert os.path.isdir(first)
+  legacy = tmp_path / "jax_ssdtrain-abc123_x"  # a name of another scheme: not touched
+  legacy.mkdir()
+  proc = subprocess.run([*cmd, "exit"], capture_output=True, text=True, env=env, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr
+  second = proc.stdout.strip()
+  assert second != first and not os.path.exists(first), os.listdir(tmp_path)
+  assert not os.path.exists(second)  # removed at exit
+  assert os.listdir(tmp_path) == [legacy.name]
 
 
 # ---------------------------------------------------------------------------------------------

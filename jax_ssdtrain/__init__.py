@@ -48,6 +48,27 @@ from jax_ssdtrain._src import remat as _remat  # noqa: E402
 
 if _native.available():  # a checkout without a built library fails at first use instead
   _native.check_ffi_api()
+
+
+def _check_environment() -> None:
+  # The SSDTRAIN_* variables are read here, before any program is traced: a bad value raises
+  # now, not inside JAX's traceback when the first step opens the store; a variable that is no
+  # option warns (docs/options.md, "Environment variables").
+  from jax_ssdtrain._src import options
+
+  try:
+    unknown = options.check_environment()
+  except ValueError as e:
+    e.add_note(
+      "jax_ssdtrain checks its SSDTRAIN_* environment variables when it is imported: fix or "
+      "unset this one (docs/options.md)"
+    )
+    raise
+  for message in unknown:
+    _warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+_check_environment()
 from jax_ssdtrain._src.accumulate import accumulate_gradients
 from jax_ssdtrain._src.config import (
   StoreConfig,

@@ -414,9 +414,9 @@ def main(argv=None) -> dict:
       f"--locations: model {args.model!r} has no tag {', '.join(map(repr, missing))} "
       f"(its tags: {', '.join(models.MODEL_TAGS[args.model])})"
     )
-  import jax_ssdtrain as ssd
-
   try:  # the store's settings (SSDTRAIN_* variables) are checked before any model work
+    import jax_ssdtrain as ssd  # checks the variables' values
+
     ssd.default_config()
   except (ValueError, OSError) as e:
     parser.exit(2, f"{parser.prog}: error: {_error_text(e)}\n")

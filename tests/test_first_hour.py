@@ -136,6 +136,78 @@ def test_policy_that_offloads_nothing_says_so():
   assert "offloads nothing" in text and "'tiny_tag' (64 bytes)" in text and "min_bytes" in text
 
 
+def _ssd_warnings(fn, *args):
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jax.block_until_ready(fn(*args))
+  return [str(w.message) for w in caught if "jax_ssdtrain" in str(w.message)]
+
+
+def test_policy_tags_the_program_does_not_have_warn_once():
+  # A typo ('fh_upp' for 'fh_up') offloaded nothing and said nothing. The warning names the tag
+  # the program lacks, not the one it has, once per policy, whatever is traced again.
+  def block(x):
+    return jnp.sin(checkpoint_name(jnp.cos(x), "fh_up"))
+
+  policy = ssd.offload_policy(["fh_up", "fh_upp"], min_bytes=0)
+  step = jax.jit(jax.grad(lambda x: jnp.sum(jax.checkpoint(block, policy=policy)(x))))
+  with ssd.configured(tempfile.mkdtemp(), capacity_bytes=64 << 20):
+    (text,) = _ssd_warnings(step, jnp.ones(16))
+    assert "'fh_upp'" in text and "in no checkpoint" in text, text
+    assert "'fh_up'" not in text.split("(")[0] and "its checkpoints' tags: 'fh_up'" in text
+    assert _ssd_warnings(step, jnp.ones(8)) == []  # traced again: said once
+    # Eagerly a checkpoint is all that is seen: a policy none of whose tags it has warns.
+    lost = ssd.offload_policy(["fh_upp"], min_bytes=0)
+    eager = jax.grad(lambda x: jnp.sum(jax.checkpoint(block, policy=lost)(x)))
+    (text,) = _ssd_warnings(eager, jnp.ones(4))
+    assert "'fh_upp'" in text and "in no checkpoint" in text, text
+
+
+def test_policy_tags_spread_over_checkpoints_do_not_warn():
+  # One policy over two checkpoints (an attention and an MLP block): each has one of its tags,
+  # the program has both: nothing to say. Inside a scan and eagerly too.
+  policy = ssd.offload_policy(["fh_attn", "fh_mlp"], min_bytes=0)
+
+  def blocks(x):
+    a = jax.checkpoint(lambda x: jnp.sin(checkpoint_name(x * 2, "fh_attn")), policy=policy)
+    m = jax.checkpoint(lambda x: jnp.cos(checkpoint_name(x * 3, "fh_mlp")), policy=policy)
+    return m(a(x))
+
+  def scanned(x):
+    return jnp.sum(jax.lax.scan(lambda c, _: (blocks(c), None), x, None, length=2)[0])
+
+  with ssd.configured(tempfile.mkdtemp(), capacity_bytes=64 << 20):
+    assert _ssd_warnings(jax.jit(jax.grad(lambda x: jnp.sum(blocks(x)))), jnp.ones(16)) == []
+    assert _ssd_warnings(jax.jit(jax.grad(scanned)), jnp.ones(16)) == []
+    assert _ssd_warnings(jax.grad(lambda x: jnp.sum(blocks(x))), jnp.ones(16)) == []
+
+
+def test_policy_that_offloads_part_of_its_tags_names_the_small_ones():
+  policy = ssd.offload_policy(["fh_big", "fh_small"], min_bytes=1024)
+
+  def loss(x, y):
+    big = jax.checkpoint(lambda x: jnp.sin(checkpoint_name(x * 2, "fh_big")), policy=policy)
+    small = jax.checkpoint(lambda y: jnp.sin(checkpoint_name(y * 2, "fh_small")), policy=policy)
+    return jnp.sum(big(x)) + jnp.sum(small(y))
+
+  step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  with ssd.configured(tempfile.mkdtemp(), capacity_bytes=64 << 20):
+    (text,) = _ssd_warnings(step, jnp.ones(1024), jnp.ones(16))
+  assert "offloads only part" in text and "'fh_small' (64 bytes)" in text, text
+  assert "min_bytes=1024" in text and "offloaded: tags 'fh_big'" in text
+
+
+def test_jax_policies_record_and_warn_nothing():
+  from jax_ssdtrain._src import remat
+
+  cp = jax.checkpoint_policies
+  for policy in (cp.save_only_these_names("fh_none"), cp.nothing_saveable, cp.dots_saveable):
+    f = jax.checkpoint(lambda x: jnp.sin(checkpoint_name(jnp.cos(x), "fh_jax")), policy=policy)
+    assert _ssd_warnings(jax.jit(jax.grad(lambda x: jnp.sum(f(x)))), jnp.ones(16)) == []
+    assert _ssd_warnings(jax.grad(lambda x: jnp.sum(f(x))), jnp.ones(16)) == []
+  assert len(remat._programs) == 0
+
+
 def test_probe_creates_its_directory_and_help_is_plain(tmp_path):
   target = tmp_path / "a" / "b"
   key = probe._Request.make(target, "8MiB", 2, "4MiB", None)

@@ -62,6 +62,8 @@ INTERNALS = [
   "REMAT_TRANSFORM_MODULES",
   "summarize_source_info",
   "OUTPUT_BODY_PARAMS",
+  "JaxprStackFrame",
+  "REMAT_PRIMITIVE_NAMES",
 ]
 
 
@@ -77,6 +79,7 @@ def test_hooks_installed_where_jax_calls_them():
   assert getattr(ji.SAVED_RESIDUALS_MODULE, ji.SAVED_RESIDUALS_FN)._ssdtrain_hook
   for cls in ji.CHECKPOINT_NAME_CLASSES:
     assert getattr(cls.remat, "_ssdtrain_hook", False), cls
+  assert ji.JaxprStackFrame.to_jaxpr._ssdtrain_hook  # where a traced program's policies are checked
   ji.check_partial_eval_call_site()  # raises MissingInternal when JAX changed the call
 
 

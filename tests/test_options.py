@@ -3,7 +3,11 @@
 has no defaults of its own, and the store stays closed after shutdown()."""
 
 import dataclasses
+import os
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -152,6 +156,68 @@ def test_every_variable_is_read(clean_env, tmp_path):
       ssd.default_config()
     clean_env.delenv(option.env)
   assert ssd.default_config() == ssd.StoreConfig()
+
+
+def _import_with(env: dict, code: str = "import jax_ssdtrain") -> subprocess.CompletedProcess:
+  full = {k: v for k, v in os.environ.items() if not k.startswith("SSDTRAIN_")}
+  full.update(JAX_PLATFORMS="cpu", **env)
+  if "SSDTRAIN_LIB" in os.environ:
+    full.setdefault("SSDTRAIN_LIB", os.environ["SSDTRAIN_LIB"])
+  return subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, env=full, cwd=ROOT
+  )
+
+
+@pytest.mark.parametrize(
+  "env,message",
+  [
+    ({"SSDTRAIN_HOST_TIER": "lots"}, "SSDTRAIN_HOST_TIER: cannot read 'lots' as a size; accepted:"),
+    ({"SSDTRAIN_O_DIRECT": "maybe"}, "SSDTRAIN_O_DIRECT: expected on/off/auto, got 'maybe'"),
+    ({"SSDTRAIN_DIR": "/x/{devices}"}, "SSDTRAIN_DIR: unknown placeholder {devices}"),
+  ],
+)
+def test_a_bad_variable_fails_the_import_not_a_step(env, message):
+  # It used to raise at the first step that offloaded, inside JAX's traceback of the tracing.
+  proc = _import_with(env)
+  assert proc.returncode == 1 and "ValueError: " + message in proc.stderr, proc.stderr
+  assert "checks its SSDTRAIN_* environment variables when it is imported" in proc.stderr
+  assert "jax/_src" not in proc.stderr and "Traceback" in proc.stderr
+
+
+def test_an_unknown_variable_warns_naming_the_closest():
+  proc = _import_with({"SSDTRAIN_HOST_TIER_BYTES": "1G", "SSDTRAIN_ZZZ": "1"})
+  assert proc.returncode == 0, proc.stderr
+  assert (
+    "RuntimeWarning: jax_ssdtrain: the environment variable SSDTRAIN_HOST_TIER_BYTES is not an "
+    "option of jax_ssdtrain and is ignored; did you mean SSDTRAIN_HOST_TIER?" in proc.stderr
+  ), proc.stderr
+  assert "SSDTRAIN_ZZZ is not an option" in proc.stderr and "SSDTRAIN_IO_THREADS" in proc.stderr
+  # The other variables the code reads, and the options' own, say nothing.
+  quiet = {name: "0" for name in options.OTHER_VARIABLES}
+  quiet.update(SSDTRAIN_HOST_TIER="1MiB", SSDTRAIN_LIB=str(native.library_path()))
+  assert options.check_environment(quiet) == []
+  proc = _import_with(quiet)
+  assert proc.returncode == 0 and "SSDTRAIN" not in proc.stderr, proc.stderr
+
+
+def test_other_variables_are_those_the_code_reads():
+  # OTHER_VARIABLES (no warning) lists exactly the SSDTRAIN_* variables read outside the table.
+  reads = re.compile(
+    r"""(?:getenv|environ\.get)\(\s*["'](SSDTRAIN_\w+)["']|ENV\{(SSDTRAIN_\w+)\}"""
+    r"|foreach\(_opt ((?:SSDTRAIN_\w+ ?)+)\)"
+  )
+  found = {}
+  for top in ("jax_ssdtrain", "xla_ffi", "scripts", "tests", "models", "benchmarks"):
+    for path in (ROOT / top).rglob("*"):
+      if (
+        path.suffix in (".py", ".cc", ".h", ".cu", ".sh", ".cmake") or path.name == "CMakeLists.txt"
+      ):
+        for m in reads.finditer(path.read_text(errors="replace")):
+          for name in " ".join(g for g in m.groups() if g).split():
+            found.setdefault(name, str(path.relative_to(ROOT)))
+  option_variables = {o.env for o in options.OPTIONS}
+  assert set(found) - option_variables == set(options.OTHER_VARIABLES), found
+  assert not option_variables & set(options.OTHER_VARIABLES)
 
 
 def test_device_groups_follow_the_directory_variable(clean_env, tmp_path):
@@ -361,6 +427,43 @@ def test_native_store_needs_a_configured_store(tmp_path):
   with pytest.raises(ValueError, match="store was shut down"):
     native.store_host(src.ctypes.data, src.nbytes, 1)
   config.reset_to_unconfigured()
+
+
+# ---------------------------------------------------------------------------------------------
+# The private store directory of a killed process
+
+_PRIVATE_STORE = """
+import sys, time, jax_ssdtrain as ssd
+print(ssd.store_directories()[0], flush=True)
+if sys.argv[1] == "wait":
+  time.sleep(120)
+"""
+
+
+def test_a_killed_process_private_directory_is_removed_by_the_next(tmp_path):
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SSDTRAIN_")}
+  env.update(JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path), SSDTRAIN_CAPACITY="64MiB")
+  if "SSDTRAIN_LIB" in os.environ:
+    env["SSDTRAIN_LIB"] = os.environ["SSDTRAIN_LIB"]
+  cmd = [sys.executable, "-c", _PRIVATE_STORE]
+  killed = subprocess.Popen([*cmd, "wait"], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+  try:
+    first = killed.stdout.readline().strip()
+    assert first.startswith(str(tmp_path / f"jax_ssdtrain-{killed.pid}-")), first
+    assert config.remove_stale_temp_dirs(str(tmp_path)) == []  # its owner is alive
+    assert os.path.isdir(first)
+  finally:
+    killed.send_signal(signal.SIGKILL)  # no atexit: the directory stays
+    killed.wait()
+  assert os.path.isdir(first)
+  legacy = tmp_path / "jax_ssdtrain-abc123_x"  # a name of another scheme: not touched
+  legacy.mkdir()
+  proc = subprocess.run([*cmd, "exit"], capture_output=True, text=True, env=env, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr
+  second = proc.stdout.strip()
+  assert second != first and not os.path.exists(first), os.listdir(tmp_path)
+  assert not os.path.exists(second)  # removed at exit
+  assert os.listdir(tmp_path) == [legacy.name]
 
 
 # ---------------------------------------------------------------------------------------------

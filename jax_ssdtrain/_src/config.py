@@ -24,6 +24,7 @@ import atexit
 import contextlib
 import dataclasses
 import errno as _errno
+import fcntl
 import os
 import re
 import shutil
@@ -230,6 +231,7 @@ class _State:
   config: StoreConfig | None = None
   shut_down = False  # by shutdown(): nothing opens a store by itself until configure()
   temp_dir: str | None = None
+  temp_lock: int | None = None  # the flock held on temp_dir's lock file
   targets_registered = False
   warned_kept = False
   warned_o_direct: set = set()
@@ -246,7 +248,7 @@ def _apply(cfg: StoreConfig) -> None:
   directories = cfg.directories
   if not directories:
     if _state.temp_dir is None:
-      _state.temp_dir = tempfile.mkdtemp(prefix="jax_ssdtrain-")  # mode 0700
+      _state.temp_dir = _make_temp_dir()
     directories = (_state.temp_dir,)
   if cfg.directories:
     for d in cfg.directories:
@@ -341,6 +343,69 @@ def _remove_temp_dir() -> None:
   if _state.temp_dir is not None:
     shutil.rmtree(_state.temp_dir, ignore_errors=True)
     _state.temp_dir = None
+  if _state.temp_lock is not None:
+    os.close(_state.temp_lock)
+    _state.temp_lock = None
+
+
+# The private store directory (no directory configured): TEMP_PREFIX + "<pid>-<random>" in the
+# temp dir (``tempfile.gettempdir()``: $TMPDIR, else /tmp), mode 0700. Its store files are
+# unlinked as soon as they are open, so a process killed with SIGKILL leaves the directory and
+# its lock file only: the process holds an exclusive flock on TEMP_LOCK for the directory's
+# life, and the next process that makes one removes every such directory whose lock nobody
+# holds (the kernel drops a dead process's locks; the pid in the name is for people).
+TEMP_PREFIX = "jax_ssdtrain-"
+TEMP_LOCK = ".owner.lock"
+_TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"\d+-[A-Za-z0-9_]+")
+
+
+def _make_temp_dir() -> str:
+  remove_stale_temp_dirs()
+  path = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")  # mode 0700
+  # Locked before it gets its name: a lock file without a holder is stale, never a new one.
+  fd = os.open(os.path.join(path, TEMP_LOCK + ".new"), os.O_RDWR | os.O_CREAT, 0o600)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.rename(os.path.join(path, TEMP_LOCK + ".new"), os.path.join(path, TEMP_LOCK))
+  except OSError:
+    os.close(fd)
+    raise
+  os.set_inheritable(fd, False)
+  _state.temp_lock = fd
+  return path
+
+
+def remove_stale_temp_dirs(parent: str | None = None) -> list[str]:
+  """Removes the private store directories of dead processes (killed before they could remove
+  theirs) from ``parent`` (the temp dir); returns them. Only this user's directories whose lock
+  file no live process holds are touched."""
+  parent = parent or tempfile.gettempdir()
+  removed = []
+  try:
+    names = os.listdir(parent)
+  except OSError:
+    return removed
+  for name in names:
+    if not _TEMP_NAME.fullmatch(name):
+      continue
+    path = os.path.join(parent, name)
+    try:
+      if os.lstat(path).st_uid != os.getuid():
+        continue
+      fd = os.open(os.path.join(path, TEMP_LOCK), os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+      continue  # not ours, not a directory, or made by a release before the lock file
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      os.close(fd)
+      continue  # its process is alive
+    try:
+      shutil.rmtree(path, ignore_errors=True)
+      removed.append(path)
+    finally:
+      os.close(fd)
+  return removed
 
 
 atexit.register(reset_to_unconfigured)

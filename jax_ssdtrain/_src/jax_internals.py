@@ -221,6 +221,29 @@ def under_differentiation() -> bool:
   return False
 
 
+# A jaxpr trace's frame makes the jaxpr when its tracing ends (``to_jaxpr(trace, ...)``): remat.py
+# checks there what the policies of the program traced in it did.
+JaxprStackFrame = _get(_pe, "JaxprStackFrame", "checking a traced program's policies")
+_get(JaxprStackFrame, "to_jaxpr", "checking a traced program's policies")
+
+
+def current_trace() -> Any:
+  """The innermost trace now (its ``parent_trace`` chain leads out; remat.py finds the
+  program being traced through it)."""
+  return _core.trace_ctx.trace
+
+
+# The jaxprs an equation calls (a scan's body, a cond's branches, a jit's), to find every tag
+# of a checkpoint's body; remat's own primitive, whose body has its own policy.
+_get(_core, "jaxprs_in_params", "finding the tags of a checkpoint's body")
+REMAT_PRIMITIVE_NAMES = frozenset({_ad_checkpoint.remat_p.name})
+
+
+def sub_jaxprs(eqn: Any) -> tuple[Any, ...]:
+  """The jaxprs in an equation's params (bodies, branches)."""
+  return tuple(_core.jaxprs_in_params(eqn.params))
+
+
 def remat3_policy(policy_or_trace: Any) -> Any:
   """The policy of a remat3 ``remat`` call (jax 0.10 passes it, later releases the trace)."""
   return getattr(policy_or_trace, "policy", policy_or_trace)

@@ -160,6 +160,11 @@ class OffloadPolicy:
       self.default is not None and self.default.in_store
     )
 
+  def store_names(self) -> tuple[str, ...]:
+    """The tags this policy names for the store (a program without them offloads nothing for
+    them: remat.py warns)."""
+    return tuple(name for name, loc in self.locations if loc.in_store)
+
   def too_small(self, name: str, aval) -> bool:
     """True when ``name`` is meant for the store but ``aval`` is below ``min_bytes``."""
     loc = dict(self.locations).get(name, self.default)
@@ -203,6 +208,9 @@ class ComposedPolicy:
 
   def offloads(self) -> bool:
     return any(getattr(p, "offloads", lambda: False)() for p in self.parts)
+
+  def store_names(self) -> tuple[str, ...]:
+    return tuple(n for p in self.parts for n in getattr(p, "store_names", tuple)())
 
   def too_small(self, name: str, aval) -> bool:
     return any(getattr(p, "too_small", lambda *a: False)(name, aval) for p in self.parts)

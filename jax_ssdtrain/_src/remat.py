@@ -18,10 +18,16 @@ and, for the handles a scan returns stacked over its iterations, ``named 'qkv' -
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+import os
+import sys
 import threading
 import warnings
+import weakref
+
+import jax
 
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.policies import StoreDecision, as_offloading, name_p
@@ -45,6 +51,7 @@ def install() -> None:
     setattr(pe, ji.PARTIAL_EVAL_CUSTOM_CACHED, _make_hook(current))
   for cls in ji.CHECKPOINT_NAME_CLASSES:
     _install_remat3(cls)
+  _install_program_end()
   if ji.CHECKPOINT_NAME_CLASSES:
     _install_trace_release()
   _install_saved_residuals()
@@ -65,6 +72,7 @@ def _make_hook(original):
   def hook(jaxpr, in_unknowns, in_inst, ensure_out_unknowns, ensure_out_inst, saveable):
     ours = as_offloading(saveable)
     if ours is not None:
+      _note_checkpoint(jaxpr, ours)
       # nested: a differentiation encloses this one (grad(grad(f)), jvp(grad(f))): the
       # backward then reloads with the recomputed value's tangent (primitives.reload_p).
       return offloading(
@@ -85,11 +93,10 @@ def _make_hook(original):
 
 def _rewrite_tags(jaxpr, policy, nested=False):
   """Turns the tags that ``policy`` sends to the store into ``tag_p`` equations."""
-  eqns, changed, small = [], False, {}
+  eqns, changed = [], False
   for eqn in jaxpr.eqns:
     if eqn.primitive is name_p:
-      aval = eqn.invars[0].aval
-      decision = policy(name_p, aval, **eqn.params)
+      decision = policy(name_p, eqn.invars[0].aval, **eqn.params)
       if isinstance(decision, StoreDecision):
         eqn = eqn.replace(
           primitive=tag_p,
@@ -101,31 +108,177 @@ def _rewrite_tags(jaxpr, policy, nested=False):
           ),
         )
         changed = True
-      elif policy.too_small(eqn.params["name"], aval):
-        small[eqn.params["name"]] = _nbytes(aval)
     eqns.append(eqn)
-  if small and not changed:
-    _warn_nothing_offloaded(policy, small)
   return jaxpr.replace(eqns=eqns) if changed else jaxpr
 
 
+# ---------------------------------------------------------------------------------------------
+# Policies that do less than they say: warned once per (policy, what it missed)
+#
+# Each checkpoint whose policy is ours adds what its body holds (every tag, at any depth; the
+# tags the policy stores; those too small for it) to the record of its policy in the program
+# being traced: the outermost jaxpr trace above it (jit's), whose ``to_jaxpr`` ends the program
+# and checks the record, or, for a checkpoint applied eagerly, the checkpoint alone. A policy
+# that lists a tag for the store that no checkpoint of the program has (eagerly: none of its
+# tags is in the checkpoint), or whose tags all stay on the device for ``min_bytes``, or part of
+# them, warns. JAX's own policies record nothing.
+
+
+@dataclasses.dataclass
+class _Seen:
+  names: set = dataclasses.field(default_factory=set)  # every tag of the policy's checkpoints
+  stored: set = dataclasses.field(default_factory=set)  # the tags it sends to the store
+  small: set = dataclasses.field(default_factory=set)  # (tag, bytes) below min_bytes
+
+
+_programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root trace -> {policy: _Seen}
+_programs_lock = threading.Lock()
 _warned: set = set()
 
 
-def _warn_nothing_offloaded(policy, small: dict[str, int]) -> None:
-  key = (policy, tuple(sorted(small)))
+def _note_checkpoint(jaxpr, policy) -> None:
+  names, stored, small = _tags_of(jaxpr, policy)
+  root = _program_trace()
+  with _programs_lock:
+    records = {} if root is None else _programs.setdefault(root, {})
+    seen = records.setdefault(policy, _Seen())
+    seen.names |= names
+    seen.stored |= stored
+    seen.small |= small
+  if root is None:  # applied eagerly: the checkpoint is all we see of the program
+    _check_program(records, whole=False)
+
+
+def _program_trace():
+  """The outermost jaxpr trace above the current one (jit's, for a jitted step), or None
+  outside any (a checkpoint applied eagerly)."""
+  trace, root = ji.current_trace(), None
+  for _ in range(1000):
+    if trace is None:
+      break
+    if isinstance(trace, ji.DynamicJaxprTrace):
+      root = trace
+    trace = getattr(trace, "parent_trace", None)
+  return root
+
+
+def _program_traced(trace) -> None:
+  with _programs_lock:
+    records = _programs.pop(trace, None)
+  if records:
+    _check_program(records)
+
+
+def _check_program(records: dict, whole: bool = True) -> None:
+  """Warns for what the policies of a program missed. Not ``whole`` (one checkpoint applied
+  eagerly): its policy's tags may be in the program's other checkpoints, so missing ones are
+  only warned about where none of them is in it."""
+  for policy, seen in records.items():
+    wanted = set(policy.store_names())
+    missing = sorted(wanted - seen.names)
+    if missing and (whole or len(missing) == len(wanted)):
+      _warn_once(
+        (policy, "missing", tuple(missing)),
+        f"jax_ssdtrain: the tag(s) {', '.join(map(repr, missing))} of this policy are in no "
+        "checkpoint that the traced program differentiates with it, so nothing is offloaded "
+        f"for them (its checkpoints' tags: {', '.join(map(repr, sorted(seen.names))) or 'none'}"
+        "); check the names given to checkpoint_name",
+      )
+    small = sorted(seen.small)
+    if not small:
+      continue
+    sizes = ", ".join(f"{name!r} ({n} bytes)" for name, n in small)
+    floor = getattr(policy, "min_bytes", None)
+    floor = f"min_bytes={floor}" if floor is not None else "min_bytes"
+    if not seen.stored:
+      _warn_once(
+        (policy, "small", tuple(small)),
+        f"jax_ssdtrain: this checkpoint offloads nothing: the tags {sizes} are below the "
+        f"policy's {floor} and stay on the device; lower min_bytes (e.g. min_bytes=0) "
+        "to offload them",
+      )
+    else:
+      _warn_once(
+        (policy, "partly small", tuple(small)),
+        f"jax_ssdtrain: this policy offloads only part of the traced program's tagged "
+        f"tensors: those of {sizes} are below its {floor} and stay on the device (offloaded: "
+        f"tags {', '.join(map(repr, sorted(seen.stored)))}); lower min_bytes to offload "
+        "them too",
+      )
+
+
+def _warn_once(key, message: str) -> None:
   if key in _warned:
     return
   _warned.add(key)
-  sizes = ", ".join(f"{name!r} ({n} bytes)" for name, n in sorted(small.items()))
-  floor = getattr(policy, "min_bytes", None)
-  warnings.warn(
-    f"jax_ssdtrain: this checkpoint offloads nothing: the tags {sizes} are below the "
-    f"policy's min_bytes{'=' + str(floor) if floor is not None else ''} and stay on "
-    "the device; lower min_bytes (e.g. min_bytes=0) to offload them",
-    RuntimeWarning,
-    stacklevel=2,
-  )
+  warnings.warn(message, RuntimeWarning, stacklevel=_user_stacklevel())
+
+
+_LIBRARY_DIRS = tuple(
+  os.path.dirname(m.__file__) + os.sep
+  for m in (jax, sys.modules[__package__.split(".")[0]], os)  # os: the standard library's
+)
+
+
+def _user_stacklevel() -> int:
+  """The ``stacklevel`` (from _warn_once) of the first frame outside JAX and jax_ssdtrain: the
+  user's line that traced the program."""
+  frame, level = sys._getframe(2), 2
+  while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+    frame, level = frame.f_back, level + 1
+  return level if frame is not None else 2
+
+
+def _install_program_end() -> None:
+  """A trace's frame turns it into a jaxpr when its tracing ends (every jaxpr trace, jit's
+  included): the program traced in it is checked there. Only a trace a checkpoint with our
+  policy recorded is looked at."""
+  cls = ji.JaxprStackFrame
+  original = cls.to_jaxpr
+  if getattr(original, "_ssdtrain_hook", False):
+    return
+
+  @functools.wraps(original)
+  def to_jaxpr(self, trace, *args, **kwargs):
+    out = original(self, trace, *args, **kwargs)
+    if _programs:
+      _program_traced(trace)
+    return out
+
+  to_jaxpr._ssdtrain_hook = True
+  cls.to_jaxpr = to_jaxpr
+
+
+# Our primitives in a body: a tag already on its way to the store.
+_OFFLOADED = (tag_p, store_p, load_p, reload_p)
+
+
+@ji.weakref_lru_cache
+def _tags_of(jaxpr, policy):
+  """``(names, stored, small)`` of a checkpoint's body: every tag name in it and the bodies it
+  calls; those ``policy`` sends to the store; ``(name, bytes)`` of those below its min_bytes.
+  A checkpoint nested in the body has its own policy: its tags count as names only."""
+  names, stored, small = set(), set(), set()
+
+  def walk(j, decide):
+    for eqn in ji.open_jaxpr(j).eqns:
+      if eqn.primitive in _OFFLOADED:  # a body differentiated again (grad(grad(f)))
+        names.add(eqn.params["name"])
+        stored.add(eqn.params["name"])
+      elif eqn.primitive is name_p:
+        name, aval = eqn.params["name"], eqn.invars[0].aval
+        names.add(name)
+        if not decide:
+          pass
+        elif isinstance(policy(name_p, aval, **eqn.params), StoreDecision):
+          stored.add(name)
+        elif policy.too_small(name, aval):
+          small.add((name, _nbytes(aval)))
+      for sub in ji.sub_jaxprs(eqn):
+        walk(sub, decide and eqn.primitive.name not in ji.REMAT_PRIMITIVE_NAMES)
+
+  walk(jaxpr, True)
+  return frozenset(names), frozenset(stored), frozenset(small)
 
 
 def _nbytes(aval) -> int:

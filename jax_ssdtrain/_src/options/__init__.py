@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import errno as _errno
 import math
 import os
@@ -466,6 +467,21 @@ OPTIONS: tuple[Option, ...] = (
   ),
 )
 
+# The other SSDTRAIN_* variables something in this repository reads (not store options): an
+# SSDTRAIN_* variable that is neither one of these nor an option's is warned about at import
+# (check_environment), naming the closest option's. tests/test_options.py checks this list
+# against the variables the code reads.
+OTHER_VARIABLES: dict[str, str] = {
+  "SSDTRAIN_LIB": "the native library to load (jax_ssdtrain/_src/native.py)",
+  "SSDTRAIN_ALLOW_UNTESTED_JAX": "import with an untested JAX release (jax_ssdtrain/__init__.py)",
+  "SSDTRAIN_FAULT": "test hook: fail the n-th read or write (xla_ffi/src/config.cc)",
+  "SSDTRAIN_CRC_SOFTWARE": "test hook: crc32c without SSE4.2 (xla_ffi/src/crc32c.cc)",
+  "SSDTRAIN_CUDA": "build: CUDA handlers AUTO/ON/OFF (xla_ffi/CMakeLists.txt)",
+  "SSDTRAIN_KVIKIO": "build: kvikio AUTO/ON/OFF (xla_ffi/CMakeLists.txt)",
+  "SSDTRAIN_CUDA_ARCHITECTURES": "build: CUDA architectures (xla_ffi/CMakeLists.txt)",
+  "SSDTRAIN_TEST_PLATFORM": "tests: the backend of tests/test_reliability.py",
+}
+
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
 BY_KEYWORD: dict[str, Option] = {k: o for o in OPTIONS for k in o.keywords}
 
@@ -542,6 +558,56 @@ def from_environment(environ: Mapping[str, str] | None = None) -> Any:
   return check(StoreConfig(**_with_followers(changes, raw)))
 
 
+def check_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+  """Checks the ``SSDTRAIN_*`` variables when ``jax_ssdtrain`` is imported, before any program
+  is traced: a bad value of an option's variable raises a ValueError naming the variable, its
+  value and the accepted forms; the same checks as :func:`from_environment` except those that
+  need the devices or the distributed runtime (``{device}`` and ``{process}`` are expanded when
+  the store opens). Returns a warning for each variable that is not an option's (nor one of
+  :data:`OTHER_VARIABLES`), naming the closest option's; the caller warns."""
+  environ = os.environ if environ is None else environ
+  changes: dict[str, Any] = {}
+  for option in OPTIONS:
+    text = environ.get(option.env) if option.env else None
+    if text is None or not text.strip():
+      continue
+    if option.name == "directories":
+      paths = option.kind.from_text(text.strip(), option.env)
+      for path in paths:
+        _check_template(path, option.env)
+      _checked_paths(paths, option.env)
+      _device_groups_syntax(paths, option.env)
+    else:
+      changes[option.name] = option.read_text(text.strip())
+  check(StoreConfig(**changes), variables=True)
+  return [unknown_variable_warning(name) for name in sorted(environ) if _unknown_variable(name)]
+
+
+def _unknown_variable(name: str) -> bool:
+  return (
+    name.startswith("SSDTRAIN_")
+    and name not in OTHER_VARIABLES
+    and all(name != o.env for o in OPTIONS)
+  )
+
+
+def unknown_variable_warning(name: str) -> str:
+  """The warning for an ``SSDTRAIN_*`` variable nothing reads."""
+  known = [o.env for o in OPTIONS if o.env]
+  prefix = len("SSDTRAIN_")  # compared without it: every name shares it
+  close = difflib.get_close_matches(
+    name[prefix:], [k[prefix:] for k in known + list(OTHER_VARIABLES)], n=1, cutoff=0.6
+  )
+  if close:
+    hint = f"did you mean SSDTRAIN_{close[0]}?"
+  else:
+    hint = f"the options' variables are {', '.join(known)}"
+  return (
+    f"jax_ssdtrain: the environment variable {name} is not an option of jax_ssdtrain and is "
+    f"ignored; {hint} (docs/options.md lists them)"
+  )
+
+
 def _with_followers(changes: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
   for option in OPTIONS:
     if option.follows and option.name not in changes and option.follows[0] in raw:
@@ -549,8 +615,9 @@ def _with_followers(changes: dict[str, Any], raw: dict[str, Any]) -> dict[str, A
   return changes
 
 
-def check(cfg: Any) -> Any:
-  """Checks every field of a StoreConfig and the options together; returns it normalised."""
+def check(cfg: Any, *, variables: bool = False) -> Any:
+  """Checks every field of a StoreConfig and the options together; returns it normalised.
+  ``variables``: the values come from the environment (errors name the variables too)."""
   fields = {o.name: o.kind.check(getattr(cfg, o.name), o.name) for o in OPTIONS}
   cfg = dataclasses.replace(cfg, **fields)
   groups = cfg.device_groups
@@ -561,17 +628,22 @@ def check(cfg: Any) -> Any:
     )
   ram = _physical_ram()
   if ram:
+
+    def named(key):
+      return BY_NAME[key].env if variables else key
+
     for key in ("host_tier_bytes", "host_cache_bytes"):
       if getattr(cfg, key) > ram:
         raise ValueError(
-          f"{key}={getattr(cfg, key)} ({getattr(cfg, key) / GiB:.2f} GiB) is "
+          f"{named(key)}={getattr(cfg, key)} ({getattr(cfg, key) / GiB:.2f} GiB) is "
           f"beyond the physical memory of this machine ({ram / GiB:.2f} GiB)"
         )
     both = cfg.host_tier_bytes + cfg.host_cache_bytes
     if both > ram:
       raise ValueError(
-        f"host_tier_bytes + host_cache_bytes = {both} ({both / GiB:.2f} GiB) is "
-        f"beyond the physical memory of this machine ({ram / GiB:.2f} GiB)"
+        f"{named('host_tier_bytes')} + {named('host_cache_bytes')} = {both} "
+        f"({both / GiB:.2f} GiB) is beyond the physical memory of this machine "
+        f"({ram / GiB:.2f} GiB)"
       )
   return cfg
 
@@ -608,15 +680,9 @@ def _as_list(value) -> list:
 
 def _device_groups(value) -> int:
   """The number of local devices when every directory has ``{device}``; 0 when none has."""
-  items = _as_list(value)
-  per_device = ["{device}" in os.fspath(item) for item in items]
-  if not any(per_device):
+  _device_groups_syntax(value)
+  if not any("{device}" in os.fspath(item) for item in _as_list(value)):
     return 0
-  if not all(per_device):
-    raise ValueError(
-      f"directory: {{device}} must be in every store directory or in none, got "
-      f"{[os.fspath(i) for i in items]}"
-    )
   return len(_local_devices())
 
 
@@ -642,10 +708,18 @@ _PLACEHOLDERS = {
 }
 
 
-def _expand_template(path: str, what: str = "directory") -> list[str]:
-  """``{process}`` / ``{device}`` in a directory -> the directories they stand for."""
+def _device_groups_syntax(value, what: str = "directory") -> None:
+  """``{device}`` in every directory or in none (without counting the devices)."""
+  items = [os.fspath(i) for i in _as_list(value)]
+  per_device = ["{device}" in item for item in items]
+  if any(per_device) and not all(per_device):
+    raise ValueError(f"{what}: {{device}} must be in every store directory or in none, got {items}")
+
+
+def _check_template(path: str, what: str = "directory") -> list[str]:
+  """The placeholders of a directory; ValueError for a malformed or unknown one."""
   if "{" not in path and "}" not in path:
-    return [path]
+    return []
   try:
     parsed = [
       (f, spec, conv) for _, f, spec, conv in string.Formatter().parse(path) if f is not None
@@ -661,7 +735,14 @@ def _expand_template(path: str, what: str = "directory") -> list[str]:
         f"{what}: unknown placeholder {{{field}}} in {path!r}; known: "
         f"{', '.join('{' + k + '}' for k in _PLACEHOLDERS)}"
       )
-  values = {name: _PLACEHOLDERS[name]() for name in sorted({f for f, _, _ in parsed})}
+  return sorted({f for f, _, _ in parsed})
+
+
+def _expand_template(path: str, what: str = "directory") -> list[str]:
+  """``{process}`` / ``{device}`` in a directory -> the directories they stand for."""
+  if "{" not in path and "}" not in path:
+    return [path]
+  values = {name: _PLACEHOLDERS[name]() for name in _check_template(path, what)}
   out = [path]
   for name, choices in values.items():
     out = [p.replace("{" + name + "}", v) for p in out for v in choices]

@@ -44,11 +44,17 @@ class Parallelism:
     return self.data * self.model
 
   def mesh(self, devices=None) -> Mesh:
-    """The ``(data, model)`` mesh over ``devices`` (default: every device of every process)."""
-    devices = list(jax.devices() if devices is None else devices)
+    """The ``(data, model)`` mesh over ``devices``, exactly ``data * model`` of them; by default
+    the first ``data * model`` of ``jax.devices()`` (a mesh smaller than the machine leaves the
+    other devices out). Several processes: every device of every process by default (each
+    process feeds its own rows of the batch), or pass ``devices``."""
+    if devices is None:
+      devices = default_devices(self.size)
+    devices = list(devices)
     if len(devices) != self.size:
       raise ValueError(
-        f"mesh data={self.data} x model={self.model} needs {self.size} devices, got {len(devices)}"
+        f"mesh data={self.data} x model={self.model} needs {self.size} devices, "
+        f"{len(devices)} given"
       )
     return Mesh(np.array(devices).reshape(self.data, self.model), (DATA, MODEL))
 
@@ -119,6 +125,44 @@ def gather_weight(w):
 _ACTIVATION_SHARDING: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
   "activation_mesh", default=None
 )
+
+
+def default_devices(n: int) -> list:
+  """The first ``n`` of ``jax.devices()`` (a ValueError naming how many there are when fewer).
+  With several processes, ``n`` must be all of them: the first ``n`` would leave whole processes
+  out of the mesh, whose rows of the batch nothing would take."""
+  devices = jax.devices()
+  if n > len(devices):
+    raise ValueError(
+      f"a mesh of {n} devices: there are only {len(devices)} ({', '.join(str(d) for d in devices)})"
+    )
+  if n < len(devices) and jax.process_count() > 1:
+    raise ValueError(
+      f"a mesh of {n} of the {len(devices)} devices of {jax.process_count()} processes: "
+      "a mesh over several processes takes all their devices (or pass the devices)"
+    )
+  return devices[:n]
+
+
+def select_devices(spec: str) -> list:
+  """``"0,1"`` -> those devices of ``jax.devices()``, by ``jax.Device.id`` (on one machine: the
+  index among its GPUs, after CUDA_VISIBLE_DEVICES), in the order given."""
+  by_id = {d.id: d for d in jax.devices()}
+  ids = []
+  for item in (s.strip() for s in spec.split(",")):
+    try:
+      ids.append(int(item))
+    except ValueError:
+      raise ValueError(f"expected device ids like 0,1, got {spec!r}") from None
+  if not ids or len(set(ids)) != len(ids):
+    raise ValueError(f"expected distinct device ids like 0,1, got {spec!r}")
+  missing = [i for i in ids if i not in by_id]
+  if missing:
+    raise ValueError(
+      f"no device {', '.join(map(str, missing))}; there are "
+      f"{len(by_id)} (ids {', '.join(map(str, sorted(by_id)))})"
+    )
+  return [by_id[i] for i in ids]
 
 
 def parse_mesh(spec: str) -> Parallelism:

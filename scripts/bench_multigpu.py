@@ -19,8 +19,9 @@ reduce-scatter, collective-permute, all-to-all; an async ``-start``/``-done`` pa
 once): the JSON has them by kind, and the table's "+coll. vs remat" column gives how many the
 offload policies add to ``remat`` of the same layout with N GPUs (the offload adds none: 0).
 
-One child process per GPU count (``CUDA_VISIBLE_DEVICES``) runs its configurations one after
-the other; this process only orchestrates and writes ``multigpu_<device>_<date>.json``, a table
+One child process per GPU count runs its configurations one after the other, on the first 1 and
+the first ``--gpus`` GPUs (``CUDA_VISIBLE_DEVICES``: of the machine's, or of those this process
+is given); this process only orchestrates and writes ``multigpu_<device>_<date>.json``, a table
 (``.md``) and a plot (``.png``) to ``--out``.
 
     python -m scripts.bench_multigpu                       # 2 H200: ~4-5 min with compiles
@@ -103,8 +104,9 @@ def _orchestrate(args, store_root: str) -> int:
         JAX_PLATFORMS="cpu",
         XLA_FLAGS=env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}",
       )
-    else:
-      env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
+    else:  # the first n GPUs of those this process may use (all of the machine's by default)
+      visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+      env["CUDA_VISIBLE_DEVICES"] = ",".join((visible or [str(i) for i in range(n)])[:n])
     out = common.run_json_child(
       common.module_command("scripts.bench_multigpu", "--child", json.dumps(cfg)),
       timeout=args.child_timeout,

@@ -10,6 +10,9 @@
 #
 # Stages (results page section in brackets):
 #   tests        the GPU test suite: pytest -m gpu tests                           [Tests]
+#   tests4       the multi-device tests on 4 GPUs: pytest -m gpu of test_multidevice,
+#                test_optimizer and test_multihost (their 2-GPU tests on the first 2 of the 4,
+#                the 4-GPU ones on all; needs 4 GPUs)                                 [Tests]
 #   reliability  tests/test_reliability.py through the CUDA handlers               [Tests]
 #   jaxlayer     tests/test_jax_layer.py and tests/test_lifetimes.py on the GPU     [Tests]
 #   lifetimes    tests/test_lifetimes.py alone (sweeps on the GPU: a quick check)   [Tests]
@@ -28,12 +31,15 @@
 #   train        scripts.train, gpt-1.3b: keep vs the 4 tags in the host tier       [train]
 #   maxtext      bench_maxtext: MaxText's trainer, its presets and ours (carry .whl/) [maxtext]
 #   multigpu     bench_multigpu: 1 vs 2 GPUs, DP and FSDP (needs 2 GPUs)            [multigpu]
+#   multigpu4    bench_multigpu --gpus 4: 1 vs 4 GPUs, DP and FSDP (needs 4 GPUs)   [multigpu]
 #   multihost    tests/test_multihost.py: 2 processes x 1 GPU vs 1 x 2 (needs 2 GPUs) [Tests]
 #   optimizer    tests/test_optimizer.py on the GPU, then bench_optimizer (one GPU)  [optimizer]
 #   optimizerbench  bench_optimizer alone (one GPU); both write the host and nvme rows' last
 #                step of GPU copies as a Chrome trace (--timeline)                  [optimizer]
 #   optimizer2   the state sharded over 2 GPUs: its -m gpu test, bench_optimizer --devices 2
 #                (needs 2 GPUs)                                                      [optimizer]
+#   optimizer4   the same over 4 GPUs: the -m gpu tests (2 and 4 GPUs), bench_optimizer
+#                --devices 4 (needs 4 GPUs)                                          [optimizer]
 #   checkpoint   bench_checkpoint: Adam's state saved and restored, streamed vs staged, against
 #                the checkpoint directory's raw write and read rates (one GPU)       [checkpoint]
 #   accumulate   bench_accumulate, gpt-1.3b, accumulation 1/4/16 (one GPU)          [accumulate]
@@ -62,9 +68,9 @@ OUT=${OUT:-/tmp/jax_ssdtrain-gpu}
 LIMIT_S=${LIMIT_S:-570}
 if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
-KNOWN=(tests reliability jaxlayer lifetimes rok rok8192 hostrows hosttier link planner planner32k planner8192
-  plannernvme cap emulated train maxtext multigpu multihost optimizer optimizerbench optimizer2 checkpoint accumulate
-  fit maxtextfsdp maxtextfsdpqkv)
+KNOWN=(tests tests4 reliability jaxlayer lifetimes rok rok8192 hostrows hosttier link planner planner32k
+  planner8192 plannernvme cap emulated train maxtext multigpu multigpu4 multihost optimizer optimizerbench
+  optimizer2 optimizer4 checkpoint accumulate fit maxtextfsdp maxtextfsdpqkv)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
   exit 2
@@ -104,6 +110,14 @@ run() {
   local t=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   log "== $name (rc $?, $((SECONDS - t)) s): $(tail -1 "$OUT/$name.log")"
+}
+# gpus N STAGE: whether this machine has N GPUs (else the stage is logged as not run)
+gpus() {
+  local have
+  have=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU ')
+  [ "$have" -ge "$1" ] && return 0
+  log "== $2: not run, needs $1 GPUs, this machine has $have"
+  return 1
 }
 ROK=(--steps 10 --warmup 3)
 LINK=(--ssd prefetch_bytes=2560MiB --ssd host_tier_bytes=32GiB --timeline --link-probe --no-probe)
@@ -156,6 +170,10 @@ for stage in "${STAGES[@]}"; do
   case "$stage" in
     tests)
       run tests 900 $PY -m pytest -q -ra -s -p no:cacheprovider -m gpu tests ;;
+    tests4)
+      gpus 4 tests4 || continue
+      run tests4 600 $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_multidevice.py \
+        tests/test_optimizer.py tests/test_multihost.py ;;
     reliability)
       SSDTRAIN_TEST_PLATFORM=cuda run reliability 900 $PY -m pytest -q -ra -p no:cacheprovider \
         tests/test_reliability.py ;;
@@ -234,6 +252,10 @@ for stage in "${STAGES[@]}"; do
     multigpu)
       run multigpu 600 $PY -m scripts.bench_multigpu --policies offload,offload_host,remat --batch-per-gpu 32 \
         --out "$OUT/multigpu" ;;
+    multigpu4)
+      gpus 4 multigpu4 || continue
+      run multigpu4 600 $PY -m scripts.bench_multigpu --gpus 4 --policies offload,offload_host,remat \
+        --batch-per-gpu 32 --out "$OUT/multigpu4" ;;
     multihost)
       run multihost 300 $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_multihost.py ;;
     optimizer)
@@ -247,6 +269,11 @@ for stage in "${STAGES[@]}"; do
       run optimizer2_tests 300 $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_optimizer.py
       run optimizer2 300 $PY -m scripts.bench_optimizer --devices 2 --store-dir /var/tmp/opt2 \
         --out "$OUT/optimizer2" ;;
+    optimizer4)
+      gpus 4 optimizer4 || continue
+      run optimizer4_tests 300 $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_optimizer.py
+      run optimizer4 300 $PY -m scripts.bench_optimizer --devices 4 --store-dir /var/tmp/opt4 \
+        --out "$OUT/optimizer4" ;;
     checkpoint)
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run checkpoint 300 $PY -m scripts.bench_checkpoint \
         --ckpt-dir /var/tmp/ckpt --store-dir /var/tmp/ckpt-store --out "$OUT/checkpoint" ;;

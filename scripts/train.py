@@ -227,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     "over M, parameters/optimizer state sharded over the data axis (fsdp)",
   )
   p.add_argument(
+    "--devices",
+    default=None,
+    metavar="IDS",
+    help="the devices of --mesh, by id (e.g. 0,1; default: the first dp*tp devices)",
+  )
+  p.add_argument(
     "--distributed",
     action="store_true",
     help="jax.distributed.initialize() first (SLURM/MPI/... auto-detection, or "
@@ -423,8 +429,21 @@ def main(argv=None) -> dict:
 
   if args.distributed or args.coordinator:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-  if args.mesh and args.mesh.size != jax.device_count():
-    parser.error(f"--mesh needs {args.mesh.size} devices, there are {jax.device_count()}")
+  mesh_devices = None
+  if args.devices is not None and not args.mesh:
+    parser.error("--devices needs --mesh (the devices of the mesh)")
+  if args.mesh:
+    from models import parallel
+
+    try:
+      if args.devices is None:
+        mesh_devices = parallel.default_devices(args.mesh.size)
+      else:
+        mesh_devices = parallel.select_devices(args.devices)
+    except ValueError as e:
+      parser.error(f"--{'mesh' if args.devices is None else 'devices'}: {e}")
+    if len(mesh_devices) != args.mesh.size:
+      parser.error(f"--devices {args.devices}: --mesh needs {args.mesh.size} devices")
   if args.mesh and run.batch % args.mesh.data:
     parser.error(f"--batch {run.batch} is not divisible by dp={args.mesh.data}")
   try:
@@ -483,7 +502,7 @@ def main(argv=None) -> dict:
 
   mesh = None
   if args.mesh:
-    mesh = args.mesh.mesh()
+    mesh = args.mesh.mesh(mesh_devices)
     state, shardings = training.shard_train_state(state, args.mesh, mesh)
     step_fn = training.jit_train_step(shardings)
   else:
@@ -567,7 +586,8 @@ def main(argv=None) -> dict:
   if hasattr(batches, "close"):
     batches.close()
   st = ssd.stats()
-  mem = jax.local_devices()[0].memory_stats() or {}  # None on CPU
+  # the first device that trained (a mesh's may not be the first of the machine); None on CPU
+  mem = (mesh.local_devices if mesh is not None else jax.local_devices())[0].memory_stats() or {}
   summary = dict(
     final_loss=loss,
     tokens_per_s=tokens_done / dt if dt > 0 else 0.0,

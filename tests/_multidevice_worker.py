@@ -12,12 +12,15 @@ import os
 import re
 import tempfile
 
-# SSD_MD_DEVICES GPUs instead (tests/test_multidevice.py's gpu test): 2 by default there.
+# SSD_MD_DEVICES GPUs instead (tests/test_multidevice.py's gpu tests): 2 by default there, the
+# first N of the machine's. SSD_MD_CPU_DEVICES: the CPU devices to make (default N), of which
+# the meshes take the first N, as on a machine with more GPUs than the test needs.
 GPU = os.environ.get("SSD_MD_PLATFORM", "cpu") == "gpu"
 N = int(os.environ.get("SSD_MD_DEVICES", "2" if GPU else "4"))
 if not GPU:
   os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N}"
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={os.environ.get('SSD_MD_CPU_DEVICES', N)}"
   )
 
 import jax  # noqa: E402
@@ -180,8 +183,9 @@ def _per_device_directories(mesh, shard_map, root):
   return {
     "device_groups": cfg.device_groups,
     "directories": len(cfg.directories),
-    "file_bytes_written": [s[f"file{i}_bytes_written"] for i in range(N)],
-    "file_bytes_read": [s[f"file{i}_bytes_read"] for i in range(N)],
+    # every directory: those of devices outside the mesh stay empty
+    "file_bytes_written": [s[f"file{i}_bytes_written"] for i in range(len(cfg.directories))],
+    "file_bytes_read": [s[f"file{i}_bytes_read"] for i in range(len(cfg.directories))],
     "device_bytes_written": [per_device[d.id]["bytes_written"] for d in jax.local_devices()[:N]],
   }
 
@@ -245,6 +249,7 @@ def main():
   result["wrong_device"] = wrong_device_case()
   result["per_device_dirs"] = per_device_directories_case()
   result["devices"] = [str(d.id) for d in jax.devices()[:N]]
+  result["visible_devices"] = len(jax.devices())
   print(json.dumps(result))
 
 

@@ -16,13 +16,15 @@ import os
 import tempfile
 
 GPU = os.environ.get("SSD_OPT_PLATFORM", "cpu") == "gpu"
+# The first N devices of the machine's (SSD_OPT_CPU_DEVICES: the CPU devices to make, default N)
 N = int(os.environ.get("SSD_OPT_DEVICES", "2" if GPU else "4"))
 if GPU:  # an embedding's gradient (models.training's case) is a scatter-add: no atomics
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true"
 if not GPU:  # CPU devices also on a GPU machine (whose memory the test process holds)
   os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N}"
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={os.environ.get('SSD_OPT_CPU_DEVICES', N)}"
   )
 
 import jax  # noqa: E402
@@ -122,7 +124,7 @@ def train_case() -> dict:
   from models import parallel, training
 
   par = parallel.Parallelism(data=N, fsdp=True)
-  mesh = par.mesh(jax.devices()[:N])
+  mesh = par.mesh()  # the first N devices, as scripts/train.py's
   out = {}
   for loc in (None, "device", "host"):
     run = training.RunConfig(
@@ -198,6 +200,7 @@ def in_place_case() -> dict:
 
 def main():
   result = {"devices": N, "platform": jax.default_backend(), "tx": {}}
+  result["visible_devices"] = len(jax.devices())
   root = tempfile.mkdtemp(prefix="ssd-opt-")
   with ssd.configured(
     os.path.join(root, "store"), capacity_bytes=256 * MiB, host_tier_bytes=64 * MiB

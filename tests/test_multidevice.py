@@ -162,6 +162,23 @@ def test_parse_mesh_and_specs():
     par.spec(up, (2, 64, 255))
 
 
+def test_meshes_smaller_than_the_machine(tmp_path):
+  """On 4 CPU devices, meshes of fewer: models.parallel takes the first devices (it refused any
+  mesh not over every device: "mesh data=2 x model=1 needs 2 devices, got 4", as
+  test_two_gpus on a 4-GPU machine), or those chosen; scripts/train.py's --mesh dp=2 trains on
+  the first 2, or on --devices 2,3, which alone store the offloaded activations."""
+  r = _run_worker(tmp_path, worker="_mesh_subset_worker.py", JAX_PLATFORMS="cpu")
+  assert r["devices"] == [0, 1, 2, 3]
+  assert r["dp2"] == [[0], [1]] and r["tp2"] == [[0, 1]] and r["dp1"] == [[0]]
+  assert r["explicit"] == [[3], [1]]
+  assert "a mesh of 8 devices: there are only 4" in r["too_many"], r["too_many"]
+  assert "no device 7; there are 4 (ids 0, 1, 2, 3)" in r["no_such_device"], r["no_such_device"]
+  first, chosen = r["train_first"], r["train_chosen"]
+  assert first["stored_by"] == [0, 1] and chosen["stored_by"] == [2, 3], (first, chosen)
+  assert first["gb_written"] == chosen["gb_written"] > 0
+  assert first["final_loss"] == chosen["final_loss"], (first, chosen)
+
+
 def _gpu_count() -> int:
   import jax
 
@@ -171,21 +188,58 @@ def _gpu_count() -> int:
     return 0
 
 
-@pytest.mark.gpu
-def test_two_gpus(tmp_path):
-  """The same checks on 2 GPUs (DP, FSDP over 2; TP 1x2), in a subprocess."""
-  if _gpu_count() < 2:
-    pytest.skip("needs 2 GPUs")
-  r = _run_worker(
-    tmp_path, SSD_MD_PLATFORM="gpu", SSD_MD_DEVICES="2", XLA_PYTHON_CLIENT_PREALLOCATE="false"
-  )
+def _check_first_devices(r: dict, n: int) -> None:
+  """The worker's result on the first ``n`` devices (of ``n`` or more): each layout's grads as
+  the single device's, the offload adds no collectives, and each of the ``n`` devices (those
+  only) stores and loads exactly its shards."""
   assert r["left_behind"] == [], r["left_behind"]
+  assert r["devices"] == [str(i) for i in range(n)], r["devices"]
   for case, c in r["layouts"].items():
     assert c["stores_in_hlo"] > 0, case
     assert c["vs_single"] < 1e-4, (case, c["vs_single"])
     assert c["vs_device_saving"] < 1e-6, (case, c["vs_device_saving"])
     assert c["collectives"] == c["collectives_device_saving"], (case, c)
-    assert sorted(c["device_stats"]) == ["0", "1"], (case, c["device_stats"])
+    assert sorted(c["device_stats"]) == r["devices"], (case, c["device_stats"])
     for s in c["device_stats"].values():
       assert s["bytes_written"] == s["bytes_read"] == c["expected_shard_bytes"], (case, s)
   assert r["shard_map"]["diff"] < 1e-6
+  assert sorted(r["shard_map"]["device_stats"]) == r["devices"], r["shard_map"]
+  # {device}: a directory per device of the machine; the mesh's devices use theirs alone
+  d = r["per_device_dirs"]
+  assert d["directories"] == d["device_groups"] == r["visible_devices"], d
+  assert d["device_bytes_written"] == [4096] * n, d
+  assert (
+    d["file_bytes_written"] == d["file_bytes_read"] == [4096] * n + [0] * (r["visible_devices"] - n)
+  ), d
+
+
+@SLOW
+def test_two_of_four_cpu_devices(tmp_path):
+  """test_two_gpus's worker on a machine with more devices than it needs: 2 of 4 CPU devices."""
+  r = _run_worker(tmp_path, JAX_PLATFORMS="cpu", SSD_MD_DEVICES="2", SSD_MD_CPU_DEVICES="4")
+  assert r["visible_devices"] == 4
+  _check_first_devices(r, 2)
+  msg = r["wrong_device"]["error"]
+  assert msg and "stored by device" in msg and "used by a load on device" in msg, msg
+
+
+def _gpu_worker(tmp_path, n: int) -> dict:
+  """The worker on the first ``n`` GPUs (skipped where there are fewer; more are left idle)."""
+  if _gpu_count() < n:
+    pytest.skip(f"needs {n} GPUs, there are {_gpu_count()}")
+  return _run_worker(
+    tmp_path, SSD_MD_PLATFORM="gpu", SSD_MD_DEVICES=str(n), XLA_PYTHON_CLIENT_PREALLOCATE="false"
+  )
+
+
+@pytest.mark.gpu
+def test_two_gpus(tmp_path):
+  """The same checks on 2 GPUs (DP, FSDP over 2; TP 1x2), in a subprocess; the first 2 GPUs of
+  a machine with more."""
+  _check_first_devices(_gpu_worker(tmp_path, 2), 2)
+
+
+@pytest.mark.gpu
+def test_four_gpus(tmp_path):
+  """The same checks on 4 GPUs (DP, FSDP over 4; TP 2x2)."""
+  _check_first_devices(_gpu_worker(tmp_path, 4), 4)

@@ -802,17 +802,40 @@ def test_state_sharded_over_4_cpu_devices(tmp_path):
   _check_sharded(_run_worker(tmp_path, worker="_sharded_optimizer_worker.py"), 4)
 
 
-@pytest.mark.gpu
-def test_state_sharded_over_2_gpus(tmp_path):
+@pytest.mark.slow  # as the one above
+def test_state_sharded_over_2_of_4_cpu_devices(tmp_path):
+  # the first 2 devices of a machine with more (the case of test_state_sharded_over_2_gpus on a
+  # 4-GPU machine): the mesh, the state's blocks and their stores on those 2 alone
+  from test_multidevice import _run_worker
+
+  r = _run_worker(
+    tmp_path, worker="_sharded_optimizer_worker.py", SSD_OPT_DEVICES="2", SSD_OPT_CPU_DEVICES="4"
+  )
+  assert r["visible_devices"] == 4
+  _check_sharded(r, 2)
+
+
+def _sharded_over_gpus(tmp_path, n: int) -> None:
+  """The worker on the first ``n`` GPUs (skipped where there are fewer; more are left idle)."""
   from test_multidevice import _gpu_count, _run_worker
 
-  if _gpu_count() < 2:
-    pytest.skip("needs 2 GPUs")
+  if _gpu_count() < n:
+    pytest.skip(f"needs {n} GPUs, there are {_gpu_count()}")
   r = _run_worker(
     tmp_path,
     worker="_sharded_optimizer_worker.py",
     SSD_OPT_PLATFORM="gpu",
-    SSD_OPT_DEVICES="2",
+    SSD_OPT_DEVICES=str(n),
     XLA_PYTHON_CLIENT_PREALLOCATE="false",
   )
-  _check_sharded(r, 2)
+  _check_sharded(r, n)
+
+
+@pytest.mark.gpu
+def test_state_sharded_over_2_gpus(tmp_path):
+  _sharded_over_gpus(tmp_path, 2)
+
+
+@pytest.mark.gpu
+def test_state_sharded_over_4_gpus(tmp_path):
+  _sharded_over_gpus(tmp_path, 4)

@@ -240,6 +240,11 @@ def test_cli_memmap_data(tmp_path, shards, capsys):
     (["--accum-dtype", "bfloat16"], "--accum-dtype needs --accum K > 1"),
     (["--accum", "0"], "must be > 0"),
     (["--seq-len", "4096"], "exceeds the preset's max_len"),
+    (["--mesh", "dp=64"], "--mesh: a mesh of 64 devices: there are only"),
+    (["--devices", "0"], "--devices needs --mesh"),
+    (["--mesh", "dp=2", "--devices", "0,x"], "expected device ids like 0,1"),
+    (["--mesh", "dp=1", "--devices", "4096"], "--devices: no device 4096; there are"),
+    (["--mesh", "dp=1", "--devices", "0,0"], "distinct device ids"),
   ],
 )
 def test_cli_errors(flags, message, capsys):

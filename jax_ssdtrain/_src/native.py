@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 __all__ = [
   "STORE_TARGET",
   "LOAD_TARGET",
+  "COPY_TARGET",
   "library_path",
   "lib",
   "available",
@@ -54,6 +55,7 @@ _READY_FN = ctypes.CFUNCTYPE(None)
 
 STORE_TARGET = "ssdtrain_store"
 LOAD_TARGET = "ssdtrain_load"
+COPY_TARGET = "ssdtrain_copy"
 
 _ERRLEN = 8192
 _OUTLEN = 1 << 16
@@ -284,16 +286,17 @@ def check_ffi_api() -> None:
 
 
 def register_targets() -> None:
-  """Registers ssdtrain_store/ssdtrain_load for "cpu" (and "CUDA" when built with CUDA)."""
+  """Registers ssdtrain_store, ssdtrain_load and ssdtrain_copy for "cpu" (and "CUDA" when built
+  with CUDA)."""
   import jax.ffi
 
   with _lock:
     so = lib()
     check_ffi_api()
-    platforms = [("cpu", "SsdtrainStoreCpu", "SsdtrainLoadCpu")]
+    platforms = [("cpu", "SsdtrainStoreCpu", "SsdtrainLoadCpu", "SsdtrainCopyCpu")]
     if build_info().get("cuda") == 1:
-      platforms.append(("CUDA", "SsdtrainStoreCuda", "SsdtrainLoadCuda"))
-    for platform, store_sym, load_sym in platforms:
+      platforms.append(("CUDA", "SsdtrainStoreCuda", "SsdtrainLoadCuda", "SsdtrainCopyCuda"))
+    for platform, store_sym, load_sym, copy_sym in platforms:
       if platform in _registered:
         continue
       jax.ffi.register_ffi_target(
@@ -301,6 +304,9 @@ def register_targets() -> None:
       )
       jax.ffi.register_ffi_target(
         LOAD_TARGET, jax.ffi.pycapsule(getattr(so, load_sym)), platform=platform
+      )
+      jax.ffi.register_ffi_target(
+        COPY_TARGET, jax.ffi.pycapsule(getattr(so, copy_sym)), platform=platform
       )
       _registered.add(platform)
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,7 +61,7 @@ import numpy as np
 
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.policies import Location
-from jax_ssdtrain._src.primitives import TIER_CODES, TIER_NAMES, load_p, store_p
+from jax_ssdtrain._src.primitives import TIER_CODES, TIER_NAMES, load_p, opaque_copy, store_p
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_MIN_BYTES = 1 << 20
@@ -517,7 +518,7 @@ class LeafLayout:
 
   @property
   def nbytes(self) -> int:
-    return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+    return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
 
   @property
   def block_shape(self) -> tuple[int, ...]:
@@ -547,9 +548,9 @@ class Layout:
   def stored_bytes(self) -> int:
     return sum(leaf.nbytes for leaf in self.leaves if leaf.stored)
 
-  # The sites make a layout unique to the init that made it; equal layouts compare by identity.
-  __hash__ = object.__hash__
-  __eq__ = object.__eq__
+  @property
+  def stores_anything(self) -> bool:
+    return any(leaf.stored for leaf in self.leaves)
 
 
 def _row_bounds(shape: tuple[int, ...], chunk_bytes: int) -> tuple[tuple[int, int], ...]:
@@ -561,8 +562,9 @@ def _row_bounds(shape: tuple[int, ...], chunk_bytes: int) -> tuple[tuple[int, in
 
 
 def _make_layout(shapes: Any, opts: _Options, name: str, params: Any = None) -> Layout:
-  from jax_ssdtrain._src.remat import new_site_id
-
+  """The layout of a state of ``shapes`` (``tx.init``'s, abstract): a function of its arguments
+  alone, so that ``init`` is pure (``jax.eval_shape(tx.init, params)`` has the tree structure of
+  ``tx.init(params)``)."""
   mesh, param_specs = _param_specs(params, name)
   flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   leaves = []
@@ -571,17 +573,36 @@ def _make_layout(shapes: Any, opts: _Options, name: str, params: Any = None) -> 
       raise OptimizerOffloadError(
         f"{name}: state leaf {jax.tree_util.keystr(path)} is {aval!r}, not an array"
       )
-    shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
-    leaf = LeafLayout(jax.tree_util.keystr(path), shape, dtype)
+    shape = tuple(aval.shape)
+    if not _storable_dtype(aval.dtype):  # a typed PRNG key, say: it stays on the device
+      leaves.append(LeafLayout(jax.tree_util.keystr(path), shape, aval.dtype))
+      continue
+    leaf = LeafLayout(jax.tree_util.keystr(path), shape, np.dtype(aval.dtype))
     if shape and leaf.nbytes >= max(opts.min_bytes, 1):  # a scalar is no bigger than a handle
       if mesh is not None:
         spec = _spec_for(path, shape, param_specs)
         block = _block_shape(shape, spec, mesh, leaf.path, name)
         leaf = dataclasses.replace(leaf, spec=spec, local_shape=block)
       bounds = _row_bounds(leaf.block_shape, opts.chunk_bytes)
-      leaf = dataclasses.replace(leaf, bounds=bounds, site=new_site_id())
+      leaf = dataclasses.replace(leaf, bounds=bounds)
+      leaf = dataclasses.replace(leaf, site=_site_of(leaf, len(leaves)))
     leaves.append(leaf)
   return Layout(treedef, tuple(leaves), opts.tier, mesh, opts.in_place)
+
+
+def _storable_dtype(dtype: Any) -> bool:
+  """A dtype the store holds as bytes: numbers and booleans, not JAX's extended dtypes (typed
+  PRNG keys), whose bits are not their value."""
+  return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def _site_of(leaf: LeafLayout, index: int) -> int:
+  """The store site of a stored leaf's chunks: derived from the leaf (its index, path, shape,
+  dtype, chunking and block), never from a counter, so that two ``init`` calls of one optimizer
+  on one model make equal layouts. Negative: activation sites count up from 1."""
+  key = repr((index, leaf.path, leaf.shape, leaf.dtype.name, leaf.bounds, leaf.local_shape))
+  digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+  return -2 - (int.from_bytes(digest, "little") >> 2)
 
 
 def choose_location(room_bytes: int) -> Location:
@@ -989,33 +1010,52 @@ def _run_chunk(
     if tier == DEVICE_TIER:  # the same program with the state on the device: hs is the leaf
       if wait is not None:
         hs, _ = jax.lax.optimization_barrier((hs, wait))
-      local[v] = hs if rows is None else jax.lax.dynamic_slice_in_dim(hs, first, rows)
+      if rows is not None:  # a copy where the store has a load (see primitives.opaque_copy)
+        local[v] = opaque_copy(jax.lax.dynamic_slice_in_dim(hs, first, rows))
+      else:
+        local[v] = _joined([opaque_copy(jax.lax.slice_in_dim(hs, *b)) for b in leaf.bounds])
       continue
     if rows is None:  # every chunk of the leaf, joined
-      parts = [_load(hs[k], leaf, k, tier, consume=consume) for k in range(len(leaf.bounds))]
-      local[v] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+      local[v] = _joined(
+        [
+          _load(hs[k], leaf, k, tier, consume=consume and i not in group.kept)
+          for k in range(len(leaf.bounds))
+        ]
+      )
       continue
     h = hs[c]
     if wait is not None:  # the chunk before last has been stored: see PIPELINE_DEPTH
       h, _ = jax.lax.optimization_barrier((h, wait))
-    local[v] = _load(h, leaf, 0, tier, shape=(rows,) + leaf.block_shape[1:], consume=consume)
-  # The loaded and the new state pass an optimization barrier, in every mode: XLA fuses and
-  # rewrites the group's operations alike whether the chunk came from the store (a custom call
-  # it cannot see into) or from the device (location="device"), so that the two agree bit for bit.
-  for v, _ in group.loads:
-    local[v] = jax.lax.optimization_barrier(local[v])
+    shape = (rows,) + leaf.block_shape[1:]
+    local[v] = _load(h, leaf, 0, tier, shape=shape, consume=consume and i not in group.kept)
+  # The group's arithmetic is a region bounded by custom calls on every side, in every mode, so
+  # that XLA compiles it alike whether its state comes from the store or from the device
+  # (location="device") and the two agree bit for bit (an optimization barrier does not hold:
+  # XLA:CPU removes it before fusing). Its state comes from loads (on the device: copies XLA
+  # cannot see through, primitives.opaque_copy), the values it reads (gradients, parameters,
+  # scalars of the device part) cross such a copy too, and so do its results below.
+  used = {v for e in group.eqns for v in e.invars if _is_var(v)}
+  for v in group.reads:
+    x = carried[v] if v in carried else env[v]  # a parameter updated in place: its rows
+    x = jax.lax.dynamic_slice_in_dim(x, first, rows) if rows and np.ndim(x) else x
+    local[v] = opaque_copy(x) if v in used else x  # else only apply_gradients adds to it
   if rows is not None:
-    for v in group.reads:
-      x = carried[v] if v in carried else env[v]  # a parameter updated in place: its rows
-      local[v] = jax.lax.dynamic_slice_in_dim(x, first, rows) if np.ndim(x) else x
     shape = (rows,) + group.shape[1:]
   for eqn in group.eqns:
     _eval_eqn(eqn, local, shape if rows is not None else None)
   handles = {}
   for i in group.stores:
-    leaf, value = leaves[i], jax.lax.optimization_barrier(_read(local, stored_out[i]))
-    if tier == DEVICE_TIER:
-      handles[i] = value
+    leaf, value = leaves[i], _read(local, stored_out[i])
+    if tier == DEVICE_TIER:  # a copy where the store has a store
+      if rows is not None:
+        handles[i] = opaque_copy(value)
+      else:
+        handles[i] = _joined(
+          [
+            opaque_copy(jax.lax.slice_in_dim(value, *b) if len(leaf.bounds) > 1 else value)
+            for b in leaf.bounds
+          ]
+        )
     elif rows is not None:
       handles[i] = _store(value, leaf, 0, tier)
     else:
@@ -1024,11 +1064,7 @@ def _run_chunk(
         for k, b in enumerate(leaf.bounds)
       ]
       handles[i] = jnp.stack(hs)
-  # The results leaving the group (the updates) pass one too: XLA may otherwise fuse their last
-  # operation with the caller's (p + u into an FMA) in one mode and not the other.
-  outs = dict(
-    zip(group.outputs, jax.lax.optimization_barrier([_read(local, v) for v in group.outputs]))
-  )
+  outs = {v: opaque_copy(jnp.asarray(_read(local, v))) for v in group.outputs}
   for u, p in group.applied.items():  # as optax.apply_updates: (p + u) in p's dtype
     if rows is None:
       outs[u] = jnp.asarray(env[p] + outs[u]).astype(env[p].dtype)
@@ -1036,6 +1072,11 @@ def _run_chunk(
       new = jnp.asarray(local[p] + outs[u]).astype(local[p].dtype)
       outs[u] = jax.lax.dynamic_update_slice_in_dim(carried[p], new, first, axis=0)
   return handles, outs
+
+
+def _joined(parts: list[Any]) -> Any:
+  """A leaf's chunks joined along its rows."""
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def _load(handle, leaf: LeafLayout, k: int, tier: int, shape=None, consume=False):
@@ -1146,6 +1187,7 @@ class _Group:
   # apply_gradients: {update var: parameter var} whose sum the group writes into the parameter,
   # chunk by chunk in place (the value under the update var is then the new parameter)
   applied: dict = dataclasses.field(default_factory=dict)
+  kept: frozenset = frozenset()  # loaded leaves the update returns unchanged (never consumed)
 
 
 @dataclasses.dataclass
@@ -1235,7 +1277,14 @@ def _plan(prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str) 
     eqns = by_root.get(root, [])
     members = [i for i in stored_out if find(i) == root and i not in passed]
     members += [i for i in stored_in.values() if find(i) == root and i not in members]
-    loads = [(v, i) for v, i in stored_in.items() if find(i) == root and i not in passed]
+    # A leaf the update returns unchanged is loaded where its group reads it (and kept: its
+    # entries stay the state's), never stored again.
+    read_vars = {v for e in eqns for v in e.invars if _is_var(v)}
+    loads = [
+      (v, i)
+      for v, i in stored_in.items()
+      if find(i) == root and (i not in passed or v in read_vars)
+    ]
     defined = {v for e in eqns for v in e.outvars} | {v for v, _ in loads}
     reads = []
     for v in [v for e in eqns for v in e.invars] + [
@@ -1258,9 +1307,12 @@ def _plan(prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str) 
     chunked = len(bounds) == 1 and _elementwise(eqns, shape)
     chunks = next(iter(bounds)) if chunked else ((0, shape[0] if shape else 0),)
     outputs = [v for v in dict.fromkeys(device_out) if v in defined]
-    stores = sorted(i for i in members if i in stored_out)
+    stores = sorted(i for i in members if i in stored_out and i not in passed)
     block = leaves[members[0]].block_shape  # what one device streams (sharded state: its block)
-    groups.append(_Group(eqns, loads, stores, [], reads, outputs, block, chunked, chunks))
+    kept = frozenset(i for _, i in loads if i in passed)
+    groups.append(
+      _Group(eqns, loads, stores, [], reads, outputs, block, chunked, chunks, kept=kept)
+    )
   if passed:
     groups.append(_Group([], [], [], sorted(passed), [], [], (), False, ()))
   return _Plan(device_eqns, groups)

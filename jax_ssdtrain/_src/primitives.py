@@ -27,6 +27,7 @@ TIER_NAMES = {code: loc.value for loc, code in TIER_CODES.items()}
 
 STORE_TARGET = "ssdtrain_store"
 LOAD_TARGET = "ssdtrain_load"
+COPY_TARGET = "ssdtrain_copy"
 
 
 class HigherOrderOffloadError(NotImplementedError):
@@ -38,6 +39,20 @@ def _ensure_engine():
   from jax_ssdtrain._src import config
 
   config.ensure_configured()
+
+
+def opaque_copy(x):
+  """``x``'s value through a custom call that XLA cannot see through (a copy): where the
+  optimizer's streamed program has a store or a load, its device reference (``location=
+  "device"``) has this, so that XLA fuses and rewrites the arithmetic between them alike in both
+  and their results agree bit for bit (an optimization barrier does not hold: XLA:CPU removes
+  it before fusing)."""
+  from jax_ssdtrain._src import native
+
+  native.register_targets()
+  if jnp.issubdtype(x.dtype, jnp.floating):  # as a store's lowering rounds what it stores
+    x = _round_to_dtype(x)
+  return jax.ffi.ffi_call(COPY_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
 
 # ---------------------------------------------------------------------------------------------

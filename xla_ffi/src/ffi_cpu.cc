@@ -1,4 +1,7 @@
 // CPU FFI handlers: the activation is in host memory; no CUDA anywhere here.
+#include <cstring>
+#include <string>
+
 #include "ffi_common.h"
 
 namespace ffi = xla::ffi;
@@ -34,12 +37,29 @@ ffi::Error LoadCpuImpl(int32_t device, ffi::Buffer<ffi::U32> handle,
   });
 }
 
+// The optimizer's device reference (location="device"): a copy XLA cannot see through, where
+// the store's programs have a store or a load, so that both compile their arithmetic alike.
+ffi::Error CopyCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+  if (x.size_bytes() != out->size_bytes())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "ssdtrain: copy: input of " + std::to_string(x.size_bytes()) +
+                          " bytes, output of " + std::to_string(out->size_bytes()));
+  if (x.size_bytes() != 0) std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace ssdtrain
 
 // Exported (the library is built with -fvisibility=hidden).
 extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainStoreCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainLoadCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainCopyCpu(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdtrainCopyCpu, ssdtrain::CopyCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()    // x
+                                  .Ret<ffi::AnyBuffer>());  // out: x's bytes
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainStoreCpu, ssdtrain::StoreCpuImpl,

@@ -3,6 +3,8 @@
 // do blocking host work that a CUDA graph cannot capture.
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "cuda/store_load.h"
 #include "ffi_common.h"
 
@@ -57,12 +59,35 @@ ffi::Error LoadCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run,
   });
 }
 
+// The optimizer's device reference (location="device"): a device-to-device copy on the compute
+// stream that XLA cannot see through, where the store's programs have a store or a load.
+ffi::Error CopyCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+  if (x.size_bytes() != out->size_bytes())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "ssdtrain: copy: input of " + std::to_string(x.size_bytes()) +
+                          " bytes, output of " + std::to_string(out->size_bytes()));
+  if (x.size_bytes() == 0) return ffi::Error::Success();
+  cudaError_t err = cudaMemcpyAsync(out->untyped_data(), x.untyped_data(), x.size_bytes(),
+                                    cudaMemcpyDeviceToDevice, stream);
+  if (err != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string("ssdtrain: copy: cudaMemcpyAsync: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace ssdtrain
 
 // Exported (the library is built with -fvisibility=hidden).
 extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainStoreCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainLoadCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainCopyCuda(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdtrainCopyCuda, ssdtrain::CopyCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // compute stream
+                                  .Arg<ffi::AnyBuffer>()                     // x (device)
+                                  .Ret<ffi::AnyBuffer>());  // out: x's bytes (device)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainStoreCuda, ssdtrain::StoreCudaImpl,

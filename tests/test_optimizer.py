@@ -415,14 +415,45 @@ def test_accumulate_gradients_in_bfloat16(store):
     assert (runs[jnp.bfloat16][name] != runs[jnp.float32][name]).any(), name  # it did round
 
 
-def test_multisteps_inside_is_refused_with_the_way_round():
-  tx = optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation()
-  ours = offload_optimizer(tx, min_bytes=4096)
-  state = ours.init(_params())
+def test_multisteps_inside_equals_multisteps_around_it(store):
+  # offload_optimizer(MultiSteps(tx, k)) is MultiSteps(offload_optimizer(tx), k): the same
+  # parameters bit for bit, the same store traffic, the accumulator on the device.
+  k = 3
+  kw = dict(min_bytes=4096, chunk_bytes=32 << 10)
+  for wrap in (lambda m: m, lambda m: m.gradient_transformation()):
+    inside = offload_optimizer(wrap(optax.MultiSteps(optax.adam(1e-3), k)), **kw)
+    ssd.flush()
+    ssd.reset_stats()
+    got, state = _train(inside, 2 * k)
+    ssd.flush()
+    read_inside = ssd.stats()["tensors_read"]
+    assert isinstance(state, optax.MultiStepsState)
+    assert isinstance(state.inner_opt_state, OffloadedState)  # the accumulator: on the device
+    ssd.reset_stats()
+    want, _ = _train(optax.MultiSteps(offload_optimizer(optax.adam(1e-3), **kw), k), 2 * k)
+    ssd.flush()
+    assert read_inside == ssd.stats()["tensors_read"] > 0
+    for w, g in zip(want, got):
+      for name in w:
+        np.testing.assert_array_equal(np.asarray(g[name]), np.asarray(w[name]))
+
+
+def test_update_with_another_optimizers_state_names_both_layouts(store):
+  adam = offload_optimizer(optax.adam(1e-3), min_bytes=4096)
+  sgd = offload_optimizer(optax.sgd(1e-3, momentum=0.9), min_bytes=4096)
+  state = sgd.init(_params())
   with pytest.raises(
-    OptimizerOffloadError, match=r"accumulate_gradients\(offload_optimizer\(tx\), k\)"
+    OptimizerOffloadError, match=r"not made by .*its layout has .*trace.*init would make .*mu"
   ):
-    ours.update(_params(), state, _params())
+    adam.update(_params(), state, _params())
+
+
+def test_a_state_with_nothing_to_store_warns_and_says_so(store):
+  tx = offload_optimizer(optax.adam(1e-3), location="host")  # the default min_bytes: 1 MiB
+  with pytest.warns(UserWarning, match=r"stores nothing.*min_bytes=1048576.*largest is .*\['c'\]"):
+    state = tx.init(_params())
+  assert state.location == "device" and "none in the store" in repr(state)
+  assert offload_optimizer(optax.adam(1e-3), min_bytes=4096).init(_params()).location == "host"
 
 
 @pytest.mark.parametrize(

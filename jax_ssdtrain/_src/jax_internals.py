@@ -394,6 +394,44 @@ def called_jaxpr(eqn: Any) -> Any | None:
   return body
 
 
+# A conditional whose branches the optimizer store may evaluate both of and select between (the
+# predicate decided before any stored state is read): "cond" holds its branches as ClosedJaxprs
+# under "branches", its operands after the index.
+COND_PRIMITIVE = "cond"
+select_n_p = jax.lax.select_n_p  # public, but named here with the cond it replaces
+
+
+def cond_branches(eqn: Any) -> tuple[Any, ...] | None:
+  """The branches (ClosedJaxprs) of a ``cond`` equation, or None for any other equation."""
+  if eqn.primitive.name != COND_PRIMITIVE:
+    return None
+  branches = eqn.params.get("branches")
+  if not branches or not all(hasattr(b, "jaxpr") for b in branches):
+    raise ImportError(
+      f"jax_ssdtrain: the 'cond' equation of this JAX ({jax.__version__}) has no ClosedJaxprs "
+      f"under 'branches' (params: {sorted(eqn.params)}); optimizer.py needs them"
+    )
+  return tuple(branches)
+
+
+def equation_origin(eqn: Any) -> str | None:
+  """Where an equation was traced, as ``"function (file:line)"``: the innermost frame of an
+  optax-style ``update`` (a qualified name with ``.<locals>.update``, e.g. ``scale_by_prodigy.
+  <locals>.update_fn``), else the innermost frame outside JAX and jax_ssdtrain; None without a
+  traceback. From ``eqn.source_info.traceback`` (jaxlib frames, innermost first)."""
+  tb = getattr(getattr(eqn, "source_info", None), "traceback", None)
+  outside = []
+  for frame in getattr(tb, "frames", ()) or ():
+    path = frame.file_name.replace("\\", "/")
+    if "/jax/" in path or "/jaxlib/" in path or "/jax_ssdtrain/" in path:
+      continue
+    where = f"{frame.function_name} ({path.split('site-packages/')[-1]}:{frame.line_num})"
+    if ".<locals>.update" in frame.function_name:
+      return where
+    outside.append(where)
+  return outside[0] if outside else None
+
+
 def bind_equation(primitive: Any, params: dict, invals: list[Any]) -> list[Any]:
   """Runs one jaxpr equation as ``jax.core.eval_jaxpr`` does: ``get_bind_params`` returns the
   params (jax >= 0.10) or, in older releases, ``(subfuns, params)``."""

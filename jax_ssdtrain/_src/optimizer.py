@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -135,13 +136,29 @@ def offload_optimizer(
     raise ValueError(f"chunk_bytes: expected an integer >= 4096, got {chunk_bytes!r}")
   if not isinstance(in_place, bool):
     raise ValueError(f"in_place: expected True or False, got {in_place!r}")
+  multi = _multisteps(tx)
+  if multi is not None:  # as optax.MultiSteps(offload_optimizer(inner), k): see _multisteps
+    inner = offload_optimizer(
+      multi._opt, location=location, min_bytes=min_bytes, chunk_bytes=chunk_bytes, in_place=in_place
+    )
+    return optax.MultiSteps(
+      inner,
+      multi._every_k_schedule,
+      use_grad_mean=multi._use_grad_mean,
+      should_skip_update_fn=multi._should_skip_update_fn,
+      accumulator_dtype=multi._accumulator_dtype,
+    ).gradient_transformation()
   tier = DEVICE_TIER if loc is Location.DEVICE else TIER_CODES[loc]
   opts = _Options(tier=tier, min_bytes=min_bytes, chunk_bytes=chunk_bytes, in_place=in_place)
   name = _describe(tx)
+  warned = []
 
   def init_fn(params):
     shapes = jax.eval_shape(tx.init, params)
     layout = _make_layout(shapes, opts, name, params)
+    if not layout.stores_anything and loc is not Location.DEVICE and not warned:
+      warned.append(True)
+      warnings.warn(_stores_nothing(layout, name, min_bytes), stacklevel=2)
     where = choose_location(_room_bytes(layout)) if auto else loc
     if where is not loc:
       layout = dataclasses.replace(layout, tier=TIER_CODES[where])
@@ -155,6 +172,7 @@ def offload_optimizer(
         f"state: expected the OffloadedState that offload_optimizer(...).init made, got "
         f"{type(state).__name__}"
       )
+    _check_made_for(tx, state, params if params is not None else updates, name)
     fn = lambda g, s, p: tx.update(g, s, p, **extra_args) if extra_args else tx.update(g, s, p)
     return _stream(fn, (updates, params), state.layout, state, name)
 
@@ -164,11 +182,76 @@ def offload_optimizer(
         f"opt_state: expected the OffloadedState that offload_optimizer(...).init made, got "
         f"{type(state).__name__}"
       )
+    _check_made_for(tx, state, params, name)
     fn = lambda g, s, p: tx.update(g, s, p, **extra_args) if extra_args else tx.update(g, s, p)
     return _stream(fn, (updates, params), state.layout, state, name, apply=True)
 
   update_fn.apply_gradients = apply_fn
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _stores_nothing(layout: Layout, name: str, min_bytes: int) -> str:
+  sized = [leaf for leaf in layout.leaves if _storable_dtype(leaf.dtype) and leaf.shape]
+  largest = max(sized, key=lambda leaf: leaf.nbytes, default=None)
+  biggest = (
+    f"the largest is {largest.path}, {largest.nbytes} bytes"
+    if largest
+    else "its leaves are scalars"
+  )
+  return (
+    f"{name} stores nothing: every leaf of its state is under min_bytes={min_bytes} ({biggest}), "
+    "so the whole state stays on the device (state.location says 'device'); lower min_bytes "
+    "(offload_optimizer(tx, min_bytes=...)) to stream it"
+  )
+
+
+def _multisteps(tx: Any) -> Any:
+  """The ``optax.MultiSteps`` that ``tx`` is (or whose ``gradient_transformation()`` it is), or
+  None. ``offload_optimizer(MultiSteps(inner, k))`` is built as ``MultiSteps(offload_optimizer(
+  inner), k)``: the same results and the same store traffic, the accumulator on the device
+  (streaming MultiSteps' own update would store the accumulator and read the state of every
+  parameter in one lax.cond). It reads MultiSteps' constructor arguments back from its private
+  attributes (optax 0.2: ``_opt``, ``_every_k_schedule``, ``_use_grad_mean``,
+  ``_should_skip_update_fn``, ``_accumulator_dtype``)."""
+  import optax
+
+  multi = tx if isinstance(tx, optax.MultiSteps) else getattr(tx.init, "__self__", None)
+  if not isinstance(multi, optax.MultiSteps):
+    return None
+  needed = ("_opt", "_every_k_schedule", "_use_grad_mean", "_should_skip_update_fn")
+  if not all(hasattr(multi, a) for a in needed + ("_accumulator_dtype",)):
+    raise OptimizerOffloadError(
+      "offload_optimizer(optax.MultiSteps(tx, k)): this optax's MultiSteps does not keep its "
+      f"arguments as {needed}; wrap the other way round: optax.MultiSteps(offload_optimizer(tx), "
+      "k), or jax_ssdtrain.accumulate_gradients(offload_optimizer(tx), k)"
+    )
+  return multi
+
+
+def _check_made_for(tx: Any, state: OffloadedState, params: Any, name: str) -> None:
+  """Raises OptimizerOffloadError unless ``state`` has the tree structure and leaf shapes that
+  ``tx.init`` makes for ``params`` (a state of another optimizer, or of another model)."""
+  want = jax.eval_shape(tx.init, params)
+  layout = state.layout
+  got_shapes = [leaf.shape for leaf in layout.leaves]
+  want_leaves, want_def = jax.tree_util.tree_flatten(want)
+  if want_def == layout.treedef and got_shapes == [tuple(x.shape) for x in want_leaves]:
+    return
+
+  def describe(paths_shapes):
+    items = [f"{p}{list(sh)}" for p, sh in paths_shapes]
+    return ", ".join(items[:6]) + (f", ... ({len(items)} leaves)" if len(items) > 6 else "")
+
+  want_paths = [
+    (jax.tree_util.keystr(p), tuple(x.shape))
+    for p, x in jax.tree_util.tree_flatten_with_path(want)[0]
+  ]
+  raise OptimizerOffloadError(
+    f"state: this OffloadedState was not made by {name} for these parameters: its layout has "
+    f"{describe([(leaf.path, leaf.shape) for leaf in layout.leaves])}, where init would make "
+    f"{describe(want_paths)}. Pass the state that this optimizer's init made (a state of "
+    "another optimizer, or of another model?)"
+  )
 
 
 def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_args):
@@ -458,7 +541,7 @@ class OffloadedState:
   def location(self) -> str:
     """Where the stored leaves live: ``"host"``, ``"nvme"``, ``"host,nvme"`` or ``"device"``
     (``location="auto"`` says here what it chose)."""
-    if self.layout.tier == DEVICE_TIER:
+    if self.layout.tier == DEVICE_TIER or not self.layout.stores_anything:
       return Location.DEVICE.value
     return TIER_NAMES[self.layout.tier]
 
@@ -470,6 +553,10 @@ class OffloadedState:
     return cls(children[0], children[1], layout)
 
   def __repr__(self):
+    if not self.layout.stores_anything:
+      return (
+        f"OffloadedState({len(self.layout.leaves)} leaves, none in the store: all on the device)"
+      )
     return (
       f"OffloadedState({len(self.layout.leaves)} leaves, {len(self.handles)} in the store "
       f"({self.location}{', updated in place' if self.layout.in_place else ''}), "
@@ -511,6 +598,9 @@ class LeafLayout:
   # bounds cut that block (every device streams its own block, chunk by chunk).
   spec: Any = None
   local_shape: tuple[int, ...] | None = None
+  # The parameter whose state this is (its index among the parameters' leaves: the longest
+  # parameter path found inside the leaf's path, mu['w'] for params['w']); -1 for none.
+  owner: int = -1
 
   @property
   def stored(self) -> bool:
@@ -567,6 +657,7 @@ def _make_layout(shapes: Any, opts: _Options, name: str, params: Any = None) -> 
   ``tx.init(params)``)."""
   mesh, param_specs = _param_specs(params, name)
   flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  param_paths = [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   leaves = []
   for path, aval in flat:
     if not hasattr(aval, "shape"):
@@ -577,8 +668,12 @@ def _make_layout(shapes: Any, opts: _Options, name: str, params: Any = None) -> 
     if not _storable_dtype(aval.dtype):  # a typed PRNG key, say: it stays on the device
       leaves.append(LeafLayout(jax.tree_util.keystr(path), shape, aval.dtype))
       continue
-    leaf = LeafLayout(jax.tree_util.keystr(path), shape, np.dtype(aval.dtype))
-    if shape and leaf.nbytes >= max(opts.min_bytes, 1):  # a scalar is no bigger than a handle
+    owner = _owner_of(tuple(path), param_paths)
+    leaf = LeafLayout(jax.tree_util.keystr(path), shape, np.dtype(aval.dtype), owner=owner)
+    # A scalar is no bigger than a handle; a small leaf that mirrors no parameter (muon's
+    # Newton-Schulz coefficients) is read by every parameter's update: both stay on the device.
+    shared = owner == -1 and leaf.nbytes < opts.chunk_bytes
+    if shape and not shared and leaf.nbytes >= max(opts.min_bytes, 1):
       if mesh is not None:
         spec = _spec_for(path, shape, param_specs)
         block = _block_shape(shape, spec, mesh, leaf.path, name)
@@ -588,6 +683,17 @@ def _make_layout(shapes: Any, opts: _Options, name: str, params: Any = None) -> 
       leaf = dataclasses.replace(leaf, site=_site_of(leaf, len(leaves)))
     leaves.append(leaf)
   return Layout(treedef, tuple(leaves), opts.tier, mesh, opts.in_place)
+
+
+def _owner_of(path: tuple, param_paths: list[tuple]) -> int:
+  """The index of the parameter whose path lies inside the state leaf's ``path`` (optax's state
+  trees map the parameters' tree: ``mu['w']``, ``mu['w'][0]`` for params['w']); the longest such
+  path wins, and -1 where there is none (a step count)."""
+  best, found = 0, -1
+  for j, p in enumerate(param_paths):
+    if len(p) > best and any(path[k : k + len(p)] == p for k in range(len(path) - len(p) + 1)):
+      best, found = len(p), j
+  return found
 
 
 def _storable_dtype(dtype: Any) -> bool:
@@ -770,12 +876,18 @@ def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str, a
     in_values = jax.tree_util.tree_leaves(params)
     n_updates = 0
 
-  prog = _Program.inline(closed)
-  stored_in = {}
-  if state is not None:
-    stored_in = {prog.invars[first_state_in + i]: i for i in stored_ids}
-  stored_out = {i: prog.outvars[n_updates + i] for i in stored_ids}
-  plan = _plan(prog, stored_in, stored_out, leaves, name)
+  expand: frozenset = frozenset()
+  while True:  # each pass expands the conditions the last plan found decided on the device
+    prog = _Program.inline(closed, expand)
+    stored_in = {}
+    if state is not None:
+      stored_in = {prog.invars[first_state_in + i]: i for i in stored_ids}
+    stored_out = {i: prog.outvars[n_updates + i] for i in stored_ids}
+    try:
+      plan = _plan(prog, stored_in, stored_out, leaves, name)
+      break
+    except _ExpandConds as more:
+      expand |= more.ids
   applied = set()
   if apply:
     first_param_in = first_state_in + len(leaves)
@@ -1102,6 +1214,7 @@ class _Eqn:
   params: dict
   invars: list[Any]
   outvars: list[Any]
+  origin: Any = None  # the traced equation this one comes from (its source, for messages)
 
 
 @dataclasses.dataclass
@@ -1112,15 +1225,19 @@ class _Program:
   consts: dict[Any, Any]
 
   @classmethod
-  def inline(cls, closed) -> _Program:
+  def inline(cls, closed, expand: frozenset = frozenset()) -> _Program:
     """``closed`` with nested jit calls (and custom-derivative calls: the update is not
-    differentiated) expanded in place, so that the plan sees primitives."""
+    differentiated) expanded in place, so that the plan sees primitives. Each ``cond`` equation
+    in ``expand`` (ids of traced equations) becomes its branches, each run, and a ``select_n``
+    of their results by its index: the same values, for a condition the plan found decided
+    before any stored state is read, whose branches would otherwise join the state of every
+    parameter they touch into one group."""
     prog = cls(list(closed.jaxpr.invars), list(closed.jaxpr.outvars), [], {})
     prog.consts.update(zip(closed.jaxpr.constvars, closed.consts))
-    prog._add(closed.jaxpr, {}, None)
+    prog._add(closed.jaxpr, {}, None, expand)
     return prog
 
-  def _add(self, jaxpr, rename: dict, scoped: dict | None) -> None:
+  def _add(self, jaxpr, rename: dict, scoped: dict | None, expand: frozenset) -> None:
     """Appends ``jaxpr``'s equations. ``rename``: its inputs' outer values. ``scoped`` (None at
     the top level): this inlining's own variables, so that one body inlined twice (a cached
     trace called twice, e.g. a bias correction for each moment) keeps its values apart."""
@@ -1134,28 +1251,45 @@ class _Program:
 
     for eqn in jaxpr.eqns:
       inner = ji.called_jaxpr(eqn)
-      if inner is None:
-        self.eqns.append(
-          _Eqn(
-            eqn.primitive, eqn.params, [key(v) for v in eqn.invars], [key(v) for v in eqn.outvars]
-          )
-        )
+      if inner is not None:
+        results = self._inline_body(inner, [key(v) for v in eqn.invars], expand)
+        for out, res in zip(eqn.outvars, results):
+          if not isinstance(out, ji.DropVar):
+            self.eqns.append(_Eqn(None, {}, [res], [key(out)], eqn))
         continue
-      body, inner_scope = inner.jaxpr, {}
-      inner_rename = {iv: key(ov) for iv, ov in zip(body.invars, eqn.invars)}
-      for cv, c in zip(body.constvars, inner.consts):
-        inner_rename[cv] = inner_scope.setdefault(cv, _Scoped(cv))
-        self.consts[inner_rename[cv]] = c
-      self._add(body, inner_rename, inner_scope)
-      for out, res in zip(eqn.outvars, body.outvars):
-        if not isinstance(out, ji.DropVar):
-          if _is_var(res):
-            res = (
-              inner_rename[res]
-              if res in inner_rename
-              else inner_scope.setdefault(res, _Scoped(res))
-            )
-          self.eqns.append(_Eqn(None, {}, [res], [key(out)]))
+      if id(eqn) in expand:
+        index, *operands = [key(v) for v in eqn.invars]
+        results = [self._inline_body(b, operands, expand) for b in ji.cond_branches(eqn)]
+        for k, out in enumerate(eqn.outvars):
+          if not isinstance(out, ji.DropVar):
+            cases = [r[k] for r in results]
+            self.eqns.append(_Eqn(ji.select_n_p, {}, [index, *cases], [key(out)], eqn))
+        continue
+      self.eqns.append(
+        _Eqn(
+          eqn.primitive,
+          eqn.params,
+          [key(v) for v in eqn.invars],
+          [key(v) for v in eqn.outvars],
+          eqn,
+        )
+      )
+
+  def _inline_body(self, closed, args: list[Any], expand: frozenset) -> list[Any]:
+    """Appends ``closed``'s equations with its inputs bound to ``args`` (outer values), in a
+    scope of its own; returns the values of its outputs."""
+    body, scope = closed.jaxpr, {}
+    rename = dict(zip(body.invars, args))
+    for cv, c in zip(body.constvars, closed.consts):
+      rename[cv] = scope.setdefault(cv, _Scoped(cv))
+      self.consts[rename[cv]] = c
+    self._add(body, rename, scope, expand)
+    out = []
+    for res in body.outvars:
+      if _is_var(res):
+        res = rename[res] if res in rename else scope.setdefault(res, _Scoped(res))
+      out.append(res)
+    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1293,18 +1427,25 @@ def _plan(prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str) 
       if _is_var(v) and v not in defined and v not in reads:
         reads.append(v)
     shapes = {leaves[i].shape for i in members}
-    if len(shapes) > 1:
-      paths = ", ".join(leaves[i].path for i in sorted(members)[:6])
-      raise OptimizerOffloadError(
-        f"{name} cannot be streamed: its update reads the state of parameters of different "
-        f"shapes together ({paths}{', ...' if len(members) > 6 else ''}), so no part of the "
-        "state can be updated on its own. optax.MultiSteps does this (a lax.cond over the whole "
-        "state): accumulate around it instead, jax_ssdtrain.accumulate_gradients("
-        "offload_optimizer(tx), k), or optax.MultiSteps(offload_optimizer(tx), k)."
-      )
-    (shape,) = shapes
+    owners = {leaves[i].owner for i in members} - {-1}
+    if len(owners) > 1:  # the state of several parameters together: split it, or refuse
+      conds = [
+        e.origin
+        for e in eqns
+        if e.primitive is not None
+        and e.primitive.name == ji.COND_PRIMITIVE
+        and _is_var(e.invars[0])
+        and not deps.get(e.invars[0])
+      ]
+      if conds:  # decided before any stored state is read: run both branches, select
+        raise _ExpandConds(frozenset(id(e) for e in conds))
+      if len(shapes) > 1:
+        raise _coupling_error(name, eqns, deps, leaves, sorted(members))
+    shape = leaves[members[0]].shape if len(shapes) > 1 else next(iter(shapes))
     bounds = {leaves[i].bounds for i in members}
-    chunked = len(bounds) == 1 and _elementwise(eqns, shape)
+    # One parameter's leaves of several shapes (sm3's per-axis accumulators, adafactor's
+    # factored moments, galore's projector) run whole, as one group.
+    chunked = len(shapes) == 1 and len(bounds) == 1 and _elementwise(eqns, shape)
     chunks = next(iter(bounds)) if chunked else ((0, shape[0] if shape else 0),)
     outputs = [v for v in dict.fromkeys(device_out) if v in defined]
     stores = sorted(i for i in members if i in stored_out and i not in passed)
@@ -1316,6 +1457,59 @@ def _plan(prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str) 
   if passed:
     groups.append(_Group([], [], [], sorted(passed), [], [], (), False, ()))
   return _Plan(device_eqns, groups)
+
+
+class _ExpandConds(Exception):
+  """The plan asks for these ``cond`` equations (ids of traced equations) to be expanded."""
+
+  def __init__(self, ids: frozenset):
+    super().__init__(ids)
+    self.ids = ids
+
+
+def _coupling_error(name: str, eqns, deps: dict, leaves, members: list[int]):
+  """The refusal of a group that reads the state of several parameters together: it names the
+  first equation that does (its operation, the transformation and line that traced it) and the
+  leaves it reads."""
+  cause, read = None, ()
+  for e in eqns:
+    d = frozenset().union(*(deps.get(v, frozenset()) for v in e.invars if _is_var(v)))
+    if len({leaves[i].owner for i in d} - {-1}) > 1:
+      cause, read = e, sorted(d)
+      break
+  read = read or members
+  paths = ", ".join(leaves[i].path for i in read[:6]) + (", ..." if len(read) > 6 else "")
+  if cause is None:
+    what, where = "its update", None
+  else:
+    what = f"its {cause.primitive.name if cause.primitive else 'copy'} operation"
+    where = ji.equation_origin(cause.origin) if cause.origin is not None else None
+  prim = cause.primitive.name if cause is not None and cause.primitive else ""
+  scalar = cause is not None and all(
+    tuple(getattr(v, "aval", v).shape) == () for v in cause.outvars
+  )
+  if scalar or prim.startswith("reduce") or prim in ("dot_general", "argmax", "argmin"):
+    why = (
+      "a number built from the stored state of every parameter (a norm, a sum or a dot product "
+      "over the whole tree) that feeds every parameter's update: no parameter's state can be "
+      "updated before all of it has been read"
+    )
+  elif prim in ("cond", "while", "switch", "scan"):
+    why = (
+      "a condition or a loop over the whole state whose outcome depends on the stored state "
+      "itself: it cannot be decided one parameter at a time"
+    )
+  else:
+    why = "they cannot be updated one parameter at a time"
+  transformation = where.split(".<locals>")[0].split(" (")[0] if where else None
+  inner = f"the transformation {transformation!r} ({where}) in " if transformation else ""
+  return OptimizerOffloadError(
+    f"{inner}{name} cannot be streamed: {what} reads the state of several parameters "
+    f"together ({paths}): {why}. Keep this transformation's state on the device (apply it "
+    "outside offload_optimizer, or raise min_bytes above its leaves), or for gradient "
+    "accumulation wrap the streamed optimizer: optax.MultiSteps(offload_optimizer(tx), k) or "
+    "jax_ssdtrain.accumulate_gradients(offload_optimizer(tx), k)."
+  )
 
 
 def _pullable(eqn: _Eqn) -> bool:

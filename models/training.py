@@ -297,7 +297,7 @@ def outside_layers_seconds(run: RunConfig, prof, repeats: int = 5) -> tuple[floa
   batch (embedding, head, loss), and the optimizer update of all ``num_layers``. The first is
   the step of the model cut to one layer (every tag on the device, as the profile) minus that
   layer's forward and backward and minus its optimizer update."""
-  from jax_ssdtrain._src.planner import _median_time  # the profile's own timer
+  from jax_ssdtrain._src.measure.timing import median_time  # the timer ssd.profile uses
 
   cfg = run.model_config()
   tags = {t.name: "device" for t in prof.tags}
@@ -311,7 +311,7 @@ def outside_layers_seconds(run: RunConfig, prof, repeats: int = 5) -> tuple[floa
   tokens = jnp.zeros((run.batch, run.example_length(one.model_config())), jnp.int32)
   state, _, _ = create_train_state(one)
   step = jax.jit(train_step).lower(state, tokens, jax.random.key(0)).compile()  # no donation
-  step_s = _median_time(
+  step_s = median_time(
     lambda step=step, state=state: step(state, tokens, jax.random.key(0))[1], repeats, warmup=1
   )
   del step
@@ -326,10 +326,10 @@ def outside_layers_seconds(run: RunConfig, prof, repeats: int = 5) -> tuple[floa
 
 def _update_seconds(state: TrainState, repeats: int) -> float:
   """The optimizer update of ``state`` (its parameters standing in for gradients)."""
-  from jax_ssdtrain._src.planner import _median_time
+  from jax_ssdtrain._src.measure.timing import median_time
 
   update = jax.jit(lambda s: s.apply_gradients(grads=s.params).params)
-  return _median_time(lambda: update(state), repeats, warmup=1)
+  return median_time(lambda: update(state), repeats, warmup=1)
 
 
 def parse_bandwidth(text: str) -> tuple[float, float]:

@@ -14,8 +14,8 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
-from jax_ssdtrain import probe
 from jax_ssdtrain._src import config
+from jax_ssdtrain._src.measure import disk
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -210,7 +210,7 @@ def test_jax_policies_record_and_warn_nothing():
 
 def test_probe_creates_its_directory_and_help_is_plain(tmp_path):
   target = tmp_path / "a" / "b"
-  key = probe._Request.make(target, "8MiB", 2, "4MiB", None)
+  key = disk.Request.make(target, "8MiB", 2, "4MiB", None)
   assert target.is_dir() and oct(target.stat().st_mode & 0o777) == "0o700"
   assert key.directory == str(target)
   proc = subprocess.run(
@@ -225,9 +225,9 @@ def test_probe_creates_its_directory_and_help_is_plain(tmp_path):
 def test_probe_cache_key_is_the_filesystem_not_the_temp_dir():
   # The default store is a new private temp dir each run: its measurement must be found again.
   a, b = tempfile.mkdtemp(prefix="jax_ssdtrain-"), tempfile.mkdtemp(prefix="jax_ssdtrain-")
-  ka = probe._Request.make(a, "8MiB", 2, "4MiB", None)
-  kb = probe._Request.make(b, "8MiB", 2, "4MiB", None)
+  ka = disk.Request.make(a, "8MiB", 2, "4MiB", None)
+  kb = disk.Request.make(b, "8MiB", 2, "4MiB", None)
   assert ka.cache_key() == kb.cache_key()
-  assert ka.cache_key() != probe._Request.make(a, "16MiB", 2, "4MiB", None).cache_key()
+  assert ka.cache_key() != disk.Request.make(a, "16MiB", 2, "4MiB", None).cache_key()
   os.rmdir(a)
   os.rmdir(b)

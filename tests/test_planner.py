@@ -144,16 +144,16 @@ def _small_args(B=4, H=16, F=32):
 def test_profile_measures_the_store_directory_by_default(tmp_path, monkeypatch, capfd):
   # Neither directory= nor bandwidth=: the store's own directory, probed with what a step of
   # this stack could send (16 MiB at least, in tensors of its largest tag: 1 MiB at least).
-  from jax_ssdtrain import probe
+  from jax_ssdtrain._src.measure import disk
 
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-  measured, real = [], probe.measure
+  measured, real = [], disk.measure
 
   def spy(directory, size, **kwargs):
     measured.append((directory, size, kwargs["tensor_bytes"]))
     return real(directory, size, **kwargs)
 
-  monkeypatch.setattr(probe, "measure", spy)
+  monkeypatch.setattr(disk, "measure", spy)
   # The tiny-block case is compile-bound: one program stacks all the parameter leaves per scan
   # length, then four scans (forward, forward+backward, recomputing, one tag in the host tier)
   # at two lengths; nothing per leaf.
@@ -468,10 +468,10 @@ def test_plan_sizes_its_staging_arena_from_the_bytes_and_the_forward_time():
 
 
 def test_profile_measures_the_link_only_on_a_gpu(monkeypatch):
-  from jax_ssdtrain import probe
+  from jax_ssdtrain._src.measure import link
 
   calls = []
-  monkeypatch.setattr(probe, "measure_link", lambda *a, **k: calls.append(a) or None)
+  monkeypatch.setattr(link, "measure_link", lambda *a, **k: calls.append(a) or None)
   if not any(d.platform == "gpu" for d in jax.local_devices()):
     assert planner.measured_link_gbps() == planner.DEFAULT_HOST_GBPS and not calls
 
@@ -850,3 +850,12 @@ def test_host_nvme_is_not_a_tier_the_planner_models():
     ssd.plan(prof, fixed={"a": "host,nvme"}, min_bytes=0)
   with pytest.raises(ValueError, match="allowed: expected at least one of"):
     ssd.plan(prof, allowed=("host,nvme",), min_bytes=0)
+
+
+def test_median_time_runs_warmup_then_repeats():
+  # The timer ssd.profile and models.training share.
+  from jax_ssdtrain._src.measure.timing import median_time
+
+  calls = []
+  t = median_time(lambda: calls.append(1) or jnp.ones(3), repeats=3, warmup=2)
+  assert len(calls) == 2 + 1 + 3 and t >= 0

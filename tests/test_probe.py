@@ -16,6 +16,7 @@ import jax_ssdtrain as ssd
 from jax_ssdtrain import probe
 from jax_ssdtrain._src import native, options
 from jax_ssdtrain._src.config import parse_bandwidth
+from jax_ssdtrain._src.measure import disk
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +128,7 @@ def test_measure_through_the_engine_is_cached_per_filesystem(tmp_path, cache_hom
   doc = json.loads((cache_home / "jax_ssdtrain" / "probe.json").read_text())
   # keyed by the filesystem (mount point and device): every directory on it shares the key
   assert len(doc) == 1 and next(iter(doc)).startswith(
-    f"{probe._mount_point(r.directory)}|dev={r.device}|"
+    f"{disk.mount_point(r.directory)}|dev={r.device}|"
   )
   fresh = probe.measure(store, "32MiB", refresh=True, **kw)
   assert not fresh.cached and fresh.measured_at > r.measured_at
@@ -339,3 +340,16 @@ def test_disk_duplex_refuses_what_it_cannot_measure(tmp_path):
     probe.measure_disk_duplex(tmp_path, "16MiB", threads=1)
   with pytest.raises(ValueError, match="needs .* bytes free"):
     probe.measure_disk_duplex(tmp_path, "1000TiB")
+
+
+def test_probe_is_the_door_to_the_measure_package():
+  # One measurement, one home: the CLI module re-exports the private package's objects, and
+  # ssd.measured_bandwidth (the planner's shorthand) is the package's own call-through.
+  from jax_ssdtrain._src.measure import link, recommend, wear
+
+  assert probe.measure is disk.measure and probe.ProbeResult is disk.ProbeResult
+  assert probe.measure_disk_duplex is disk.measure_disk_duplex
+  assert probe.stripe_directories is disk.stripe_directories
+  assert probe.measure_link is link.measure_link and probe.LinkResult is link.LinkResult
+  assert probe.recommend is recommend.recommend and probe.wear is wear.wear
+  assert ssd.measured_bandwidth is disk.measured_bandwidth

@@ -58,15 +58,16 @@ import dataclasses
 import itertools
 import math
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from jax_ssdtrain._src import options
+from jax_ssdtrain._src.measure import link as link_probe
+from jax_ssdtrain._src.measure.disk import measured_bandwidth
+from jax_ssdtrain._src.measure.timing import median_time
 from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, Location, location_policy, name_p
 
 DEFAULT_HOST_GBPS = 50.0  # without a GPU to measure: pinned host <-> H100 over PCIe, 41-55 GB/s
@@ -577,32 +578,7 @@ def measured_link_gbps(device: int = 0) -> float:
 
   if not any(d.platform == "gpu" for d in jax.local_devices()):
     return DEFAULT_HOST_GBPS
-  from jax_ssdtrain import probe
-
-  return probe.measure_link(device).gbps
-
-
-def measured_bandwidth(
-  directory: str | os.PathLike, nbytes: int = 256 << 20, *, tensor_bytes: int | None = None
-) -> tuple[float, float]:
-  """(write GB/s, read GB/s) of ``directory`` through the engine (``jax_ssdtrain.probe``):
-  ``nbytes`` written and read back in tensors of ``tensor_bytes`` (default: ``nbytes``, at
-  most 64 MiB; both rounded down to 4096-byte multiples).
-
-  Measured once per filesystem and size, then cached on disk (``probe.measure``'s cache).
-  """
-  path = os.path.realpath(os.fspath(directory))
-  if not os.path.isdir(path):
-    raise ValueError(f"directory: {directory!r} is not a directory")
-  _check_int("nbytes", nbytes, low=4096)
-  size = nbytes // 4096 * 4096
-  if tensor_bytes is None:
-    tensor_bytes = min(size, 64 << 20)
-  _check_int("tensor_bytes", tensor_bytes, low=4096)
-  from jax_ssdtrain import probe
-
-  result = probe.measure(path, size=size, tensor_bytes=min(size, tensor_bytes // 4096 * 4096))
-  return result.write_gbps, result.read_gbps
+  return link_probe.measure_link(device).gbps
 
 
 def _probe_sizes(tags: Mapping[str, int], num_layers: int) -> tuple[int, int]:
@@ -913,7 +889,7 @@ def _layer_times(
     times = []
     for what, c in zip(fns, compiled):
       bar.start(f"timing the {what} of {n} layers")
-      times.append(_median_time(lambda c=c: c(ps, v), repeats, warmup))
+      times.append(median_time(lambda c=c: c(ps, v), repeats, warmup))
       bar.finish()
     return times
 
@@ -987,19 +963,6 @@ class _Progress:
   def __exit__(self, *exc) -> None:
     if self.bar is not None:
       self.bar.close()
-
-
-def _median_time(fn, repeats: int, warmup: int) -> float:
-  import jax
-
-  for _ in range(warmup + 1):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def _layers(start: int, stop: int) -> str:

@@ -1,0 +1,93 @@
+"""The PCIe link of a GPU: pinned host <-> device copies, each direction alone and both at once
+(``measure_link``, cached per host, GPU model, ordinal, size and host memory in ``cache``). The
+host tier moves its bytes over this link; the planner takes its rate from here."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from jax_ssdtrain._src.config import GiB, parse_size
+from jax_ssdtrain._src.measure import cache
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkResult:
+  """Pinned host <-> GPU copy rates (GB/s = 1e9 bytes/s), medians of ``repeats`` copies."""
+
+  device: int  # local CUDA ordinal
+  device_kind: str
+  size: int  # bytes per copy
+  d2h_gbps: float  # device to host, alone
+  h2d_gbps: float  # host to device, alone
+  duplex_d2h_gbps: float  # device to host while host to device runs
+  duplex_h2d_gbps: float
+  host: str = "alloc"  # host buffers: alloc | registered | registered_hugepages
+  measured_at: float = 0.0
+  cached: bool = False
+
+  @property
+  def gbps(self) -> float:
+    """One rate for both directions, as the planner's host model takes it: the slower
+    direction alone (the forward pass copies to the host, the backward pass back)."""
+    return min(self.d2h_gbps, self.h2d_gbps)
+
+
+def measure_link(
+  device: int = 0,
+  size: int | str = 1 * GiB,
+  *,
+  repeats: int = 5,
+  host: str = "registered",
+  refresh: bool = False,
+) -> LinkResult:
+  """The PCIe link of local GPU ``device`` (cached per host, GPU model, ordinal, size and host
+  memory; ``refresh=True`` measures again). Runs in this process on two pinned buffers and two
+  device buffers of ``size`` (freed before it returns). ``host``: ``"registered"`` (mmap'ed and
+  registered, as the engine's host tier: what the engine can reach), ``"alloc"``
+  (cudaHostAlloc: what a plain pinned-copy benchmark measures) or ``"registered_hugepages"``.
+  OSError where no CUDA handler was built or no such GPU is visible."""
+  from jax_ssdtrain._src import native
+
+  if host not in native.LINK_HOST_KINDS:
+    raise ValueError(f"host: expected one of {sorted(native.LINK_HOST_KINDS)}, got {host!r}")
+  nbytes = parse_size(size, what="size")
+  if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    raise ValueError(f"repeats: expected a positive integer, got {repeats!r}")
+  if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+    raise ValueError(f"device: expected a CUDA ordinal >= 0, got {device!r}")
+  kind = gpu_kind(device)
+  key = f"link|{os.uname().nodename}|{kind}|ordinal={device}|size={nbytes}|host={host}"
+  if not refresh:
+    entry = cache.load().get(key)
+    try:
+      if isinstance(entry, dict):
+        return dataclasses.replace(LinkResult(**entry), cached=True)
+    except TypeError:  # written by another version
+      pass
+  rates = native.probe_link(device, nbytes, repeats, host)
+  result = LinkResult(
+    device,
+    kind,
+    nbytes,
+    rates.d2h,
+    rates.h2d,
+    rates.duplex_d2h,
+    rates.duplex_h2d,
+    host,
+    measured_at=time.time(),
+  )
+  cache.write(key, dataclasses.asdict(result) | {"cached": False})
+  return result
+
+
+def gpu_kind(device: int) -> str:
+  """The model of CUDA GPU ``device`` as JAX names it (without JAX: "cuda:<ordinal>")."""
+  try:
+    import jax
+
+    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+  except (ImportError, RuntimeError):
+    gpus = []
+  return gpus[device].device_kind if device < len(gpus) else f"cuda:{device}"

@@ -853,8 +853,11 @@ def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str, a
     updates, params = args
     state_avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
 
+    updates_tree = []  # the structure of the updates tx returns (lookahead's differs from g's)
+
     def traced(updates, state_leaves, params):
       new_updates, new_state = fn(updates, layout.treedef.unflatten(state_leaves), params)
+      updates_tree.append(jax.tree_util.tree_structure(new_updates))
       new_leaves, treedef = jax.tree_util.tree_flatten(new_state)
       if treedef != layout.treedef:
         raise OptimizerOffloadError(
@@ -926,7 +929,7 @@ def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str, a
       for k, (v, p) in enumerate(zip(prog.outvars[:n_updates], jax.tree_util.tree_leaves(params)))
     ]
     return jax.tree_util.tree_structure(params).unflatten(new_params), new_state
-  new_updates = jax.tree_util.tree_structure(updates).unflatten(outs[:n_updates])
+  new_updates = updates_tree[0].unflatten(outs[:n_updates])
   return new_updates, new_state
 
 
@@ -1056,22 +1059,27 @@ def _run_groups(
         v: o for v, o in outs.items() if v not in applied
       }
 
-    def body(carry, c, run=run, rows=rows, hs_in=hs_in, split=split):
+    # The scan's carry and outputs are lists in these orders (pytree dicts need sortable keys).
+    params_order, outs_order = list(carried), list(stacked_o)
+
+    def body(carry, c, run=run, rows=rows, hs_in=hs_in, split=split, order=params_order):
       before_last, newest, carried = carry
+      carried = dict(zip(order, carried))
       handles, outs = run(c, hs_in, rows, wait=before_last, carried=carried)
       mine = jnp.stack(list(handles.values())) if handles and not on_device else zero
       carried, outs = split(outs)
-      return (newest, mine, carried), (handles, outs)
+      return (newest, mine, [carried[p] for p in order]), (handles, [outs[v] for v in outs_order])
 
     if full > 1:
       (_, newest, carried), (hs, os) = jax.lax.scan(
-        body, (zero, zero, carried), jnp.arange(full, dtype=jnp.int32)
+        body, (zero, zero, [carried[p] for p in params_order]), jnp.arange(full, dtype=jnp.int32)
       )
+      carried = dict(zip(params_order, carried))
       for i, h in hs.items():
         stacked_h[i].append(h.reshape((full * rows,) + h.shape[2:]) if on_device else h)
-      for v, o in os.items():
+      for v, o in zip(outs_order, os):
         stacked_o[v].append(o.reshape((full * rows,) + o.shape[2:]))
-    else:  # a scan of one step: XLA inlines it and fuses across its barriers (not bit-stable)
+    else:  # one full chunk: no scan (its arithmetic is bounded by custom calls all the same)
       handles, outs = run(0, hs_in, rows, start=0, carried=carried)
       carried, outs = split(outs)
       for i, h in handles.items():

@@ -8,17 +8,11 @@
 #include <exception>
 #include <string>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 #include "xla/ffi/api/c_api.h"
-
-namespace ssdtrain {
-Status ReplaceEngine(const Config* cfg);
-std::shared_ptr<Engine> PeekEngine();
 #ifdef SSDTRAIN_HAVE_CUDA
-Status ProbeLink(int device, uint64_t bytes, int repeats, int host_kind, void (*on_ready)(),
-                 double out[5]);  // link_probe.cu
+#include "cuda/link_probe.h"
 #endif
-}  // namespace ssdtrain
 
 using ssdtrain::Status;
 

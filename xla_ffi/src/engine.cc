@@ -1,6 +1,6 @@
 // Store and load (what the handlers call), setup and teardown, and the process-wide engine.
-// The other parts of the engine are listed in ssdtrain/engine.h.
-#include "ssdtrain/engine.h"
+// The other parts of the engine are listed in engine.h.
+#include "engine.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -467,7 +467,6 @@ std::shared_ptr<Engine> CurrentEngine(Status* st) {
   return g_engine;
 }
 
-// Used by c_api.cc. cfg == nullptr: shut the store down.
 Status ReplaceEngine(const Config* cfg) {
   std::shared_ptr<Engine> old;
   {

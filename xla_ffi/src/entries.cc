@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <set>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 
 namespace ssdtrain {
 

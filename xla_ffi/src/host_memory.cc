@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <chrono>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 
 namespace ssdtrain {
 

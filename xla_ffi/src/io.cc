@@ -7,7 +7,7 @@
 #include <memory>
 #include <tuple>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 
 namespace ssdtrain {
 

@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <sstream>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 
 namespace ssdtrain {
 

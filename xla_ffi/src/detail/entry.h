@@ -1,6 +1,7 @@
-// One stored tensor (Entry) and the vocabulary of its state: its tier, the arena of its host
-// copy, the state of its write. Internal to the engine (engine.h); the device module reads an
-// entry through the accessors and changes it through the few transitions they list.
+// One stored tensor (Entry) and the vocabulary of its state: its tier, its lifecycle, the state
+// and arena of its host copy, the state of its write. Internal to the engine (engine.h); the
+// device module reads an entry through the accessors and changes it through the few transitions
+// they list.
 #pragma once
 
 #include <atomic>
@@ -32,6 +33,43 @@ enum class Arena {
   kHostTier,  // the host tier
 };
 
+// An entry's lifecycle, one state machine (the engine's transitions, lock held):
+//
+//   kFilling --end of the store's copy--> kLive --Retire--> kRetired
+//      |      (CommitStore, WriteThrough,   ^  <--Revive---    |
+//      |       AbortStore)                  |                  |
+//      | Release                    Release |          Release |
+//      v                                    v                  v
+//   kReleasedFilling --end of the copy--> kReleased <----------+
+//                                           | MaybeFree (nothing uses its buffers any more)
+//                                           v
+//                                         kFreed
+enum class EntryLife : uint8_t {
+  kFilling,          // the store is still copying the bytes in (a load waits for them)
+  kLive,             // stored: a load finds it by its handle
+  kRetired,          // a background sweep found it dead: a load still finds it (and revives
+                     // it); released when its room is needed
+  kReleasedFilling,  // released while its store still copies in: kReleased once that ends
+  kReleased,         // no load can reach it; freed once nothing uses its buffers
+  kFreed,            // its host buffer and file slot are given back
+};
+
+// What an entry's host buffer (Entry::host_ptr) holds, a second state machine, independent of
+// the lifecycle (the engine's transitions, lock held):
+//
+//   kNone --CommitStore (BeginStore for an empty tensor)--> kStored
+//   kNone --StartRead--> kReading --FinishRead--> kRead --ConsumeRead--> kReadTaken
+//                                 (failed: kNone)
+//   any --FreeHostBuffer (the buffer is evicted, reused or freed)--> kNone
+enum class HostCopy : uint8_t {
+  kNone,       // no bytes yet: no buffer, or one the store is filling or a read will fill
+  kReading,    // a read from the store files into the buffer is running (demand or read-ahead)
+  kStored,     // the store's own copy (forwarding; a device store's once WaitHostReady returns)
+  kRead,       // read back from the files, and no load has taken it yet. Never evicted (that
+               // would read the same bytes twice); a load consumes it (Engine::ConsumeRead)
+  kReadTaken,  // read back from the files and taken by a load
+};
+
 // The device module's part of an entry (its staging copy and the events of its copies); defined
 // and owned by the device module, opaque here.
 struct DeviceEntry;
@@ -58,14 +96,30 @@ class Entry {
   int64_t run_id() const { return run_id_; }  // XLA execution of the store (device path)
 
   // ---- state (lock held) ----------------------------------------------------
+  EntryLife life() const { return life_; }
+  // The store is still copying bytes in.
+  bool filling() const {
+    return life_ == EntryLife::kFilling || life_ == EntryLife::kReleasedFilling;
+  }
+  bool retired() const { return life_ == EntryLife::kRetired; }
+  // No load can reach it any more (freed or not).
+  bool released() const {
+    return life_ == EntryLife::kReleasedFilling || life_ == EntryLife::kReleased ||
+           life_ == EntryLife::kFreed;
+  }
+  HostCopy host_copy() const { return host_; }
   char* host_ptr() const { return host_ptr_; }  // the host buffer; nullptr: none
-  bool host_valid() const { return host_valid_; }
-  bool filling() const { return filling_; }  // the store is still copying bytes in
-  bool reading() const { return reading_; }  // a read into the host buffer is running
+  // The host buffer holds the bytes (device stores: once WaitHostReady returns).
+  bool host_valid() const {
+    return host_ == HostCopy::kStored || host_ == HostCopy::kRead || host_ == HostCopy::kReadTaken;
+  }
+  bool host_from_store() const { return host_ == HostCopy::kStored; }
+  bool reading() const { return host_ == HostCopy::kReading; }  // a read into the host buffer
+  bool unconsumed_read() const { return host_ == HostCopy::kRead; }
   bool loaded() const { return loads_ > 0; }
   bool pinned() const { return pins_ > 0; }  // a load is copying out of the host buffer
   // No load will take it any more (its counted loads are all issued, or it was released).
-  bool no_loads_left() const { return released_ || uses_left_ == 0; }
+  bool no_loads_left() const { return released() || uses_left_ == 0; }
   const Status& error() const { return error_; }  // sticky (a failed write)
 
   // ---- transitions (lock held) ----------------------------------------------
@@ -94,16 +148,22 @@ class Entry {
  private:
   friend class Engine;
 
+  // The store's copy ended (committed, written through or aborted): kFilling -> kLive,
+  // kReleasedFilling -> kReleased.
+  void EndFilling() {
+    if (life_ == EntryLife::kFilling)
+      life_ = EntryLife::kLive;
+    else if (life_ == EntryLife::kReleasedFilling)
+      life_ = EntryLife::kReleased;
+  }
+
   uint32_t id_ = 0;
   int64_t site_ = 0;
   int device_ = 0;  // only that device may load it
   Tier tier_ = Tier::kNvme;
   uint64_t nbytes_ = 0, padded_ = 0, seq_ = 0;
   std::string name_;
-  bool filling_ = true;
-  bool released_ = false;
-  bool retired_ = false;  // a background sweep found it dead: released when its room is needed
-  bool freed_ = false;
+  EntryLife life_ = EntryLife::kFilling;
   int loads_ = 0;
   int64_t uses_left_ = kUncounted;
   int64_t run_id_ = -1;
@@ -111,29 +171,29 @@ class Entry {
   Arena host_arena_ = Arena::kNone;
   uint64_t host_off_ = 0;
   char* host_ptr_ = nullptr;
-  bool host_valid_ = false;       // the host buffer holds the bytes (device: after host_ready)
-  bool host_from_store_ = false;  // the host copy is the store's (forwarding) not a read-back
+  HostCopy host_ = HostCopy::kNone;
   // File copy.
-  bool has_slot_ = false;
+  bool has_slot_ = false;  // file_off_ is a slot the entry holds (flag: see below)
   uint64_t file_off_ = 0;  // logical (striped) offset
   WState w_ = WState::kNone;
   int w_pending_ = 0;
-  // Read into the host buffer (demand or read-ahead).
-  bool reading_ = false;
-  // The host copy was read from the file and no load has taken it yet. Such a copy is never
-  // evicted (that would read the same bytes twice); a load consumes it (Engine::ConsumeRead).
-  bool unconsumed_read_ = false;
+  // Read into the host buffer (demand or read-ahead): pieces left, its outcome.
   int r_pending_ = 0;
   Status r_status_;
   int pins_ = 0;            // loads copying out of the host buffer
   int loading_ = 0;         // loads in progress (LoadingScope)
   bool kept_full_ = false;  // on_full=keep: held in the host tier because the files were full
   // verify: crc32c of the nbytes, set before (or by the last piece of) the write.
-  bool crc_set_ = false;
+  bool crc_set_ = false;  // flag: see below
   uint32_t crc_ = 0;
   std::atomic<int> w_io_left_{0}, r_io_left_{0};  // pieces whose syscalls are not done
   Status error_;
   DeviceEntry* dev_ = nullptr;  // owned by the device module
+  // Three flags stay flags, each independent of the two state machines above and of the
+  // write's state (w_): has_slot_ (the file slot is held: taken by BeginStore, given back by a
+  // failed write or by the free, whatever the lifecycle; a host-tier entry never has one),
+  // kept_full_ (how BeginStore placed it, fixed after; only informative) and crc_set_ (crc_ is
+  // known: data, set by whoever computes the checksum, the last write piece on an I/O thread).
 };
 using EntryPtr = std::shared_ptr<Entry>;
 

@@ -3,10 +3,13 @@ virtual environment whose jaxlib is older than the newest on the index, stores a
 
 Slow (downloads jax/jaxlib into a fresh venv and compiles the library): run by `.ci/run` with
 `-m slow`. The mismatch itself (handlers of a newer FFI API than the runtime's) is checked fast
-below without a second jaxlib.
+below without a second jaxlib, and so is the C ABI: native.py binds exactly the functions of
+xla_ffi/include/ssdtrain/c_api.h, with their types.
 """
 
+import ctypes
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -80,3 +83,116 @@ def test_newer_ffi_api_than_runtime_refused_with_the_fix(monkeypatch):
 def test_runtime_ffi_api_read_from_the_running_jaxlib():
   major, minor = native.runtime_ffi_api()
   assert major == 0 and minor >= 3
+
+
+# ---- the C ABI: xla_ffi/include/ssdtrain/c_api.h and native.py's bindings (_C_API) ----------
+
+C_API_HEADER = os.path.join(ROOT, "xla_ffi", "include", "ssdtrain", "c_api.h")
+# The ctypes type that mirrors each C type the header uses (return types: int, void).
+C_TYPES = {
+  "int": ctypes.c_int,
+  "size_t": ctypes.c_size_t,
+  "int64_t": ctypes.c_int64,
+  "uint64_t": ctypes.c_uint64,
+  "char*": ctypes.c_char_p,
+  "const char*": ctypes.c_char_p,
+  "void*": ctypes.c_void_p,
+  "const void*": ctypes.c_void_p,
+  "uint32_t*": ctypes.POINTER(ctypes.c_uint32),
+  "const uint32_t*": ctypes.POINTER(ctypes.c_uint32),
+  "uint64_t*": ctypes.POINTER(ctypes.c_uint64),
+  "double*": ctypes.POINTER(ctypes.c_double),
+  "ssdtrain_ready_fn": native._READY_FN,
+}
+
+
+def parse_c_api(text):
+  """{name: (return type, [parameter types])} of the header's SSDTRAIN_API declarations, the
+  types as C spells them ("const char*"); a declaration it cannot read raises."""
+  text = re.sub(r"/\*.*?\*/|//[^\n]*|^\s*#[^\n]*", " ", text, flags=re.DOTALL | re.MULTILINE)
+  decls = re.findall(r"SSDTRAIN_API\s+([^;(]*?)\s*\(([^;]*?)\)\s*;", text)
+  assert len(decls) == text.count("SSDTRAIN_API"), "a declaration the test cannot parse"
+  out = {}
+  for head, params in decls:
+    ret, name = re.fullmatch(r"(.+?)\s*\b(ssdtrain_\w+)", " ".join(head.split())).groups()
+    types = []
+    for p in params.split(","):
+      p = " ".join(p.replace("*", "* ").split())
+      if p == "void":
+        continue
+      # drop the parameter's name, keep its type ("const char* kv" -> "const char*")
+      m = re.fullmatch(r"(.+?)\s*\b\w+", p)
+      assert m, f"{name}: unnamed parameter {p!r}"
+      types.append(m.group(1).replace(" *", "*"))
+    assert name not in out, f"{name} declared twice"
+    out[name] = (ret, types)
+  return out
+
+
+def c_api_mismatches(header, table):
+  """How the bindings `table` (native._C_API's shape) differ from the declarations `header`."""
+  problems = []
+  for name in sorted(set(header) - set(table)):
+    problems.append(f"{name}: declared in c_api.h, not bound in native.py")
+  for name in sorted(set(table) - set(header)):
+    problems.append(f"{name}: bound in native.py, not declared in c_api.h")
+  for name in sorted(set(header) & set(table)):
+    (ret, params), (restype, argtypes) = header[name], table[name]
+    if len(params) != len(argtypes):
+      problems.append(f"{name}: {len(params)} parameters in c_api.h, {len(argtypes)} in native.py")
+      continue
+    want_ret = {"int": ctypes.c_int, "void": None}.get(ret, KeyError)
+    if want_ret is KeyError or restype is not want_ret:
+      problems.append(f"{name}: returns {ret} in c_api.h, restype {restype} in native.py")
+    for i, (c, py) in enumerate(zip(params, argtypes)):
+      if C_TYPES.get(c, KeyError) is not py:
+        problems.append(f"{name}: parameter {i} is {c} in c_api.h, {py} in native.py")
+  return problems
+
+
+def test_native_binds_exactly_the_c_api():
+  with open(C_API_HEADER) as f:
+    header = parse_c_api(f.read())
+  assert len(header) >= 17, sorted(header)
+  assert c_api_mismatches(header, native._C_API) == []
+  # Every ssdtrain_* function native.py calls is one it binds.
+  with open(native.__file__) as f:
+    called = set(re.findall(r"\.(ssdtrain_\w+)\b", f.read()))
+  assert called <= set(native._C_API), called - set(native._C_API)
+
+
+def test_c_api_check_fails_on_a_mismatch():
+  with open(C_API_HEADER) as f:
+    text = f.read()
+  header = parse_c_api(text)
+  # One parameter fewer, a parameter of another type, a function only one side has.
+  fewer = parse_c_api(text.replace("uint64_t size, char* err", "char* err"))
+  assert c_api_mismatches(fewer, native._C_API) == [
+    "ssdtrain_debug_truncate: 2 parameters in c_api.h, 3 in native.py"
+  ]
+  other = parse_c_api(text.replace("int64_t site, int64_t uses", "int64_t site, int uses"))
+  assert len(c_api_mismatches(other, native._C_API)) == 1
+  more = dict(native._C_API, ssdtrain_extra=(ctypes.c_int, []))
+  assert c_api_mismatches(header, more) == [
+    "ssdtrain_extra: bound in native.py, not declared in c_api.h"
+  ]
+  fewer_bound = {k: v for k, v in native._C_API.items() if k != "ssdtrain_flush"}
+  assert c_api_mismatches(header, fewer_bound) == [
+    "ssdtrain_flush: declared in c_api.h, not bound in native.py"
+  ]
+  restype = dict(native._C_API, ssdtrain_reset_stats=(ctypes.c_int, []))
+  assert len(c_api_mismatches(header, restype)) == 1
+
+
+def test_the_library_exports_the_c_api_and_the_handlers():
+  so = native.lib()
+  with open(C_API_HEADER) as f:
+    text = f.read()
+  for name in parse_c_api(text):
+    assert hasattr(so, name), name
+  # The handlers the header names: the CPU ones in every build, the CUDA ones in CUDA builds.
+  handlers = set(re.findall(r"\bSsdtrain\w+(?:Cpu|Cuda)\b", text))
+  assert len(handlers) == 6, handlers
+  cuda = native.build_info()["cuda"] == 1
+  for name in handlers:
+    assert hasattr(so, name) == (cuda or name.endswith("Cpu")), name

@@ -50,8 +50,51 @@ __all__ = [
   "probe_link",
 ]
 
-# ssdtrain_probe_link's on_ready: void (*)(void), nullable.
+# ssdtrain_probe_link's on_ready: ssdtrain_ready_fn, void (*)(void), nullable.
 _READY_FN = ctypes.CFUNCTYPE(None)
+
+# The C ABI, function by function as xla_ffi/include/ssdtrain/c_api.h declares it (which says
+# what each does): name -> (restype, argtypes). lib() binds exactly these; tests/test_build.py
+# checks them against the header.
+_c_char_p, _c_size_t, _c_int = ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
+_c_int64, _c_uint64, _c_void_p = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
+_P = ctypes.POINTER
+_C_API: dict[str, tuple[Any, list[Any]]] = {
+  # the store
+  "ssdtrain_configure": (_c_int, [_c_char_p, _c_char_p, _c_size_t]),
+  "ssdtrain_config": (_c_int, [_c_char_p, _c_size_t]),
+  "ssdtrain_shutdown": (_c_int, [_c_char_p, _c_size_t]),
+  "ssdtrain_flush": (_c_int, [_c_char_p, _c_size_t]),
+  "ssdtrain_release_all": (_c_int, [_c_char_p, _c_size_t]),
+  # statistics and introspection
+  "ssdtrain_stats": (_c_int, [_c_char_p, _c_size_t]),
+  "ssdtrain_reset_stats": (None, []),
+  "ssdtrain_timeline": (_c_int, [_c_char_p, _c_size_t]),
+  "ssdtrain_file_paths": (_c_int, [_c_char_p, _c_size_t]),
+  "ssdtrain_build_info": (_c_int, [_c_char_p, _c_size_t]),
+  "ssdtrain_probe_link": (
+    _c_int,
+    [_c_int, _c_uint64, _c_int, _c_int, _READY_FN, _P(ctypes.c_double), _c_char_p, _c_size_t],
+  ),
+  # stores and loads of host buffers
+  "ssdtrain_store_host": (
+    _c_int,
+    [_c_void_p, _c_uint64, _c_int64, _c_int64, _P(ctypes.c_uint32), _c_char_p, _c_size_t],
+  ),
+  "ssdtrain_load_host": (
+    _c_int,
+    [_P(ctypes.c_uint32), _c_void_p, _c_uint64, _c_int64, _c_char_p, _c_size_t],
+  ),
+  # lifetimes
+  "ssdtrain_sweep": (
+    _c_int,
+    [_P(ctypes.c_uint32), _c_uint64, _c_uint64, _c_int, _P(_c_uint64), _c_char_p, _c_size_t],
+  ),
+  "ssdtrain_sweep_requested": (_c_int, []),
+  # test hooks
+  "ssdtrain_debug_truncate": (_c_int, [_c_uint64, _c_char_p, _c_size_t]),
+  "ssdtrain_debug_corrupt": (_c_int, [_c_uint64, _c_char_p, _c_size_t]),
+}
 
 STORE_TARGET = "ssdtrain_store"
 LOAD_TARGET = "ssdtrain_load"
@@ -112,69 +155,10 @@ def lib() -> ctypes.CDLL:
       so = ctypes.CDLL(str(path), mode=os.RTLD_LAZY | os.RTLD_LOCAL)
     except OSError as e:
       raise ImportError(f"could not load {path}: {e}") from e
-    c_char_p, c_size_t, c_int = ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
-    for fn, args in [
-      ("ssdtrain_configure", [c_char_p, c_char_p, c_size_t]),
-      ("ssdtrain_stats", [c_char_p, c_size_t]),
-      ("ssdtrain_config", [c_char_p, c_size_t]),
-      ("ssdtrain_flush", [c_char_p, c_size_t]),
-      ("ssdtrain_release_all", [c_char_p, c_size_t]),
-      ("ssdtrain_shutdown", [c_char_p, c_size_t]),
-      ("ssdtrain_build_info", [c_char_p, c_size_t]),
-      ("ssdtrain_file_paths", [c_char_p, c_size_t]),
-    ]:
-      f = getattr(so, fn)
-      f.argtypes = args
-      f.restype = c_int
-    for fn in ("ssdtrain_debug_truncate", "ssdtrain_debug_corrupt"):
-      f = getattr(so, fn)
-      f.argtypes = [ctypes.c_uint64, c_char_p, c_size_t]
-      f.restype = c_int
-    so.ssdtrain_store_host.argtypes = [
-      ctypes.c_void_p,
-      ctypes.c_uint64,
-      ctypes.c_int64,
-      ctypes.c_int64,
-      ctypes.POINTER(ctypes.c_uint32),
-      c_char_p,
-      c_size_t,
-    ]
-    so.ssdtrain_sweep.argtypes = [
-      ctypes.c_void_p,
-      ctypes.c_uint64,
-      ctypes.c_uint64,
-      ctypes.c_int,
-      ctypes.POINTER(ctypes.c_uint64),
-      c_char_p,
-      c_size_t,
-    ]
-    so.ssdtrain_sweep.restype = c_int
-    so.ssdtrain_sweep_requested.argtypes = []
-    so.ssdtrain_sweep_requested.restype = c_int
-    so.ssdtrain_load_host.argtypes = [
-      ctypes.POINTER(ctypes.c_uint32),
-      ctypes.c_void_p,
-      ctypes.c_uint64,
-      ctypes.c_int64,
-      c_char_p,
-      c_size_t,
-    ]
-    so.ssdtrain_store_host.restype = so.ssdtrain_load_host.restype = c_int
-    so.ssdtrain_reset_stats.argtypes = []
-    so.ssdtrain_reset_stats.restype = None
-    so.ssdtrain_timeline.argtypes = [c_char_p, c_size_t]
-    so.ssdtrain_timeline.restype = c_int
-    so.ssdtrain_probe_link.argtypes = [
-      c_int,
-      ctypes.c_uint64,
-      c_int,
-      c_int,
-      _READY_FN,
-      ctypes.POINTER(ctypes.c_double),
-      c_char_p,
-      c_size_t,
-    ]
-    so.ssdtrain_probe_link.restype = c_int
+    for name, (restype, argtypes) in _C_API.items():
+      f = getattr(so, name)
+      f.argtypes = argtypes
+      f.restype = restype
     _lib = so
     if not _atexit_registered:
       atexit.register(_atexit_shutdown)
@@ -413,7 +397,7 @@ def sweep(pairs, seq_limit: int, *, retire: bool = False) -> int:
   released = ctypes.c_uint64(0)
   _call_err(
     lib().ssdtrain_sweep,
-    pairs.ctypes.data,
+    pairs.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)),
     pairs.shape[0],
     int(seq_limit),
     int(retire),

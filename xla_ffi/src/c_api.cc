@@ -1,21 +1,18 @@
-// The C ABI used by jax_ssdtrain/_src/native.py through ctypes. Nothing
-// throws across it: every failure is an errno-like code plus a message.
+// The C ABI (ssdtrain/c_api.h, which documents each function) used by
+// jax_ssdtrain/_src/native.py through ctypes. Nothing throws across it: every failure is an
+// errno-like code plus a message.
+#include "ssdtrain/c_api.h"
+
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <string>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 #include "xla/ffi/api/c_api.h"
-
-namespace ssdtrain {
-Status ReplaceEngine(const Config* cfg);
-std::shared_ptr<Engine> PeekEngine();
 #ifdef SSDTRAIN_HAVE_CUDA
-Status ProbeLink(int device, uint64_t bytes, int repeats, int host_kind, void (*on_ready)(),
-                 double out[5]);  // link_probe.cu
+#include "cuda/link_probe.h"
 #endif
-}  // namespace ssdtrain
 
 using ssdtrain::Status;
 
@@ -53,9 +50,10 @@ int Guard(char* err, size_t errlen, F&& f) {
 
 }  // namespace
 
+// Each function is documented where it is declared, in ssdtrain/c_api.h.
 extern "C" {
 
-SSD_EXPORT int ssdtrain_configure(const char* kv, char* err, size_t errlen) {
+SSDTRAIN_API int ssdtrain_configure(const char* kv, char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
     ssdtrain::Config cfg;
     SSD_RETURN_IF_ERROR(ssdtrain::Config::Parse(kv ? kv : "", &cfg));
@@ -63,9 +61,7 @@ SSD_EXPORT int ssdtrain_configure(const char* kv, char* err, size_t errlen) {
   });
 }
 
-// The configuration the engine runs with, as "key=value" lines (Config::ToString); empty when
-// no store is open.
-SSD_EXPORT int ssdtrain_config(char* out, size_t outlen) {
+SSDTRAIN_API int ssdtrain_config(char* out, size_t outlen) {
   try {
     auto e = ssdtrain::PeekEngine();
     return CopyOut(e ? e->config().ToString() : std::string(), out, outlen);
@@ -74,7 +70,7 @@ SSD_EXPORT int ssdtrain_config(char* out, size_t outlen) {
   }
 }
 
-SSD_EXPORT int ssdtrain_stats(char* out, size_t outlen) {
+SSDTRAIN_API int ssdtrain_stats(char* out, size_t outlen) {
   try {
     auto e = ssdtrain::PeekEngine();
     if (!e) return CopyOut("configured=0\n", out, outlen);
@@ -84,10 +80,7 @@ SSD_EXPORT int ssdtrain_stats(char* out, size_t outlen) {
   }
 }
 
-// The device copies of the latest steps, oldest first, one per line:
-// "op device bytes start_s end_s name" (steady-clock seconds); cleared once read. Empty without
-// CUDA handlers. ERANGE: `out` was too small (the lines that fit are kept in it).
-SSD_EXPORT int ssdtrain_timeline(char* out, size_t outlen) {
+SSDTRAIN_API int ssdtrain_timeline(char* out, size_t outlen) {
   try {
     auto e = ssdtrain::PeekEngine();
     return CopyOut(e ? e->TakeTimeline() : std::string(), out, outlen);
@@ -96,13 +89,9 @@ SSD_EXPORT int ssdtrain_timeline(char* out, size_t outlen) {
   }
 }
 
-// PCIe link of GPU `device`: out[0] D2H and out[1] H2D GB/s alone, out[2] / out[3] each while
-// both run (pinned buffers of `bytes`, median of `repeats`; host_kind 0: cudaHostAlloc, 1:
-// mmap + cudaHostRegister as the engine's arenas, 2: the same on huge pages), out[4] the
-// seconds the copies took after `on_ready` (nullable) returned: it runs once the buffers are
-// ready, before the first copy. ENOSYS in builds without CUDA.
-SSD_EXPORT int ssdtrain_probe_link(int device, uint64_t bytes, int repeats, int host_kind,
-                                   void (*on_ready)(), double* out, char* err, size_t errlen) {
+SSDTRAIN_API int ssdtrain_probe_link(int device, uint64_t bytes, int repeats, int host_kind,
+                                     ssdtrain_ready_fn on_ready, double* out, char* err,
+                                     size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
 #ifdef SSDTRAIN_HAVE_CUDA
     return ssdtrain::ProbeLink(device, bytes, repeats, host_kind, on_ready, out);
@@ -114,32 +103,32 @@ SSD_EXPORT int ssdtrain_probe_link(int device, uint64_t bytes, int repeats, int 
   });
 }
 
-SSD_EXPORT void ssdtrain_reset_stats(void) {
+SSDTRAIN_API void ssdtrain_reset_stats(void) {
   try {
     if (auto e = ssdtrain::PeekEngine()) e->ResetStats();
   } catch (...) {
   }
 }
 
-SSD_EXPORT int ssdtrain_flush(char* err, size_t errlen) {
+SSDTRAIN_API int ssdtrain_flush(char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
     auto e = ssdtrain::PeekEngine();
     return e ? e->Flush() : Status::Ok();
   });
 }
 
-SSD_EXPORT int ssdtrain_release_all(char* err, size_t errlen) {
+SSDTRAIN_API int ssdtrain_release_all(char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
     auto e = ssdtrain::PeekEngine();
     return e ? e->ReleaseAll() : Status::Ok();
   });
 }
 
-SSD_EXPORT int ssdtrain_shutdown(char* err, size_t errlen) {
+SSDTRAIN_API int ssdtrain_shutdown(char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status { return ssdtrain::ReplaceEngine(nullptr); });
 }
 
-SSD_EXPORT int ssdtrain_build_info(char* out, size_t outlen) {
+SSDTRAIN_API int ssdtrain_build_info(char* out, size_t outlen) {
   std::string s;
 #ifdef SSDTRAIN_HAVE_CUDA
   s += "cuda=1\n";
@@ -156,7 +145,7 @@ SSD_EXPORT int ssdtrain_build_info(char* out, size_t outlen) {
   return CopyOut(s, out, outlen);
 }
 
-SSD_EXPORT int ssdtrain_file_paths(char* out, size_t outlen) {
+SSDTRAIN_API int ssdtrain_file_paths(char* out, size_t outlen) {
   try {
     auto e = ssdtrain::PeekEngine();
     return CopyOut(e ? e->FilePaths() : std::string(), out, outlen);
@@ -165,26 +154,22 @@ SSD_EXPORT int ssdtrain_file_paths(char* out, size_t outlen) {
   }
 }
 
-// Test hooks (tests/test_reliability.py): cut every store file to `size`
-// bytes; flip one byte of the store at a logical offset.
-SSD_EXPORT int ssdtrain_debug_truncate(uint64_t size, char* err, size_t errlen) {
+SSDTRAIN_API int ssdtrain_debug_truncate(uint64_t size, char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
     auto e = ssdtrain::PeekEngine();
     return e ? e->DebugTruncate(size) : Status(EINVAL, "the store is not configured");
   });
 }
 
-SSD_EXPORT int ssdtrain_debug_corrupt(uint64_t offset, char* err, size_t errlen) {
+SSDTRAIN_API int ssdtrain_debug_corrupt(uint64_t offset, char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
     auto e = ssdtrain::PeekEngine();
     return e ? e->DebugCorrupt(offset) : Status(EINVAL, "the store is not configured");
   });
 }
 
-// Stores / loads a host buffer through the engine, as the CPU handlers do (the
-// probe drives the engine with these; handle is uint32[2]).
-SSD_EXPORT int ssdtrain_store_host(const void* src, uint64_t nbytes, int64_t site, int64_t uses,
-                                   uint32_t* handle, char* err, size_t errlen) {
+SSDTRAIN_API int ssdtrain_store_host(const void* src, uint64_t nbytes, int64_t site, int64_t uses,
+                                     uint32_t* handle, char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
     Status st;
     auto e = ssdtrain::CurrentEngine(&st);
@@ -193,11 +178,8 @@ SSD_EXPORT int ssdtrain_store_host(const void* src, uint64_t nbytes, int64_t sit
   });
 }
 
-// Sweep (jax_ssdtrain/_src/lifetimes.py): releases the entries older than `seq_limit` whose
-// handle is not among the n_pairs {id, check} pairs (the handles live arrays still hold);
-// retire != 0 (the background sweeper): retires them instead (Engine::Sweep).
-SSD_EXPORT int ssdtrain_sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit,
-                              int retire, uint64_t* released, char* err, size_t errlen) {
+SSDTRAIN_API int ssdtrain_sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit,
+                                int retire, uint64_t* released, char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
     *released = 0;
     auto e = ssdtrain::PeekEngine();
@@ -206,8 +188,7 @@ SSD_EXPORT int ssdtrain_sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t 
   });
 }
 
-// 1 when a sweep is due (enough uncounted entries since the last one), else 0.
-SSD_EXPORT int ssdtrain_sweep_requested(void) {
+SSDTRAIN_API int ssdtrain_sweep_requested(void) {
   try {
     auto e = ssdtrain::PeekEngine();
     return e && e->SweepRequested() ? 1 : 0;
@@ -216,8 +197,8 @@ SSD_EXPORT int ssdtrain_sweep_requested(void) {
   }
 }
 
-SSD_EXPORT int ssdtrain_load_host(const uint32_t* handle, void* dst, uint64_t nbytes, int64_t site,
-                                  char* err, size_t errlen) {
+SSDTRAIN_API int ssdtrain_load_host(const uint32_t* handle, void* dst, uint64_t nbytes,
+                                    int64_t site, char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status {
     Status st;
     auto e = ssdtrain::CurrentEngine(&st);

@@ -1,6 +1,6 @@
 // Config::Parse (the "key=value" lines configure() sends: every option, no defaults here) and
 // the SSDTRAIN_FAULT test hook.
-#include "ssdtrain/config.h"
+#include "config.h"
 
 #include <cctype>
 #include <cerrno>

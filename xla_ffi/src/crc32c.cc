@@ -4,7 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 
 #if defined(__x86_64__)
 #include <nmmintrin.h>

@@ -1,6 +1,6 @@
 // Store and load (what the handlers call), setup and teardown, and the process-wide engine.
-// The other parts of the engine are listed in ssdtrain/engine.h.
-#include "ssdtrain/engine.h"
+// The other parts of the engine are listed in engine.h.
+#include "engine.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -114,7 +114,7 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
   }
   if (nbytes == 0) {
     e->tier_ = tier == Tier::kHostThenNvme ? Tier::kHost : tier;
-    e->host_valid_ = true;
+    e->host_ = HostCopy::kStored;  // nothing to copy (no buffer either)
   } else if (e->tier_ == Tier::kHost) {
     uint64_t off = host_off;
     if (!in_host_tier) {
@@ -210,10 +210,9 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
 
 Status Engine::CommitStore(const EntryPtr& e) {
   Lock lk(mu_);
-  e->filling_ = false;
-  e->host_valid_ = true;
-  e->host_from_store_ = true;
-  if (e->released_) {
+  e->EndFilling();
+  e->host_ = HostCopy::kStored;
+  if (e->released()) {
     MaybeFree(e);
     return Status::Ok();
   }
@@ -247,7 +246,7 @@ Status Engine::WriteThrough(const EntryPtr& e,
   Lock lk(mu_);
   stats_.stall_seconds += Seconds(t0, Clock::now());
   stats_.bounce_writes++;
-  e->filling_ = false;
+  e->EndFilling();
   if (!s.ok()) {
     Release(e);
     return s.With("synchronous write of " + DescribeTag(e->name_, e->site_, e->id_));
@@ -266,7 +265,7 @@ Status Engine::WriteThrough(const EntryPtr& e,
 
 void Engine::AbortStore(const EntryPtr& e) {
   Lock lk(mu_);
-  e->filling_ = false;
+  e->EndFilling();
   Release(e);
 }
 
@@ -304,23 +303,23 @@ Status Engine::AcquireHost(Lock& lk, const EntryPtr& e, HostRef* ref) {
   auto t0 = Clock::now();
   bool missed = false;
   for (;;) {
-    if (e->reading_ || e->filling_) {
+    if (e->reading() || e->filling()) {
       auto w0 = Clock::now();
-      while (e->reading_ || e->filling_) cv_.wait(lk);
+      while (e->reading() || e->filling()) cv_.wait(lk);
       stats_.stall_seconds += Seconds(w0, Clock::now());
     }
     if (!e->error_.ok())
       return e->error_.With("load of " + DescribeTag(e->name_, e->site_, e->id_));
-    if (!cfg_.forwarding && e->tier_ == Tier::kNvme && e->host_from_store_ &&
+    if (!cfg_.forwarding && e->tier_ == Tier::kNvme && e->host_from_store() &&
         (e->w_ == WState::kQueued || e->w_ == WState::kRunning)) {
       auto w0 = Clock::now();  // the write drops the store's copy (FinishWrite)
       cv_.wait(lk, [&] { return e->w_ != WState::kQueued && e->w_ != WState::kRunning; });
       stats_.stall_seconds += Seconds(w0, Clock::now());
       continue;
     }
-    if (e->host_ptr_ && e->host_valid_) {
+    if (e->host_ptr_ && e->host_valid()) {
       if (e->tier_ == Tier::kNvme && !missed) {
-        if (e->host_from_store_) {
+        if (e->host_from_store()) {
           stats_.forwarded_tensors++;
           stats_.forwarded_bytes += e->nbytes_;
         } else {
@@ -344,12 +343,12 @@ Status Engine::AcquireHost(Lock& lk, const EntryPtr& e, HostRef* ref) {
     }
     if (!e->host_ptr_) {
       SSD_RETURN_IF_ERROR(AcquireCacheBuffer(lk, *e, true));
-      if (e->reading_ || e->filling_ || e->host_valid_) continue;  // raced with read-ahead
+      if (e->reading() || e->filling() || e->host_valid()) continue;  // raced with read-ahead
     }
     if (!e->host_ptr_) break;  // no room: bounce below
     StartRead(e, true);
     auto w0 = Clock::now();
-    while (e->reading_) cv_.wait(lk);
+    while (e->reading()) cv_.wait(lk);
     stats_.stall_seconds += Seconds(w0, Clock::now());
     if (!e->r_status_.ok()) return e->r_status_;
   }
@@ -384,8 +383,8 @@ Status Engine::AcquireHost(Lock& lk, const EntryPtr& e, HostRef* ref) {
 }
 
 void Engine::ConsumeRead(Entry& e) {
-  if (!e.unconsumed_read_) return;
-  e.unconsumed_read_ = false;
+  if (e.host_ != HostCopy::kRead) return;
+  e.host_ = HostCopy::kReadTaken;
   stats_.disk_loaded_bytes += e.nbytes_;
 }
 
@@ -467,7 +466,6 @@ std::shared_ptr<Engine> CurrentEngine(Status* st) {
   return g_engine;
 }
 
-// Used by c_api.cc. cfg == nullptr: shut the store down.
 Status ReplaceEngine(const Config* cfg) {
   std::shared_ptr<Engine> old;
   {

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <set>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 
 namespace ssdtrain {
 
@@ -59,7 +59,7 @@ Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int
                               std::to_string(nbytes) + " bytes but " + std::to_string(e->nbytes_) +
                               " bytes were stored");
   if (!e->error_.ok()) return e->error_.With("load of " + DescribeTag(name, site, e->id_));
-  if (e->retired_) Revive(*e);
+  if (e->retired()) Revive(*e);
   // A consuming load is the last: CountLoad releases the entry (a manual one stays manual).
   if (consume && e->uses_left_ != Entry::kManual && e->uses_left_ != 0) e->uses_left_ = 1;
   if (e->loads_++ == 0) {
@@ -91,7 +91,7 @@ bool Engine::PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbyt
     auto it = entries_.find(id);
     if (it == entries_.end()) continue;
     const Entry* e = it->second.get();
-    if (e->loads_ || e->retired_ || e->run_id_ != run_id || e->nbytes_ != nbytes) continue;
+    if (e->loads_ || e->retired() || e->run_id_ != run_id || e->nbytes_ != nbytes) continue;
     if (!best || e->seq_ > best->seq_) best = e;
   }
   if (!best) return false;
@@ -111,7 +111,7 @@ void Engine::CountUnusedStore(uint64_t nbytes, int device) {
 }
 
 bool Engine::CountLoad(const EntryPtr& e, bool defer) {
-  if (e->uses_left_ <= 0 || e->released_) return false;
+  if (e->uses_left_ <= 0 || e->released()) return false;
   if (--e->uses_left_ > 0) return false;
   stats_.counted_releases++;
   if (defer) return true;
@@ -131,15 +131,15 @@ Status Engine::Sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_t seq_limit
   for (auto& [id, e] : entries_) {
     const uint64_t key = static_cast<uint64_t>(id) << 32 | HandleCheck(id);
     if (e->uses_left_ == Entry::kManual) continue;
-    if (e->seq_ >= seq_limit || e->loading_ > 0 || e->filling_ || live.count(key)) {
-      if (e->retired_ && live.count(key)) Revive(*e);
-      if (e->uses_left_ == Entry::kUncounted && !e->retired_) {
+    if (e->seq_ >= seq_limit || e->loading_ > 0 || e->filling() || live.count(key)) {
+      if (e->retired() && live.count(key)) Revive(*e);
+      if (e->uses_left_ == Entry::kUncounted && !e->retired()) {
         survivors++;
         survivor_bytes += e->nbytes_;
       }
       continue;
     }
-    if (!(retire && e->retired_)) dead.push_back(e);
+    if (!(retire && e->retired())) dead.push_back(e);
   }
   for (auto& e : dead) retire ? Retire(e) : Release(e);
   stats_.sweeps++;
@@ -167,14 +167,14 @@ bool Engine::SweepRequested() {
 }
 
 void Engine::Retire(const EntryPtr& e) {
-  e->retired_ = true;
+  e->life_ = EntryLife::kRetired;  // from kLive: a sweep retires no entry still filling
   retired_[e->seq_] = e;
   retired_bytes_ += e->nbytes_;
   unloaded_.erase(e->seq_);  // no read-ahead of it (a load that comes reads on demand)
 }
 
 void Engine::Revive(Entry& e) {
-  e.retired_ = false;
+  e.life_ = EntryLife::kLive;
   retired_.erase(e.seq_);
   retired_bytes_ -= e.nbytes_;
   stats_.revived_entries++;
@@ -190,13 +190,12 @@ bool Engine::ReleaseOldestRetired() {
 }
 
 void Engine::Release(const EntryPtr& e) {
-  if (e->released_) return;
-  e->released_ = true;
-  if (e->retired_) {
-    e->retired_ = false;
+  if (e->released()) return;
+  if (e->retired()) {
     retired_.erase(e->seq_);
     retired_bytes_ -= e->nbytes_;
   }
+  e->life_ = e->filling() ? EntryLife::kReleasedFilling : EntryLife::kReleased;
   entries_.erase(e->id_);
   auto s = by_site_.find({e->device_, e->site_});
   if (s != by_site_.end()) {
@@ -215,8 +214,7 @@ void Engine::Release(const EntryPtr& e) {
 }
 
 void Engine::MaybeFree(const EntryPtr& e) {
-  if (!e->released_ || e->freed_ || e->filling_ || e->pins_ > 0 || e->reading_ ||
-      e->w_ == WState::kRunning)
+  if (e->life_ != EntryLife::kReleased || e->pins_ > 0 || e->reading() || e->w_ == WState::kRunning)
     return;
   FreeHostBuffer(*e);
   if (e->has_slot_) {
@@ -224,7 +222,7 @@ void Engine::MaybeFree(const EntryPtr& e) {
     e->has_slot_ = false;
   }
   if (hooks_ && e->dev_) hooks_->OnEntryFree(*e);
-  e->freed_ = true;
+  e->life_ = EntryLife::kFreed;
   pending_free_--;
   frees_++;
   cv_.notify_all();

@@ -3,7 +3,7 @@
 
 #include <string_view>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ssdtrain {

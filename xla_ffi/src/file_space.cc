@@ -1,5 +1,5 @@
 // The store's files, their slots and striping (see detail/file_space.h).
-#include "ssdtrain/detail/file_space.h"
+#include "detail/file_space.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <chrono>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 
 namespace ssdtrain {
 
@@ -99,12 +99,9 @@ void Engine::FreeHostBuffer(Entry& e) {
   a.alloc.Free(e.host_off_, e.padded_);
   e.host_arena_ = Arena::kNone;
   e.host_ptr_ = nullptr;
-  e.host_valid_ = false;
-  e.host_from_store_ = false;
-  if (e.unconsumed_read_) {  // only an entry released before its load gets here
-    e.unconsumed_read_ = false;
+  if (e.host_ == HostCopy::kRead)  // only an entry released before its load gets here
     stats_.disk_unused_bytes += e.nbytes_;
-  }
+  e.host_ = HostCopy::kNone;
 }
 
 bool Engine::EvictOne(const Entry* exclude, uint64_t prefetch_seq) {
@@ -119,10 +116,10 @@ bool Engine::EvictOne(const Entry* exclude, uint64_t prefetch_seq) {
   for (auto& [id, ep] : entries_) {
     Entry* e = ep.get();
     if (e == exclude || e->tier_ != Tier::kNvme || e->host_arena_ != Arena::kCache ||
-        !e->host_valid_)
+        !e->host_valid())
       continue;
-    if (e->w_ != WState::kDone || e->pins_ > 0 || e->reading_ || e->filling_) continue;
-    if (e->unconsumed_read_) continue;  // read ahead for a load still to come
+    if (e->w_ != WState::kDone || e->pins_ > 0 || e->reading() || e->filling()) continue;
+    if (e->unconsumed_read()) continue;  // read ahead for a load still to come
     if (prefetch_seq && !(e->loads_ > 0 || e->seq_ < prefetch_seq)) continue;
     if (better(e, best)) best = e;
   }
@@ -137,11 +134,11 @@ bool Engine::WriteBackOne(const Entry* exclude) {
   for (auto& [id, ep] : entries_) {
     const Entry* e = ep.get();
     if (e == exclude || e->tier_ != Tier::kNvme || e->host_arena_ != Arena::kCache ||
-        !e->host_valid_)
+        !e->host_valid())
       continue;
     // kCancelled in the table means a load cancelled it.
     if (e->w_ != WState::kCancelled || !e->has_slot_) continue;
-    if (e->pins_ > 0 || e->loading_ > 0 || e->reading_ || e->filling_) continue;
+    if (e->pins_ > 0 || e->loading_ > 0 || e->reading() || e->filling()) continue;
     if (e->w_pending_ > 0) {  // its cancelled pieces are still queued: eligible once they drain
       draining = true;
       continue;

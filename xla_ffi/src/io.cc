@@ -7,7 +7,7 @@
 #include <memory>
 #include <tuple>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 
 namespace ssdtrain {
 
@@ -63,7 +63,7 @@ void Engine::FinishWrite(const EntryPtr& e) {
     stats_.disk_bytes_written += e->nbytes_;
     stats_.disk_tensors_written++;
     // Without forwarding, loads read the file: drop the store's copy once it is written.
-    if (!cfg_.forwarding && e->tier_ == Tier::kNvme && e->host_from_store_ && e->pins_ == 0)
+    if (!cfg_.forwarding && e->tier_ == Tier::kNvme && e->host_from_store() && e->pins_ == 0)
       FreeHostBuffer(*e);
   }
   MaybeFree(e);
@@ -72,7 +72,7 @@ void Engine::FinishWrite(const EntryPtr& e) {
 
 void Engine::StartRead(const EntryPtr& e, bool demand) {
   const std::vector<FileSpace::Piece> pieces = space_.Pieces(e->file_off_, e->padded_);
-  e->reading_ = true;
+  e->host_ = HostCopy::kReading;  // from kNone: no load or read-ahead reads a valid copy again
   e->r_status_ = Status();
   e->r_pending_ = static_cast<int>(pieces.size());
   e->r_io_left_ = static_cast<int>(pieces.size());
@@ -103,15 +103,13 @@ void Engine::ReadPiece(const EntryPtr& e, const FileSpace::Piece& p) {
 }
 
 void Engine::FinishRead(const EntryPtr& e) {
-  e->reading_ = false;
   reads_inflight_--;
   if (e->r_status_.ok()) {
-    e->host_valid_ = true;
-    e->host_from_store_ = false;
-    e->unconsumed_read_ = true;
+    e->host_ = HostCopy::kRead;
     stats_.disk_bytes_read += e->nbytes_;
     stats_.disk_tensors_read++;
   } else {
+    e->host_ = HostCopy::kNone;
     FreeHostBuffer(*e);
   }
   MaybeFree(e);
@@ -204,7 +202,7 @@ std::vector<EntryPtr> Engine::PredictNext(uint64_t budget, int device, const Ent
 void Engine::SchedulePrefetch(Lock& lk, int device, const Entry* after) {
   if (cfg_.prefetch_bytes == 0) return;
   for (const EntryPtr& e : PredictNext(cfg_.prefetch_bytes, device, after)) {
-    if (e->host_ptr_ || e->reading_ || e->filling_ || e->w_ != WState::kDone) continue;
+    if (e->host_ptr_ || e->reading() || e->filling() || e->w_ != WState::kDone) continue;
     if (e->padded_ > cache_.size) continue;
     if (hooks_ && e->dev_ && hooks_->HasDeviceCopy(*e)) continue;  // its load reads no host copy
     uint64_t off;

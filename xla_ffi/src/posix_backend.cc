@@ -2,7 +2,7 @@
 // aligned by the engine, so the same calls work with O_DIRECT.
 #include <unistd.h>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 
 namespace ssdtrain {
 namespace {

@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <sstream>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 
 namespace ssdtrain {
 
@@ -92,7 +92,7 @@ std::string Engine::StatsString() {
   u("retired_bytes", retired_bytes_);
   uint64_t uncounted = 0;
   for (const auto& [id, e] : entries_)
-    uncounted += e->uses_left_ == Entry::kUncounted && !e->retired_;
+    uncounted += e->uses_left_ == Entry::kUncounted && !e->retired();
   u("uncounted_entries", uncounted);
   u("next_seq", next_seq_);
   d("stall_seconds", s.stall_seconds);

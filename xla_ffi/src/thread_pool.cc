@@ -1,5 +1,5 @@
 // The engine's I/O threads.
-#include "ssdtrain/detail/thread_pool.h"
+#include "detail/thread_pool.h"
 
 namespace ssdtrain {
 

@@ -4,7 +4,7 @@
 #include <mutex>
 #include <thread>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 
 namespace ssdtrain {
 namespace {

@@ -37,10 +37,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include "copy_tracker.h"
+#include "cuda_check.h"
+#include "engine.h"
 #include "handles.h"
-#include "ssdtrain/cuda_check.h"
-#include "ssdtrain/detail/copy_tracker.h"
-#include "ssdtrain/engine.h"
 
 namespace ssdtrain {
 

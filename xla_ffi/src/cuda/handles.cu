@@ -8,7 +8,7 @@
 #include <cstring>
 #include <string>
 
-#include "ssdtrain/cuda_check.h"
+#include "cuda_check.h"
 
 namespace ssdtrain {
 namespace {

@@ -10,8 +10,8 @@
 
 #include <cstdint>
 
-#include "ssdtrain/engine.h"
-#include "ssdtrain/status.h"
+#include "engine.h"
+#include "status.h"
 
 namespace ssdtrain {
 

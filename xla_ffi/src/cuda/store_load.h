@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 
 namespace ssdtrain {
 

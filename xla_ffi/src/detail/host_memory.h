@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <map>
 
-#include "ssdtrain/config.h"
-#include "ssdtrain/status.h"
+#include "config.h"
+#include "status.h"
 
 namespace ssdtrain {
 

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "ssdtrain/config.h"
-#include "ssdtrain/status.h"
+#include "config.h"
+#include "status.h"
 
 namespace ssdtrain {
 

@@ -16,7 +16,7 @@
 #include <string_view>
 #include <vector>
 
-#include "ssdtrain/status.h"
+#include "status.h"
 
 namespace ssdtrain {
 

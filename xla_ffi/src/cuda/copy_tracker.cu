@@ -1,12 +1,12 @@
-// CopyTracker: timing-event brackets around the CUDA module's copies (detail/copy_tracker.h).
-#include "ssdtrain/detail/copy_tracker.h"
+// CopyTracker: timing-event brackets around the CUDA module's copies (copy_tracker.h).
+#include "copy_tracker.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <sstream>
 
-#include "ssdtrain/cuda_check.h"
+#include "cuda_check.h"
 
 namespace ssdtrain {
 namespace {

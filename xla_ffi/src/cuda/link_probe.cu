@@ -12,8 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "ssdtrain/cuda_check.h"
-#include "ssdtrain/status.h"
+#include "cuda_check.h"
+#include "link_probe.h"
+#include "status.h"
 
 namespace ssdtrain {
 namespace {

@@ -3,7 +3,7 @@
 
 #include <cuda_runtime.h>
 
-#include "ssdtrain/status.h"
+#include "status.h"
 
 namespace ssdtrain {
 inline Status CudaError(cudaError_t e, const char* call, const char* file, int line) {

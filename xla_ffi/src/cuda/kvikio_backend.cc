@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "ssdtrain/engine.h"
+#include "engine.h"
 
 namespace ssdtrain {
 namespace {

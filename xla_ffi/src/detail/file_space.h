@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "ssdtrain/config.h"
-#include "ssdtrain/detail/host_memory.h"
-#include "ssdtrain/io_backend.h"
-#include "ssdtrain/status.h"
+#include "config.h"
+#include "detail/host_memory.h"
+#include "io_backend.h"
+#include "status.h"
 
 namespace ssdtrain {
 

@@ -246,3 +246,34 @@ def test_bench_checkpoint_tiny(tmp_path):
   assert all(r["save_gbps"] > 0 and r["restore_gbps"] > 0 for r in doc["rows"])
   assert doc["disk"]["raw_write_gbps"] > 0
   assert not list((tmp_path / "ckpt").glob("streamed_*"))  # each repeat's checkpoint removed
+
+
+def test_restore_into_an_abstract_state_made_by_eval_shape(store, tmp_path):
+  # As frameworks restore: the target is jax.eval_shape of the initialisation (no state made,
+  # nothing stored), and the restored state then serves the step compiled for init's state.
+  tx = ssd.offload_optimizer(optax.adamw(1e-3), location="host", chunk_bytes=CHUNK)
+  params = _params()
+  tree = {"params": params, "opt": _stepped(tx, params)}
+  want = _host_leaves(tree)
+  manager = _saved(tmp_path / "ckpt", 2, tree)
+  abstract = jax.eval_shape(lambda p: {"params": p, "opt": tx.init(p)}, params)
+  assert jax.tree.structure(abstract) == jax.tree.structure(tree)
+  restored = checkpointing.restore(manager, like=abstract)
+  _assert_leaves_equal(restored, want)
+  grads = jax.tree.map(jnp.ones_like, params)
+  update = jax.jit(tx.update)
+  u1, _ = update(grads, tree["opt"], params)
+  u2, _ = update(grads, restored["opt"], params)
+  for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_init_jitted_with_out_shardings(store):
+  # jax.jit(tx.init, out_shardings=...) with the shardings of jax.eval_shape(tx.init, ...).
+  tx = ssd.offload_optimizer(optax.adamw(1e-3), location="host", chunk_bytes=CHUNK)
+  params = _params()
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shardings = jax.tree.map(lambda _: device, jax.eval_shape(tx.init, params))
+  state = jax.jit(tx.init, out_shardings=shardings)(params)
+  assert jax.tree.structure(state) == jax.tree.structure(shardings)
+  _assert_leaves_equal(state, _host_leaves(tx.init(params)))

@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -154,6 +155,7 @@ def offload_optimizer(
   warned = []
 
   def init_fn(params):
+    params = _plain(params)
     shapes = jax.eval_shape(tx.init, params)
     layout = _make_layout(shapes, opts, name, params)
     if not layout.stores_anything and loc is not Location.DEVICE and not warned:
@@ -203,6 +205,20 @@ def _stores_nothing(layout: Layout, name: str, min_bytes: int) -> str:
     "so the whole state stays on the device (state.location says 'device'); lower min_bytes "
     "(offload_optimizer(tx, min_bytes=...)) to stream it"
   )
+
+
+def _plain(params: Any) -> Any:
+  """``params`` with Flax NNX variables replaced by their values (``nnx.as_pure``):
+  ``nnx.Optimizer`` hands ``init`` the ``nnx.Param`` variables and ``update`` plain arrays, and
+  the state's structure must be the same for both. Other trees are returned as they are."""
+  nnx = sys.modules.get("flax.nnx")
+  variable = getattr(nnx, "Variable", None)
+  if variable is None:
+    return params
+  leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, variable))
+  if not any(isinstance(x, variable) for x in leaves):
+    return params
+  return nnx.as_pure(params)
 
 
 def _multisteps(tx: Any) -> Any:

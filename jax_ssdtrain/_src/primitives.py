@@ -52,7 +52,9 @@ def opaque_copy(x):
   native.register_targets()
   if jnp.issubdtype(x.dtype, jnp.floating):  # as a store's lowering rounds what it stores
     x = _round_to_dtype(x)
-  return jax.ffi.ffi_call(COPY_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+  return jax.ffi.ffi_call(
+    COPY_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True
+  )(x)
 
 
 # ---------------------------------------------------------------------------------------------

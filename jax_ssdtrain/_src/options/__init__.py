@@ -10,7 +10,7 @@ refuses a missing or unknown key) and the table of the docs' options page
 (``python -m jax_ssdtrain._src.options --write docs/options.md``).
 
 Adding an option: one row here, plus the field it sets in ``xla_ffi`` (``Config`` in
-``ssdtrain/config.h`` and its line in ``config.cc``).
+``xla_ffi/src/config.h`` and its line in ``config.cc``).
 """
 
 from __future__ import annotations

@@ -1141,6 +1141,7 @@ def _run_chunk(
   carried = {} if carried is None else carried
   local: dict[Any, Any] = {} if rows is not None else dict(env)
   first = None if rows is None else start if start is not None else c * rows
+  before = []  # the chunk's last load, which its next load waits for
   for v, i in group.loads:
     leaf, hs = leaves[i], hs_in[i]
     if tier == DEVICE_TIER:  # the same program with the state on the device: hs is the leaf
@@ -1162,8 +1163,18 @@ def _run_chunk(
     h = hs[c]
     if wait is not None:  # the chunk before last has been stored: see PIPELINE_DEPTH
       h, _ = jax.lax.optimization_barrier((h, wait))
+    # The chunk's loads run in the group's order, its stores' order (the engine reads ahead in
+    # store order). XLA:CPU runs independent custom calls in any order: there each waits for
+    # the one before it through a copy of its handle (a data dependency). A GPU runs them in
+    # its stream's order, and a load reads its handle on the host: a handle made on the stream
+    # after the previous load would hold the host until that load's data had crossed the link.
+    if before:
+      h = jax.lax.platform_dependent(
+        h, *before, cpu=lambda h, *b: opaque_copy(h, *b, effect=False), default=lambda h, *b: h
+      )
     shape = (rows,) + leaf.block_shape[1:]
     local[v] = _load(h, leaf, 0, tier, shape=shape, consume=consume and i not in group.kept)
+    before = [local[v]]
   # The group's arithmetic is a region bounded by custom calls on every side, in every mode, so
   # that XLA compiles it alike whether its state comes from the store or from the device
   # (location="device") and the two agree bit for bit (an optimization barrier does not hold:
@@ -1188,7 +1199,9 @@ def _run_chunk(
       else:
         handles[i] = _joined(
           [
-            opaque_copy(jax.lax.slice_in_dim(value, *b) if len(leaf.bounds) > 1 else value)
+            opaque_copy(
+              jax.lax.slice_in_dim(value, *b) if len(leaf.bounds) > 1 else value,
+            )
             for b in leaf.bounds
           ]
         )

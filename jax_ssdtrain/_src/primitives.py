@@ -41,20 +41,23 @@ def _ensure_engine():
   config.ensure_configured()
 
 
-def opaque_copy(x):
-  """``x``'s value through a custom call that XLA cannot see through (a copy): where the
-  optimizer's streamed program has a store or a load, its device reference (``location=
-  "device"``) has this, so that XLA fuses and rewrites the arithmetic between them alike in both
-  and their results agree bit for bit (an optimization barrier does not hold: XLA:CPU removes
-  it before fusing)."""
+def opaque_copy(x, *after, effect: bool = True):
+  """``x``'s value through a custom call that XLA cannot see through (a copy), run once every
+  array in ``after`` is computed (they are not read). The optimizer's streamed program passes
+  the values its arithmetic reads and its results through one, and its device reference
+  (``location="device"``) has one where the store's program has a store or a load: XLA then
+  fuses and rewrites the arithmetic alike in both, and their results agree bit for bit. Each is
+  side-effecting (``effect``), as the store and the load are: XLA neither hoists, merges nor
+  drops it (pure copies of the values read were hoisted unlike the store's program on JAX 0.12).
+  A handle passes a pure one (``effect=False``) to order its load after another. (An
+  optimization barrier does neither: XLA:CPU removes it before fusing and scheduling.)"""
   from jax_ssdtrain._src import native
 
   native.register_targets()
   if jnp.issubdtype(x.dtype, jnp.floating):  # as a store's lowering rounds what it stores
     x = _round_to_dtype(x)
-  return jax.ffi.ffi_call(
-    COPY_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True
-  )(x)
+  out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  return jax.ffi.ffi_call(COPY_TARGET, out, has_side_effect=effect)(x, *after)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,9 +37,12 @@ ffi::Error LoadCpuImpl(int32_t device, ffi::Buffer<ffi::U32> handle,
   });
 }
 
-// The optimizer's device reference (location="device"): a copy XLA cannot see through, where
-// the store's programs have a store or a load, so that both compile their arithmetic alike.
-ffi::Error CopyCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+// A copy of x that XLA cannot see through, run after every further operand is computed (they
+// are not read): the optimizer's device reference has one where the store's programs have a
+// store or a load, so that both compile their arithmetic alike; and a handle passes one to
+// order its load after other stores and loads (an optimization barrier does not hold).
+ffi::Error CopyCpuImpl(ffi::AnyBuffer x, ffi::RemainingArgs after,
+                       ffi::Result<ffi::AnyBuffer> out) {
   if (x.size_bytes() != out->size_bytes())
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "ssdtrain: copy: input of " + std::to_string(x.size_bytes()) +
@@ -59,6 +62,7 @@ extern "C" SSD_EXPORT XLA_FFI_Error* SsdtrainCopyCpu(XLA_FFI_CallFrame* call_fra
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdtrainCopyCpu, ssdtrain::CopyCpuImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()    // x
+                                  .RemainingArgs()          // after: ordering only, not read
                                   .Ret<ffi::AnyBuffer>());  // out: x's bytes
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -3,6 +3,8 @@
 // do blocking host work that a CUDA graph cannot capture.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "cuda/store_load.h"
@@ -59,19 +61,42 @@ ffi::Error LoadCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run,
   });
 }
 
-// The optimizer's device reference (location="device"): a device-to-device copy on the compute
-// stream that XLA cannot see through, where the store's programs have a store or a load.
-ffi::Error CopyCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+// Copies n bytes: 16 at a time where both pointers are 16-byte aligned (XLA's buffers are), the
+// rest byte by byte. A kernel, not cudaMemcpyAsync: a device-to-device memcpy may run on the
+// copy engines, behind the store's and the load's transfers over the link.
+__global__ void CopyBytesKernel(const unsigned char* src, unsigned char* dst, size_t n) {
+  size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  size_t first = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  bool aligned =
+      (reinterpret_cast<uintptr_t>(src) % 16 == 0) && (reinterpret_cast<uintptr_t>(dst) % 16 == 0);
+  size_t wide = aligned ? n / 16 : 0;
+  const uint4* s16 = reinterpret_cast<const uint4*>(src);
+  uint4* d16 = reinterpret_cast<uint4*>(dst);
+  for (size_t i = first; i < wide; i += stride) d16[i] = s16[i];
+  for (size_t i = wide * 16 + first; i < n; i += stride) dst[i] = src[i];
+}
+
+// A device-to-device copy of x on the compute stream that XLA cannot see through, run after
+// every further operand is computed (they are not read): see ffi_cpu.cc's CopyCpuImpl.
+ffi::Error CopyCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs after,
+                        ffi::Result<ffi::AnyBuffer> out) {
   if (x.size_bytes() != out->size_bytes())
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "ssdtrain: copy: input of " + std::to_string(x.size_bytes()) +
                           " bytes, output of " + std::to_string(out->size_bytes()));
-  if (x.size_bytes() == 0) return ffi::Error::Success();
-  cudaError_t err = cudaMemcpyAsync(out->untyped_data(), x.untyped_data(), x.size_bytes(),
-                                    cudaMemcpyDeviceToDevice, stream);
+  size_t n = x.size_bytes();
+  if (n == 0) return ffi::Error::Success();
+  constexpr unsigned kThreads = 256;
+  size_t units = (n + 15) / 16;
+  unsigned blocks =
+      static_cast<unsigned>(std::min<size_t>((units + kThreads - 1) / kThreads, 4096));
+  CopyBytesKernel<<<blocks, kThreads, 0, stream>>>(
+      static_cast<const unsigned char*>(x.untyped_data()),
+      static_cast<unsigned char*>(out->untyped_data()), n);
+  cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string("ssdtrain: copy: cudaMemcpyAsync: ") + cudaGetErrorString(err));
+                      std::string("ssdtrain: copy: kernel launch: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
 }
 
@@ -87,6 +112,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdtrainCopyCuda, ssdtrain::CopyCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // compute stream
                                   .Arg<ffi::AnyBuffer>()                     // x (device)
+                                  .RemainingArgs()          // after: ordering only, not read
                                   .Ret<ffi::AnyBuffer>());  // out: x's bytes (device)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

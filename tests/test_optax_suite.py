@@ -57,25 +57,33 @@ CHUNK = 4096
 # The expected outcome of every case: the cases here are refused (OptimizerOffloadError whose
 # message matches the regex); every other case streams, bit for bit with location="device".
 # When the optimizer learns to stream one of these, the test fails until its line is removed.
-_SHAPES = (
-  r"cannot be streamed: its update reads the state of parameters of different shapes together"
+# A refusal names the innermost transformation whose operation reads the state of several
+# parameters together (its update function), the offload_optimizer's tx, and the cause: a number
+# built from the whole stored state that feeds every parameter's update.
+_GLOBAL = (
+  r"cannot be streamed: its \w+ operation reads the state of several parameters together "
+  r"\(.*\): a number built from the stored state of every parameter"
 )
-_MECHANIZE = r"'mechanize' \(offload_optimizer's tx\) " + _SHAPES
-_MULTISTEPS = _SHAPES + r".*optax\.MultiSteps does this"
+
+
+def _refused(inner: str, outer: str) -> str:
+  return rf"the transformation '{inner}' \({inner}\.<locals>\.update_fn[^(]* \(.*\)\) in the " + (
+    rf"transformation '{outer}' \(offload_optimizer's tx\) " + _GLOBAL
+  )
+
+
+_MECHANIZE = _refused("mechanize", "mechanize")
+
 REFUSED = {
-  # alias_test._OPTIMIZERS_UNDER_TEST: a norm or a sum over the whole tree in the update.
-  "novograd": r"'chain' \(offload_optimizer's tx\) " + _SHAPES,
-  "sm3": r"'chain' \(offload_optimizer's tx\) " + _SHAPES,
-  # contrib/_common_test._ALL_OPTIMIZERS_UNDER_TEST
-  "dadapt_adamw": r"'dadapt_adamw' \(offload_optimizer's tx\) " + _SHAPES,
-  "dog": r"'chain' \(offload_optimizer's tx\) " + _SHAPES,
-  "dowg": r"'chain' \(offload_optimizer's tx\) " + _SHAPES,
-  "momo": r"'momo' \(offload_optimizer's tx\) " + _SHAPES,
-  "momo_adam": r"'momo_adam' \(offload_optimizer's tx\) " + _SHAPES,
-  "muon": r"'partition' \(offload_optimizer's tx\) " + _SHAPES,
-  "prodigy": r"'prodigy' \(offload_optimizer's tx\) " + _SHAPES,
-  "sophia": r"'chain' \(offload_optimizer's tx\) " + _SHAPES,
-  "galore": r"'chain' \(offload_optimizer's tx\) " + _SHAPES,
+  # contrib/_common_test._ALL_OPTIMIZERS_UNDER_TEST: a number built from the whole state
+  # (a dot product or a sum over every parameter's state) feeds every parameter's update.
+  "dadapt_adamw": _refused("dadapt_adamw", "dadapt_adamw"),
+  "dog": _refused("scale_by_dog", "chain"),
+  "dowg": _refused("scale_by_dowg", "chain"),
+  "momo": _refused("momo", "momo"),
+  "momo_adam": _refused("momo_adam", "momo_adam"),
+  "prodigy": _refused("prodigy", "prodigy"),
+  "sophia": _refused("scale_by_sophia", "chain"),
   "sgd+mechanize[learning_rate=0.1]": _MECHANIZE,
   "sgd+mechanize[learning_rate=1.0]": _MECHANIZE,
   "sgd+mechanize[learning_rate=1.0,momentum=0.9]": _MECHANIZE,
@@ -96,29 +104,11 @@ REFUSED = {
   "radam+mechanize": _MECHANIZE,
   "sm3+mechanize": _MECHANIZE,
   "yogi+mechanize": _MECHANIZE,
-  # transforms/_accumulation_test.OPTIMIZERS_TO_TEST inside optax.MultiSteps (the way round,
-  # MultiSteps(offload_optimizer(tx)), is tests/test_optimizer.py's).
-  "MultiSteps(adam)": _MULTISTEPS,
-  "MultiSteps(adam[mu_dtype=float32])": _MULTISTEPS,
-  # inject_hyperparams over alias_test's list (as alias_test wraps them)
-  "inject_hyperparams(novograd)": r"'inject_hyperparams' \(offload_optimizer's tx\) " + _SHAPES,
-  "inject_hyperparams(sm3)": r"'inject_hyperparams' \(offload_optimizer's tx\) " + _SHAPES,
-  # transforms/_conditionality_test's wrappers: a lax.cond over the whole inner state (the
-  # stateless sgd under apply_if_finite streams).
-  "apply_if_finite(stateful_sgd)": r"'apply_if_finite' \(offload_optimizer's tx\) " + _SHAPES,
-  "conditionally_transform(stateful_sgd)": r"'conditionally_transform' \(offload_optimizer's tx\) "
-  + _SHAPES,
-  "conditionally_mask(stateful_sgd)": r"'conditionally_mask' \(offload_optimizer's tx\) " + _SHAPES,
 }
 
-# Not refusals but crashes of the optimizer today (bugs): each case here must still fail with
-# this exception (strict xfail: when it is fixed the test fails until its line moves).
-BUGS = {
-  # lookahead's update returns LookaheadParams(fast, slow) updates for the fast gradients
-  # (lookahead_test's way): update_fn unflattens them with the gradients' tree.
-  "lookahead(sgd)": (ValueError, "Too many leaves for PyTreeDef"),
-  "lookahead(test_optimizer)": (ValueError, "Too many leaves for PyTreeDef"),
-}
+# Crashes of the optimizer (bugs): each case here must still fail with this exception (strict
+# xfail: when it is fixed the test fails until its line moves). None today.
+BUGS: dict[str, tuple[type, str]] = {}
 # ---------------------------------------------------------------------------------------------
 
 
@@ -415,6 +405,16 @@ def _params(case: Case):
   return lookahead.LookaheadParams.init_synced(tree) if case.lookahead else tree
 
 
+def _tx_state(state):
+  """``state`` with each OffloadedState in it read out of the store (``optimizer_state``):
+  ``offload_optimizer(MultiSteps(tx))`` makes a MultiStepsState holding one."""
+  return jax.tree.map(
+    lambda x: optimizer_state(x) if isinstance(x, ssd.OffloadedState) else x,
+    state,
+    is_leaf=lambda x: isinstance(x, ssd.OffloadedState),
+  )
+
+
 def _run(case: Case, tx, steps=3):
   """``steps`` steps of one jitted function: the parameters after each (NumPy) and the state."""
 
@@ -501,7 +501,7 @@ def _reference(case_id):
   case = CASES[case_id]
   plain, plain_state = _run(case, case.make())
   device, device_state = _run(case, _offload(case, "device"))
-  return plain, _host(plain_state), device, _host(optimizer_state(device_state))
+  return plain, _host(plain_state), device, _host(_tx_state(device_state))
 
 
 def _as_recorded(case_id, check, *args):
@@ -529,7 +529,7 @@ def _check_stored(case_id, location):
   got, state = _run(case, _offload(case, location))
   for i, (g, d) in enumerate(zip(got, device)):
     _assert_bits_equal(g, d, f"{location} step {i + 1} params")
-  _assert_bits_equal(_host(optimizer_state(state)), device_state, f"{location} state")
+  _assert_bits_equal(_host(_tx_state(state)), device_state, f"{location} state")
   return plain, plain_state, device, device_state
 
 
@@ -650,7 +650,7 @@ def test_random_shapes_and_chunks_host_equals_device(store, name, shapes, chunk_
     for _ in range(2):
       p, s = step(p, s)
       history.append(_host(p))
-    return history, _host(optimizer_state(s))
+    return history, _host(_tx_state(s))
 
   device, device_state = run("device")
   host, host_state = run("host")

@@ -902,11 +902,10 @@ def _stream(fn, args, layout: Layout, state: OffloadedState | None, name: str, a
     if state is not None:
       stored_in = {prog.invars[first_state_in + i]: i for i in stored_ids}
     stored_out = {i: prog.outvars[n_updates + i] for i in stored_ids}
-    try:
-      plan = _plan(prog, stored_in, stored_out, leaves, name)
+    plan = _plan(prog, stored_in, stored_out, leaves, name)
+    if not isinstance(plan, frozenset):
       break
-    except _ExpandConds as more:
-      expand |= more.ids
+    expand |= plan  # the conditions to expand first
   applied = set()
   if apply:
     first_param_in = first_state_in + len(leaves)
@@ -1376,7 +1375,12 @@ ELEMENTWISE = frozenset(
 )
 
 
-def _plan(prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str) -> _Plan:
+def _plan(
+  prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str
+) -> _Plan | frozenset:
+  """The device part and the groups of ``prog``; or the ids of the ``cond`` equations that join
+  the state of several parameters and are decided before any stored state is read, which
+  ``_Program.inline`` must expand first."""
   parent: dict[int, int] = {}
 
   def find(i):
@@ -1475,7 +1479,7 @@ def _plan(prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str) 
         and not deps.get(e.invars[0])
       ]
       if conds:  # decided before any stored state is read: run both branches, select
-        raise _ExpandConds(frozenset(id(e) for e in conds))
+        return frozenset(id(e) for e in conds)
       if len(shapes) > 1:
         raise _coupling_error(name, eqns, deps, leaves, sorted(members))
     shape = leaves[members[0]].shape if len(shapes) > 1 else next(iter(shapes))
@@ -1494,14 +1498,6 @@ def _plan(prog: _Program, stored_in: dict, stored_out: dict, leaves, name: str) 
   if passed:
     groups.append(_Group([], [], [], sorted(passed), [], [], (), False, ()))
   return _Plan(device_eqns, groups)
-
-
-class _ExpandConds(Exception):
-  """The plan asks for these ``cond`` equations (ids of traced equations) to be expanded."""
-
-  def __init__(self, ids: frozenset):
-    super().__init__(ids)
-    self.ids = ids
 
 
 def _coupling_error(name: str, eqns, deps: dict, leaves, members: list[int]):

@@ -9,6 +9,7 @@ The ``gpu`` tests at the end put their arrays on a GPU and are skipped where JAX
 from __future__ import annotations
 
 import os
+import re
 import stat
 import threading
 
@@ -758,3 +759,34 @@ def test_probe_link_needs_a_gpu():
     native.probe_link(0, MiB, 1, on_ready=lambda: calls.append(1))
   assert calls == []  # no buffers, so never ready
   assert native.timeline() == []  # no CUDA handler ran
+
+
+# --- ssdtrain_copy (primitives.opaque_copy): the optimizer's copy XLA cannot see through ---
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint32", "bool"])
+@pytest.mark.parametrize("shape", [(), (1,), (7, 3), (1031,), (64, 129)])
+def test_opaque_copy_is_the_value_bit_for_bit(dtype, shape):
+  from jax_ssdtrain._src.primitives import opaque_copy
+
+  x = (jax.random.uniform(jax.random.key(0), shape) * 200 - 100).astype(dtype)
+  after = jnp.arange(5.0)
+  for effect in (True, False):
+    got = jax.jit(lambda x, a: opaque_copy(x, a, effect=effect))(x, after)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(x))
+
+
+def test_opaque_copy_is_a_custom_call_that_waits_for_its_other_operands():
+  from jax_ssdtrain._src.primitives import opaque_copy
+
+  def f(x, y):
+    return opaque_copy(x * 2, jnp.sin(y)) + 1
+
+  hlo = jax.jit(f).lower(jnp.ones(4), jnp.ones(3)).as_text()
+  (line,) = [ln for ln in hlo.splitlines() if "ssdtrain_copy" in ln]
+  # x * 2 and sin(y) are its two operands; XLA sees nothing of what it does with them
+  assert re.search(r"@ssdtrain_copy\(%[\w#]+, %[\w#]+\)", line), line
+  compiled = jax.jit(f).lower(jnp.ones(4), jnp.ones(3)).compile().as_text()
+  assert "ssdtrain_copy" in compiled  # not folded away (x * 2 + 1 would fuse without it)
+  np.testing.assert_array_equal(np.asarray(jax.jit(f)(jnp.ones(4), jnp.ones(3))), 3.0)

@@ -19,13 +19,18 @@ call with its own variables):
 A group whose equations are all elementwise over one shape runs chunk by chunk, as a
 ``lax.scan`` (rows ``[r0, r1)`` of every operand of that shape; scalars as they are):
 elementwise operations give the same bits on a slice as on the whole, though XLA may fuse and
-rewrite the streamed program differently from ``tx``'s own (a few ulps; the same program with
-the state on the device, ``location="device"``, agrees bit for bit, its loaded and stored chunks
-passing the same optimization barriers). Any other group runs whole (its leaves loaded at once);
-one that reads the state of parameters of different shapes couples them (``lax.cond`` over the
-whole state, as ``optax.MultiSteps`` does, or a norm over several leaves) and is refused, naming
-the transformation. Chunks are pipelined: the loads of chunk ``k`` wait for the stores of chunk
-``k - 2`` (an optimization barrier), so at most three chunks' state is on the device at once.
+rewrite the streamed program differently from ``tx``'s own (a few ulps). The same program with
+the state on the device, ``location="device"``, agrees bit for bit: there each load and store is
+a copy XLA cannot see through (``primitives.opaque_copy``), and in both the values a group reads
+and its results cross one, so that the group's arithmetic is a region bounded by custom calls
+that XLA compiles alike. Any other group runs whole (its leaves loaded at once): one parameter's
+leaves of several shapes (sm3, galore). One that reads the state of several parameters together
+is split where a ``lax.cond`` decided before any stored state is read joins them (both branches
+run and ``select_n`` picks, see ``_Program.inline``), and otherwise refused, naming the
+transformation and the operation. Chunks are pipelined: the loads of chunk ``k`` wait for the
+stores of chunk ``k - 2`` (an optimization barrier), so at most three chunks' state is on the
+device at once; on the CPU a chunk's loads are chained in the group's order through copies of
+their handles (XLA:CPU runs independent custom calls in any order).
 The state's loads read their handles (``exact``): their entries come from an earlier step.
 
 Sharded state (FSDP). When ``init`` gets parameters placed with NamedShardings on a mesh of

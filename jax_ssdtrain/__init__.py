@@ -92,6 +92,7 @@ from jax_ssdtrain._src.config import (
 from jax_ssdtrain._src.config import (
   defaults as default_config,
 )
+from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.master_weights import MasterWeightsState, with_master_weights
 from jax_ssdtrain._src.optimizer import (
   OffloadedState,
@@ -113,7 +114,6 @@ from jax_ssdtrain._src.planner import (
   profile,
 )
 from jax_ssdtrain._src.policies import (
-  Location,
   OffloadPolicy,
   location_policy,
   offload_policy,

@@ -196,3 +196,30 @@ def test_the_library_exports_the_c_api_and_the_handlers():
   cuda = native.build_info()["cuda"] == 1
   for name in handlers:
     assert hasattr(so, name) == (cuda or name.endswith("Cpu")), name
+
+
+def test_the_engine_tiers_are_the_locations_tier_codes():
+  # One Location (jax_ssdtrain/_src/location.py) maps the store's locations to the handlers'
+  # `tier` attribute; the engine decodes it with enum class Tier (xla_ffi/src/detail/entry.h).
+  import re
+  from pathlib import Path
+
+  from jax_ssdtrain._src.location import TIER_CODES, Location
+
+  header = (Path(__file__).resolve().parents[1] / "xla_ffi/src/detail/entry.h").read_text()
+  body = re.search(r"enum class Tier : int32_t \{(.*?)\};", header, re.S).group(1)
+  tiers = {name: int(code) for name, code in re.findall(r"(k\w+) = (\d+)", body)}
+  names = {"kNvme": Location.NVME, "kHost": Location.HOST, "kHostThenNvme": Location.HOST_NVME}
+  assert {names[n]: c for n, c in tiers.items()} == TIER_CODES
+  assert all(Location.from_tier(c) is loc and loc.tier == c for loc, c in TIER_CODES.items())
+  assert set(TIER_CODES) == {loc for loc in Location if loc.in_store}
+
+
+def test_models_locations_are_the_locations():
+  # models/ spells its --locations choices without importing jax_ssdtrain (whose import checks
+  # the SSDTRAIN_* variables, which scripts/train.py reports in one line after parsing): they
+  # are Location's, but "host,nvme", which a comma-separated TAG=LOC list cannot spell.
+  import models
+  from jax_ssdtrain._src.location import Location
+
+  assert models.LOCATIONS == tuple(loc.value for loc in Location if "," not in loc.value)

@@ -360,9 +360,6 @@ def _build_cases() -> dict[str, Case]:
 
 
 CASES = _build_cases()
-# inject_hyperparams over the whole alias list doubles the suite's time: the default suite wraps
-# a few of them, `-m slow` all.
-_FAST_INJECTED = {"inject_hyperparams(adam)", "inject_hyperparams(adafactor[learning_rate=0.005])"}
 _FILES_SUBSET = [
   "adam",
   "adafactor[learning_rate=0.005]",
@@ -384,20 +381,35 @@ def _params_for(ids):
   return [pytest.param(c, id=c, marks=_marks(c)) for c in ids]
 
 
-# Cases that add little to the default suite's others (under `-m slow` only).
-_SLOW_ONLY = {
-  "adam@mixed",
-  "lion@mixed",
-  "rmsprop@mixed",
-  "chain(clip,adam)",
-  "chain(clip_by_block_rms,adam)",
+# The README's test command (under 10 minutes on 2 cores) runs one case of each mechanism the
+# stream has; `-m slow` (CI) runs every case.
+_DEFAULT_CASES = {
+  "adam",  # chunked moments, short last chunks
+  "adafactor",  # factored moments: one parameter's leaves of several shapes, whole
+  "lamb",  # a per-parameter trust ratio (a norm of one leaf), whole
+  "sm3",  # per-axis accumulators
+  "novograd",  # a lax.cond on the step count, expanded into selects
+  "noisy_sgd",  # a typed PRNG key in the state, kept on the device
+  "cocob",  # a leaf read every step and returned unchanged
+  "muon",  # a small leaf shared by every parameter, kept on the device
+  "galore",  # a projector of one parameter, a cond on the step
+  "prodigy",  # refused: a number built from the whole state
+  "sgd+mechanize[learning_rate=0.1]",  # refused, through a wrapper
+  "schedule_free_adamw",
+  "inject_hyperparams(adam)",
+  "adam[mu_dtype=bfloat16]",
+  "lamb@mixed",  # a leaf smaller than a chunk and a scalar parameter
+  "apply_if_finite(stateful_sgd)",
+  "conditionally_mask(stateful_sgd)",
+  "masked(stateful_sgd,mask_fn)",
+  "chain(clip_by_global_norm,adam)",
+  "MultiSteps(adam)",
+  "lookahead(sgd)",
 }
 
 
 def _default(case_id):
-  if case_id in _SLOW_ONLY:
-    return False
-  return case_id not in _INJECTED_ALIAS or case_id in _FAST_INJECTED
+  return case_id in _DEFAULT_CASES
 
 
 def _params(case: Case):
@@ -593,7 +605,7 @@ def test_the_table_names_cases():
   assert not set(BUGS) - set(CASES) and not set(BUGS) & set(REFUSED)
   for pattern in REFUSED.values():
     re.compile(pattern)
-  assert set(_FILES_SUBSET) | _FAST_INJECTED | _SLOW_ONLY <= set(CASES)
+  assert set(_FILES_SUBSET) | _DEFAULT_CASES <= set(CASES)
 
 
 # ---------------------------------------------------------------------------------------------

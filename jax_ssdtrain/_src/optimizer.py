@@ -67,8 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ssdtrain._src import jax_internals as ji
-from jax_ssdtrain._src.policies import Location
-from jax_ssdtrain._src.primitives import TIER_CODES, TIER_NAMES, load_p, opaque_copy, store_p
+from jax_ssdtrain._src.location import TIER_CODES, TIER_NAMES, Location
+from jax_ssdtrain._src.primitives import load_p, opaque_copy, store_p
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_MIN_BYTES = 1 << 20
@@ -1172,13 +1172,11 @@ def _run_chunk(
     # the one before it through a copy of its handle (a data dependency). A GPU runs them in
     # its stream's order, and a load reads its handle on the host: a handle made on the stream
     # after the previous load would hold the host until that load's data had crossed the link.
-    if before:
-      h = jax.lax.platform_dependent(
-        h, *before, cpu=lambda h, *b: opaque_copy(h, *b, effect=False), default=lambda h, *b: h
-      )
+    if before and jax.default_backend() == "cpu":
+      h = opaque_copy(h, *before, effect=False)
     shape = (rows,) + leaf.block_shape[1:]
     local[v] = _load(h, leaf, 0, tier, shape=shape, consume=consume and i not in group.kept)
-    before = [local[v]]
+    before = [local[v].reshape(-1)[:1]]  # one element of it: the load has run
   # The group's arithmetic is a region bounded by custom calls on every side, in every mode, so
   # that XLA compiles it alike whether its state comes from the store or from the device
   # (location="device") and the two agree bit for bit (an optimization barrier does not hold:

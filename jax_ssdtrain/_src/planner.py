@@ -65,10 +65,11 @@ from typing import Any
 import numpy as np
 
 from jax_ssdtrain._src import options
+from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.measure import link as link_probe
 from jax_ssdtrain._src.measure.disk import measured_bandwidth
 from jax_ssdtrain._src.measure.timing import median_time
-from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, Location, location_policy, name_p
+from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, location_policy, name_p
 
 DEFAULT_HOST_GBPS = 50.0  # without a GPU to measure: pinned host <-> H100 over PCIe, 41-55 GB/s
 # measured (jax_ssdtrain.probe --link)

@@ -7,45 +7,17 @@ small frozen, hashable dataclass: JAX's partial-eval cache keys on it.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from jax_ssdtrain._src import jax_internals as ji
+from jax_ssdtrain._src.location import STORE_LOCATIONS, Location  # noqa: F401 (re-exported)
 
 name_p = ji.name_p
 
 DEFAULT_MIN_BYTES = 1 << 20
-
-
-class Location(enum.Enum):
-  """Where a tagged activation lives between the forward and the backward pass."""
-
-  REMAT = "remat"  # recomputed in the backward pass
-  DEVICE = "device"  # saved in device memory (JAX's own saving)
-  HOST = "host"  # the engine's pinned host-memory tier
-  NVME = "nvme"  # the store files, through the host cache
-  HOST_NVME = "host,nvme"  # the host tier while it has room, else the store files (a spill)
-
-  @property
-  def in_store(self) -> bool:
-    """True for the locations that leave the device through the engine."""
-    return self in STORE_LOCATIONS
-
-  @classmethod
-  def parse(cls, value: str | Location, *, what: str = "location") -> Location:
-    if isinstance(value, Location):
-      return value
-    try:
-      return cls(",".join(part.strip() for part in str(value).lower().split(",")))
-    except ValueError:
-      choices = ", ".join(repr(m.value) for m in cls)
-      raise ValueError(f"{what}: unknown location {value!r}; expected one of {choices}") from None
-
-
-STORE_LOCATIONS = frozenset({Location.HOST, Location.NVME, Location.HOST_NVME})
 
 
 def offload_policy(

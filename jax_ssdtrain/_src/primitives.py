@@ -17,13 +17,11 @@ import numpy as np
 
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src import lifetimes, sharded
-from jax_ssdtrain._src.policies import Location, name_p
+from jax_ssdtrain._src.location import TIER_CODES, TIER_NAMES  # noqa: F401 (re-exported)
 
 HANDLE_AVAL = jax.core.ShapedArray((2,), np.dtype(np.uint32))
+name_p = ji.name_p  # JAX's checkpoint_name tag
 
-# Engine tier codes, shared with xla_ffi (attribute "tier").
-TIER_CODES = {Location.NVME: 0, Location.HOST: 1, Location.HOST_NVME: 2}
-TIER_NAMES = {code: loc.value for loc, code in TIER_CODES.items()}
 
 STORE_TARGET = "ssdtrain_store"
 LOAD_TARGET = "ssdtrain_load"

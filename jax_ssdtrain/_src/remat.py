@@ -30,8 +30,9 @@ import weakref
 import jax
 
 from jax_ssdtrain._src import jax_internals as ji
+from jax_ssdtrain._src.location import TIER_CODES, TIER_NAMES
 from jax_ssdtrain._src.policies import StoreDecision, as_offloading, name_p
-from jax_ssdtrain._src.primitives import TIER_CODES, TIER_NAMES, load_p, reload_p, store_p, tag_p
+from jax_ssdtrain._src.primitives import load_p, reload_p, store_p, tag_p
 
 _site_ids = itertools.count(1)
 _site_lock = threading.Lock()

@@ -30,7 +30,8 @@ import importlib
 import inspect
 from typing import Any
 
-from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, Location, offload_policy
+from jax_ssdtrain._src.location import Location
+from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, offload_policy
 
 __all__ = ["DEFAULT_MIN_BYTES", "install", "uninstall", "installed", "MaxTextMissing"]
 

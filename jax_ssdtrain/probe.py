@@ -51,7 +51,7 @@ from jax_ssdtrain._src.measure.disk import (
   measure,
   measure_disk_duplex,
 )
-from jax_ssdtrain._src.measure.link import LinkResult, measure_link
+from jax_ssdtrain._src.measure.link import LinkResult, measure_link, measure_links
 from jax_ssdtrain._src.measure.recommend import Recommendation, recommend
 from jax_ssdtrain._src.measure.wear import Wear, wear
 
@@ -64,6 +64,7 @@ __all__ = [
   "measure",
   "measure_disk_duplex",
   "measure_link",
+  "measure_links",
   "recommend",
   "wear",
   "main",

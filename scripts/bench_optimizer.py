@@ -17,6 +17,7 @@ written at once with plain O_DIRECT (``probe.measure_disk_duplex``), for the ``n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -123,9 +124,18 @@ def run(args) -> dict:
   if gpu:
     from jax_ssdtrain import probe
 
-    r = probe.measure_link(size=min(state_bytes, 1 << 30))
+    size = min(state_bytes // n, 1 << 30)
+    # several devices: each GPU's link while all n copy at once (the host may bind, not the
+    # links), the mean over them; one device: its link alone
+    rs = probe.measure_links(range(n), size) if n > 1 else [probe.measure_link(size=size)]
+    mean = lambda f: sum(getattr(r, f) for r in rs) / len(rs)  # noqa: E731
     link = dict(
-      d2h=r.d2h_gbps, h2d=r.h2d_gbps, duplex_d2h=r.duplex_d2h_gbps, duplex_h2d=r.duplex_h2d_gbps
+      d2h=mean("d2h_gbps"),
+      h2d=mean("h2d_gbps"),
+      duplex_d2h=mean("duplex_d2h_gbps"),
+      duplex_h2d=mean("duplex_h2d_gbps"),
+      gpus_at_once=n,
+      per_gpu=[dataclasses.asdict(r) for r in rs],
     )
   store = args.store_dir or tempfile.mkdtemp(prefix="bench-opt-")
   disk = None
@@ -201,8 +211,13 @@ def table(doc: dict) -> str:
     f"Adam over {doc['param_gb']:.2f} GB of float32 parameters, {doc['state_gb']:.2f} GB of state"
     + (f", sharded over {doc['devices']} devices" if doc.get("devices", 1) > 1 else "")
     + (
-      f"; link {link['d2h']:.1f}/{link['h2d']:.1f} GB/s alone, "
+      f"; link {link['d2h']:.1f}/{link['h2d']:.1f} GB/s one way, "
       f"{link['duplex_d2h']:.1f}/{link['duplex_h2d']:.1f} both at once"
+      + (
+        f" (per GPU, mean of {link['gpus_at_once']} GPUs copying at once)"
+        if link.get("gpus_at_once", 1) > 1
+        else ""
+      )
       if link
       else ""
     )

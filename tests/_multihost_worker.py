@@ -3,9 +3,14 @@ every tag offloaded to a store directory templated by process index.
 
     python _multihost_worker.py PROCESS_ID NUM_PROCESSES PORT STORE_TEMPLATE OUT_JSON
 
-On CPU (the default): NUM_PROCESSES = 0 is the single-process, single-device reference;
-otherwise each process has 2 CPU devices and joins the coordinator on 127.0.0.1:PORT (gloo
-collectives).
+On CPU (the default): NUM_PROCESSES = 0 is the single-process reference (one device, or
+SSD_MH_DEVICES of them); otherwise each process has SSD_MH_DEVICES CPU devices (default 2) and
+joins the coordinator on 127.0.0.1:PORT (gloo collectives).
+
+SSD_MH_OPTIMIZER=host|nvme|host,nvme puts the optimizer state in the store
+(``offload_optimizer``), SSD_MH_FSDP=1 shards parameters and that state over the data axis
+(every device streams its own blocks), SSD_MH_CHECKPOINT=DIR saves the state after the last step
+with ``jax_ssdtrain.checkpointing`` and restores it into a fresh state (its digest is reported).
 
 With SSD_MH_PLATFORM=gpu (the GPU test): each of the NUM_PROCESSES processes drives the one GPU
 that its CUDA_VISIBLE_DEVICES leaves it (NCCL collectives across the processes), and
@@ -19,16 +24,21 @@ import os
 import sys
 
 GPU = os.environ.get("SSD_MH_PLATFORM", "cpu") == "gpu"
+OPTIMIZER = os.environ.get("SSD_MH_OPTIMIZER") or None
+FSDP = os.environ.get("SSD_MH_FSDP") == "1"
+CHECKPOINT = os.environ.get("SSD_MH_CHECKPOINT") or None
 process_id, num_processes, port, template, out_path = sys.argv[1:6]
 process_id, num_processes = int(process_id), int(num_processes)
-if num_processes and not GPU:
+CPU_DEVICES = int(os.environ.get("SSD_MH_DEVICES", "2" if num_processes else "1"))
+if CPU_DEVICES > 1 and not GPU:
   os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={CPU_DEVICES}"
   )
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from _limits import HANG_S  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 if num_processes:
   if not GPU:
@@ -44,7 +54,8 @@ import jax_ssdtrain as ssd  # noqa: E402
 from models import parallel, training  # noqa: E402
 
 STEPS, BATCH = 3, 8
-SHARDED = bool(num_processes) or GPU  # the GPU reference is sharded over its GPUs too
+# the GPU reference, and a CPU reference of several devices, are sharded over them too
+SHARDED = bool(num_processes) or GPU or CPU_DEVICES > 1
 
 
 def open_files_in(directory: str) -> int:
@@ -72,12 +83,13 @@ def main():
     min_bytes=0,
     dtype="float32",
     locations={t: "nvme" for t in ("layer_in", "qkv", "attn", "mlp_up")},
+    optimizer_location=OPTIMIZER,
   )
   state, _, _ = training.create_train_state(run)
   data = np.random.RandomState(0).randint(0, 256, (STEPS, BATCH, 17)).astype(np.int32)
   rng = jax.random.key(1)
   if SHARDED:
-    par = parallel.Parallelism(data=jax.device_count())
+    par = parallel.Parallelism(data=jax.device_count(), fsdp=FSDP)
     mesh = par.mesh()
     state, shardings = training.shard_train_state(state, par, mesh)
     step_fn = training.jit_train_step(shardings)
@@ -90,8 +102,9 @@ def main():
     state, metrics = step_fn(state, tokens, rng)
     losses.append(float(metrics["loss"]))
     grad_norms.append(float(metrics["grad_norm"]))
+  # every process the whole parameters (FSDP: the blocks of every process's devices gathered)
   params = [
-    np.asarray(p.addressable_data(0)) if SHARDED else np.asarray(p)
+    np.asarray(multihost_utils.process_allgather(p, tiled=True)) if SHARDED else np.asarray(p)
     for p in jax.tree.leaves(state.params)
   ]
   ssd.flush()

@@ -761,6 +761,33 @@ def test_probe_link_needs_a_gpu():
   assert native.timeline() == []  # no CUDA handler ran
 
 
+def test_measure_links_checks_its_arguments_and_needs_a_gpu():
+  from jax_ssdtrain import probe
+
+  with pytest.raises(ValueError, match="distinct CUDA ordinals"):
+    probe.measure_links([0, 0], MiB)
+  with pytest.raises(ValueError, match="distinct CUDA ordinals"):
+    probe.measure_links([], MiB)
+  with pytest.raises(ValueError, match="host"):
+    probe.measure_links([0], MiB, host="pageable")
+  if not _gpus():  # every thread fails alike; the caller gets the cause, not a broken barrier
+    with pytest.raises(OSError, match="link"):
+      probe.measure_links([0, 1], MiB, repeats=1)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_measure_links_all_at_once():
+  from jax_ssdtrain import probe
+
+  devices = list(range(len(_gpus())))
+  rs = probe.measure_links(devices, 64 * MiB, repeats=2)
+  assert [r.device for r in rs] == devices and all(r.size == 64 * MiB for r in rs)
+  assert all(min(r.d2h_gbps, r.h2d_gbps, r.duplex_d2h_gbps, r.duplex_h2d_gbps) > 0.5 for r in rs)
+  with pytest.raises(ValueError, match="no GPU 99"):  # one GPU's error, the others released
+    probe.measure_links([0, 99], MiB, repeats=1)
+
+
 # --- ssdtrain_copy (primitives.opaque_copy): the optimizer's copy XLA cannot see through ---
 
 

@@ -1,12 +1,16 @@
 """The PCIe link of a GPU: pinned host <-> device copies, each direction alone and both at once
 (``measure_link``, cached per host, GPU model, ordinal, size and host memory in ``cache``). The
-host tier moves its bytes over this link; the planner takes its rate from here."""
+host tier moves its bytes over this link; the planner takes its rate from here. Several GPUs
+copying at once (``measure_links``): on a node the host's memory system, not each GPU's link,
+may bind, so a sharded stream compares with the rate each GPU gets while the others copy too."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
+from collections.abc import Sequence
 
 from jax_ssdtrain._src.config import GiB, parse_size
 from jax_ssdtrain._src.measure import cache
@@ -80,6 +84,47 @@ def measure_link(
   )
   cache.write(key, dataclasses.asdict(result) | {"cached": False})
   return result
+
+
+def measure_links(
+  devices: Sequence[int], size: int | str = 1 * GiB, *, repeats: int = 5, host: str = "registered"
+) -> list[LinkResult]:
+  """The links of local GPUs ``devices`` measured at once: one thread per GPU, their copies
+  started together (each probe's buffers ready first), each GPU copying what
+  :func:`measure_link` copies. Per GPU rates, in ``devices``' order; not cached (what the
+  others do matters). OSError as :func:`measure_link`."""
+  from jax_ssdtrain._src import native
+
+  devices = list(devices)
+  if not devices or len(set(devices)) != len(devices):
+    raise ValueError(f"devices: expected distinct CUDA ordinals, got {devices!r}")
+  if host not in native.LINK_HOST_KINDS:
+    raise ValueError(f"host: expected one of {sorted(native.LINK_HOST_KINDS)}, got {host!r}")
+  nbytes = parse_size(size, what="size")
+  kinds = [gpu_kind(d) for d in devices]
+  start = threading.Barrier(len(devices))
+  rates: list = [None] * len(devices)
+  errors: list[BaseException] = []
+
+  def probe(i: int) -> None:
+    try:
+      rates[i] = native.probe_link(devices[i], nbytes, repeats, host, on_ready=start.wait)
+    except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+      start.abort()  # the others stop waiting
+      errors.append(e)
+
+  threads = [threading.Thread(target=probe, args=(i,)) for i in range(len(devices))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  if errors:  # the cause, not another thread's broken barrier
+    raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+  now = time.time()
+  return [
+    LinkResult(d, k, nbytes, r.d2h, r.h2d, r.duplex_d2h, r.duplex_h2d, host, measured_at=now)
+    for d, k, r in zip(devices, kinds, rates)
+  ]
 
 
 def gpu_kind(device: int) -> str:

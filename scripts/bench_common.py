@@ -392,6 +392,8 @@ def engine_row(s: dict, steps: int) -> dict:
       "stage_copies_ms_per_step": (per("gpu_stage_in_seconds") + per("gpu_load_staged_seconds"))
       * 1e3,
       "d2h_elided_GB_per_step": per("d2h_elided_bytes") / 1e9,
+      # host time in loads' handle reads and last-load syncs (a stalled enqueue, not the GPU's)
+      "handle_sync_ms_per_step": per("handle_sync_seconds") * 1e3,
     }
   return gpu | {
     "offload_GB_per_step": per("bytes_written") / 1e9,

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _ffi_common import raw_load, raw_store
 from _optimizer_readahead import check_state_read_ahead_in_store_order
@@ -199,6 +200,58 @@ def test_gpu_out_of_order_loads_fail_the_step(store):
     la, lb = jax.jit(lambda a, b: oldest_first(a, b, 78))(a, b)
     np.testing.assert_array_equal(np.asarray(la), np.asarray(a))
     np.testing.assert_array_equal(np.asarray(lb), np.asarray(b))
+
+
+def test_gpu_optimizer_loads_predicted_in_store_order(store):
+  # A streamed update's loads are exact and ordered: its first load reads its handle (a sync),
+  # the others are predicted in the order the last update stored them and checked on the GPU.
+  # Same bits as reading every handle (exact_loads=True).
+  tx = ssd.offload_optimizer(optax.adam(1e-3), location="host", min_bytes=0, chunk_bytes=64 << 10)
+  params = {"a": jnp.ones((512, 256)), "b": jnp.full((300, 128), 0.5)}
+  grads = jax.tree.map(lambda p: p * 1e-2, params)
+
+  def run():
+    state, p = tx.init(params), params
+    for _ in range(3):
+      ssd.reset_stats()
+      u, state = jax.jit(tx.update)(grads, state, p)
+      p = optax.apply_updates(p, u)
+      jax.block_until_ready(p)
+    return p, ssd.stats()
+
+  predicted, s = run()
+  assert s["tensors_read"] > 4 and s["handle_mismatches"] == 0, s
+  assert s["speculative_loads"] == s["tensors_read"] - 1, s  # all but the update's first
+  with ssd.configured(
+    directory=store.directories[0] + "-exact", capacity_bytes=1 << 30, exact_loads=True
+  ):
+    exact, s = run()
+    assert s["speculative_loads"] == 0, s
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(predicted[k]), np.asarray(exact[k]))
+
+
+def test_gpu_ordered_loads_out_of_store_order_fail_the_step(store):
+  # Three entries of one site stored by one execution, loaded by another as "ordered" exact
+  # loads in the order 0, 2, 1: the predictions of the last two are wrong, and the step fails
+  # naming the cause. Exact loads that read their handles take any order.
+  chunks = [jnp.full((4096,), float(i)) for i in range(3)]
+  handles = jax.jit(lambda cs: [_raw_store(c, 91) for c in cs])(chunks)
+
+  def load(hs, exact):
+    out, after = [], None
+    for i in (0, 2, 1):
+      h = hs[i] if after is None else jax.lax.optimization_barrier((hs[i], after))[0]
+      after = raw_load(h, chunks[i], site=91, tier=1, name="raw", exact=exact)
+      out.append(after)
+    return out
+
+  got = jax.jit(lambda hs: load(hs, 1))(handles)  # read: any order
+  for i, g in zip((0, 2, 1), got):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(chunks[i]))
+  handles = jax.jit(lambda cs: [_raw_store(c, 92) for c in cs])(chunks)
+  with pytest.raises(Exception, match="exact_loads"):
+    jax.block_until_ready(jax.jit(lambda hs: load(hs, 2))([jnp.asarray(h) for h in handles]))
 
 
 @pytest.mark.parametrize("location", ["nvme", "host"])

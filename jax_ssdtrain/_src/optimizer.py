@@ -31,7 +31,10 @@ transformation and the operation. Chunks are pipelined: the loads of chunk ``k``
 stores of chunk ``k - 2`` (an optimization barrier), so at most three chunks' state is on the
 device at once; on the CPU a chunk's loads are chained in the group's order through copies of
 their handles (XLA:CPU runs independent custom calls in any order).
-The state's loads read their handles (``exact``): their entries come from an earlier step.
+The state's loads are ``exact`` (their entries come from an earlier step) and ``"ordered"``: on
+the GPU the update's first load reads its handle (a sync of the compute stream) and the engine
+predicts the others, a leaf's chunks in the order the last update stored them, checking each on
+the device (a mismatch fails the step); reading every handle stalled the host at every chunk.
 
 Sharded state (FSDP). When ``init`` gets parameters placed with NamedShardings on a mesh of
 several devices, each stored leaf takes the PartitionSpec of the parameter it mirrors (its path
@@ -1235,7 +1238,10 @@ def _load(handle, leaf: LeafLayout, k: int, tier: int, shape=None, consume=False
   aval = jax.core.ShapedArray(shape, leaf.dtype)
   name = f"opt_state{leaf.path}"
   extra = {"consume": True} if consume else {}
-  return load_p.bind(handle, aval=aval, site=leaf.site, tier=tier, name=name, exact=True, **extra)
+  # a leaf's chunks are loaded in the order they were stored: predicted on the GPU, no sync each
+  return load_p.bind(
+    handle, aval=aval, site=leaf.site, tier=tier, name=name, exact="ordered", **extra
+  )
 
 
 def _store(x, leaf: LeafLayout, k: int, tier: int):

@@ -189,9 +189,13 @@ ji.dce_rules[store_p] = _store_dce
 load_p = ji.Primitive("ssd_load")
 
 
-# Params: aval, site, tier, name as the store's; exact (optional, default False): read the handle
-# on the GPU instead of predicting it (the entry was stored by an earlier execution: optimizer
-# state; a prediction looks among this execution's entries of the site); consume (optional,
+# Params: aval, site, tier, name as the store's; exact (optional, default False): the entry was
+# stored by an earlier execution (optimizer state): True reads the handle on the GPU (a sync)
+# instead of predicting it (a prediction looks among this execution's entries of the site);
+# "ordered" also promises that the loads of a site come in the order an earlier execution stored
+# its entries (a streamed update's chunks): after the execution's first exact load, which reads
+# its handle, the engine predicts them and checks on the device (a mismatch fails the step,
+# as for activations); consume (optional,
 # default False): this load is the entry's last, the engine releases it once its bytes are
 # copied (optimizer state updated in place: the new version takes the old one's room).
 
@@ -226,7 +230,7 @@ def _load_lowering(ctx, handle, *, aval, site, tier, name, exact=False, consume=
     site=np.int64(site),
     tier=np.int32(tier),
     name=name,
-    exact=np.int32(exact),
+    exact=np.int32(2 if exact == "ordered" else bool(exact)),
     consume=np.int32(consume),
   )
 
@@ -241,7 +245,7 @@ def _load_batch(args, dims, *, aval, site, tier, name, exact=False, consume=Fals
   size = handle.shape[d]
   handle = jax.lax.index_in_dim(handle, 0, axis=d, keepdims=False)
   batched = aval.update(shape=(size,) + tuple(aval.shape))
-  extra = ({"exact": True} if exact else {}) | ({"consume": True} if consume else {})
+  extra = ({"exact": exact} if exact else {}) | ({"consume": True} if consume else {})
   return load_p.bind(handle, aval=batched, site=site, tier=tier, name=name, **extra), 0
 
 

@@ -168,6 +168,17 @@ class Engine {
   // besides it. False if there is none (the load must read its handle).
   bool PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes, uint32_t h[2],
                    uint64_t* left) const;
+  // Lock held. The handle of an ordered exact load (optimizer state: a site's chunks loaded in
+  // the order an earlier execution stored them): the oldest entry of `site`, `device` and size
+  // not loaded yet, stored by the execution whose entry the last exact load of `run_id` on
+  // `device` loaded (NoteExactLoad). `*left`: that execution's unloaded entries on `device`
+  // besides it. False before the execution's first exact load (it reads its handle) or when
+  // there is none.
+  bool PredictOrderedLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes, uint32_t h[2],
+                          uint64_t* left) const;
+  // Lock held. An exact load of execution `run_id` on `device` loaded `e`: the next ordered
+  // loads of that execution on that device are predicted among the entries of `e`'s execution.
+  void NoteExactLoad(int64_t run_id, int device, const Entry& e);
 
   // Validates the handle and marks the entry loaded. Lock held. `consume`: this load is the
   // entry's last (its CountLoad releases it, after the load's copy on the GPU).
@@ -292,7 +303,12 @@ class Engine {
   std::unordered_map<uint32_t, EntryPtr> entries_;                 // live entries
   std::map<std::pair<int, int64_t>, std::set<uint32_t>> by_site_;  // live ids per (device, site)
   std::map<uint64_t, EntryPtr> unloaded_;                          // by store seq
-  std::map<uint64_t, EntryPtr> retired_;                           // by store seq (Retire)
+  struct ExactSource {
+    int64_t run_id = -1;     // the loading execution
+    int64_t stored_by = -1;  // the execution that stored what its first exact load read
+  };
+  std::map<int, ExactSource> exact_sources_;  // per device (PredictOrderedLoad)
+  std::map<uint64_t, EntryPtr> retired_;      // by store seq (Retire)
   uint64_t retired_bytes_ = 0;
   // Uncounted entries (and bytes) stored since the last sweep; a sweep is due past the marks.
   uint64_t uncounted_since_sweep_ = 0, uncounted_bytes_since_sweep_ = 0;

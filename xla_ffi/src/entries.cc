@@ -103,6 +103,33 @@ bool Engine::PredictLoad(int64_t site, int64_t run_id, int device, uint64_t nbyt
   return true;
 }
 
+bool Engine::PredictOrderedLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes,
+                                uint32_t h[2], uint64_t* left) const {
+  auto src = exact_sources_.find(device);
+  if (src == exact_sources_.end() || src->second.run_id != run_id) return false;
+  const int64_t from = src->second.stored_by;
+  const Entry* next = nullptr;
+  uint64_t n = 0;
+  for (const auto& [seq, e] : unloaded_) {  // oldest first
+    if (e->run_id_ != from || e->device_ != device) continue;
+    if (!next && e->site_ == site && e->nbytes_ == nbytes && !e->retired()) {
+      next = e.get();
+    } else {
+      n++;
+    }
+  }
+  if (!next) return false;
+  *left = n;
+  MakeHandle(*next, h);
+  return true;
+}
+
+void Engine::NoteExactLoad(int64_t run_id, int device, const Entry& e) {
+  // The execution that stored the last exact load's entry: a predicted one's, unchanged; a read
+  // one's (the execution's first, or one that found no prediction) names where the rest are.
+  exact_sources_[device] = ExactSource{run_id, e.run_id_};
+}
+
 void Engine::CountUnusedStore(uint64_t nbytes, int device) {
   Lock lk(mu_);
   stats_.unused_stores++;

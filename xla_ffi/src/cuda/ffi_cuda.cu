@@ -48,6 +48,7 @@ ffi::Error LoadCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run,
     if (!engine) return st;
     DeviceLoad load;
     load.exact = exact != 0;
+    load.ordered = exact == 2;
     load.consume = consume != 0;
     load.device = device;
     load.stream = stream;
@@ -139,5 +140,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("site")                     // tag site id (must match the store)
         .Attr<int32_t>("tier")                     // tier of the matching store
         .Attr<std::string_view>("name")            // tag name, for messages only
-        .Attr<int32_t>("exact")      // 1: read the handle, never predict (state from a past step)
+        .Attr<int32_t>("exact")      // 1: state from a past step, read the handle; 2: the
+                                     // same, a site's chunks in store order (predicted)
         .Attr<int32_t>("consume"));  // 1: the entry's last load (state updated in place)

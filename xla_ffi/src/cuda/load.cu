@@ -1,10 +1,12 @@
 // The load of an activation into device memory (store_load.h), step by step. The handle is
-// predicted on the host (the newest unloaded entry of the site in this XLA execution) and
-// checked on the device after the copy (handles.h): a mismatch fills the output with NaN and is
-// reported by the next load; the execution's last load syncs and reports it itself, so a
-// mismatch fails the step that made it. Without a prediction (or with exact_loads) the handle
-// is read first (a sync). The copy: D2D from staging (forwarded from the store, or read ahead),
-// else H2D from pinned host memory (after the store's D2H), else file -> pinned host -> H2D.
+// predicted on the host (the newest unloaded entry of the site in this XLA execution; for an
+// ordered exact load, the oldest of the execution that stored the state) and checked on the
+// device after the copy (handles.h): a mismatch fills the output with NaN and is reported by the
+// next load; the execution's last load syncs and reports it itself, so a mismatch fails the step
+// that made it. Without a prediction (or with exact_loads) the handle is read first: a sync of
+// the compute stream, which stops the host enqueueing work until the GPU has caught up. The copy:
+// D2D from staging (forwarded from the store, or read ahead), else H2D from pinned host memory
+// (after the store's D2H), else file -> pinned host -> H2D.
 #include <string>
 
 #include "device_module.h"
@@ -24,15 +26,22 @@ struct LoadHandle {
 };
 
 // Reports a mismatch found since the last load, collects finished releases, and predicts the
-// handle unless exact_loads is set or the load is exact (optimizer state of an earlier step).
+// handle unless exact_loads is set: an activation among this execution's entries; an ordered
+// exact load (optimizer state of an earlier step, a site's chunks in store order) among the
+// entries of the execution the first exact load read. Other exact loads read their handle.
 Status PredictHandle(Engine& eng, const DeviceLoad& load, LoadHandle* handle) {
   Lock lk = eng.LockState();
   CudaModule* mod = Module(eng);
   SSD_RETURN_IF_ERROR(mod->TakeMismatch());
   mod->ReclaimReleases(false);
-  handle->predicted =
-      !load.exact && !eng.config().exact_loads &&
-      eng.PredictLoad(load.site, load.run_id, load.device, load.nbytes, handle->h, &handle->left);
+  if (eng.config().exact_loads) return Status::Ok();
+  if (!load.exact) {
+    handle->predicted =
+        eng.PredictLoad(load.site, load.run_id, load.device, load.nbytes, handle->h, &handle->left);
+  } else if (load.ordered) {
+    handle->predicted = eng.PredictOrderedLoad(load.site, load.run_id, load.device, load.nbytes,
+                                               handle->h, &handle->left);
+  }
   return Status::Ok();
 }
 
@@ -185,6 +194,7 @@ Status LoadToDevice(Engine& eng, const DeviceLoad& load) {
   EntryPtr e;
   SSD_RETURN_IF_ERROR(eng.LookupForLoad(lk, handle.h, load.nbytes, load.site, load.name, &e,
                                         load.device, load.consume));
+  if (load.exact) eng.NoteExactLoad(load.run_id, load.device, *e);
   // The entry counts as being loaded until this function returns, although the lock is dropped
   // while its bytes are read or copied through a bounce buffer (the scope ends under the lock).
   Entry::LoadingScope loading(*e);

@@ -38,7 +38,9 @@ struct DeviceLoad {
   uint64_t nbytes = 0;
   int64_t site = 0;       // tag site id (must match the store)
   std::string_view name;  // tag name, for messages only
-  bool exact = false;     // read the handle, never predict it (an entry of an earlier execution)
+  bool exact = false;     // an entry of an earlier execution: read the handle, never predict it
+  bool ordered = false;   // exact, and a site's entries come in store order: predicted after the
+                          // execution's first exact load (Engine::PredictOrderedLoad), checked
   bool consume = false;   // the entry's last load: released once copied (state updated in place)
 };
 

@@ -238,20 +238,20 @@ def test_gpu_ordered_loads_out_of_store_order_fail_the_step(store):
   chunks = [jnp.full((4096,), float(i)) for i in range(3)]
   handles = jax.jit(lambda cs: [_raw_store(c, 91) for c in cs])(chunks)
 
-  def load(hs, exact):
+  def load(hs, site, exact):
     out, after = [], None
     for i in (0, 2, 1):
       h = hs[i] if after is None else jax.lax.optimization_barrier((hs[i], after))[0]
-      after = raw_load(h, chunks[i], site=91, tier=1, name="raw", exact=exact)
+      after = raw_load(h, chunks[i], site=site, tier=1, name="raw", exact=exact)
       out.append(after)
     return out
 
-  got = jax.jit(lambda hs: load(hs, 1))(handles)  # read: any order
+  got = jax.jit(lambda hs: load(hs, 91, 1))(handles)  # read: any order
   for i, g in zip((0, 2, 1), got):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(chunks[i]))
   handles = jax.jit(lambda cs: [_raw_store(c, 92) for c in cs])(chunks)
   with pytest.raises(Exception, match="exact_loads"):
-    jax.block_until_ready(jax.jit(lambda hs: load(hs, 2))([jnp.asarray(h) for h in handles]))
+    jax.block_until_ready(jax.jit(lambda hs: load(hs, 92, 2))(handles))
 
 
 @pytest.mark.parametrize("location", ["nvme", "host"])

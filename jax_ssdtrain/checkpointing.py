@@ -46,8 +46,8 @@ from jax_ssdtrain._src.optimizer import (
   LeafLayout,
   OffloadedState,
   OptimizerOffloadError,
-  _device_blocks,
   check_leaf,
+  device_blocks,
   stream_in,
   stream_out,
 )
@@ -133,7 +133,7 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
       _check_offloaded(s, "OptimizerStateSave.states")
       # every process refuses state sharded over several processes' devices (each process
       # can read only its own devices' blocks)
-      _device_blocks(s.layout, "saving the optimizer state")
+      device_blocks(s.layout, "saving the optimizer state")
     if jax.process_index() != 0:  # replicated state: written once
       return
     directory.mkdir(parents=True, exist_ok=True)

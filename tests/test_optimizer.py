@@ -743,13 +743,13 @@ def test_an_interrupted_save_leaves_the_last_checkpoint(store, tmp_path, monkeyp
       raise OSError("injected: the store's read failed")
     return real(*args)
 
-  from jax_ssdtrain._src import optimizer
+  from jax_ssdtrain._src.optimizer import chunk_io  # the store's reads of the host I/O
 
-  real = optimizer._load_jit
-  monkeypatch.setattr(optimizer, "_load_jit", failing_load)
+  real = chunk_io._load_jit
+  monkeypatch.setattr(chunk_io, "_load_jit", failing_load)
   with pytest.raises(OSError, match="injected"):
     training.save_checkpoint(manager, later)
-  monkeypatch.setattr(optimizer, "_load_jit", real)
+  monkeypatch.setattr(chunk_io, "_load_jit", real)
   assert manager.latest_step() == 1
   restored = training.restore_checkpoint(manager, later)
   got = ssd.state_to_host(restored.opt_state)

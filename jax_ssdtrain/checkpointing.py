@@ -64,8 +64,8 @@ __all__ = [
 # Item names in a step's directory.
 TREE_ITEM = "tree"
 STATE_ITEM = "optimizer_state"
-# Chunks a save writes at once (the restore reads optimizer.PIECES_AHEAD ahead): one chunk at a
-# time left the disk idle while the next chunk came out of the store.
+# Chunks a save writes at once (the restore reads optimizer.host_io.PIECES_AHEAD ahead): one chunk
+# at a time left the disk idle while the next chunk came out of the store.
 WRITES_IN_FLIGHT = 4
 
 

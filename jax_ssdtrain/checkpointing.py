@@ -46,8 +46,8 @@ from jax_ssdtrain._src.optimizer import (
   LeafLayout,
   OffloadedState,
   OptimizerOffloadError,
-  _device_blocks,
   check_leaf,
+  device_blocks,
   stream_in,
   stream_out,
 )
@@ -64,8 +64,8 @@ __all__ = [
 # Item names in a step's directory.
 TREE_ITEM = "tree"
 STATE_ITEM = "optimizer_state"
-# Chunks a save writes at once (the restore reads optimizer.PIECES_AHEAD ahead): one chunk at a
-# time left the disk idle while the next chunk came out of the store.
+# Chunks a save writes at once (the restore reads optimizer.host_io.PIECES_AHEAD ahead): one chunk
+# at a time left the disk idle while the next chunk came out of the store.
 WRITES_IN_FLIGHT = 4
 
 
@@ -133,7 +133,7 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
       _check_offloaded(s, "OptimizerStateSave.states")
       # every process refuses state sharded over several processes' devices (each process
       # can read only its own devices' blocks)
-      _device_blocks(s.layout, "saving the optimizer state")
+      device_blocks(s.layout, "saving the optimizer state")
     if jax.process_index() != 0:  # replicated state: written once
       return
     directory.mkdir(parents=True, exist_ok=True)

@@ -743,13 +743,13 @@ def test_an_interrupted_save_leaves_the_last_checkpoint(store, tmp_path, monkeyp
       raise OSError("injected: the store's read failed")
     return real(*args)
 
-  from jax_ssdtrain._src import optimizer
+  from jax_ssdtrain._src.optimizer import chunk_io  # the store's reads of the host I/O
 
-  real = optimizer._load_jit
-  monkeypatch.setattr(optimizer, "_load_jit", failing_load)
+  real = chunk_io._load_jit
+  monkeypatch.setattr(chunk_io, "_load_jit", failing_load)
   with pytest.raises(OSError, match="injected"):
     training.save_checkpoint(manager, later)
-  monkeypatch.setattr(optimizer, "_load_jit", real)
+  monkeypatch.setattr(chunk_io, "_load_jit", real)
   assert manager.latest_step() == 1
   restored = training.restore_checkpoint(manager, later)
   got = ssd.state_to_host(restored.opt_state)
@@ -892,3 +892,41 @@ def test_init_is_pure(store):
   assert step._cache_size() == 1
   for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_analysis_groups_each_parameters_state_without_a_store():
+  # The analysis is pure (no store, no device I/O): Adam's mu and nu of one parameter form one
+  # group, one group per parameter, and each group's equations are elementwise over its shape.
+  from jax_ssdtrain._src.optimizer import analyse, trace
+
+  tx = optax.adam(1e-3)
+  params = {"a": jnp.zeros((8, 4)), "c": jnp.zeros((16,))}
+  leaves, treedef = jax.tree.flatten(tx.init(params))  # count, mu a, mu c, nu a, nu c
+
+  def update(g, s, p):
+    return jax.tree.leaves(tx.update(g, treedef.unflatten(s), p))
+
+  prog = trace.Program.inline(jax.make_jaxpr(update)(params, leaves, params))
+  stored = [1, 2, 3, 4]
+  stored_in = {prog.invars[2 + i]: i for i in stored}
+  stored_out = {i: prog.outvars[2 + i] for i in stored}
+  found = analyse.dependencies(prog, stored_in, stored_out)
+  groups: dict[int, list[int]] = {}
+  for i in stored:
+    groups.setdefault(found.find(i), []).append(i)
+  assert sorted(groups.values()) == [[1, 3], [2, 4]] and not found.passed
+  owners = analyse.pull_into_groups(prog, found)
+  for root, members in groups.items():
+    eqns = [e for e, o in zip(prog.eqns, owners) if root in o]
+    assert eqns and analyse.elementwise(eqns, leaves[members[0]].shape)
+
+
+def test_the_chunk_io_is_chosen_once_from_the_location():
+  # Layout.io: the store (load_p / store_p in the location's tier) or the device reference.
+  from jax_ssdtrain._src.location import TIER_CODES, Location
+  from jax_ssdtrain._src.optimizer import chunk_io
+
+  assert isinstance(chunk_io.chunk_io(Location.DEVICE), chunk_io.DeviceIO)
+  for loc, code in TIER_CODES.items():
+    io = chunk_io.chunk_io(loc)
+    assert isinstance(io, chunk_io.StoreIO) and io.tier == code and io.location is loc

@@ -360,14 +360,14 @@ def scan_layout(eqn: Any) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The optimizer store (optimizer.py) splits an optax update's jaxpr into a device part and
-# per-state groups, and evaluates its equations itself.
+# The optimizer store (the package optimizer/: trace.py, plan.py) splits an optax update's jaxpr
+# into a device part and per-state groups, and evaluates its equations itself.
 
 Literal = _ext_core.Literal
 DropVar = _ext_core.DropVar
 
-# Call primitives whose body optimizer.py expands in place, and the param holding that body (a
-# ClosedJaxpr). "pjit" is the name older releases give "jit"; custom-derivative calls run their primal body
+# Call primitives whose body optimizer/trace.py expands in place, and the param holding that body
+# (a ClosedJaxpr). "pjit" is the name older releases give "jit"; custom-derivative calls run their primal body
 # (the update is never differentiated).
 CALL_BODY_PARAMS = {
   "jit": "jaxpr",
@@ -389,7 +389,7 @@ def called_jaxpr(eqn: Any) -> Any | None:
   if body is None or not hasattr(body, "jaxpr"):
     raise ImportError(
       f"jax_ssdtrain: the {eqn.primitive.name!r} equation of this JAX ({jax.__version__}) has no "
-      f"ClosedJaxpr under {key!r} (params: {sorted(eqn.params)}); optimizer.py needs it"
+      f"ClosedJaxpr under {key!r} (params: {sorted(eqn.params)}); optimizer/trace.py needs it"
     )
   return body
 
@@ -409,7 +409,7 @@ def cond_branches(eqn: Any) -> tuple[Any, ...] | None:
   if not branches or not all(hasattr(b, "jaxpr") for b in branches):
     raise ImportError(
       f"jax_ssdtrain: the 'cond' equation of this JAX ({jax.__version__}) has no ClosedJaxprs "
-      f"under 'branches' (params: {sorted(eqn.params)}); optimizer.py needs them"
+      f"under 'branches' (params: {sorted(eqn.params)}); optimizer/trace.py needs them"
     )
   return tuple(branches)
 

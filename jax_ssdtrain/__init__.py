@@ -20,6 +20,8 @@ in the backward pass.
 import os as _os
 import warnings as _warnings
 
+import jax as _jax
+
 from jax_ssdtrain._src import jax_internals as _ji
 
 
@@ -27,10 +29,8 @@ def _check_jax_version() -> None:
   low, high = _ji.TESTED_JAX
   if low <= _ji.jax_version() < high:
     return
-  import jax
-
   message = (
-    f"jax_ssdtrain is tested with {_ji.TESTED_JAX_TEXT}, found jax {jax.__version__}. "
+    f"jax_ssdtrain is tested with {_ji.TESTED_JAX_TEXT}, found jax {_jax.__version__}. "
     "Install a tested release (pip install 'jax_ssdtrain[...]' resolves one), or set "
     "SSDTRAIN_ALLOW_UNTESTED_JAX=1 to try this one anyway."
   )
@@ -42,8 +42,11 @@ def _check_jax_version() -> None:
 
 _check_jax_version()
 
+from jax_ssdtrain._src import config as _config  # noqa: E402
 from jax_ssdtrain._src import lifetimes as _lifetimes  # noqa: E402
 from jax_ssdtrain._src import native as _native  # noqa: E402
+from jax_ssdtrain._src import options as _options  # noqa: E402
+from jax_ssdtrain._src import primitives as _primitives  # noqa: E402
 from jax_ssdtrain._src import remat as _remat  # noqa: E402
 
 if _native.available():  # a checkout without a built library fails at first use instead
@@ -54,10 +57,8 @@ def _check_environment() -> None:
   # The SSDTRAIN_* variables are read here, before any program is traced: a bad value raises
   # now, not inside JAX's traceback when the first step opens the store; a variable that is no
   # option warns (docs/options.md, "Environment variables").
-  from jax_ssdtrain._src import options
-
   try:
-    unknown = options.check_environment()
+    unknown = _options.check_environment()
   except ValueError as e:
     e.add_note(
       "jax_ssdtrain checks its SSDTRAIN_* environment variables when it is imported: fix or "
@@ -122,7 +123,9 @@ from jax_ssdtrain._src.policies import (
 from jax_ssdtrain._src.primitives import HigherOrderOffloadError
 
 _remat.install()
-_lifetimes.install_lowering_hook()
+# lifetimes.py sits below the primitives it counts: it is handed them here.
+_lifetimes.install_lowering_hook(store_p=_primitives.store_p, load_ps=_primitives.LOAD_PRIMITIVES)
+_config.install_dispatch_hook()  # a program that uses the store opens it when it first runs
 
 __version__ = "0.1.0"
 

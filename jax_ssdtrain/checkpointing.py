@@ -237,7 +237,7 @@ def _join(like: Any, rest: Any, states: list[OffloadedState]) -> Any:
 
 
 def _open(directory, si: int, i: int, leaf: LeafLayout, *, create: bool):
-  import tensorstore as ts
+  import tensorstore as ts  # orbax-checkpoint's own dependency (optional, as orbax is)
 
   spec = {
     "driver": "zarr3",

@@ -40,7 +40,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from jax_ssdtrain._src.config import GiB, MiB, parse_bandwidth, parse_size
 from jax_ssdtrain._src.measure import disk as _disk
 from jax_ssdtrain._src.measure.checks import positive
 from jax_ssdtrain._src.measure.disk import (
@@ -54,6 +53,7 @@ from jax_ssdtrain._src.measure.disk import (
 from jax_ssdtrain._src.measure.link import LinkResult, measure_link, measure_links
 from jax_ssdtrain._src.measure.recommend import Recommendation, recommend
 from jax_ssdtrain._src.measure.wear import Wear, wear
+from jax_ssdtrain._src.options import GiB, MiB, parse_bandwidth, parse_size
 
 __all__ = [
   "DiskDuplexResult",

@@ -52,6 +52,7 @@ INTERNALS = [
   "ShardingContext",
   "GSPMDSharding",
   "LOWER_JAXPR_TO_MODULE",
+  "EXECUTE_REPLICATED",
   "SaveableType",
   "RecomputeType",
   "Offloadable",
@@ -80,6 +81,10 @@ def test_hooks_installed_where_jax_calls_them():
   for cls in ji.CHECKPOINT_NAME_CLASSES:
     assert getattr(cls.remat, "_ssdtrain_hook", False), cls
   assert ji.JaxprStackFrame.to_jaxpr._ssdtrain_hook  # where a traced program's policies are checked
+  assert getattr(ji.MLIR_MODULE, ji.LOWER_JAXPR_TO_MODULE)._ssdtrain_hook  # the load counts
+  assert (
+    ji.EXECUTE_REPLICATED.__call__._ssdtrain_hook
+  )  # where a program's first run opens the store
   ji.check_partial_eval_call_site()  # raises MissingInternal when JAX changed the call
 
 

@@ -11,8 +11,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
 from jax_ssdtrain._src import jax_internals as ji
-from jax_ssdtrain._src import native
-from jax_ssdtrain._src.lifetimes import UNCOUNTED, analyze
+from jax_ssdtrain._src import lifetimes, native, primitives
+from jax_ssdtrain._src.lifetimes import UNCOUNTED
+
+
+def analyze(jaxpr):
+  """lifetimes.analyze with the primitives it counts (the package's lowering hook passes them)."""
+  return lifetimes.analyze(jaxpr, store_p=primitives.store_p, load_ps=primitives.LOAD_PRIMITIVES)
+
 
 POLICY = ssd.offload_policy(["h"], min_bytes=0)
 OCCUPANCY = (

@@ -331,6 +331,94 @@ def test_engine_requires_every_key_and_refuses_unknown_ones(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# When the store opens: at a program's first run, never while it is lowered or compiled
+
+
+def _assert_no_store(*directories):
+  assert ssd.current_config() is None and native.engine_config() == {}
+  assert native.stats()["configured"] == 0
+  for d in directories:
+    assert not os.path.exists(d), d
+
+
+def test_lowering_and_compiling_open_no_store(tmp_path, clean_env, monkeypatch):
+  config.reset_to_unconfigured()  # as in a fresh process
+  store = tmp_path / "store"
+  clean_env.setenv("SSDTRAIN_DIR", str(store))
+  clean_env.setenv("SSDTRAIN_CAPACITY", "64MiB")
+  w, x = _inputs()
+  step = _offloading_step()
+  try:
+    lowered = step.lower(w, x)
+    assert "ssdtrain_store" in lowered.as_text() and "ssdtrain_load" in lowered.as_text()
+    _assert_no_store(store)
+    compiled = lowered.compile()
+    _assert_no_store(store)
+    got = jax.block_until_ready(compiled(w, x))  # the first run opens it from the defaults
+    assert ssd.current_config() == ssd.default_config()
+    assert native.engine_config()["directories"] == str(store) and os.path.isdir(store)
+    assert ssd.stats()["tensors_written"] == 1
+    assert (jax.block_until_ready(step(w, x)) == got).all()  # jit's own executable: the same
+  finally:
+    config.reset_to_unconfigured()
+  # Without a directory: no private temp dir either until a program runs.
+  clean_env.delenv("SSDTRAIN_DIR")
+  monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+  os.mkdir(tmp_path / "tmp")
+  try:
+    compiled = _offloading_step(2.0).lower(w, x).compile()
+    _assert_no_store()
+    assert os.listdir(tmp_path / "tmp") == []
+    jax.block_until_ready(compiled(w, x))
+    (private,) = os.listdir(tmp_path / "tmp")
+    assert private.startswith(config.TEMP_PREFIX) and ssd.store_directories() == (
+      str(tmp_path / "tmp" / private),
+    )
+  finally:
+    config.reset_to_unconfigured()
+
+
+def test_a_bad_configuration_raises_at_the_first_run_naming_the_cause(tmp_path, clean_env):
+  config.reset_to_unconfigured()
+  afile = tmp_path / "afile"
+  afile.write_text("x")
+  clean_env.setenv("SSDTRAIN_DIR", str(afile / "store"))
+  clean_env.setenv("SSDTRAIN_CAPACITY", "64MiB")
+  w, x = _inputs()
+  step = _offloading_step()
+  try:
+    compiled = step.lower(w, x).compile()  # compiles: nothing is opened yet
+    _assert_no_store()
+    for run in (compiled, step, compiled):  # raised before dispatch, at every first run
+      with pytest.raises(NotADirectoryError, match="is below .*afile"):
+        run(w, x)
+      _assert_no_store()
+    clean_env.setenv("SSDTRAIN_DIR", str(tmp_path / "store"))
+    got = jax.block_until_ready(compiled(w, x))  # the next run opens the store
+    assert (got == jax.block_until_ready(step(w, x))).all()
+    assert native.engine_config()["directories"] == str(tmp_path / "store")
+  finally:
+    config.reset_to_unconfigured()
+
+
+def test_a_program_compiled_after_shutdown_raises_when_it_runs(tmp_path):
+  ssd.configure(tmp_path / "s", capacity_bytes=64 * MiB)
+  ssd.shutdown()
+  w, x = _inputs()
+  try:
+    compiled = _offloading_step(4.0).lower(w, x).compile()  # lowering opens nothing
+    assert native.engine_config() == {}
+    with pytest.raises(ssd.StoreShutDownError, match=r"shut down.*jax_ssdtrain\.configure\("):
+      compiled(w, x)
+    assert native.engine_config() == {} and config.is_shut_down()
+    ssd.configure(tmp_path / "t", capacity_bytes=64 * MiB)
+    jax.block_until_ready(compiled(w, x))
+    assert ssd.stats()["tensors_written"] == 1
+  finally:
+    config.reset_to_unconfigured()
+
+
+# ---------------------------------------------------------------------------------------------
 # After shutdown(): no store of its own
 
 

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ssdtrain._src.optimizer import floating_dtype
+from jax_ssdtrain._src.optimizer import apply_gradients, floating_dtype
 
 
 class AccumulateState(NamedTuple):
@@ -41,7 +41,7 @@ def accumulate_gradients(tx: Any, every_k: int, *, dtype: Any = jnp.float32):
   gradients of bfloat16 parameters are bfloat16 already), and the results no longer equal
   MultiSteps'.
   """
-  import optax
+  import optax  # an optional dependency (the demo extra): needed only by this function
 
   if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
     raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")
@@ -87,8 +87,6 @@ def accumulate_gradients(tx: Any, every_k: int, *, dtype: Any = jnp.float32):
     return new_updates, next_state(state, acc, inner)
 
   def apply_fn(updates, state, params, **extra_args):  # apply_gradients' form
-    from jax_ssdtrain._src.optimizer import apply_gradients
-
     acc, emit = accumulated(updates, state)
 
     def apply(operands):

@@ -6,10 +6,16 @@ and defaults are one table, ``options.OPTIONS`` (the docs' Store options page is
 it); this module reads them through it.
 
 The store has three states. *Never configured* (a fresh process, or after a
-``configured(...)`` block that opened the first store): the first program that offloads, or
-``stats()``, opens a store from the defaults. *Open*: after ``configure()``. *Shut down* by the
+``configured(...)`` block that opened the first store): the first run of a program that
+offloads, or ``stats()``, opens a store from the defaults. *Open*: after ``configure()``. *Shut down* by the
 user (``shutdown()``): nothing opens a store by itself any more; a program that offloads, old or
 new, and ``stats()`` raise an error saying so until ``configure()`` is called again.
+
+The store opens when it is first needed, never while a program is lowered or compiled: the
+store and load lowerings only mark their program (:func:`mark_uses_store`), and the first run of
+a marked program opens it (:func:`install_dispatch_hook`), before anything is dispatched: a bad
+configuration or a shut-down store raises its Python error there. Later runs of that program go
+straight to the engine (JAX's C++ dispatch), which refuses them when the store was closed since.
 
 A directory may contain ``{process}`` (this process's index, ``jax.process_index()``: one
 store per process of a multi-host job) and ``{device}`` (expanded to one directory per local
@@ -25,6 +31,7 @@ import contextlib
 import dataclasses
 import errno as _errno
 import fcntl
+import functools
 import os
 import re
 import shutil
@@ -34,6 +41,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src import lifetimes, native
 from jax_ssdtrain._src import options as _options
 from jax_ssdtrain._src.options import (  # noqa: F401 - re-exported
@@ -221,6 +229,57 @@ def reset_to_unconfigured() -> None:
   with _lock:
     _shutdown_locked()
     _state.shut_down = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening the store when a program that uses it first runs
+
+
+class _UsesStore:
+  """The mark a store or load lowering leaves among its program's keepalives; ``ran``: the
+  program has opened the store (its first run did)."""
+
+  __slots__ = ("ran",)
+
+  def __init__(self):
+    self.ran = False
+
+
+def mark_uses_store(module_context: Any) -> None:
+  """Marks the program being lowered as one whose first run opens the store (the store and load
+  lowering rules call it: nothing is opened here)."""
+  keepalives = ji.module_keepalives(module_context)
+  if not any(type(k) is _UsesStore for k in keepalives):
+    keepalives.append(_UsesStore())
+
+
+def _uses_store(keepalive: Any) -> _UsesStore | None:
+  for k in keepalive or ():
+    if type(k) is _UsesStore:
+      return k
+  return None
+
+
+def install_dispatch_hook() -> None:
+  """Wraps ``ExecuteReplicated.__call__`` (JAX internal, named in jax_internals) once: the first
+  run of a marked program opens the store (:func:`ensure_configured`) before its arguments are
+  touched; a failure (a bad configuration, :class:`StoreShutDownError`) raises there and the
+  next run tries again."""
+  cls = ji.EXECUTE_REPLICATED
+  original = cls.__call__
+  if getattr(original, "_ssdtrain_hook", False):
+    return
+
+  @functools.wraps(original)
+  def __call__(self, *args):
+    mark = _uses_store(self.keepalive)
+    if mark is not None and not mark.ran:
+      ensure_configured()
+      mark.ran = True
+    return original(self, *args)
+
+  __call__._ssdtrain_hook = True
+  cls.__call__ = __call__
 
 
 # ---------------------------------------------------------------------------------------------

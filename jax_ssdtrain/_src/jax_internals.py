@@ -58,6 +58,7 @@ def _get(module: Any, name: str, why: str) -> Any:
 
 
 from jax._src import ad_checkpoint as _ad_checkpoint  # noqa: E402
+from jax._src import config as _jax_config  # noqa: E402
 from jax._src import dispatch as _dispatch  # noqa: E402
 from jax._src import sharding_impls as _sharding_impls  # noqa: E402
 from jax._src import util as _util  # noqa: E402
@@ -252,9 +253,7 @@ def remat3_policy(policy_or_trace: Any) -> Any:
 @contextlib.contextmanager
 def remat3(enabled: bool):
   """``jax_remat3`` switched on or off inside the block (a no-op where the flag is absent)."""
-  from jax._src import config as _config
-
-  flag = getattr(_config, "remat3", None)
+  flag = getattr(_jax_config, "remat3", None)
   if flag is None:
     yield
     return
@@ -327,12 +326,34 @@ LOWER_JAXPR_TO_MODULE = "lower_jaxpr_to_module"
 _get(_mlir_src, LOWER_JAXPR_TO_MODULE, "counting each stored tensor's loads per program")
 
 
+# The store opens when a program that uses it first runs (config.py), not when it is lowered or
+# compiled: JAX runs an executable's first execution (and every one without its C++ fast path)
+# through ExecuteReplicated.__call__, and the executable keeps its lowering's keepalives
+# (ModuleContext.keepalives, added to by ModuleContext.add_keepalive) as ``keepalive``, where the
+# store's lowering leaves its mark.
+from jax._src.interpreters import pxla as _pxla  # noqa: E402
+
+EXECUTE_REPLICATED = _get(_pxla, "ExecuteReplicated", "opening the store when a program first runs")
+if "keepalive" not in getattr(EXECUTE_REPLICATED, "__slots__", ("keepalive",)):
+  raise MissingInternal(
+    f"jax_ssdtrain: jax {jax.__version__}'s ExecuteReplicated keeps no 'keepalive' (needed for: "
+    f"opening the store when a program first runs); tested with {TESTED_JAX_TEXT}"
+  )
+
+
+def module_keepalives(module_context: Any) -> list[Any]:
+  """The keepalives of the module being lowered (its executable will hold them)."""
+  return module_context.keepalives
+
+
+# The distributed client's state: the process index without starting backends.
+from jax._src import distributed as _distributed  # noqa: E402
+
+
 def process_index_without_backends() -> int:
   """This process's index after jax.distributed.initialize(), without starting backends
   (``jax.process_index()`` would; the store is configured before devices are used)."""
-  from jax._src import distributed
-
-  return int(distributed.global_state.process_id)
+  return int(_distributed.global_state.process_id)
 
 
 # What a remat policy may answer besides a bool: JAX's saveable / recompute markers and its

@@ -26,6 +26,10 @@ anyone can observe (an execution with no live outputs is unobservable: its loads
 harmlessly). A daemon thread sweeps when the engine has made enough uncounted entries since
 the last sweep; ``ssd.flush()`` and ``ssd.collect()`` sweep at once. The daemon's sweeps can fall
 inside a dispatch, where that reasoning does not hold: they only retire (see :func:`_sweep`).
+
+This module sits below the primitives it counts and imports none of them: they are arguments
+(:func:`analyze`, :func:`install_lowering_hook`, which the package's ``__init__`` calls with
+``primitives.store_p`` and ``primitives.LOAD_PRIMITIVES``), as ``sharded.py`` is handed them.
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ import threading
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from jax_ssdtrain._src import jax_internals as ji
+from jax_ssdtrain._src import native
 
 UNCOUNTED = -1
 
@@ -66,10 +72,10 @@ class _Site:
     return self.load_runs // stores
 
 
-def analyze(jaxpr: Any) -> dict[int, int]:
-  """``{site: uses}`` for every store site in a top-level program (see the module doc)."""
-  from jax_ssdtrain._src.primitives import load_p, reload_p, store_p
-
+def analyze(jaxpr: Any, *, store_p: Any, load_ps: tuple[Any, ...]) -> dict[int, int]:
+  """``{site: uses}`` for every store site in a top-level program (see the module doc).
+  ``store_p``: the store primitive; ``load_ps``: the primitives that load its entries (their
+  first operand is the handle)."""
   sites: dict[int, _Site] = collections.defaultdict(_Site)
   empty: frozenset = frozenset()
 
@@ -90,7 +96,7 @@ def analyze(jaxpr: Any) -> dict[int, int]:
           sites[site].store_runs.append(runs)
           sites[site].uncertain |= uncertain
         out_t = [in_t[0], frozenset([site])]
-      elif eqn.primitive is load_p or eqn.primitive is reload_p:
+      elif eqn.primitive in load_ps:
         if record:
           for site in in_t[0]:
             sites[site].load_runs += runs
@@ -198,8 +204,9 @@ def current_uses(site: int) -> int:
   return stack[-1].get(site, UNCOUNTED)
 
 
-def install_lowering_hook() -> None:
-  """Wraps ``mlir.lower_jaxpr_to_module`` (JAX internal, named in jax_internals) once."""
+def install_lowering_hook(*, store_p: Any, load_ps: tuple[Any, ...]) -> None:
+  """Wraps ``mlir.lower_jaxpr_to_module`` (JAX internal, named in jax_internals) once, counting
+  the entries of ``store_p`` loaded by ``load_ps`` (see :func:`analyze`)."""
   module = ji.MLIR_MODULE
   original = getattr(module, ji.LOWER_JAXPR_TO_MODULE)
   if getattr(original, "_ssdtrain_hook", False):
@@ -208,7 +215,8 @@ def install_lowering_hook() -> None:
   @functools.wraps(original)
   def lower_jaxpr_to_module(module_name, jaxpr, *args, **kwargs):
     stack = _local.__dict__.setdefault("stack", [])
-    stack.append(analyze(jaxpr) if _has_store(jaxpr) else {})
+    has_store = _contains(jaxpr, store_p)
+    stack.append(analyze(jaxpr, store_p=store_p, load_ps=load_ps) if has_store else {})
     try:
       return original(module_name, jaxpr, *args, **kwargs)
     finally:
@@ -218,12 +226,10 @@ def install_lowering_hook() -> None:
   setattr(module, ji.LOWER_JAXPR_TO_MODULE, lower_jaxpr_to_module)
 
 
-def _has_store(jaxpr) -> bool:
-  from jax_ssdtrain._src.primitives import store_p
-
+def _contains(jaxpr, primitive) -> bool:
   def visit(j):
     for eqn in ji.open_jaxpr(j).eqns:
-      if eqn.primitive is store_p:
+      if eqn.primitive is primitive:
         return True
       if any(visit(s) for s in _jaxprs_in(eqn.params)):
         return True
@@ -254,8 +260,6 @@ def _sweep(background: bool) -> int:
   dispatch) a dispatch lasts as long as the step's blocking copies and writes: several sweeps
   can fall inside it."""
   global _previous
-  from jax_ssdtrain._src import native
-
   with _sweep_lock:
     seq_limit = int(native.stats()["next_seq"])
     arrays = ready_live_arrays(strict=True)
@@ -296,8 +300,6 @@ def ready_live_arrays(*, strict: bool = False):
   An array donated or deleted since the snapshot is left out too; with ``strict`` (a sweep)
   the answer is None instead (a stale snapshot): a program dispatched after the snapshot took
   it and may still load the entries it held, and that program's results were not waited for."""
-  import jax
-
   arrays = live_arrays()
   try:
     jax.block_until_ready(arrays)
@@ -323,8 +325,6 @@ def ready_live_arrays(*, strict: bool = False):
 
 def live_arrays():
   """Every live ``jax.Array`` on the platforms this process uses."""
-  import jax
-
   arrays = []
   for platform in _platforms():
     try:
@@ -335,8 +335,6 @@ def live_arrays():
 
 
 def _platforms():
-  import jax
-
   names = []
   for platform in (None, "cpu"):  # the default backend, and the host's if it is enabled
     try:
@@ -388,8 +386,6 @@ class _Sweeper:
       thread.join(timeout=5 * self.POLL_S)
 
   def _run(self) -> None:
-    from jax_ssdtrain._src import native
-
     while not self._stop.wait(self.POLL_S):
       try:
         if native.sweep_requested():

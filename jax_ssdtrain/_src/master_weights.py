@@ -43,7 +43,7 @@ def with_master_weights(tx: Any, dtype: Any = jnp.float32):
   Compose it inside :func:`jax_ssdtrain.offload_optimizer` to stream the copy with the rest of
   the state: ``offload_optimizer(with_master_weights(tx), location="host")``.
   """
-  import optax
+  import optax  # an optional dependency (the demo extra): needed only by this function
 
   if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
     raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")

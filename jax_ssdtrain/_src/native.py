@@ -23,6 +23,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
+import jax.ffi
+import numpy as np
+
 __all__ = [
   "STORE_TARGET",
   "LOAD_TARGET",
@@ -130,7 +134,7 @@ def _preload_kvikio() -> None:
   # A kvikio-enabled build links libkvikio.so, which the libkvikio wheel
   # loads into the process; harmless (and skipped) when not installed.
   try:
-    import libkvikio  # type: ignore
+    import libkvikio  # type: ignore  # an optional dependency (the kvikio extra), imported here
 
     libkvikio.load_library()
   except Exception:  # noqa: BLE001 - optional dependency
@@ -226,8 +230,6 @@ def build_info() -> dict[str, Any]:
 def runtime_ffi_api() -> tuple[int, int] | None:
   """The XLA FFI API version of the running jaxlib, read from the headers it ships (None if
   it ships none)."""
-  import jax.ffi
-
   try:
     header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
     text = header.read_text()
@@ -248,8 +250,6 @@ def check_ffi_api() -> None:
     return
   if built[0] == runtime[0] and built[1] <= runtime[1]:
     return
-  import jax
-
   editable = (
     Path(__file__).resolve().parents[1] == library_path().parent
     and (library_path().parents[1] / "pyproject.toml").exists()
@@ -272,8 +272,6 @@ def check_ffi_api() -> None:
 def register_targets() -> None:
   """Registers ssdtrain_store, ssdtrain_load and ssdtrain_copy for "cpu" (and "CUDA" when built
   with CUDA)."""
-  import jax.ffi
-
   with _lock:
     so = lib()
     check_ffi_api()
@@ -391,8 +389,6 @@ def sweep(pairs, seq_limit: int, *, retire: bool = False) -> int:
   """Releases entries older than ``seq_limit`` whose handle is not a row of ``pairs`` (an
   (n, 2) C-contiguous uint32 array); returns how many were released. ``retire``: retires them
   instead (a load still finds a retired entry; its room goes to the next store that needs it)."""
-  import numpy as np
-
   pairs = np.ascontiguousarray(pairs, dtype=np.uint32).reshape(-1, 2)
   released = ctypes.c_uint64(0)
   _call_err(

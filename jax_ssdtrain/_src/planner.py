@@ -62,9 +62,11 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jax_ssdtrain._src import options
+from jax_ssdtrain._src import config, jax_internals, options
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.measure import link as link_probe
 from jax_ssdtrain._src.measure.disk import measured_bandwidth
@@ -249,8 +251,6 @@ class Plan:
     scan). With ``flax.linen``, put ``nn.remat(Block, policy=plan.policies()[0])`` in an
     ``nn.scan`` of ``offload_layers`` layers and ``policies()[1]`` in one of the others.
     """
-    import jax
-
     L, k = self.profile.num_layers, self.offload_layers
     leaves = jax.tree.leaves(params)
     if not leaves:
@@ -476,8 +476,6 @@ def profile(
       raise ValueError(f"bandwidth: expected (write, read) GB/s, got {bandwidth!r}")
     _check_number("bandwidth[0] (write GB/s)", bandwidth[0])
     _check_number("bandwidth[1] (read GB/s)", bandwidth[1])
-  from jax_ssdtrain._src import config
-
   cfg = config.current() or config.defaults()  # defaults: SSDTRAIN_* environment
   sizes = {
     k: getattr(cfg, k) if v is None else v
@@ -534,10 +532,6 @@ def _tagged(
 ) -> tuple[dict[str, int], dict[str, float], str | None]:
   """``({tag: bytes per layer}, {tag: forward FLOPs since the previous tag}, input tag)`` from
   the jaxpr; the input tag names the layer input ``x`` itself (a single array), else None."""
-  import jax
-
-  from jax_ssdtrain._src import jax_internals
-
   with jax_internals.remat3(False):  # under jax_remat3 tags are not name_p eqns
     closed = jax.make_jaxpr(layer_fn)(params, x)
   n_x = len(jax.tree.leaves(x))
@@ -564,8 +558,6 @@ def _tagged(
 def _achieved_link_gbps() -> float | None:
   """The slower direction of the host tier's copies since the last reset, in GB/s of copy-
   stream busy time (None where none ran: no GPU, or every copy stayed in staging)."""
-  from jax_ssdtrain._src import config
-
   s = config.stats()
   rates = [s[f"link_{d}_GBps"] for d in ("d2h", "h2d") if s.get(f"link_{d}_bytes", 0) >= 1 << 26]
   return min(rates) if rates else None
@@ -575,8 +567,6 @@ def measured_link_gbps(device: int = 0) -> float:
   """GB/s of the host tier's copies over GPU ``device``'s link: the slower direction of pinned
   copies between the engine's kind of host memory and the device (``probe.measure_link``,
   measured once per machine and cached); ``DEFAULT_HOST_GBPS`` where JAX has no GPU."""
-  import jax
-
   if not any(d.platform == "gpu" for d in jax.local_devices()):
     return DEFAULT_HOST_GBPS
   return link_probe.measure_link(device).gbps
@@ -834,8 +824,6 @@ def _nbytes(aval) -> int:
 
 
 def _nbytes_tree(tree) -> int:
-  import jax
-
   return sum(
     int(np.prod(np.shape(a), dtype=np.int64)) * np.dtype(a.dtype).itemsize
     for a in jax.tree.leaves(tree)
@@ -848,9 +836,6 @@ def _layer_times(
   """(forward, backward, recompute, offload) seconds of one layer inside a scan: forward and
   backward with every tag saved on the device; recompute: what the backward adds when nothing
   is saved; offload: what the step adds when ``probe_tag`` goes to the host tier (0 if None)."""
-  import jax
-  import jax.numpy as jnp
-
   bar = bar or _Progress(0, enabled=False)
 
   def stack_of(policy):
@@ -922,8 +907,6 @@ def _compile_all(lowered: Sequence[Any]) -> list[Any]:
   the GIL; the lowering, which runs our hooks, stays on the caller's thread); elsewhere one at
   a time, as a GPU compiler's autotuning times kernels on the device and would time them
   against each other."""
-  import jax
-
   if len(lowered) < 2 or jax.default_backend() != "cpu":
     return [low.compile() for low in lowered]
   with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
@@ -941,7 +924,7 @@ class _Progress:
     if not enabled:
       return
     try:
-      from tqdm import tqdm
+      from tqdm import tqdm  # optional (the demo extra): a bar where installed, else lines
     except ImportError:
       self.lines = True
       return

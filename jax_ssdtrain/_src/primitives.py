@@ -5,6 +5,12 @@ only the tiny ``handle`` (uint32[2]) stays a residual. ``load(handle) -> x`` run
 backward pass. Both lower to XLA FFI custom calls with ``has_side_effect=True`` (no JAX effect:
 older JAX rejects effects inside remat); their order comes from the handle data dependency.
 Each primitive's rules are registered right after it.
+
+Lowering opens no store: a lowering rule registers the engine's FFI handlers (loads the library,
+which XLA's compiler needs) and emits the custom call with its attributes, and marks the program
+as one that uses the store (``config.mark_uses_store``); the store opens when such a program
+first runs (see ``config.py``). ``lifetimes.py`` and ``sharded.py`` sit below this module and
+are handed the primitives they need.
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ssdtrain._src import config, lifetimes, native, sharded
 from jax_ssdtrain._src import jax_internals as ji
-from jax_ssdtrain._src import lifetimes, sharded
 from jax_ssdtrain._src.location import TIER_CODES, TIER_NAMES  # noqa: F401 (re-exported)
 
 HANDLE_AVAL = jax.core.ShapedArray((2,), np.dtype(np.uint32))
@@ -32,11 +38,12 @@ class HigherOrderOffloadError(NotImplementedError):
   """Forward-mode differentiation through an offloaded residual."""
 
 
-def _ensure_engine():
-  # Imported lazily: configuring the engine creates the default store directory.
-  from jax_ssdtrain._src import config
-
-  config.ensure_configured()
+def _lowering_uses_store(ctx) -> None:
+  """What a store or load lowering does besides emitting its call: registers the handlers the
+  compiler looks up (no store is opened) and marks the program, whose first run opens the store
+  (config.py)."""
+  native.register_targets()
+  config.mark_uses_store(ctx.module_context)
 
 
 def opaque_copy(x, *after, effect: bool = True):
@@ -49,8 +56,6 @@ def opaque_copy(x, *after, effect: bool = True):
   drops it (pure copies of the values read were hoisted unlike the store's program on JAX 0.12).
   A handle passes a pure one (``effect=False``) to order its load after another. (An
   optimization barrier does neither: XLA:CPU removes it before fusing and scheduling.)"""
-  from jax_ssdtrain._src import native
-
   native.register_targets()
   if jnp.issubdtype(x.dtype, jnp.floating):  # as a store's lowering rounds what it stores
     x = _round_to_dtype(x)
@@ -83,8 +88,6 @@ store_p.def_abstract_eval(_store_abstract_eval)
 def _store_impl(x, **params):
   # An eager store's handle leaves its (one-primitive) execution: sweeps release it. Sweep here,
   # outside any execution, when enough of them piled up.
-  from jax_ssdtrain._src import native
-
   if native.available() and native.sweep_requested():
     lifetimes.collect()
   return ji.apply_primitive(store_p, x, **params)
@@ -100,7 +103,7 @@ def _round_to_dtype(x):
 
 def _store_lowering(ctx, x, *, site, tier, name, uses, recomputed=False):
   del recomputed  # a differentiation matter only
-  _ensure_engine()
+  _lowering_uses_store(ctx)
   if uses is None:
     uses = lifetimes.current_uses(site)
   (aval,) = ctx.avals_in
@@ -210,7 +213,7 @@ load_p.def_impl(lambda h, **params: ji.apply_primitive(load_p, h, **params))
 
 
 def _load_lowering(ctx, handle, *, aval, site, tier, name, exact=False, consume=False):
-  _ensure_engine()
+  _lowering_uses_store(ctx)
   if sharded.needs_partitioning(ctx):  # each device loads its own shard
     if exact or consume:
       raise NotImplementedError(
@@ -366,3 +369,8 @@ def _tag_batch(args, dims, **params):
 
 
 ji.primitive_batchers[tag_p] = _tag_batch
+
+
+# The primitives whose first operand is a store's handle: lifetimes.py counts them (the package's
+# __init__ hands them to lifetimes.install_lowering_hook).
+LOAD_PRIMITIVES = (load_p, reload_p)

@@ -28,6 +28,7 @@ import warnings
 import weakref
 
 import jax
+import numpy as np
 
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.location import TIER_CODES, TIER_NAMES
@@ -283,8 +284,6 @@ def _tags_of(jaxpr, policy):
 
 
 def _nbytes(aval) -> int:
-  import numpy as np
-
   return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 

@@ -30,6 +30,7 @@ import importlib
 import inspect
 from typing import Any
 
+from jax_ssdtrain._src.config import configure
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, offload_policy
 
@@ -65,9 +66,7 @@ def install(
   offload_policy([], min_bytes=min_bytes)  # validates min_bytes
   targets = _targets()
   if store:
-    import jax_ssdtrain as ssd
-
-    ssd.configure(**store)
+    configure(**store)
   uninstall()
   decoder_cls, get_policy = targets["NNXDecoder.get_remat_policy"]
   utils, get_names = targets["get_save_and_offload_names"]
@@ -143,7 +142,7 @@ def _targets() -> dict[str, tuple[Any, Any]]:
     except (ImportError, AttributeError) as e:
       problems.append(f"{module_name}.{path} ({e})")
   if problems:
-    import maxtext
+    import maxtext  # the optional, heavy MaxText: only for its version in this message
 
     version = getattr(maxtext, "__version__", "?")
     raise RuntimeError(

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\nThe remaining arguments go to MaxText's train.main unchanged.")
     return
   ours, rest = parser.parse_known_args(argv)
-  import jax_ssdtrain as ssd
+  import jax_ssdtrain as ssd  # after --help: the help needs neither JAX nor MaxText
   import jax_ssdtrain.maxtext as mt
 
   min_bytes = (
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     )
   except (ImportError, RuntimeError, ValueError, OSError) as e:
     parser.exit(2, f"{parser.prog}: error: {e}\n")
-  from absl import app
+  from absl import app  # MaxText's own (optional, heavy) dependencies: only to run it
   from maxtext.trainers.pre_train import train
 
   app.run(train.main, argv=[sys.argv[0]] + rest)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import errno as _errno
+import fcntl
 import json
 import mmap
 import os
@@ -21,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jax_ssdtrain._src.config import GiB, MiB, parse_bandwidth, parse_size
 from jax_ssdtrain._src.measure import cache
 from jax_ssdtrain._src.measure.checks import positive
+from jax_ssdtrain._src.options import GiB, MiB, parse_bandwidth, parse_size
 
 DEFAULT_SIZE = 4 * GiB
 DEFAULT_TENSOR = 64 * MiB
@@ -275,8 +276,6 @@ def open_private(directory: str) -> tuple[int, bool]:
     fd_, path = tempfile.mkstemp(dir=directory, prefix=".ssdtrain-probe-")
     os.unlink(path)
     fd = fd_
-  import fcntl
-
   flags = fcntl.fcntl(fd, fcntl.F_GETFL)
   try:
     fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)

@@ -12,8 +12,11 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jax_ssdtrain._src.config import GiB, parse_size
+import jax
+
+from jax_ssdtrain._src import native
 from jax_ssdtrain._src.measure import cache
+from jax_ssdtrain._src.options import GiB, parse_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +55,6 @@ def measure_link(
   registered, as the engine's host tier: what the engine can reach), ``"alloc"``
   (cudaHostAlloc: what a plain pinned-copy benchmark measures) or ``"registered_hugepages"``.
   OSError where no CUDA handler was built or no such GPU is visible."""
-  from jax_ssdtrain._src import native
-
   if host not in native.LINK_HOST_KINDS:
     raise ValueError(f"host: expected one of {sorted(native.LINK_HOST_KINDS)}, got {host!r}")
   nbytes = parse_size(size, what="size")
@@ -128,11 +129,10 @@ def measure_links(
 
 
 def gpu_kind(device: int) -> str:
-  """The model of CUDA GPU ``device`` as JAX names it (without JAX: "cuda:<ordinal>")."""
+  """The model of CUDA GPU ``device`` as JAX names it (where JAX sees no such GPU:
+  "cuda:<ordinal>")."""
   try:
-    import jax
-
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
-  except (ImportError, RuntimeError):
+  except RuntimeError:  # no backend
     gpus = []
   return gpus[device].device_kind if device < len(gpus) else f"cuda:{device}"

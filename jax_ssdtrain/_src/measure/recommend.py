@@ -8,8 +8,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from jax_ssdtrain._src.config import GiB, MiB
 from jax_ssdtrain._src.measure.disk import ProbeResult
+from jax_ssdtrain._src.options import GiB, MiB
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,12 +9,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 
 def median_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
   """Median seconds of ``fn()`` over ``repeats`` runs, each until its outputs are ready, after
   ``warmup + 1`` untimed runs (the first compiles)."""
-  import jax
-
   for _ in range(warmup + 1):
     jax.block_until_ready(fn())
   times = []

@@ -10,20 +10,17 @@ import json
 import os
 import sys
 import time
+import warnings
 
-from jax_ssdtrain._src.config import GiB, MiB
+import numpy as np
+
+from jax_ssdtrain._src import config, native
 from jax_ssdtrain._src.measure.disk import raw_rates, stripe_directories
+from jax_ssdtrain._src.options import GiB, MiB
 
 
 def work(req: dict) -> dict:
   """The engine measurement, then (raw=True) the raw one: ``ProbeResult``'s fields."""
-  import warnings
-
-  import numpy as np
-
-  import jax_ssdtrain as ssd
-  from jax_ssdtrain._src import native
-
   size, tensor, threads = req["size"], req["tensor_bytes"], req["threads"]
   n = size // tensor
   cache = min(1 * GiB, max(4 * tensor, size // 4))
@@ -34,7 +31,7 @@ def work(req: dict) -> dict:
     os.makedirs(d)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", RuntimeWarning)  # no O_DIRECT on tmpfs: recorded below
-    ssd.configure(
+    config.configure(
       dirs,
       capacity_bytes=n * tensor + 16 * MiB * stripes,
       io_threads=threads,
@@ -53,18 +50,18 @@ def work(req: dict) -> dict:
     # overwrites the space of the previous one).
     for i in range(n):
       native.store_host(src.ctypes.data, tensor, i)
-    ssd.flush()
-    ssd.release_all()
-    ssd.reset_stats()
+    config.flush()
+    config.release_all()
+    config.reset_stats()
     t0 = time.perf_counter()
     handles = [native.store_host(src.ctypes.data, tensor, i) for i in range(n)]
-    ssd.flush()
+    config.flush()
     t_write = time.perf_counter() - t0
     t0 = time.perf_counter()
     for i in reversed(range(n)):  # the order of a backward pass
       native.load_host(handles[i], dst.ctypes.data, tensor, i)
     t_read = time.perf_counter() - t0
-    s = ssd.stats()
+    s = config.stats()
     if not np.array_equal(src, dst):
       raise OSError(_errno.EIO, "probe: the bytes read back differ from those written")
     if s["disk_bytes_read"] < n * tensor:
@@ -73,7 +70,7 @@ def work(req: dict) -> dict:
         f"probe: only {s['disk_bytes_read']} of {n * tensor} bytes were read from the store file",
       )
   finally:
-    ssd.shutdown()
+    config.shutdown()
     for d in made:
       try:
         os.rmdir(d)

@@ -28,6 +28,10 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+
+from jax_ssdtrain._src import jax_internals
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -751,14 +755,10 @@ def _expand_template(path: str, what: str = "directory") -> list[str]:
 
 def _process_index() -> int:
   # The distributed client's id: set by jax.distributed.initialize(), without starting backends.
-  from jax_ssdtrain._src import jax_internals
-
   return jax_internals.process_index_without_backends()
 
 
 def _local_devices():
-  import jax
-
   return jax.local_devices()
 
 

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jax_ssdtrain"
 
 # Bottom to top: a module imports (at module level) only from its own layer's earlier entries
-# and from layers below it. (The optimizer is becoming a package: its modules count as one.)
+# and from layers below it. (A package's modules count as one entry.)
 LAYERS = [
   # leaves: JAX's internals, the tier enum, the option table
   ["_src.jax_internals", "_src.location", "_src.options", "_src.options.__main__"],
@@ -34,9 +34,6 @@ ALLOWED_LOCAL = {
   ("maxtext.__main__", "jax_ssdtrain"),
   ("maxtext.__main__", "jax_ssdtrain.maxtext"),
 }
-# Function-local imports that remain in optimizer.py, which another change is turning into a
-# package (issue 34 names the edit: `from jax_ssdtrain._src import config` at module level).
-PENDING = {("_src.optimizer", "jax_ssdtrain._src.config")}
 
 
 def _module_name(path: Path) -> str:
@@ -88,6 +85,8 @@ def _imports():
 
     def visit(node, local, name=name, rows=rows):
       for child in ast.iter_child_nodes(node):
+        if _type_checking(child):  # annotations only: never run, no import order
+          continue
         inner = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         if isinstance(child, (ast.Import, ast.ImportFrom)):
           rows.append((child, inner))
@@ -96,6 +95,16 @@ def _imports():
     visit(tree, False)
     found[name] = rows
   return modules, found
+
+
+def _type_checking(node) -> bool:
+  """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``): imports for annotations only."""
+  if not isinstance(node, ast.If):
+    return False
+  test = node.test
+  return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+    isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+  )
 
 
 def test_module_level_imports_follow_the_layers():
@@ -161,12 +170,10 @@ def test_function_level_imports_are_optional_dependencies_with_a_reason():
       for imported in names:
         top = (imported or "").split(".")[0]
         pair = (name, imported)
-        if pair in PENDING and _group(name) == "_src.optimizer":
-          continue
         if top not in OPTIONAL and pair not in ALLOWED_LOCAL:
           wrong.append(f"jax_ssdtrain.{name}:{node.lineno}: import of {imported} in a function")
           continue
-        if not _commented(lines, node.lineno) and _group(name) != "_src.optimizer":
+        if not _commented(lines, node.lineno):
           wrong.append(f"jax_ssdtrain.{name}:{node.lineno}: no comment says why {imported} is here")
   assert not wrong, "\n".join(wrong)
 

@@ -94,8 +94,6 @@ def measure_links(
   started together (each probe's buffers ready first), each GPU copying what
   :func:`measure_link` copies. Per GPU rates, in ``devices``' order; not cached (what the
   others do matters). OSError as :func:`measure_link`."""
-  from jax_ssdtrain._src import native
-
   devices = list(devices)
   if not devices or len(set(devices)) != len(devices):
     raise ValueError(f"devices: expected distinct CUDA ordinals, got {devices!r}")

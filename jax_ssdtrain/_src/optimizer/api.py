@@ -73,7 +73,7 @@ def offload_optimizer(
     the device, see docs/optimizer.md, "Exactness"), and whose state is an
     :class:`OffloadedState`.
   """
-  import optax
+  import optax  # an optional dependency (the demo extra)
 
   if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
     raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")
@@ -158,7 +158,7 @@ def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_ar
   ``accumulate_gradients(offload_optimizer(tx), k)`` does the same at its k-th micro-step. Any
   other transformation runs as ``update`` + ``apply_updates``.
   """
-  import optax
+  import optax  # an optional dependency (the demo extra)
 
   streamed = getattr(getattr(tx, "update", None), "apply_gradients", None)
   if streamed is not None:
@@ -237,7 +237,7 @@ def _multisteps(tx: Any) -> Any:
   parameter in one lax.cond). It reads MultiSteps' constructor arguments back from its private
   attributes (optax 0.2: ``_opt``, ``_every_k_schedule``, ``_use_grad_mean``,
   ``_should_skip_update_fn``, ``_accumulator_dtype``)."""
-  import optax
+  import optax  # an optional dependency (the demo extra)
 
   multi = tx if isinstance(tx, optax.MultiSteps) else getattr(tx.init, "__self__", None)
   if not isinstance(multi, optax.MultiSteps):

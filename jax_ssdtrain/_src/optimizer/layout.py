@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ssdtrain._src.config import ensure_configured
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
 from jax_ssdtrain._src.optimizer.chunk_io import ChunkIO, chunk_io
@@ -194,8 +195,6 @@ def choose_location(room_bytes: int) -> Location:
   carries the host tier's bytes an order of magnitude faster than a disk (45 GB/s each way
   against about 1 GB/s on the results' machine, docs/optimizer.md). A state that fits neither is
   refused by ``init``, naming the settings."""
-  from jax_ssdtrain._src.config import ensure_configured
-
   if room_bytes <= ensure_configured().host_tier_bytes * 3 // 4:
     return Location.HOST
   return Location.HOST_NVME
@@ -236,8 +235,6 @@ def check_room(layout: Layout, loc: Location, name: str) -> None:
   process's host tier, its files, or both. State on the device takes no room in the store."""
   if not loc.in_store:
     return
-  from jax_ssdtrain._src.config import ensure_configured
-
   version, need = _version_bytes(layout), room_bytes(layout)
   cfg = ensure_configured()
   files = cfg.capacity_bytes  # None: the default, decided by the free space when the store opens

@@ -94,6 +94,7 @@ def offload_optimizer(
   min_bytes: int = DEFAULT_MIN_BYTES,
   chunk_bytes: int = DEFAULT_CHUNK_BYTES,
   in_place: bool = False,
+  param_shardings: Callable[[Any], Any] | None = None,
 ):
   """Wraps an optax transformation so that its state lives in the store.
 
@@ -118,6 +119,11 @@ def offload_optimizer(
       fails part way (a write error, say) leaves no consistent state: resume from a checkpoint.
       Default ``False``: the new version is written beside the old, and a failed update leaves
       the old one intact.
+    param_shardings: for ``init`` under ``jit``, whose parameters (tracers) carry no sharding:
+      a function of ``init``'s argument (as given, ``nnx.Param`` variables included) returning
+      the parameters' NamedShardings (the tree of ``init``'s parameters, or None for
+      none): the state is then sharded as for parameters placed so (see the module doc).
+      Default: the parameters' own shardings.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` runs ``tx``'s operations (its
@@ -145,7 +151,12 @@ def offload_optimizer(
   multi = _multisteps(tx)
   if multi is not None:  # as optax.MultiSteps(offload_optimizer(inner), k): see _multisteps
     inner = offload_optimizer(
-      multi._opt, location=location, min_bytes=min_bytes, chunk_bytes=chunk_bytes, in_place=in_place
+      multi._opt,
+      location=location,
+      min_bytes=min_bytes,
+      chunk_bytes=chunk_bytes,
+      in_place=in_place,
+      param_shardings=param_shardings,
     )
     return optax.MultiSteps(
       inner,
@@ -160,9 +171,10 @@ def offload_optimizer(
   warned = []
 
   def init_fn(params):
+    shardings = param_shardings(params) if param_shardings is not None else None
     params = _plain(params)
     shapes = jax.eval_shape(tx.init, params)
-    layout = _make_layout(shapes, opts, name, params)
+    layout = _make_layout(shapes, opts, name, params, shardings)
     if not layout.stores_anything and loc is not Location.DEVICE and not warned:
       warned.append(True)
       warnings.warn(_stores_nothing(layout, name, min_bytes), stacklevel=2)
@@ -672,11 +684,14 @@ def _row_bounds(shape: tuple[int, ...], chunk_bytes: int) -> tuple[tuple[int, in
   return tuple((r, min(r + rows, shape[0])) for r in range(0, shape[0], rows))
 
 
-def _make_layout(shapes: Any, opts: _Options, name: str, params: Any = None) -> Layout:
+def _make_layout(
+  shapes: Any, opts: _Options, name: str, params: Any = None, shardings: Any = None
+) -> Layout:
   """The layout of a state of ``shapes`` (``tx.init``'s, abstract): a function of its arguments
   alone, so that ``init`` is pure (``jax.eval_shape(tx.init, params)`` has the tree structure of
-  ``tx.init(params)``)."""
-  mesh, param_specs = _param_specs(params, name)
+  ``tx.init(params)``). ``shardings``: the parameters' NamedShardings where they carry none
+  (``param_shardings``)."""
+  mesh, param_specs = _param_specs(params, name, shardings)
   flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   param_paths = [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   leaves = []
@@ -812,13 +827,23 @@ def _check_room(layout: Layout, loc: Location, name: str) -> None:
     )
 
 
-def _param_specs(params: Any, name: str) -> tuple[Any, dict]:
+def _param_specs(params: Any, name: str, given: Any = None) -> tuple[Any, dict]:
   """``(mesh, {param path: (shape, PartitionSpec)})`` where ``params`` are arrays placed with
-  NamedShardings on one mesh of several devices; ``(None, {})`` on one device."""
+  NamedShardings on one mesh of several devices (or ``given``, a tree of their shardings);
+  ``(None, {})`` on one device."""
   if params is None:
     return None, {}
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  shardings = [getattr(x, "sharding", None) for _, x in flat]
+  if given is not None:
+    shardings = jax.tree_util.tree_leaves(
+      given, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)
+    )
+    if len(shardings) != len(flat):
+      raise OptimizerOffloadError(
+        f"{name}: param_shardings gave {len(shardings)} shardings for {len(flat)} parameters"
+      )
+  else:
+    shardings = [getattr(x, "sharding", None) for _, x in flat]
   if not any(isinstance(s, jax.sharding.NamedSharding) and s.mesh.size > 1 for s in shardings):
     return None, {}
   meshes = {s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)}

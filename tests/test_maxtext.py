@@ -123,6 +123,10 @@ def test_launcher_runs_train_main(tmp_path):
       "0",
       "--ssd-dir",
       str(tmp_path / "store"),
+      "--ssd-optimizer",
+      "host",
+      "--ssd-optimizer-min-bytes",
+      "0",
       base,
       "run_name=l",
       f"base_output_directory={out}",
@@ -150,6 +154,68 @@ def test_launcher_runs_train_main(tmp_path):
   )
   assert proc.returncode == 0, proc.stderr[-6000:]
   assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.slow
+@needs_maxtext
+def test_optimizer_state_in_store_fsdp_scan_gradient_accumulation(tmp_path):
+  # --ssd-optimizer host against device (offload_optimizer's reference: the same streamed program,
+  # the state on the devices): bit for bit; MaxText's own optimizer within float32 rounding.
+  # Scanned layers, FSDP over 4 CPU devices, 2 micro-batches per step.
+  extra = ("scan_layers=true", "ici_fsdp_parallelism=4", "gradient_accumulation_steps=2")
+  ours = run(tmp_path, "device", 4, "--optimizer=host", *extra)
+  (tmp_path / "device").rename(tmp_path / "host")
+  reference = run(tmp_path, "device", 4, "--optimizer=device", *extra)
+  (tmp_path / "device").rename(tmp_path / "reference")
+  maxtext_own = run(tmp_path, "device", 4, *extra)
+  assert len(ours["losses"]) == 3 and ours["losses"] == reference["losses"], (ours, reference)
+  assert maxtext_own["optimizer"] is None
+  for a, b in zip(ours["losses"], maxtext_own["losses"]):
+    assert abs(a - b) <= 1e-5 * abs(b), (ours, maxtext_own)
+  # Adam's mu and nu of every parameter in the store, each device its block: handles
+  # uint32[devices, chunks, 2]; the counts on the devices. The reference keeps the moments.
+  opt = ours["optimizer"]
+  assert opt["handles"] > 0 and opt["handles"] == opt["leaves"] - 2, opt
+  assert opt["handle_shapes"] == ["(4, 1, 2)"], opt
+  assert reference["optimizer"]["handles"] == 0, reference
+  assert ours["stats"]["tensors_written"] > 0 and ours["stats"]["host_tier_bytes_peak"] > 0, ours
+  # the last state's entries (each leaf's block on each device) are all that is left
+  assert ours["stats"]["live_entries"] == 4 * opt["handles"], ours
+  assert reference["stats"]["tensors_written"] == 0, reference
+
+
+@pytest.mark.slow
+@needs_maxtext
+def test_optimizer_state_in_store_refuses_maxtext_checkpoints(tmp_path):
+  # MaxText's Orbax checkpoints would save the handles: refused when MaxText builds the optimizer,
+  # naming the setting, the cause and the fix.
+  out = tmp_path / "device"
+  out.mkdir()
+  env = dict(
+    os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+  )
+  proc = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(HERE, "_maxtext_worker.py"),
+      "device",
+      "1",
+      str(out),
+      "--optimizer=host",
+      "enable_checkpointing=true",
+      "skip_jax_distributed_system=true",
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=HANG_S,
+  )
+  assert proc.returncode != 0
+  assert "enable_checkpointing=True: MaxText's Orbax checkpoints would hold" in proc.stderr, (
+    proc.stderr[-3000:]
+  )
+  assert "set enable_checkpointing=false" in proc.stderr
+  assert not (out / "out" / "t" / "checkpoints" / "0").exists()
 
 
 def _run_bench(tmp_path, *args):
@@ -288,6 +354,57 @@ def test_install_routes_offload_names_and_restores(monkeypatch):
     ["mlpwo"],
     ["query_proj", "decoder_layer_input"],
   )
+
+
+@needs_maxtext
+def test_install_optimizer_wraps_maxtexts_optimizer_and_restores():
+  import optax
+  from maxtext.optimizers import optimizers
+
+  import jax_ssdtrain as ssd
+
+  original = optimizers.get_optimizer
+
+  class Cfg:  # what MaxText's get_optimizer reads for plain sgd, and the refused settings
+    opt_type = "sgd"
+    skip_step_on_spikes = False
+    trainable_parameters_mask = None
+    logical_axis_rules = ()
+    optimizer_memory_host_offload = False
+    enable_checkpointing = False
+    load_full_state_path = ""
+    shard_optimizer_over_data = False
+
+  ssd_maxtext.install("host", optimizer="device", optimizer_options={"min_bytes": 0})
+  try:
+    assert ssd_maxtext.installed()["optimizer"] is ssd.Location.DEVICE
+    tx = optimizers.get_optimizer(Cfg(), 0.1)
+    import jax.numpy as jnp
+
+    state = tx.init({"w": jnp.ones((4, 4))})
+    assert isinstance(state, ssd.OffloadedState) and state.location == "device"
+    bad = Cfg()
+    bad.optimizer_memory_host_offload = True
+    bad.enable_checkpointing = True
+    with pytest.raises(
+      ValueError, match=r"optimizer_memory_host_offload=True: .*\| enable_checkpointing=True: "
+    ):
+      optimizers.get_optimizer(bad, 0.1)
+    ssd_maxtext.install("host")  # replaces: MaxText's optimizer again
+    assert optimizers.get_optimizer is original
+  finally:
+    ssd_maxtext.uninstall()
+  assert optimizers.get_optimizer is original
+  assert isinstance(optimizers.get_optimizer(Cfg(), 0.1), optax.GradientTransformation)
+  with pytest.raises(ValueError, match="optimizer: unknown location 'disk'"):
+    ssd_maxtext.install(optimizer="disk")
+  with pytest.raises(ValueError, match="optimizer: expected 'host'"):
+    ssd_maxtext.install(optimizer="remat")
+  with pytest.raises(ValueError, match="optimizer_options: unknown"):
+    ssd_maxtext.install(optimizer="host", optimizer_options={"mu_dtype": "bf16"})
+  with pytest.raises(ValueError, match="without optimizer="):
+    ssd_maxtext.install(optimizer_options={"min_bytes": 0})
+  assert ssd_maxtext.installed() is None
 
 
 @needs_maxtext

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -42,6 +43,7 @@ def offload_optimizer(
   min_bytes: int = DEFAULT_MIN_BYTES,
   chunk_bytes: int = DEFAULT_CHUNK_BYTES,
   in_place: bool = False,
+  param_shardings: Callable[[Any], Any] | None = None,
 ):
   """Wraps an optax transformation so that its state lives in the store.
 
@@ -66,6 +68,11 @@ def offload_optimizer(
       fails part way (a write error, say) leaves no consistent state: resume from a checkpoint.
       Default ``False``: the new version is written beside the old, and a failed update leaves
       the old one intact.
+    param_shardings: for ``init`` under ``jit``, whose parameters (tracers) carry no sharding:
+      a function of ``init``'s argument (as given, ``nnx.Param`` variables included) returning
+      the parameters' NamedShardings (the tree of ``init``'s parameters, or None for none): the
+      state is then sharded as for parameters placed so (docs/optimizer.md, "Sharded state").
+      Default: the parameters' own shardings.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` runs ``tx``'s operations (its
@@ -94,7 +101,12 @@ def offload_optimizer(
   multi = _multisteps(tx)
   if multi is not None:  # as optax.MultiSteps(offload_optimizer(inner), k): see _multisteps
     inner = offload_optimizer(
-      multi._opt, location=location, min_bytes=min_bytes, chunk_bytes=chunk_bytes, in_place=in_place
+      multi._opt,
+      location=location,
+      min_bytes=min_bytes,
+      chunk_bytes=chunk_bytes,
+      in_place=in_place,
+      param_shardings=param_shardings,
     )
     return optax.MultiSteps(
       inner,
@@ -108,9 +120,10 @@ def offload_optimizer(
   warned = []
 
   def init_fn(params):
+    shardings = param_shardings(params) if param_shardings is not None else None
     params = _plain(params)
     shapes = jax.eval_shape(tx.init, params)
-    layout = make_layout(shapes, opts, name, params)
+    layout = make_layout(shapes, opts, name, params, shardings)
     if not layout.stores_anything and loc is not Location.DEVICE and not warned:
       warned.append(True)
       warnings.warn(_stores_nothing(layout, name, min_bytes), stacklevel=2)

@@ -122,11 +122,14 @@ def row_bounds(shape: tuple[int, ...], chunk_bytes: int) -> tuple[tuple[int, int
   return tuple((r, min(r + rows, shape[0])) for r in range(0, shape[0], rows))
 
 
-def make_layout(shapes: Any, opts: Options, name: str, params: Any = None) -> Layout:
+def make_layout(
+  shapes: Any, opts: Options, name: str, params: Any = None, shardings: Any = None
+) -> Layout:
   """The layout of a state of ``shapes`` (``tx.init``'s, abstract): a function of its arguments
   alone, so that ``init`` is pure (``jax.eval_shape(tx.init, params)`` has the tree structure of
-  ``tx.init(params)``)."""
-  mesh, param_specs = _param_specs(params, name)
+  ``tx.init(params)``). ``shardings``: the parameters' NamedShardings where they carry none
+  (``param_shardings``)."""
+  mesh, param_specs = _param_specs(params, name, shardings)
   flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   param_paths = [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   leaves = []
@@ -266,13 +269,23 @@ def check_room(layout: Layout, loc: Location, name: str) -> None:
 # Sharding: each stored leaf's PartitionSpec and block
 
 
-def _param_specs(params: Any, name: str) -> tuple[Any, dict]:
+def _param_specs(params: Any, name: str, given: Any = None) -> tuple[Any, dict]:
   """``(mesh, {param path: (shape, PartitionSpec)})`` where ``params`` are arrays placed with
-  NamedShardings on one mesh of several devices; ``(None, {})`` on one device."""
+  NamedShardings on one mesh of several devices (or ``given``, a tree of their shardings:
+  ``offload_optimizer``'s ``param_shardings``); ``(None, {})`` on one device."""
   if params is None:
     return None, {}
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  shardings = [getattr(x, "sharding", None) for _, x in flat]
+  if given is not None:
+    shardings = jax.tree_util.tree_leaves(
+      given, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)
+    )
+    if len(shardings) != len(flat):
+      raise OptimizerOffloadError(
+        f"{name}: param_shardings gave {len(shardings)} shardings for {len(flat)} parameters"
+      )
+  else:
+    shardings = [getattr(x, "sharding", None) for _, x in flat]
   if not any(isinstance(s, jax.sharding.NamedSharding) and s.mesh.size > 1 for s in shardings):
     return None, {}
   meshes = {s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)}

@@ -321,18 +321,17 @@ class Stack(nn.Module):
     return Norm(self.cfg, "ln_final")(x)
 
   def _split_layers(self, policy: SplitPolicy, x, enc, bias):
+    import jax_ssdtrain as ssd  # here: importing models checks no store setting (scripts/train)
+
     params = self.variables["params"]["layers"]  # every leaf (L, ...)
     block = Block(self.cfg, self.causal, self.cross)
-
-    def segment(pol, seg_params, x):
-      body = lambda h, p: (block.apply({"params": p}, h, enc, bias)[0], None)  # noqa: E731
-      if pol is not None:
-        body = jax.checkpoint(body, policy=pol, prevent_cse=False)
-      return jax.lax.scan(body, x, seg_params)[0]
-
-    k = policy.split
-    x = segment(policy.first, jax.tree.map(lambda a: a[:k], params), x)
-    return segment(policy.rest, jax.tree.map(lambda a: a[k:], params), x)
+    return ssd.split_scan(
+      lambda p, h: block.apply({"params": p}, h, enc, bias)[0],
+      params,
+      x,
+      split=policy.split,
+      policies=(policy.first, policy.rest),
+    )
 
 
 class Embedding(nn.Module):

@@ -25,6 +25,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -174,11 +175,9 @@ def run(args) -> dict:
   for r in rows:
     for kk in accums:
       r[f"x_device_k{kk}"] = r[f"step_s_k{kk}"] / base[f"step_s_k{kk}"] if base else None
-  return dict(
-    bench="accumulate",
-    date=bc.today(),
-    args={k: str(v) for k, v in vars(args).items()},
-    env=bc.host_env(),
+  return bc.bench_doc(
+    "accumulate",
+    args,
     param_gb=param_bytes / 1e9,
     tokens_per_micro_batch=int(tokens.size),
     accum=accums,
@@ -213,9 +212,8 @@ def table(doc: dict) -> str:
   return "\n".join(lines)
 
 
-def plot(doc: dict):
-  def draw(plt, path) -> bool:
-    fig, ax = plt.subplots(figsize=(6, 3))
+def plot(plt, doc: dict, path: Path) -> None:
+  with bc.figure(plt, path, figsize=(6, 3)) as (_, ax):
     width = 0.8 / max(len(doc["rows"]), 1)
     for j, r in enumerate(doc["rows"]):
       xs = np.arange(len(doc["accum"])) + j * width
@@ -224,12 +222,6 @@ def plot(doc: dict):
     ax.set_xticklabels([f"k={k}" for k in doc["accum"]])
     ax.set_ylabel("step time / state on device")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
-
-  return draw
 
 
 def main(argv=None) -> dict:
@@ -239,7 +231,7 @@ def main(argv=None) -> dict:
     args.min_bytes = 4096
   doc = run(args)
   kind = bc.slug(jax.devices()[0].device_kind)
-  bc.write_bench(args.out, f"accumulate_{kind}", doc, table(doc), plot(doc))
+  bc.write_bench(args.out, f"accumulate_{kind}", doc, table(doc), plot)
   return doc
 
 

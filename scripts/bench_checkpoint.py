@@ -144,11 +144,9 @@ def run(args) -> dict:
           else None,
         )
       )
-  return dict(
-    bench="checkpoint",
-    date=bc.today(),
-    args={k: str(v) for k, v in vars(args).items()},
-    env=bc.host_env(),
+  return bc.bench_doc(
+    "checkpoint",
+    args,
     state_gb=state_bytes / 1e9,
     location=args.location,
     disk=dict(
@@ -182,9 +180,8 @@ def table(doc: dict) -> str:
   return "\n".join(lines)
 
 
-def plot(doc: dict):
-  def draw(plt, path: Path) -> bool:
-    fig, ax = plt.subplots(figsize=(6, 3))
+def plot(plt, doc: dict, path: Path) -> None:
+  with bc.figure(plt, path, figsize=(6, 3)) as (_, ax):
     names = [r["variant"] for r in doc["rows"]]
     ax.barh([f"{n} save" for n in names], [r["save_gbps"] for r in doc["rows"]])
     ax.barh([f"{n} restore" for n in names], [r["restore_gbps"] for r in doc["rows"]])
@@ -192,12 +189,6 @@ def plot(doc: dict):
     ax.set_xlabel("GB/s (median)")
     ax.set_title(f"checkpoint of {doc['state_gb']:.1f} GB of optimizer state")
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
-
-  return draw
 
 
 def main(argv=None) -> dict:
@@ -206,7 +197,7 @@ def main(argv=None) -> dict:
     args.leaves, args.rows, args.cols, args.repeats, args.chunk = 2, 300, 256, 1, 32 << 10
   doc = run(args)
   kind = bc.slug(jax.devices()[0].device_kind)
-  bc.write_bench(args.out, f"checkpoint_{kind}", doc, table(doc), plot(doc))
+  bc.write_bench(args.out, f"checkpoint_{kind}", doc, table(doc), plot)
   return doc
 
 

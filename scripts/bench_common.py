@@ -1,5 +1,7 @@
 """What the benchmark scripts share: the GPT-like layer stack they measure and its policies, child
-processes, the storage probe, the output directory and the files written there.
+processes, the storage probe, and their one tail: the output directory and the files written
+there (``write_results``: STEM.json, the table as STEM.md and printed, the plot drawn by
+``plot(plt, doc, path)`` in a ``figure`` as STEM.png; ``replot`` for saved runs).
 
 Importing this module imports no JAX (the stack's functions import it when called): a
 benchmark's parent process must not touch the accelerator (JAX would reserve most of its
@@ -9,6 +11,7 @@ memory); only its child processes do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -69,28 +72,86 @@ def pyplot():
   return plt
 
 
+# ---------------------------------------------------------------------------------------------
+# The tail of every benchmark: its JSON, table and plot written one way
+
+
+def stem_of(path: Path) -> Path:
+  """``DIR/NAME.json`` -> ``DIR/NAME`` (a name with dots of its own kept whole)."""
+  path = Path(path)
+  return path.with_name(path.name.removesuffix(".json"))
+
+
 def write_results(stem: Path, doc: dict, text: str, plot=None, *, quiet: bool = False) -> None:
   """STEM.json (``doc``) and STEM.md (``text``), and unless ``quiet``: the table printed and,
-  with ``plot`` (a function of (pyplot, .png path) returning whether it drew) and matplotlib
-  installed, STEM.png."""
-  stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
-  stem.with_suffix(".md").write_text(text + "\n")
+  with ``plot`` and matplotlib installed, STEM.png. ``plot(plt, doc, path)`` draws ``doc``'s
+  figure into ``path`` (see :func:`figure`); it returns a note saying why, where it draws
+  nothing, else None."""
+  stem = Path(stem)
+  stem.parent.mkdir(parents=True, exist_ok=True)
+  Path(f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+  Path(f"{stem}.md").write_text(text + "\n")
   if quiet:
     return
   print(text)
-  plt = pyplot() if plot is not None else None
-  if plt is not None and plot(plt, stem.with_suffix(".png")):
-    print(f"plot: {stem.with_suffix('.png')}")
+  if plot is None:
+    return
+  plt = pyplot()
+  png = Path(f"{stem}.png")
+  note = "no plot: matplotlib is not installed" if plt is None else plot(plt, doc, png)
+  print(note or f"plot: {png}")
+
+
+def bench_doc(bench: str, args, **fields) -> dict:
+  """A benchmark's JSON: its name, date, arguments (as text) and environment, then ``fields``."""
+  return dict(
+    bench=bench,
+    date=today(),
+    args={k: str(v) for k, v in vars(args).items()},
+    env=host_env(),
+    **fields,
+  )
 
 
 def write_bench(out: Path, name: str, doc: dict, text: str, plot=None) -> Path:
   """``write_results`` into OUT/NAME_<today>.* (OUT made if missing), then prints the JSON's
   path; returns the stem."""
-  out.mkdir(parents=True, exist_ok=True)
-  stem = out / f"{name}_{today()}"
+  stem = Path(out) / f"{name}_{today()}"
   write_results(stem, doc, text, plot)
   print(f"wrote {stem}.json")
   return stem
+
+
+@contextlib.contextmanager
+def figure(plt, path: Path, *args, dpi=None, **kwargs):
+  """``plt.subplots(*args, **kwargs)`` (the figure and its axes) for a ``with`` block, after
+  which the figure is laid out, saved to ``path`` and closed."""
+  fig, axes = plt.subplots(*args, **kwargs)
+  yield fig, axes
+  fig.tight_layout()
+  fig.savefig(path, dpi=dpi)
+  plt.close(fig)
+
+
+def replot(paths: list[Path], out: Path, name: str, report, *, keys, field, tag_source=False):
+  """``--replot``: the table and plot of saved runs again, through ``report(doc, stem)``. One
+  JSON is rewritten in place; several are merged into OUT/NAME_<device>_<date of the first>:
+  their ``field`` items in order (with ``tag_source``, each with the index of its run in
+  ``sources``), and in ``sources`` each run's file and ``keys``."""
+  docs = [json.loads(Path(p).read_text()) for p in paths]
+  if len(docs) == 1:
+    report(docs[0], stem_of(paths[0]))
+    return 0
+  doc = {
+    "date": docs[0]["date"],
+    "env": docs[0]["env"],
+    "sources": [{"file": p.name} | {k: d.get(k) for k in keys} for p, d in zip(paths, docs)],
+    field: [
+      item | {"source": i} if tag_source else item for i, d in enumerate(docs) for item in d[field]
+    ],
+  }
+  report(doc, Path(out) / f"{name}_{slug(doc['env'].get('device_kind'))}_{doc['date']}")
+  return 0
 
 
 def slug(text: str) -> str:

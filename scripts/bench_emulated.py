@@ -20,7 +20,6 @@ has taken that long (default 330 s, so that the run ends within about 6 minutes)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -39,9 +38,9 @@ BASELINE = "selective"
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  if args.replot:
+  if args.replot:  # each JSON again, in place
     for path in args.replot:
-      report(json.loads(path.read_text()), path)
+      common.replot([path], args.out, "emulated", report, keys=(), field="rows")
     return 0
   t_start = time.perf_counter()
   made = []
@@ -101,8 +100,7 @@ def main(argv=None) -> int:
     "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
   }
   args.out.mkdir(parents=True, exist_ok=True)
-  path = args.out / f"emulated_{common.slug(device)}_{doc['date']}.json"
-  report(doc, path)
+  report(doc, args.out / f"emulated_{common.slug(device)}_{doc['date']}")
   bad = [
     f"{r.get('store')} {r.get('policy')}: {r['error']}"
     for r in rows
@@ -289,72 +287,64 @@ def _fmt(v, spec="{:.2f}"):
   return "-" if v is None else spec.format(v)
 
 
-def plot(doc: dict, path: Path) -> str | None:
+def plot(plt, doc: dict, path: Path) -> str | None:
   """Left: step time vs offloaded GB/step, one line per store; right: model TFLOP/s."""
-  plt = common.pyplot()
-  if plt is None:
-    return "no plot: matplotlib is not installed"
   rows = [r for r in doc["rows"] if _ok(r)]
   if not rows:
     return "no plot: no successful rows"
   base = next((r for r in rows if r["policy"] == BASELINE), None)
-  fig, (ax_ms, ax_tf) = plt.subplots(1, 2, figsize=(13, 5))
-  for s in doc.get("stores", []):
-    pts = sorted((r for r in rows if r.get("store") == s["store"]), key=_offloaded)
+  with common.figure(plt, path, 1, 2, figsize=(13, 5), dpi=110) as (fig, (ax_ms, ax_tf)):
+    for s in doc.get("stores", []):
+      pts = sorted((r for r in rows if r.get("store") == s["store"]), key=_offloaded)
+      if base:
+        pts = [base] + pts
+      if not pts:
+        continue
+      xs = [_offloaded(r) if r is not base else 0.0 for r in pts]
+      label = s["store"] + (
+        f" (probe w/r {s['probe']['write_GBps']:.3g}/{s['probe']['read_GBps']:.3g} GB/s)"
+        if (s.get("probe") or {}).get("write_GBps")
+        else ""
+      )
+      (line,) = ax_ms.plot(xs, [r["step_ms_median"] for r in pts], "o-", label=label)
+      ax_tf.plot(xs, [r["model_tflops"] for r in pts], "o-", color=line.get_color(), label=label)
+      w = (s.get("probe") or {}).get("write_GBps")
+      knee = w * base["step_ms_median"] / 1e3 if w and base else None
+      if knee and knee <= 1.2 * max(xs):  # what the store writes in one baseline step
+        ax_ms.axvline(knee, color=line.get_color(), ls=":", lw=0.8)
     if base:
-      pts = [base] + pts
-    if not pts:
-      continue
-    xs = [_offloaded(r) if r is not base else 0.0 for r in pts]
-    label = s["store"] + (
-      f" (probe w/r {s['probe']['write_GBps']:.3g}/{s['probe']['read_GBps']:.3g} GB/s)"
-      if (s.get("probe") or {}).get("write_GBps")
-      else ""
+      ax_ms.axhline(
+        base["step_ms_median"],
+        color="k",
+        lw=0.6,
+        ls="--",
+        label=f"{BASELINE} {base['step_ms_median']:.0f} ms",
+      )
+      ax_tf.axhline(base["model_tflops"], color="k", lw=0.6, ls="--", label=BASELINE)
+    shape = ",".join(map(str, doc.get("shape", [])))
+    ax_ms.set(
+      xlabel="offloaded GB per step",
+      ylabel="step time (ms, median)",
+      title=f"step time vs offload, H,S,B,L = {shape} (dotted: probe write x {BASELINE} step)",
     )
-    (line,) = ax_ms.plot(xs, [r["step_ms_median"] for r in pts], "o-", label=label)
-    ax_tf.plot(xs, [r["model_tflops"] for r in pts], "o-", color=line.get_color(), label=label)
-    w = (s.get("probe") or {}).get("write_GBps")
-    knee = w * base["step_ms_median"] / 1e3 if w and base else None
-    if knee and knee <= 1.2 * max(xs):  # what the store writes in one baseline step
-      ax_ms.axvline(knee, color=line.get_color(), ls=":", lw=0.8)
-  if base:
-    ax_ms.axhline(
-      base["step_ms_median"],
-      color="k",
-      lw=0.6,
-      ls="--",
-      label=f"{BASELINE} {base['step_ms_median']:.0f} ms",
+    ax_tf.set(
+      xlabel="offloaded GB per step", ylabel="model TFLOP/s", title="model TFLOP/s vs offload"
     )
-    ax_tf.axhline(base["model_tflops"], color="k", lw=0.6, ls="--", label=BASELINE)
-  shape = ",".join(map(str, doc.get("shape", [])))
-  ax_ms.set(
-    xlabel="offloaded GB per step",
-    ylabel="step time (ms, median)",
-    title=f"step time vs offload, H,S,B,L = {shape} (dotted: probe write x {BASELINE} step)",
-  )
-  ax_tf.set(
-    xlabel="offloaded GB per step", ylabel="model TFLOP/s", title="model TFLOP/s vs offload"
-  )
-  for ax in (ax_ms, ax_tf):
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-  env = doc.get("env", {})
-  fig.suptitle(
-    f"emulated arrays (RAM store + bandwidth_cap)  {env.get('device_kind')}  "
-    f"jax {env.get('jax')}  {doc.get('date')}",
-    fontsize=9,
-  )
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+    for ax in (ax_ms, ax_tf):
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=7, loc="best")
+    env = doc.get("env", {})
+    fig.suptitle(
+      f"emulated arrays (RAM store + bandwidth_cap)  {env.get('device_kind')}  "
+      f"jax {env.get('jax')}  {doc.get('date')}",
+      fontsize=9,
+    )
   return None
 
 
-def report(doc: dict, path: Path) -> None:
-  path.write_text(json.dumps(doc, indent=1) + "\n")
-  print(table(doc))
-  note = plot(doc, path.with_suffix(".png"))
-  print(note or f"wrote {path} and {path.with_suffix('.png')}")
+def report(doc: dict, stem: Path) -> None:
+  common.write_results(stem, doc, table(doc), plot)
+  print(f"wrote {stem}.json")
 
 
 def _caps(text: str):

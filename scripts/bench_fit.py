@@ -242,11 +242,9 @@ def run(args) -> dict:
       )
       rows.append(row)
       print(json.dumps({k: v for k, v in row.items() if k != "stderr_tail"}), flush=True)
-  return dict(
-    bench="fit",
-    date=bc.today(),
-    args={k: str(v) for k, v in vars(args).items()},
-    env=bc.host_env(),
+  return bc.bench_doc(
+    "fit",
+    args,
     device_kind=kind,
     peak_tflops=peak,
     rows=rows,
@@ -278,24 +276,17 @@ def table(doc: dict) -> str:
   return "\n".join(lines)
 
 
-def plot(doc: dict):
-  def draw(plt, path: Path) -> bool:
-    fits = [r for r in doc["rows"] if r["fits"]]
-    if not fits:
-      return False
-    fig, ax = plt.subplots(figsize=(6, 3))
+def plot(plt, doc: dict, path: Path) -> str | None:
+  fits = [r for r in doc["rows"] if r["fits"]]
+  if not fits:
+    return "no plot: no configuration fits"
+  with bc.figure(plt, path, figsize=(6, 3)) as (_, ax):
     for way in sorted({r["way"] for r in fits}):
       pts = [(r["n_params"] / 1e9, r["tokens_per_s"]) for r in fits if r["way"] == way]
       ax.plot(*zip(*pts), marker="o", label=way)
     ax.set_xlabel("parameters (billions)")
     ax.set_ylabel("tokens/s")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
-
-  return draw
 
 
 def main(argv=None) -> dict:
@@ -304,7 +295,7 @@ def main(argv=None) -> dict:
     args.presets, args.steps, args.batch, args.ideal = "tiny", 2, 2, True
     args.ideal_layers = (1, 2)  # tiny has 2 layers
   doc = run(args)
-  bc.write_bench(args.out, f"fit_{bc.slug(doc['device_kind'])}", doc, table(doc), plot(doc))
+  bc.write_bench(args.out, f"fit_{bc.slug(doc['device_kind'])}", doc, table(doc), plot)
   return doc
 
 

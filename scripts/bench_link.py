@@ -156,21 +156,20 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def plot(plt, rows: list[dict], path: Path) -> bool:
+def plot(plt, doc: dict, path: Path) -> None:
+  rows = doc["rows"]
   keys = ("d2h_GBps", "h2d_GBps", "duplex_d2h_GBps", "duplex_h2d_GBps")
   labels = ("D2H", "H2D", "D2H (both)", "H2D (both)")
-  fig, ax = plt.subplots(figsize=(7, 4))
-  width = 0.8 / len(rows)
-  for i, r in enumerate(rows):
-    ax.bar([k + i * width for k in range(len(keys))], [r[k] for k in keys], width, label=r["load"])
-  ax.set_xticks([k + width * (len(rows) - 1) / 2 for k in range(len(keys))], labels)
-  ax.set_ylabel("GB/s (pinned, registered host memory)")
-  ax.set_title("PCIe copies next to running kernels")
-  ax.legend()
-  ax.grid(alpha=0.3, axis="y")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  return True
+  with bench_common.figure(plt, path, figsize=(7, 4), dpi=120) as (_, ax):
+    width = 0.8 / len(rows)
+    for i, r in enumerate(rows):
+      xs = [k + i * width for k in range(len(keys))]
+      ax.bar(xs, [r[k] for k in keys], width, label=r["load"])
+    ax.set_xticks([k + width * (len(rows) - 1) / 2 for k in range(len(keys))], labels)
+    ax.set_ylabel("GB/s (pinned, registered host memory)")
+    ax.set_title("PCIe copies next to running kernels")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
       r[k] / rows[0][k] for r in rows[1:] for k in ("d2h_GBps", "h2d_GBps")
     ),
   }
-  bench_common.write_results(stem, doc, table(rows), lambda plt, path: plot(plt, rows, path))
+  bench_common.write_results(stem, doc, table(rows), plot)
   return 0 if all(r["overlap"] is not False for r in rows) else 1
 
 

@@ -258,31 +258,19 @@ def table(rows: list[dict], reference: str | None) -> str:
   return "\n".join(lines)
 
 
-def plot(plt, rows: list[dict], path: Path) -> bool:
-  ok = [r for r in rows if "error" not in r and r["peak_device_bytes"]]
+def plot(plt, doc: dict, path: Path) -> str | None:
+  ok = [r for r in doc["rows"] if "error" not in r and r["peak_device_bytes"]]
   if not ok:
-    return False
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for r in ok:
-    ax.scatter(
-      r["peak_device_bytes"] / 1e9,
-      r["step_s_median"] * 1e3,
-      marker="o" if r["location"] == "maxtext" else "s",
-    )
-    ax.annotate(
-      r["variant"],
-      (r["peak_device_bytes"] / 1e9, r["step_s_median"] * 1e3),
-      fontsize=7,
-      xytext=(4, 2),
-      textcoords="offset points",
-    )
-  ax.set_xlabel("peak device memory (GB)")
-  ax.set_ylabel("step time, median (ms)")
-  ax.set_title("MaxText train.main: presets (o) and ours (□)")
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  return True
+    return "no plot: no variant ran"
+  with bench_common.figure(plt, path, figsize=(7, 4.5), dpi=120) as (_, ax):
+    for r in ok:
+      xy = (r["peak_device_bytes"] / 1e9, r["step_s_median"] * 1e3)
+      ax.scatter(*xy, marker="o" if r["location"] == "maxtext" else "s")
+      ax.annotate(r["variant"], xy, fontsize=7, xytext=(4, 2), textcoords="offset points")
+    ax.set_xlabel("peak device memory (GB)")
+    ax.set_ylabel("step time, median (ms)")
+    ax.set_title("MaxText train.main: presets (o) and ours (□)")
+    ax.grid(alpha=0.3)
 
 
 def device_env(n: int) -> dict:
@@ -452,12 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Written after every variant: a run cut short keeps what it measured.
     bench_common.write_results(stem, result, table(result["rows"], reference), quiet=True)
-  bench_common.write_results(
-    stem,
-    result,
-    table(result["rows"], reference),
-    lambda plt, path: plot(plt, result["rows"], path),
-  )
+  bench_common.write_results(stem, result, table(result["rows"], reference), plot)
   return 1 if any("error" in r for r in result["rows"]) else 0
 
 

@@ -138,43 +138,37 @@ def _orchestrate(args, store_root: str) -> int:
 def write(doc: dict, path: str) -> None:
   """PATH (the JSON), PATH's .md (the table) and, with matplotlib, its .png."""
   gpus = doc["config"]["gpus"]
-  stem = Path(path).with_suffix("")
-  common.write_results(
-    stem, doc, format_table(doc["rows"], gpus), lambda plt, png: plot(plt, doc, png)
-  )
+  stem = common.stem_of(Path(path))
+  common.write_results(stem, doc, format_table(doc["rows"], gpus), plot)
   print(f"wrote {stem}.json (+ .md)")
 
 
-def plot(plt, doc: dict, path: Path) -> bool:
+def plot(plt, doc: dict, path: Path) -> str | None:
   """Weak-scaling efficiency per layout and policy, each bar labelled with its step times."""
   rows = [r for r in doc["rows"] if r.get("efficiency")]
   if not rows:
-    return False
+    return "no plot: no scaling row"
   n, cfg = doc["config"]["gpus"], doc["config"]
-  fig, ax = plt.subplots(figsize=(7, 4))
-  labels = [f"{r['layout']} {r['policy']}" for r in rows]
-  bars = ax.bar(labels, [100 * r["efficiency"] for r in rows], color="tab:blue")
-  for bar, r in zip(bars, rows):
-    ax.annotate(
-      f"{100 * r['efficiency']:.1f}%\n{r['step_ms_1']:.0f} -> {r['step_ms_n']:.0f} ms",
-      (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-      ha="center",
-      va="bottom",
-      fontsize=8,
+  with common.figure(plt, path, figsize=(7, 4), dpi=110) as (_, ax):
+    labels = [f"{r['layout']} {r['policy']}" for r in rows]
+    bars = ax.bar(labels, [100 * r["efficiency"] for r in rows], color="tab:blue")
+    for bar, r in zip(bars, rows):
+      ax.annotate(
+        f"{100 * r['efficiency']:.1f}%\n{r['step_ms_1']:.0f} -> {r['step_ms_n']:.0f} ms",
+        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        ha="center",
+        va="bottom",
+        fontsize=8,
+      )
+    ax.axhline(100, color="k", lw=0.6)
+    ax.set(
+      ylim=(0, 125),
+      ylabel=f"tokens/s per GPU, {n} GPUs / 1 GPU (%)",
+      title=f"weak scaling, GPT {cfg['preset']}, {cfg['batch_per_gpu']} x {cfg['seq']} tokens "
+      f"per GPU, {doc['env'].get('device_kind')}",
     )
-  ax.axhline(100, color="k", lw=0.6)
-  ax.set(
-    ylim=(0, 125),
-    ylabel=f"tokens/s per GPU, {n} GPUs / 1 GPU (%)",
-    title=f"weak scaling, GPT {cfg['preset']}, {cfg['batch_per_gpu']} x {cfg['seq']} tokens "
-    f"per GPU, {doc['env'].get('device_kind')}",
-  )
-  ax.title.set_fontsize(9)
-  ax.grid(alpha=0.3, axis="y")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return True
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3, axis="y")
 
 
 def build_parser() -> argparse.ArgumentParser:

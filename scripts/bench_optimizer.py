@@ -191,11 +191,9 @@ def run(args) -> dict:
   base = next((r["step_s"] for r in rows if r["variant"] == "device"), None)
   for r in rows:
     r["x_device"] = r["step_s"] / base if base else None
-  return dict(
-    bench="optimizer",
-    date=bc.today(),
-    args={k: str(v) for k, v in vars(args).items()},
-    env=bc.host_env(),
+  return bc.bench_doc(
+    "optimizer",
+    args,
     devices=n,
     param_gb=param_bytes / 1e9,
     state_gb=state_bytes / 1e9,
@@ -243,19 +241,12 @@ def table(doc: dict) -> str:
   return "\n".join(lines)
 
 
-def plot(doc: dict):
-  def draw(plt, path: Path) -> bool:
-    fig, ax = plt.subplots(figsize=(6, 3))
+def plot(plt, doc: dict, path: Path) -> None:
+  with bc.figure(plt, path, figsize=(6, 3)) as (_, ax):
     names = [r["variant"] for r in doc["rows"]]
     ax.barh(names, [1e3 * r["step_s"] for r in doc["rows"]])
     ax.set_xlabel("optimizer step, ms (median)")
     ax.set_title(f"Adam, {doc['state_gb']:.1f} GB of state")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
-
-  return draw
 
 
 def main(argv=None) -> dict:
@@ -271,7 +262,7 @@ def main(argv=None) -> dict:
       doc["rows"],
       lambda r: f"{r['variant']} {1e3 * r['step_s']:.1f} ms",
     )
-  bc.write_bench(args.out, f"optimizer_{kind}", doc, table(doc), plot(doc))
+  bc.write_bench(args.out, f"optimizer_{kind}", doc, table(doc), plot)
   return doc
 
 

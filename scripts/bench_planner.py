@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import statistics
@@ -42,35 +41,21 @@ from scripts.bench_common import HEAD_DIM, POLICIES, make_layer, model_flops, st
 TINY_SHAPES = common.TINY_SHAPES
 
 
-def split_step(layer, policies, split: int):
-  """value_and_grad of the stack, called on ``(segments(params, split), x)``: layers
-  [0, split) under policies[0], the rest under policies[1] (None: no remat). Each segment's
-  weights are arrays of their own, so their gradients are not concatenated into a second copy
-  (the planner's ``split_grad_copy=False``)."""
+def split_step(layer, policies):
+  """value_and_grad of the stack, called on ``(ssd.split_layers(params, split), x)``: layers
+  [0, split) under policies[0], the rest under policies[1] (None: no remat), by
+  ``ssd.split_scan``. Each segment's weights are arrays of their own, so their gradients are not
+  concatenated into a second copy (the planner's ``split_grad_copy=False``)."""
   import jax
   import jax.numpy as jnp
 
-  def body(policy):
-    f = lambda x, p: (layer(x, p), None)  # noqa: E731
-    return f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=False)
+  import jax_ssdtrain as ssd
 
   def loss(segs, x):
-    pols = policies if len(segs) == 2 else (policies[0] if split else policies[1],)
-    for policy, seg in zip(pols, segs):
-      x, _ = jax.lax.scan(body(policy), x, seg)
-    return jnp.mean(x.astype(jnp.float32) ** 2)
+    y = ssd.split_scan(lambda p, h: layer(h, p), segs, x, split=None, policies=policies)
+    return jnp.mean(y.astype(jnp.float32) ** 2)
 
   return jax.jit(jax.value_and_grad(loss))
-
-
-def segments(params, split: int) -> tuple:
-  """The stacked weights as the segments [0, split) and [split, L) (empty ones left out)."""
-  import jax
-
-  L = jax.tree.leaves(params)[0].shape[0]
-  return tuple(
-    jax.tree.map(lambda a: a[lo:hi], params) for lo, hi in ((0, split), (split, L)) if hi > lo
-  )
 
 
 def device_bytes(compiled) -> int:
@@ -193,8 +178,8 @@ def run_stack(args, shape, bandwidth) -> dict:
   for name, (pols, split, predicted, options) in stack_policies(plans, args.min_bytes).items():
     if name not in args.stack_policies:
       continue
-    args_ = (segments(params, split), x)
-    compiled = split_step(layer, pols, split).lower(*args_).compile()
+    args_ = (ssd.split_layers(params, split), x)
+    compiled = split_step(layer, pols).lower(*args_).compile()
     # entries an earlier program left (forwarded ones are never evicted) would shrink the
     # host cache of this one: each measured program starts with an empty store, with the
     # staging arena its plan sized
@@ -370,9 +355,9 @@ def run_cap(args, shape, bandwidth) -> dict:
     """(step, its arguments, device bytes); memoized by key."""
     if key not in compiled_memo:
       if split not in segs:  # one copy of the weights per split
-        segs[split] = segments(params, split)
+        segs[split] = ssd.split_layers(params, split)
       args_ = (segs[split], xs[batch])
-      step = split_step(layer, pols, split).lower(*args_).compile()
+      step = split_step(layer, pols).lower(*args_).compile()
       compiled_memo[key] = (step, args_, device_bytes(step) + (staging if offloads else 0))
     return compiled_memo[key]
 
@@ -610,12 +595,14 @@ def cap_table(part: dict) -> str:
   return "\n".join(out)
 
 
-def plot_cap(part: dict, path: Path) -> None:
+def plot_cap(plt, part: dict, path: Path) -> None:
   """tokens/s against device memory: one line per fixed policy over the batches, the caps,
   and the planner's picks."""
-  import matplotlib.pyplot as plt
+  with common.figure(plt, path, figsize=(7.5, 5), dpi=110) as (_, ax):
+    _draw_cap(ax, part)
 
-  fig, ax = plt.subplots(figsize=(7.5, 5))
+
+def _draw_cap(ax, part: dict) -> None:
   for name in dict.fromkeys(r["policy"] for r in part["grid"]):
     pts = [
       (r["device_GB"], r["tokens_per_s"], r["batch"])
@@ -659,18 +646,12 @@ def plot_cap(part: dict, path: Path) -> None:
   )
   ax.legend(fontsize=6, ncol=2)
   ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
 
 
-def plot(doc: dict, path: Path) -> str | None:
-  plt = common.pyplot()
-  if plt is None:
-    return "no plot: matplotlib is not installed"
+def plot(plt, doc: dict, path: Path) -> str | None:
   for part in doc["parts"]:
     if part["kind"] == "cap" and "error" not in part:
-      plot_cap(part, path.with_name(path.stem + "_cap.png"))
+      plot_cap(plt, part, path.with_name(path.stem + "_cap.png"))
   rows = [
     (part.get("preset") or ",".join(map(str, part["shape"])), r)
     for part in doc["parts"]
@@ -678,9 +659,14 @@ def plot(doc: dict, path: Path) -> str | None:
     for r in part["rows"]
   ]
   if not rows:
-    return None
+    return "no plot of predicted against measured steps: no stack or preset rows"
   # predicted / measured per row, one bar each: readable whatever the step times' scale
-  fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.3 * len(rows)))
+  with common.figure(plt, path, figsize=(7.5, 0.9 + 0.3 * len(rows)), dpi=110) as (_, ax):
+    _draw_errors(ax, doc, rows)
+  return None
+
+
+def _draw_errors(ax, doc: dict, rows: list) -> None:
   ys = list(range(len(rows)))[::-1]
   err = [100 * (r["predicted_ms"] / r["step_ms"] - 1) for _, r in rows]
   ax.barh(ys, err, color=["tab:red" if abs(e) > 10 else "tab:blue" for e in err])
@@ -704,10 +690,6 @@ def plot(doc: dict, path: Path) -> str | None:
   )
   ax.title.set_fontsize(9)
   ax.grid(alpha=0.3, axis="x")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return None
 
 
 def _bandwidth(text):
@@ -843,31 +825,13 @@ def parse_args(argv=None):
 def replot(paths: list[Path], out: Path) -> int:
   """Saved runs as one: their parts in order, each run's date, store bandwidth and arguments
   in ``sources``; written to OUT/planner_<device>_<date of the first>.json (.md, .png)."""
-  docs = [json.loads(path.read_text()) for path in paths]
-  if len(docs) == 1:
-    doc, path = docs[0], paths[0]
-  else:
-    keys = ("date", "env", "bandwidth", "bandwidth_source", "args")
-    doc = {
-      "date": docs[0]["date"],
-      "env": docs[0]["env"],
-      "sources": [
-        {"file": path.name} | {k: d.get(k) for k in keys} for path, d in zip(paths, docs)
-      ],
-      "parts": [part for d in docs for part in d["parts"]],
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"planner_{common.slug(doc['env'].get('device_kind'))}_{doc['date']}.json"
-  write(doc, path)
-  return 0
+  keys = ("date", "env", "bandwidth", "bandwidth_source", "args")
+  return common.replot(paths, out, "planner", write, keys=keys, field="parts")
 
 
-def write(doc: dict, path: Path) -> None:
-  path.write_text(json.dumps(doc, indent=1) + "\n")
-  text = table(doc)
-  path.with_suffix(".md").write_text(text + "\n")
-  print(text)
-  print(plot(doc, path.with_suffix(".png")) or f"wrote {path} (.md, .png)")
+def write(doc: dict, stem: Path) -> None:
+  common.write_results(stem, doc, table(doc), plot)
+  print(f"wrote {stem}.json (.md, .png)")
 
 
 def main(argv=None) -> int:
@@ -915,8 +879,7 @@ def main(argv=None) -> int:
     "parts": parts,
     "wall_s": time.perf_counter() - t0,
   }
-  args.out.mkdir(parents=True, exist_ok=True)
-  write(doc, args.out / f"planner_{common.slug(device)}_{doc['date']}.json")
+  write(doc, args.out / f"planner_{common.slug(device)}_{doc['date']}")
   return 1 if any("error" in p for p in parts) else 0
 
 

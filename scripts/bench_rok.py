@@ -487,11 +487,8 @@ def table(doc: dict) -> str:
   return "\n".join([fmt(head)] + [fmt(ln) for ln in lines] + foot)
 
 
-def plot(doc: dict, path: Path) -> str | None:
+def plot(plt, doc: dict, path: Path) -> str | None:
   """Left: ROK (device GB vs model TFLOP/s); right: sweep overhead vs offloaded GB/step."""
-  plt = common.pyplot()
-  if plt is None:
-    return "no plot: matplotlib is not installed"
   # a pair of panels per shape of each run (merged runs: see replot)
   shapes = sorted({(r.get("source", 0), *_key(r)[1:]) for r in doc["rows"] if _ok(r)})
   if not shapes:
@@ -500,125 +497,115 @@ def plot(doc: dict, path: Path) -> str | None:
   # the right-hand panel (the NVMe sweep) only where a run has sweep rows
   sweeps = any(r["policy"].startswith("ssd_nvme_sweep") for r in doc["rows"] if _ok(r))
   cols = 2 if sweeps else 1
-  fig, axes = plt.subplots(len(shapes), cols, figsize=(7 * cols, 5.2 * len(shapes)), squeeze=False)
-  markers = {
-    "keep": "o",
-    "recompute": "s",
-    "selective": "D",
-    "jax_host": "^",
-    "ssd_host": "v",
-    "ssd_nvme_sweep": "P",
-    "ssd_nvme": "*",
-  }
-  for (rok, *right), (source, *shape) in zip(axes, shapes):
-    probe_w = (sources[source].get("probe") or {}).get("write_GBps")
-    rows = {
-      r["policy"]: r
-      for r in doc["rows"]
-      if _ok(r) and (r.get("source", 0), *_key(r)[1:]) == (source, *shape)
+  with common.figure(
+    plt, path, len(shapes), cols, figsize=(7 * cols, 5.2 * len(shapes)), squeeze=False, dpi=110
+  ) as (fig, axes):
+    markers = {
+      "keep": "o",
+      "recompute": "s",
+      "selective": "D",
+      "jax_host": "^",
+      "ssd_host": "v",
+      "ssd_nvme_sweep": "P",
+      "ssd_nvme": "*",
     }
-    for name, r in rows.items():
-      family = next(f for f in markers if name.startswith(f))
-      rok.scatter(
-        r["device_GB"], r["model_tflops"], marker=markers[family], s=70, label=name, zorder=3
-      )
-      rok.annotate(
-        name,
-        (r["device_GB"], r["model_tflops"]),
-        fontsize=7,
-        xytext=(4, 4),
-        textcoords="offset points",
-      )
-    sweep = [
-      rows[n] for n in ["selective"] + [f"ssd_nvme_sweep_{k}" for k in range(1, 5)] if n in rows
-    ]
-    rok.plot(
-      [r["device_GB"] for r in sweep], [r["model_tflops"] for r in sweep], "k--", lw=0.8, zorder=2
-    )
-    rok.set(
-      xlabel="device memory GB (XLA temp + engine staging peak)",
-      ylabel="model TFLOP/s",
-      title=f"ROK  H,S,B,L = {','.join(map(str, shape))}"
-      + (f"  ({sources[source].get('date')})" if "sources" in doc else ""),
-    )
-    rok.grid(alpha=0.3)
-    rok.legend(fontsize=7, loc="best")
-
-    if not right:
-      continue
-    (ovh,) = right
-    sel = rows.get("selective")
-    pts = [r for r in sweep if r["policy"] != "selective"]
-    if sel is None or not pts:
-      ovh.text(
-        0.5, 0.5, "needs selective and ssd_nvme_sweep_* rows", ha="center", transform=ovh.transAxes
-      )
-    else:
-      gb = lambda r: r.get("offload_GB_per_step") or r["expected_offload_GB_per_step"]  # noqa: E731
-      xs = [0.0] + [gb(r) for r in pts]
-      ys = [0.0] + [r["step_ms_median"] - sel["step_ms_median"] for r in pts]
-      ovh.plot(xs, ys, "o-", label="ssd_nvme_sweep (vs selective)")
-      for r, x, y in zip(pts, xs[1:], ys[1:]):
-        ovh.annotate(
-          f"{r['policy'][-1]}: {'+'.join(r['offloaded'])}\n"
-          f"disk {r.get('disk_MB_written_per_step', 0):.0f} MB w, "
-          f"stall {r.get('stall_ms_per_step', 0):.0f} ms",
-          (x, y),
+    for (rok, *right), (source, *shape) in zip(axes, shapes):
+      probe_w = (sources[source].get("probe") or {}).get("write_GBps")
+      rows = {
+        r["policy"]: r
+        for r in doc["rows"]
+        if _ok(r) and (r.get("source", 0), *_key(r)[1:]) == (source, *shape)
+      }
+      for name, r in rows.items():
+        family = next(f for f in markers if name.startswith(f))
+        rok.scatter(
+          r["device_GB"], r["model_tflops"], marker=markers[family], s=70, label=name, zorder=3
+        )
+        rok.annotate(
+          name,
+          (r["device_GB"], r["model_tflops"]),
           fontsize=7,
           xytext=(4, 4),
           textcoords="offset points",
         )
-      if probe_w:
-        knee = probe_w * sel["step_ms_median"] / 1e3
-        ovh.axvline(
-          knee,
-          color="r",
-          ls=":",
-          label=f"probe write {probe_w:.2f} GB/s x selective "
-          f"{sel['step_ms_median']:.0f} ms = {knee:.2f} GB",
+      sweep = [
+        rows[n] for n in ["selective"] + [f"ssd_nvme_sweep_{k}" for k in range(1, 5)] if n in rows
+      ]
+      rok.plot(
+        [r["device_GB"] for r in sweep], [r["model_tflops"] for r in sweep], "k--", lw=0.8, zorder=2
+      )
+      rok.set(
+        xlabel="device memory GB (XLA temp + engine staging peak)",
+        ylabel="model TFLOP/s",
+        title=f"ROK  H,S,B,L = {','.join(map(str, shape))}"
+        + (f"  ({sources[source].get('date')})" if "sources" in doc else ""),
+      )
+      rok.grid(alpha=0.3)
+      rok.legend(fontsize=7, loc="best")
+
+      if not right:
+        continue
+      (ovh,) = right
+      sel = rows.get("selective")
+      pts = [r for r in sweep if r["policy"] != "selective"]
+      if sel is None or not pts:
+        ovh.text(
+          0.5,
+          0.5,
+          "needs selective and ssd_nvme_sweep_* rows",
+          ha="center",
+          transform=ovh.transAxes,
         )
-      ovh.axhline(0, color="k", lw=0.6)
-      ovh.legend(fontsize=7, loc="best")
-    ovh.set(
-      xlabel="offloaded GB per step",
-      ylabel="step time - selective (ms)",
-      title="NVMe sweep: overhead vs offloaded bytes",
-    )
-    ovh.grid(alpha=0.3)
-  env = doc.get("env", {})
-  fig.suptitle(f"{env.get('device_kind')}  jax {env.get('jax')}  {doc.get('date')}", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+      else:
+        gb = lambda r: r.get("offload_GB_per_step") or r["expected_offload_GB_per_step"]  # noqa: E731
+        xs = [0.0] + [gb(r) for r in pts]
+        ys = [0.0] + [r["step_ms_median"] - sel["step_ms_median"] for r in pts]
+        ovh.plot(xs, ys, "o-", label="ssd_nvme_sweep (vs selective)")
+        for r, x, y in zip(pts, xs[1:], ys[1:]):
+          ovh.annotate(
+            f"{r['policy'][-1]}: {'+'.join(r['offloaded'])}\n"
+            f"disk {r.get('disk_MB_written_per_step', 0):.0f} MB w, "
+            f"stall {r.get('stall_ms_per_step', 0):.0f} ms",
+            (x, y),
+            fontsize=7,
+            xytext=(4, 4),
+            textcoords="offset points",
+          )
+        if probe_w:
+          knee = probe_w * sel["step_ms_median"] / 1e3
+          ovh.axvline(
+            knee,
+            color="r",
+            ls=":",
+            label=f"probe write {probe_w:.2f} GB/s x selective "
+            f"{sel['step_ms_median']:.0f} ms = {knee:.2f} GB",
+          )
+        ovh.axhline(0, color="k", lw=0.6)
+        ovh.legend(fontsize=7, loc="best")
+      ovh.set(
+        xlabel="offloaded GB per step",
+        ylabel="step time - selective (ms)",
+        title="NVMe sweep: overhead vs offloaded bytes",
+      )
+      ovh.grid(alpha=0.3)
+    env = doc.get("env", {})
+    fig.suptitle(f"{env.get('device_kind')}  jax {env.get('jax')}  {doc.get('date')}", fontsize=9)
   return None
 
 
-def report(doc: dict, json_path: Path) -> None:
+def report(doc: dict, stem: Path) -> None:
+  """STEM.json, .md, .png of a run (its derived columns computed first)."""
   derive(doc)
-  json_path.write_text(json.dumps(doc, indent=1) + "\n")
-  print(table(doc))
-  note = plot(doc, json_path.with_suffix(".png"))
-  print(note or f"wrote {json_path} and {json_path.with_suffix('.png')}")
+  common.write_results(stem, doc, table(doc), plot)
+  print(f"wrote {stem}.json")
 
 
 def replot(paths: list[Path], out: Path) -> int:
   """Table and plot of saved runs. One JSON is rewritten in place; several are merged into
   OUT/rok_<device>_<date of the first>.json: their rows in order, each with the index of its
   run in ``sources`` (that run's file, date, environment, arguments and probes)."""
-  docs = [json.loads(p.read_text()) for p in paths]
-  if len(paths) == 1:
-    report(docs[0], paths[0])
-    return 0
   keys = ("date", "env", "args", "probe", "link")
-  doc = {
-    "date": docs[0]["date"],
-    "env": docs[0]["env"],
-    "sources": [{"file": p.name} | {k: d.get(k) for k in keys} for p, d in zip(paths, docs)],
-    "rows": [r | {"source": i} for i, d in enumerate(docs) for r in d["rows"]],
-  }
-  out.mkdir(parents=True, exist_ok=True)
-  report(doc, out / f"rok_{common.slug(doc['env'].get('device_kind'))}_{doc['date']}.json")
-  return 0
+  return common.replot(paths, out, "rok", report, keys=keys, field="rows", tag_source=True)
 
 
 def _trace_label(r: dict) -> str:
@@ -765,15 +752,15 @@ def main(argv=None) -> int:
   }
   if link is not None:
     doc["link"] = link
-  json_path = args.out / f"rok_{common.slug(device)}_{doc['date']}.json"
-  if args.merge and json_path.exists():
-    old = json.loads(json_path.read_text())
+  stem = args.out / f"rok_{common.slug(device)}_{doc['date']}"
+  if args.merge and Path(f"{stem}.json").exists():
+    old = json.loads(Path(f"{stem}.json").read_text())
     doc["rows"] = common.merge_rows(old.get("rows", []), rows, _key)
     if not probe.get("write_GBps") and (old.get("probe") or {}).get("write_GBps"):
       doc["probe"] = old["probe"]
     if link is None and old.get("link"):
       doc["link"] = old["link"]
-  report(doc, json_path)
+  report(doc, stem)
   bad = failures(doc)
   for line in bad:
     print(f"FAIL {line}", file=sys.stderr)

@@ -19,6 +19,7 @@ import os
 import resource
 import sys
 import time
+from typing import Any
 
 import jax
 
@@ -94,160 +95,165 @@ def _bandwidth(s):
     raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
-  p.add_argument("--model", choices=sorted(models.MODELS), default="gpt", help="model family")
-  p.add_argument("--preset", choices=models.PRESETS, default="tiny", help="model size")
-  p.add_argument(
-    "--dtype",
+def _flag(default=None, help: str | None = None, **add_argument):
+  """A field of :class:`Config` and its command-line option (``--seq-len`` for ``seq_len``):
+  ``add_argument``'s keywords, the default and the help live with the field."""
+  return dataclasses.field(default=default, metadata=dict(help=help, **add_argument))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One run of the script, a field per command-line option: :func:`build_parser` makes the
+  parser from the fields, :func:`parse_config` the Config from what it parses."""
+
+  model: str = _flag("gpt", "model family", choices=sorted(models.MODELS))
+  preset: str = _flag("tiny", "model size", choices=models.PRESETS)
+  dtype: str | None = _flag(
+    None,
+    "compute dtype (default: the model config's, bfloat16)",
     choices=("bfloat16", "float32"),
-    default=None,
-    help="compute dtype (default: the model config's, bfloat16)",
   )
-  p.add_argument(
-    "--attention",
+  attention: str = _flag(
+    "auto",
+    "attention implementation (auto: cudnn on GPU in bf16/fp16, else xla)",
     choices=("auto", "xla", "cudnn"),
-    default="auto",
-    help="attention implementation (auto: cudnn on GPU in bf16/fp16, else xla)",
   )
-  p.add_argument(
-    "--layers", type=_positive(int), default=None, help="layer count (default: the preset's)"
-  )
-  p.add_argument("--batch", type=_positive(int), default=8, help="sequences per step")
-  p.add_argument("--seq-len", type=_positive(int), default=None, help="default: the preset's")
-  p.add_argument("--steps", type=_positive(int), default=30, help="training steps")
-  p.add_argument("--lr", type=_positive(float), default=3e-3, help="peak learning rate (AdamW)")
-  p.add_argument("--warmup", type=_non_negative_int, default=None, help="default: steps/10")
-  p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
-  p.add_argument("--clip-norm", type=_positive(float), default=1.0, help="gradient norm clip")
-  p.add_argument("--seed", type=int, default=0, help="parameter and data seed")
-  p.add_argument(
-    "--remat-policy",
+  layers: int | None = _flag(None, "layer count (default: the preset's)", type=_positive(int))
+  batch: int = _flag(8, "sequences per step", type=_positive(int))
+  seq_len: int | None = _flag(None, "default: the preset's", type=_positive(int))
+  steps: int = _flag(30, "training steps", type=_positive(int))
+  lr: float = _flag(3e-3, "peak learning rate (AdamW)", type=_positive(float))
+  warmup: int | None = _flag(None, "default: steps/10", type=_non_negative_int)
+  weight_decay: float = _flag(0.1, "AdamW weight decay", type=float)
+  clip_norm: float = _flag(1.0, "gradient norm clip", type=_positive(float))
+  seed: int = _flag(0, "parameter and data seed", type=int)
+  remat_policy: str | None = _flag(
+    None,
+    "keep: no remat; remat: recompute from layer input; offload: all tags to nvme",
     choices=sorted(models.REMAT_SHORTCUTS),
-    default=None,
-    help="keep: no remat; remat: recompute from layer input; offload: all tags to nvme",
   )
-  p.add_argument(
-    "--locations",
-    type=_locations,
-    default=None,
-    help=f"TAG=LOC,... with TAG in {{{','.join(models.TAGS)}}}, "
+  locations: dict | None = _flag(
+    None,
+    f"TAG=LOC,... with TAG in {{{','.join(models.TAGS)}}}, "
     f"LOC in {{{','.join(models.LOCATIONS)}}}; overrides --remat-policy",
+    type=_locations,
   )
-  p.add_argument(
-    "--policy",
-    choices=("auto",),
-    default=None,
-    help="auto: profile one layer, plan locations and the offloaded layer count "
+  policy: str | None = _flag(
+    None,
+    "auto: profile one layer, plan locations and the offloaded layer count "
     "(jax_ssdtrain.plan); overrides --remat-policy/--locations",
+    choices=("auto",),
   )
-  p.add_argument(
-    "--memory-budget",
-    type=_size("--memory-budget"),
-    default=None,
-    help="with --policy auto: device memory cap (e.g. 20GB); picks the batch "
+  memory_budget: int | None = _flag(
+    None,
+    "with --policy auto: device memory cap (e.g. 20GB); picks the batch "
     "(powers of two up to --batch) and plan with the most tokens/s; with --optimizer-location "
     "auto: the cap the step must fit with the state on the device (default: the device's memory)",
+    type=_size("--memory-budget"),
   )
-  p.add_argument(
-    "--bandwidth",
-    type=_bandwidth,
-    default=None,
-    help="store WRITE,READ GB/s for --policy auto (default: measured)",
+  bandwidth: tuple | None = _flag(
+    None, "store WRITE,READ GB/s for --policy auto (default: measured)", type=_bandwidth
   )
-  p.add_argument(
-    "--max-slowdown",
-    type=float,
-    default=0.02,
-    help="--policy auto: allowed predicted step time over all-on-device",
+  max_slowdown: float = _flag(
+    0.02, "--policy auto: allowed predicted step time over all-on-device", type=float
   )
-  p.add_argument(
-    "--min-bytes",
+  min_bytes: int | None = _flag(
+    None,
+    "tensors smaller than this stay on device, e.g. 1MiB (default: 0 for tiny, 1 MiB else)",
     type=_size("--min-bytes", minimum=0),
-    default=None,
-    help="tensors smaller than this stay on device, e.g. 1MiB (default: 0 for tiny, 1 MiB else)",
   )
-  p.add_argument(
-    "--store-dir",
-    default=None,
-    help="directory of the activation store file (default: $SSDTRAIN_DIR or a private temp dir)",
+  store_dir: str | None = _flag(
+    None, "directory of the activation store file (default: $SSDTRAIN_DIR or a private temp dir)"
   )
-  p.add_argument(
-    "--data", default="synthetic", help="'synthetic' or a glob of pre-tokenized .npy shards"
-  )
-  p.add_argument("--loader", choices=("memmap", "dali"), default="memmap")
-  p.add_argument("--workdir", default=None, help="metrics.csv, TensorBoard events and checkpoints")
-  p.add_argument(
-    "--checkpoint-every",
-    type=_non_negative_int,
-    default=0,
-    help="0: only at the end (with --workdir)",
-  )
-  p.add_argument(
-    "--optimizer-location",
-    choices=["host", "nvme", "host,nvme", "auto"],
-    default=None,
-    help="keep the optimizer state in the store (jax_ssdtrain.offload_optimizer) instead of on "
+  data: str = _flag("synthetic", "'synthetic' or a glob of pre-tokenized .npy shards")
+  loader: str = _flag("memmap", choices=("memmap", "dali"))
+  workdir: str | None = _flag(None, "metrics.csv, TensorBoard events and checkpoints")
+  checkpoint_every: int = _flag(0, "0: only at the end (with --workdir)", type=_non_negative_int)
+  optimizer_location: str | None = _flag(
+    None,
+    "keep the optimizer state in the store (jax_ssdtrain.offload_optimizer) instead of on "
     "the device; auto: on the device when the step fits there with it (--memory-budget, else the "
     "device's memory), else the store's tier for its size",
+    choices=["host", "nvme", "host,nvme", "auto"],
   )
-  p.add_argument(
-    "--master-weights",
-    action="store_true",
-    help="bfloat16 parameters on the device, their float32 copy in the optimizer state "
+  master_weights: bool = _flag(
+    False,
+    "bfloat16 parameters on the device, their float32 copy in the optimizer state "
     "(jax_ssdtrain.with_master_weights; in the store with --optimizer-location)",
-  )
-  p.add_argument(
-    "--optimizer-in-place",
     action="store_true",
-    help="the update writes each chunk of the state into the room of the one it read: one "
+  )
+  optimizer_in_place: bool = _flag(
+    False,
+    "the update writes each chunk of the state into the room of the one it read: one "
     "version in the store instead of two (offload_optimizer(in_place=True))",
-  )
-  p.add_argument(
-    "--accum",
-    type=_positive(int),
-    default=1,
-    help="micro-batches per optimizer step (jax_ssdtrain.accumulate_gradients; each training "
-    "step is one micro-batch)",
-  )
-  p.add_argument(
-    "--accum-dtype",
-    choices=["float32", "bfloat16"],
-    default="float32",
-    help="dtype of the running mean of the gradients (--accum), on the device",
-  )
-  p.add_argument(
-    "--restore", action="store_true", help="resume from the latest checkpoint in --workdir"
-  )
-  p.add_argument(
-    "--mesh",
-    type=_mesh,
-    default=None,
-    help="dp=N[,tp=M][,fsdp]: data parallel over N devices, tensor parallel MLP "
-    "over M, parameters/optimizer state sharded over the data axis (fsdp)",
-  )
-  p.add_argument(
-    "--devices",
-    default=None,
-    metavar="IDS",
-    help="the devices of --mesh, by id (e.g. 0,1; default: the first dp*tp devices)",
-  )
-  p.add_argument(
-    "--distributed",
     action="store_true",
-    help="jax.distributed.initialize() first (SLURM/MPI/... auto-detection, or "
-    "the three options below)",
   )
-  p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (--distributed)")
-  p.add_argument("--num-processes", type=_positive(int), default=None, help="(--distributed)")
-  p.add_argument("--process-id", type=_non_negative_int, default=None, help="(--distributed)")
-  p.add_argument("--log-every", type=_positive(int), default=1, help="steps between metric fetches")
-  p.add_argument(
-    "--summary-json",
-    default=None,
+  accum: int = _flag(
+    1,
+    "micro-batches per optimizer step (jax_ssdtrain.accumulate_gradients; each training "
+    "step is one micro-batch)",
+    type=_positive(int),
+  )
+  accum_dtype: str = _flag(
+    "float32",
+    "dtype of the running mean of the gradients (--accum), on the device",
+    choices=["float32", "bfloat16"],
+  )
+  restore: bool = _flag(
+    False, "resume from the latest checkpoint in --workdir", action="store_true"
+  )
+  mesh: Any = _flag(
+    None,
+    "dp=N[,tp=M][,fsdp]: data parallel over N devices, tensor parallel MLP "
+    "over M, parameters/optimizer state sharded over the data axis (fsdp)",
+    type=_mesh,
+  )
+  devices: str | None = _flag(
+    None,
+    "the devices of --mesh, by id (e.g. 0,1; default: the first dp*tp devices)",
+    metavar="IDS",
+  )
+  distributed: bool = _flag(
+    False,
+    "jax.distributed.initialize() first (SLURM/MPI/... auto-detection, or the three options below)",
+    action="store_true",
+  )
+  coordinator: str | None = _flag(None, "HOST:PORT of process 0 (--distributed)")
+  num_processes: int | None = _flag(None, "(--distributed)", type=_positive(int))
+  process_id: int | None = _flag(None, "(--distributed)", type=_non_negative_int)
+  log_every: int = _flag(1, "steps between metric fetches", type=_positive(int))
+  summary_json: str | None = _flag(
+    None,
+    "also write the run's summary (the numbers of the last line) as JSON to PATH",
     metavar="PATH",
-    help="also write the run's summary (the numbers of the last line) as JSON to PATH",
   )
+
+  def run_config(self) -> training.RunConfig:
+    """The run's :class:`models.training.RunConfig`: the fields of the same name, the model's
+    overrides (--attention, --layers) and --min-bytes' default for the preset."""
+    ours = {f.name for f in dataclasses.fields(self)}
+    same = {
+      f.name: getattr(self, f.name)
+      for f in dataclasses.fields(training.RunConfig)
+      if f.name in ours
+    }
+    return training.RunConfig(
+      **same
+      | dict(
+        model_overrides={"attention": self.attention}
+        | ({"num_layers": self.layers} if self.layers else {}),
+        min_bytes=self.min_bytes
+        if self.min_bytes is not None
+        else (0 if self.preset == "tiny" else 1 << 20),
+      )
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The command line: an option per field of :class:`Config`."""
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+  for f in dataclasses.fields(Config):
+    p.add_argument("--" + f.name.replace("_", "-"), default=f.default, **f.metadata)
   return p
 
 
@@ -280,20 +286,20 @@ def _tb_writer(workdir):
   return None
 
 
-def auto_plan(run: training.RunConfig, args) -> training.RunConfig:
+def auto_plan(run: training.RunConfig, cfg: Config) -> training.RunConfig:
   """--policy auto: profile one block, plan (and pick the batch under --memory-budget, with a
   profile of the layers at each candidate batch)."""
   import jax_ssdtrain as ssd
 
-  bandwidth = args.bandwidth
+  bandwidth = cfg.bandwidth
   store = ssd.current_config() or ssd.default_config()
   directory = None if bandwidth else ssd.store_directories()[0]
   print("profiling the layer (compiles a few small programs) ...", file=sys.stderr, flush=True)
   prof = training.profile_run(
     run, directory=directory, bandwidth=bandwidth, host_cache_bytes=store.host_cache_bytes
   )
-  if args.memory_budget is None:
-    plan = ssd.plan(prof, max_slowdown=args.max_slowdown, min_bytes=run.min_bytes)
+  if cfg.memory_budget is None:
+    plan = ssd.plan(prof, max_slowdown=cfg.max_slowdown, min_bytes=run.min_bytes)
   else:
     batches = sorted({min(1 << i, run.batch) for i in range(run.batch.bit_length() + 1)})
     on_gpu = jax.default_backend() == "gpu"
@@ -319,7 +325,7 @@ def auto_plan(run: training.RunConfig, args) -> training.RunConfig:
       return profiles[batch]
 
     plan = ssd.plan_for_budget(
-      args.memory_budget, batches, profile_at, memory, min_bytes=run.min_bytes
+      cfg.memory_budget, batches, profile_at, memory, min_bytes=run.min_bytes
     )
   print(plan.table(), flush=True)
   if plan.store_options() and jax.default_backend() == "gpu":
@@ -328,98 +334,78 @@ def auto_plan(run: training.RunConfig, args) -> training.RunConfig:
   return training.apply_plan(run, plan)
 
 
-def choose_optimizer_location(run: training.RunConfig, args) -> training.RunConfig:
-  """--optimizer-location auto: the state stays on the device when the step fits there with it
-  (XLA's memory analysis of the compiled step, with --policy auto the planner's plan for the
-  activations at the run's batch, against --memory-budget or else the device's memory), where
-  the update reads no link; else it goes to the store, whose tier offload_optimizer(
-  location="auto") chooses from the state's size. Without a budget (a CPU reports no memory
-  limit) it goes to the store."""
-  budget = args.memory_budget
-  if budget is None:
-    budget = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
-  planned = args.policy == "auto"
-  if budget is None:
-    print("optimizer state: in the store (no device memory limit to weigh it against)", flush=True)
-    return auto_plan(run, args) if planned else run
+def place_optimizer(run: training.RunConfig, cfg: Config) -> training.RunConfig:
+  """--optimizer-location auto: the state on the device or in the store, as
+  ``jax_ssdtrain.choose_optimizer_location`` decides from the compiled step's device memory
+  with the state on the device (with --policy auto: the planner's plan for the activations at
+  the run's batch) against --memory-budget, else the device's memory."""
+  import jax_ssdtrain as ssd
+
+  planned = cfg.policy == "auto"
   on_device = dataclasses.replace(run, optimizer_location=None, optimizer_in_place=False)
-  try:
-    if planned:
-      on_device = auto_plan(on_device, args)
-    need = training.step_memory_bytes(on_device)
-    why = f"the step takes {need / 1e9:.2f} GB with it on the device"
-  except ValueError:  # no plan fits the budget with the state on the device
-    need, why = None, "no plan fits with it on the device"
-  if need is not None and on_device.batch < run.batch:  # the planner gave up batch for it
-    need, why = None, f"with it on the device the plan fits batch {on_device.batch} only"
-  if need is not None and need <= budget:
-    print(
-      f"optimizer state: on the device (the step takes {need / 1e9:.2f} GB of "
-      f"{budget / 1e9:.2f} GB)",
-      flush=True,
-    )
+
+  def step_bytes() -> int:  # compiled only where there is a budget to weigh it against
+    nonlocal on_device
+    try:
+      if planned:
+        on_device = auto_plan(on_device, cfg)
+      need = training.step_memory_bytes(on_device)
+    except ValueError:  # no plan fits the budget with the state on the device
+      raise ValueError("no plan fits with it on the device") from None
+    if on_device.batch < run.batch:  # the planner gave up batch for it
+      raise ValueError(f"with it on the device the plan fits batch {on_device.batch} only")
+    return need
+
+  where = ssd.choose_optimizer_location(step_bytes, cfg.memory_budget)
+  print(where, flush=True)
+  if where.on_device:
     return on_device
-  print(f"optimizer state: in the store ({why}, budget {budget / 1e9:.2f} GB)", flush=True)
-  return auto_plan(run, args) if planned else run
+  return auto_plan(run, cfg) if planned else run
 
 
-def main(argv=None) -> dict:
-  parser = build_parser()
-  args = parser.parse_args(argv)
-  if args.restore and not args.workdir:
+def parse_config(argv=None, parser: argparse.ArgumentParser | None = None) -> Config:
+  """The Config of a command line; ``parser.error`` (exit status 2, one line) on options that
+  do not go together. Checks only the options: nothing touches the store or a device."""
+  parser = parser or build_parser()
+  cfg = Config(**vars(parser.parse_args(argv)))
+  if cfg.restore and not cfg.workdir:
     parser.error("--restore needs --workdir")
-  if args.checkpoint_every and not args.workdir:
+  if cfg.checkpoint_every and not cfg.workdir:
     parser.error("--checkpoint-every needs --workdir")
-  if args.accum_dtype != "float32" and args.accum == 1:
+  if cfg.accum_dtype != "float32" and cfg.accum == 1:
     parser.error("--accum-dtype needs --accum K > 1")
   if (
-    args.data != "synthetic"
-    and not any(c in args.data for c in "*?[")
-    and not os.path.exists(args.data)
+    cfg.data != "synthetic"
+    and not any(c in cfg.data for c in "*?[")
+    and not os.path.exists(cfg.data)
   ):
-    parser.error(f"--data: no such file {args.data!r}")
-  run = training.RunConfig(
-    model=args.model,
-    preset=args.preset,
-    batch=args.batch,
-    seq_len=args.seq_len,
-    steps=args.steps,
-    lr=args.lr,
-    warmup=args.warmup,
-    weight_decay=args.weight_decay,
-    clip_norm=args.clip_norm,
-    seed=args.seed,
-    remat_policy=args.remat_policy,
-    locations=args.locations,
-    optimizer_location=args.optimizer_location,
-    master_weights=args.master_weights,
-    optimizer_in_place=args.optimizer_in_place,
-    accum=args.accum,
-    accum_dtype=args.accum_dtype,
-    dtype=args.dtype,
-    model_overrides={"attention": args.attention}
-    | ({"num_layers": args.layers} if args.layers else {}),
-    min_bytes=args.min_bytes
-    if args.min_bytes is not None
-    else (0 if args.preset == "tiny" else 1 << 20),
-  )
+    parser.error(f"--data: no such file {cfg.data!r}")
+  run = cfg.run_config()
   try:  # the optimizer's settings (in place needs a location, ...): make_optimizer checks them
     training.make_optimizer(run)
   except ValueError as e:
     parser.error(str(e))
-  cfg = run.model_config()
-  if cfg.positions == "learned" and (args.seq_len or 0) > cfg.max_len:
-    parser.error(f"--seq-len {args.seq_len} exceeds the preset's max_len {cfg.max_len}")
-  if args.memory_budget and args.policy != "auto" and args.optimizer_location != "auto":
+  model = run.model_config()
+  if model.positions == "learned" and (cfg.seq_len or 0) > model.max_len:
+    parser.error(f"--seq-len {cfg.seq_len} exceeds the preset's max_len {model.max_len}")
+  if cfg.memory_budget and cfg.policy != "auto" and cfg.optimizer_location != "auto":
     parser.error("--memory-budget needs --policy auto or --optimizer-location auto")
-  if args.max_slowdown < 0:
-    parser.error(f"--max-slowdown must be >= 0, got {args.max_slowdown}")
-  missing = sorted(t for t in (args.locations or {}) if t not in models.MODEL_TAGS[args.model])
+  if cfg.max_slowdown < 0:
+    parser.error(f"--max-slowdown must be >= 0, got {cfg.max_slowdown}")
+  missing = sorted(t for t in (cfg.locations or {}) if t not in models.MODEL_TAGS[cfg.model])
   if missing:
     parser.error(
-      f"--locations: model {args.model!r} has no tag {', '.join(map(repr, missing))} "
-      f"(its tags: {', '.join(models.MODEL_TAGS[args.model])})"
+      f"--locations: model {cfg.model!r} has no tag {', '.join(map(repr, missing))} "
+      f"(its tags: {', '.join(models.MODEL_TAGS[cfg.model])})"
     )
+  return cfg
+
+
+def main(argv=None) -> dict:
+  parser = build_parser()
+  args = parse_config(argv, parser)  # the run's Config
+  run = args.run_config()
+  cfg = run.model_config()
   try:  # the store's settings (SSDTRAIN_* variables) are checked before any model work
     import jax_ssdtrain as ssd  # checks the variables' values
 
@@ -460,7 +446,7 @@ def main(argv=None) -> dict:
   )
   try:
     if run.optimizer_location == "auto":
-      run = choose_optimizer_location(run, args)
+      run = place_optimizer(run, args)
     elif args.policy == "auto":
       run = auto_plan(run, args)
   except ValueError as e:

@@ -59,6 +59,25 @@ def test_help_shows_defaults_and_sizes_accept_suffixes():
   assert train.build_parser().parse_args(["--min-bytes", "64KiB"]).min_bytes == 64 << 10
 
 
+def test_train_config_is_its_parser():
+  # scripts/train.py's options are the fields of its frozen Config, defaults included: one
+  # place says each of them, and the run's RunConfig takes the fields of the same name.
+  import dataclasses
+
+  from scripts import train
+
+  fields = {f.name: f.default for f in dataclasses.fields(train.Config)}
+  assert vars(train.build_parser().parse_args([])) == fields
+  assert train.parse_config([]) == train.Config()
+  cfg = train.parse_config(["--preset", "small", "--batch", "4", "--accum", "2", "--layers", "3"])
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.batch = 8
+  run = cfg.run_config()
+  assert (run.preset, run.batch, run.accum, run.min_bytes) == ("small", 4, 2, 1 << 20)
+  assert run.model_overrides == {"attention": "auto", "num_layers": 3}
+  assert train.parse_config([]).run_config().min_bytes == 0  # tiny
+
+
 def test_auto_plan_without_a_configured_store(monkeypatch):
   # --policy auto with --bandwidth and no --store-dir read the store's sizes from a store that
   # was never configured (AttributeError); the profile now gets the defaults'.
@@ -76,9 +95,9 @@ def test_auto_plan_without_a_configured_store(monkeypatch):
 
   monkeypatch.setattr(training, "profile_run", profile_run)
   config.reset_to_unconfigured()  # as in a fresh process
-  args = train.build_parser().parse_args(["--policy", "auto", "--bandwidth", "0.9,0.77"])
+  cfg = train.parse_config(["--policy", "auto", "--bandwidth", "0.9,0.77"])
   with pytest.raises(Reached):
-    train.auto_plan(training.RunConfig(preset="tiny", batch=2), args)
+    train.auto_plan(training.RunConfig(preset="tiny", batch=2), cfg)
   assert seen["host_cache_bytes"] == ssd.default_config().host_cache_bytes
   assert seen["bandwidth"] == (0.9, 0.77) and seen["directory"] is None
 

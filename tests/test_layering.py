@@ -27,7 +27,7 @@ LAYERS = [
 ]
 
 # Imports allowed inside functions: optional dependencies, imported where they are needed.
-OPTIONAL = {"optax", "orbax", "tensorstore", "libkvikio", "maxtext", "absl", "tqdm"}
+OPTIONAL = {"optax", "orbax", "tensorstore", "libkvikio", "maxtext", "absl", "tqdm", "flax"}
 # (module, imported) pairs allowed inside a function besides OPTIONAL, each for its reason.
 ALLOWED_LOCAL = {
   # `python -m jax_ssdtrain.maxtext --help` answers before JAX and MaxText are imported.

@@ -648,6 +648,88 @@ def test_plan_scan_runs_a_hand_written_stack_as_planned(tmp_path):
     plan.scan(_block, jax.tree.map(lambda a: a[:3], params), x)
 
 
+def test_split_scan_is_the_one_split_scan():
+  # The first k layers under one policy, the rest under the other, in two scans (one where a
+  # segment is empty), from stacked parameters or from split_layers' segments: the values and
+  # gradients of one plain scan, bit for bit, whatever the policies (None: no jax.checkpoint).
+  L, B, H = 4, 8, 32
+  params, x = _stacked_block_params(L, H), jax.random.normal(jax.random.key(4), (B, H))
+  saving = jax.checkpoint_policies.save_only_these_names("up")
+
+  def plain(ps, v):
+    return jax.lax.scan(lambda h, p: (_block(p, h), None), v, ps)[0].sum()
+
+  want = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(params, x)
+  for k in (0, 1, 3, L):
+    for policies in ((None, saving), (saving, jax.checkpoint_policies.nothing_saveable)):
+      stacked = lambda ps, v: ssd.split_scan(_block, ps, v, split=k, policies=policies).sum()
+      got = jax.jit(jax.value_and_grad(stacked, argnums=(0, 1)))(params, x)
+      for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+      segments = ssd.split_layers(params, k)
+      assert (segments[0] is None) == (k == 0) and (segments[1] is None) == (k == L)
+      presplit = lambda segs, v: ssd.split_scan(_block, segs, v, split=None, policies=policies)
+      value, dx = jax.jit(jax.value_and_grad(lambda segs, v: presplit(segs, v).sum(), argnums=1))(
+        segments, x
+      )
+      np.testing.assert_array_equal(np.asarray(want[0]), np.asarray(value))
+      np.testing.assert_array_equal(np.asarray(want[1][1]), np.asarray(dx))
+  # a jaxpr of two scans where the split is inside the stack, one at its ends
+  scans = lambda k: str(
+    jax.make_jaxpr(lambda ps: ssd.split_scan(_block, ps, x, split=k, policies=(None, None)))(params)
+  ).count("scan[")
+  assert (scans(0), scans(2), scans(L)) == (1, 2, 1)
+  with pytest.raises(ValueError, match="split: 5 layers > the 4 stacked layers"):
+    ssd.split_layers(params, 5)
+  with pytest.raises(ValueError, match="split: expected an integer >= 0, got -1"):
+    ssd.split_scan(_block, params, x, split=-1, policies=(None, None))
+  with pytest.raises(ValueError, match="expected \\(first, rest\\), got 1"):
+    ssd.split_scan(_block, params, x, split=1, policies=(None,))
+
+
+class _Device:  # what choose_optimizer_location reads of a device
+  def __init__(self, stats):
+    self.stats = stats
+
+  def memory_stats(self):
+    return self.stats
+
+
+def test_choose_optimizer_location_weighs_the_step_against_the_budget():
+  where = ssd.choose_optimizer_location(1_500_000_000, 2_000_000_000)
+  assert where.on_device and (where.step_bytes, where.budget_bytes) == (1.5e9, 2e9)
+  assert str(where) == "optimizer state: on the device (the step takes 1.50 GB of 2.00 GB)"
+  where = ssd.choose_optimizer_location(lambda: 3_000_000_000, 2_000_000_000)
+  assert not where.on_device and where.step_bytes == 3e9
+  assert str(where) == (
+    "optimizer state: in the store (the step takes 3.00 GB with it on the device, budget 2.00 GB)"
+  )
+
+  def no_plan():
+    raise ValueError("no plan fits with it on the device")
+
+  where = ssd.choose_optimizer_location(no_plan, 2_000_000_000)
+  assert not where.on_device and where.step_bytes is None
+  assert str(where) == (
+    "optimizer state: in the store (no plan fits with it on the device, budget 2.00 GB)"
+  )
+  # The budget defaults to the device's memory limit; without one the step is not measured.
+  where = ssd.choose_optimizer_location(lambda: 10**9, device=_Device({"bytes_limit": 4 * 10**9}))
+  assert where.on_device and where.budget_bytes == 4 * 10**9
+
+  def not_measured():
+    raise AssertionError("measured with nothing to weigh it against")
+
+  for stats in (None, {}):
+    where = ssd.choose_optimizer_location(not_measured, device=_Device(stats))
+    assert not where.on_device and where.step_bytes is None and where.budget_bytes is None
+    assert str(where) == (
+      "optimizer state: in the store (no device memory limit to weigh it against)"
+    )
+  with pytest.raises(ValueError, match="budget_bytes: expected an integer >= 1, got 0"):
+    ssd.choose_optimizer_location(1, 0)
+
+
 @pytest.mark.parametrize(
   "call,match",
   [

@@ -1,6 +1,7 @@
 """Training entry point: loaders, checkpoint round trip, CLI flags and errors."""
 
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -161,17 +162,17 @@ def test_cli_optimizer_location_auto_weighs_the_device(capsys):
   # CLI test above).
   flags = ["--preset", "tiny", "--batch", "2", "--steps", "2", "--optimizer-location", "auto"]
   run = training.RunConfig(preset="tiny", batch=2, steps=2, optimizer_location="auto")
-  args = train_script.build_parser().parse_args(flags + ["--memory-budget", "10GB"])
-  roomy = train_script.choose_optimizer_location(run, args)
+  cfg = train_script.parse_config(flags + ["--memory-budget", "10GB"])
+  roomy = train_script.place_optimizer(run, cfg)
   assert "optimizer state: on the device (the step takes" in capsys.readouterr().out
   assert roomy.optimizer_location is None and roomy.batch == run.batch
-  args.memory_budget = 64 << 10
-  assert train_script.choose_optimizer_location(run, args) is run
+  cfg = dataclasses.replace(cfg, memory_budget=64 << 10)
+  assert train_script.place_optimizer(run, cfg) is run
   out = capsys.readouterr().out
   assert "optimizer state: in the store (the step takes" in out and "budget 0.00 GB" in out
   if jax.default_backend() == "cpu":  # no memory limit to weigh the state against
-    args.memory_budget = None
-    assert train_script.choose_optimizer_location(run, args) is run
+    cfg = dataclasses.replace(cfg, memory_budget=None)
+    assert train_script.place_optimizer(run, cfg) is run
     assert "no device memory limit" in capsys.readouterr().out
 
 

@@ -49,6 +49,11 @@ split ``k``, and returns the one with the least residual device memory whose pre
 at most ``1 + max_slowdown`` times the all-on-device step (ties: faster, then fewer bytes
 moved). ``plan_for_budget`` picks the micro-batch and plan with the most tokens/s whose exact
 device memory (``memory_fn``, e.g. XLA's ``compiled.memory_analysis()``) fits a budget.
+
+``split_scan`` is the one split scan (the first ``k`` layers under one policy, the rest under
+another): ``Plan.scan``, the models' ``Stack`` and ``scripts/bench_planner.py`` run it.
+``choose_optimizer_location`` weighs the optimizer state on the device against the store the
+same way: the exact device memory of the step with it there, against a budget.
 """
 
 from __future__ import annotations
@@ -71,7 +76,13 @@ from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.measure import link as link_probe
 from jax_ssdtrain._src.measure.disk import measured_bandwidth
 from jax_ssdtrain._src.measure.timing import median_time
-from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, location_policy, name_p
+from jax_ssdtrain._src.policies import (
+  DEFAULT_MIN_BYTES,
+  location_policy,
+  name_p,
+  nbytes,
+  tree_nbytes,
+)
 
 DEFAULT_HOST_GBPS = 50.0  # without a GPU to measure: pinned host <-> H100 over PCIe, 41-55 GB/s
 # measured (jax_ssdtrain.probe --link)
@@ -226,8 +237,8 @@ class Plan:
 
     Both are :func:`location_policy` results with the plan's ``min_bytes``. Where
     ``offload_layers`` is ``num_layers`` the second is unused, where it is 0 the first.
-    :meth:`scan` applies them to a stack of layers; for a scan of your own, run layers
-    ``[0, offload_layers)`` under the first and the others under the second.
+    :meth:`scan` applies them to a stack of layers (:func:`split_scan`); for a scan of your
+    own, run layers ``[0, offload_layers)`` under the first and the others under the second.
     """
     return (
       location_policy(self.location_map(), min_bytes=self.min_bytes),
@@ -251,7 +262,7 @@ class Plan:
     scan). With ``flax.linen``, put ``nn.remat(Block, policy=plan.policies()[0])`` in an
     ``nn.scan`` of ``offload_layers`` layers and ``policies()[1]`` in one of the others.
     """
-    L, k = self.profile.num_layers, self.offload_layers
+    L = self.profile.num_layers
     leaves = jax.tree.leaves(params)
     if not leaves:
       raise ValueError("params: expected stacked layer parameters, got no arrays")
@@ -261,18 +272,11 @@ class Plan:
           f"params: every leaf must be stacked on a leading axis of num_layers={L} (the "
           f"plan's), got a leaf of shape {np.shape(leaf)}"
         )
-    offloading, keeping = self.policies()
-
-    def segment(policy, segment_params, carry):
-      body = jax.checkpoint(layer_fn, policy=policy, prevent_cse=prevent_cse)
-      return jax.lax.scan(lambda h, p: (body(p, h), None), carry, segment_params)[0]
-
-    if k == 0 or not any(loc in OFFLOADED for _, loc in self.locations):
-      return segment(keeping, params, x)
-    if k == L:
-      return segment(offloading, params, x)
-    x = segment(offloading, jax.tree.map(lambda a: a[:k], params), x)
-    return segment(keeping, jax.tree.map(lambda a: a[k:], params), x)
+    # a plan that sends nothing to the store runs every layer alike: one scan
+    k = self.offload_layers if any(loc in OFFLOADED for _, loc in self.locations) else 0
+    return split_scan(
+      layer_fn, params, x, split=k, policies=self.policies(), prevent_cse=prevent_cse
+    )
 
   def table(self) -> str:
     p, L, k = self.profile, self.profile.num_layers, self.offload_layers
@@ -326,6 +330,60 @@ class Plan:
       f"split: {first} {'sends' if k == 1 else 'send'} {tags} to the store, {rest} "
       f"{'keeps' if L - k == 1 else 'keep'} {them} on the device"
     )
+
+
+def split_layers(params: Any, split: int) -> tuple[Any, Any]:
+  """``(layers [0, split), layers [split, L))`` of ``params`` stacked on a leading axis of ``L``
+  (every leaf ``(L, ...)``); an empty segment is None. Passed to :func:`split_scan` as
+  arguments of their own (e.g. of a ``jax.jit``), the segments' gradients are two arrays, not
+  concatenated into a second copy of the stack's (the planner's ``split_grad_copy=False``)."""
+  _check_int("split", split, low=0)
+  L = jax.tree.leaves(params)[0].shape[0]
+  if split > L:
+    raise ValueError(f"split: {split} layers > the {L} stacked layers")
+  return tuple(
+    jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], params) if hi > lo else None
+    for lo, hi in ((0, split), (split, L))
+  )
+
+
+def split_scan(
+  layer_fn: Callable,
+  params: Any,
+  x: Any,
+  *,
+  split: int | None,
+  policies: tuple[Any, Any],
+  prevent_cse: bool = False,
+) -> Any:
+  """A stack of layers as a split scan: layers ``[0, split)`` under ``policies[0]``, the others
+  under ``policies[1]``; returns the last layer's output.
+
+  Each segment is a ``jax.lax.scan`` of ``jax.checkpoint(layer_fn, policy=...)`` (a policy of
+  None: no ``jax.checkpoint``, every residual kept), ``layer_fn(layer_params, x) -> x``. An
+  empty segment is left out: ``split=0`` is one scan under ``policies[1]``, ``split=L`` one
+  under ``policies[0]``. ``params``: the layers' parameters stacked on a leading axis of ``L``
+  (sliced at ``split``), or with ``split=None`` the pair :func:`split_layers` returns.
+  :meth:`Plan.scan` is this with the plan's split and ``Plan.policies()``; with your own scan,
+  e.g.::
+
+      first, rest = plan.policies()
+      y = ssd.split_scan(layer_fn, stacked, x, split=plan.offload_layers, policies=(first, rest))
+
+  ``prevent_cse`` is passed to ``jax.checkpoint`` (False by default, as is usual in a scan).
+  """
+  if len(policies) != 2:
+    raise ValueError(f"policies: expected (first, rest), got {len(policies)} policies")
+  segments = split_layers(params, split) if split is not None else params
+
+  for policy, segment in zip(policies, segments):
+    if segment is None:
+      continue
+    body = layer_fn
+    if policy is not None:
+      body = jax.checkpoint(layer_fn, policy=policy, prevent_cse=prevent_cse)
+    x = jax.lax.scan(lambda h, p, body=body: (body(p, h), None), x, segment)[0]
+  return x
 
 
 def plan(
@@ -419,6 +477,71 @@ def plan_for_budget(
   return best
 
 
+@dataclasses.dataclass(frozen=True)
+class OptimizerPlacement:
+  """Where :func:`choose_optimizer_location` puts the optimizer state, and why; ``str()`` is
+  one line naming both (``optimizer state: on the device (the step takes 3.10 GB of 80.00
+  GB)``)."""
+
+  on_device: bool  # False: in the store (offload_optimizer, location="auto" picks the tier)
+  reason: str
+  step_bytes: int | None = None  # the step's device memory with the state on the device
+  budget_bytes: int | None = None  # what it was weighed against
+
+  def __str__(self) -> str:
+    return (
+      f"optimizer state: {'on the device' if self.on_device else 'in the store'} ({self.reason})"
+    )
+
+
+def choose_optimizer_location(
+  step_bytes: int | Callable[[], int],
+  budget_bytes: int | None = None,
+  *,
+  device: Any = None,
+) -> OptimizerPlacement:
+  """Device or store for the optimizer state: on the device when the whole training step fits
+  there with it (the update then reads nothing over the link), else in the store, where
+  ``offload_optimizer(tx, location="auto")`` chooses the tier from the state's size.
+
+  Args:
+    step_bytes: the device memory of the training step with the state on the device (XLA's
+      ``compiled.memory_analysis()``: arguments + outputs + temporaries - aliased, as
+      ``plan_for_budget``'s ``memory_fn`` measures it), or a function returning it, called only
+      when there is a budget to weigh it against (it usually compiles the step). A ValueError
+      the function raises says why the state cannot be on the device (no plan fits with it,
+      say): the state goes to the store, and its message is the reason.
+    budget_bytes: the device memory the step must fit in; default: ``device``'s limit
+      (``memory_stats()["bytes_limit"]``; default: the first local device). Without one (a
+      CPU reports no limit) the state goes to the store.
+    device: the device whose limit is the default budget.
+
+  Returns:
+    An :class:`OptimizerPlacement`; ``print`` it to say where the state went and why::
+
+        where = ssd.choose_optimizer_location(lambda: step_bytes(state_on_device=True))
+        print(where)
+        tx = optax.adamw(1e-3) if where.on_device else ssd.offload_optimizer(optax.adamw(1e-3))
+  """
+  if budget_bytes is None:
+    device = jax.local_devices()[0] if device is None else device
+    budget_bytes = (device.memory_stats() or {}).get("bytes_limit")
+    if budget_bytes is None:
+      return OptimizerPlacement(False, "no device memory limit to weigh it against")
+  _check_int("budget_bytes", budget_bytes, low=1)
+  budget = f"{budget_bytes / 1e9:.2f} GB"
+  try:
+    need = int(step_bytes() if callable(step_bytes) else step_bytes)
+  except ValueError as e:
+    return OptimizerPlacement(False, f"{e}, budget {budget}", None, budget_bytes)
+  if need <= budget_bytes:
+    return OptimizerPlacement(
+      True, f"the step takes {need / 1e9:.2f} GB of {budget}", need, budget_bytes
+    )
+  reason = f"the step takes {need / 1e9:.2f} GB with it on the device, budget {budget}"
+  return OptimizerPlacement(False, reason, need, budget_bytes)
+
+
 def profile(
   layer_fn: Callable,
   params: Any,
@@ -494,9 +617,9 @@ def profile(
     if bandwidth is None:
       if directory is None:
         directory = config.store_directories()[0]
-      nbytes, tensor_bytes = _probe_sizes(tags, num_layers)
-      bar.start(f"store bandwidth of {os.fspath(directory)} ({nbytes >> 20} MiB)")
-      bandwidth = measured_bandwidth(directory, nbytes, tensor_bytes=tensor_bytes)
+      probe_bytes, tensor_bytes = _probe_sizes(tags, num_layers)
+      bar.start(f"store bandwidth of {os.fspath(directory)} ({probe_bytes >> 20} MiB)")
+      bandwidth = measured_bandwidth(directory, probe_bytes, tensor_bytes=tensor_bytes)
       bar.finish()
     write_gbps, read_gbps = bandwidth
     if host_gbps is None and probe_tag is not None:
@@ -517,9 +640,9 @@ def profile(
     read_gbps=float(read_gbps),
     host_gbps=float(host_gbps),
     **{k: int(v) for k, v in sizes.items()},
-    input_bytes=_nbytes_tree(x),
+    input_bytes=tree_nbytes(x),
     input_tag=input_tag,
-    param_bytes=_nbytes_tree(params),
+    param_bytes=tree_nbytes(params),
     offload_s=offload_s,
     other_s=other_s,
     update_s=update_s,
@@ -543,7 +666,7 @@ def _tagged(
   for eqn, aliases in _walk(closed.jaxpr, inputs):
     if eqn.primitive is name_p:
       name = eqn.params["name"]
-      sizes[name] = sizes.get(name, 0) + _nbytes(eqn.invars[0].aval)
+      sizes[name] = sizes.get(name, 0) + nbytes(eqn.invars[0].aval)
       flops[name] = flops.get(name, 0.0) + acc
       acc = 0.0
       if eqn.invars[0] in aliases:
@@ -551,7 +674,7 @@ def _tagged(
     else:
       acc += _flops(eqn)
   # a name that also tags other values does not free the input when it is offloaded
-  input_tag = next((n for n in input_tags if sizes[n] == _nbytes_tree(x)), None)
+  input_tag = next((n for n in input_tags if sizes[n] == tree_nbytes(x)), None)
   return sizes, flops, input_tag
 
 
@@ -577,9 +700,9 @@ def _probe_sizes(tags: Mapping[str, int], num_layers: int) -> tuple[int, int]:
   the store (every tag of every layer) in tensors of its largest tag, each rounded up to a
   power of two, the bytes between 16 MiB and 256 MiB, the tensors between 1 MiB and 64 MiB."""
   per_step = num_layers * sum(tags.values())
-  nbytes = min(max(_pow2_ceil(per_step), 16 << 20), 256 << 20)
-  tensor = min(max(_pow2_ceil(max(tags.values(), default=0)), 1 << 20), 64 << 20, nbytes)
-  return nbytes, tensor
+  total = min(max(_pow2_ceil(per_step), 16 << 20), 256 << 20)
+  tensor = min(max(_pow2_ceil(max(tags.values(), default=0)), 1 << 20), 64 << 20, total)
+  return total, tensor
 
 
 def _pow2_ceil(n: int) -> int:
@@ -817,17 +940,6 @@ def _flops(eqn) -> float:
     if len(q) == 4 and len(k) == 4:
       return 4.0 * q[0] * q[1] * k[1] * q[2] * q[3]
   return 0.0
-
-
-def _nbytes(aval) -> int:
-  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
-
-
-def _nbytes_tree(tree) -> int:
-  return sum(
-    int(np.prod(np.shape(a), dtype=np.int64)) * np.dtype(a.dtype).itemsize
-    for a in jax.tree.leaves(tree)
-  )
 
 
 def _layer_times(

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from jax_ssdtrain._src import jax_internals as ji
@@ -116,7 +117,7 @@ class OffloadPolicy:
   def location_of(self, name: str, aval) -> Location | None:
     """The location of a tag, or None when ``base`` decides it."""
     loc = dict(self.locations).get(name, self.default)
-    if loc is not None and loc.in_store and _nbytes(aval) < self.min_bytes:
+    if loc is not None and loc.in_store and nbytes(aval) < self.min_bytes:
       return self.below_min
     return loc
 
@@ -140,7 +141,7 @@ class OffloadPolicy:
   def too_small(self, name: str, aval) -> bool:
     """True when ``name`` is meant for the store but ``aval`` is below ``min_bytes``."""
     loc = dict(self.locations).get(name, self.default)
-    return loc is not None and loc.in_store and _nbytes(aval) < self.min_bytes
+    return loc is not None and loc.in_store and nbytes(aval) < self.min_bytes
 
 
 _DECISIONS = {
@@ -219,8 +220,15 @@ def as_offloading(policy) -> OffloadPolicy | ComposedPolicy | None:
   return ComposedPolicy(tuple(r if r is not None else p for r, p in zip(resolved, parts)))
 
 
-def _nbytes(aval) -> int:
-  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+def nbytes(x) -> int:
+  """Bytes of an array, abstract value or ``jax.ShapeDtypeStruct`` (anything with ``shape`` and
+  ``dtype``): the size that ``min_bytes`` is compared with. The package's one byte count."""
+  return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+
+
+def tree_nbytes(tree) -> int:
+  """Bytes of every array of a pytree (:func:`nbytes` of each leaf)."""
+  return sum(nbytes(leaf) for leaf in jax.tree.leaves(tree))
 
 
 def _names(arg: str, names: Iterable[str]) -> tuple[str, ...]:

@@ -28,11 +28,10 @@ import warnings
 import weakref
 
 import jax
-import numpy as np
 
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.location import TIER_CODES, TIER_NAMES
-from jax_ssdtrain._src.policies import StoreDecision, as_offloading, name_p
+from jax_ssdtrain._src.policies import StoreDecision, as_offloading, name_p, nbytes
 from jax_ssdtrain._src.primitives import load_p, reload_p, store_p, tag_p
 
 _site_ids = itertools.count(1)
@@ -275,16 +274,12 @@ def _tags_of(jaxpr, policy):
         elif isinstance(policy(name_p, aval, **eqn.params), StoreDecision):
           stored.add(name)
         elif policy.too_small(name, aval):
-          small.add((name, _nbytes(aval)))
+          small.add((name, nbytes(aval)))
       for sub in ji.sub_jaxprs(eqn):
         walk(sub, decide and eqn.primitive.name not in ji.REMAT_PRIMITIVE_NAMES)
 
   walk(jaxpr, True)
   return frozenset(names), frozenset(stored), frozenset(small)
-
-
-def _nbytes(aval) -> int:
-  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from typing import Any
 
 from jax_ssdtrain._src.config import configure
 from jax_ssdtrain._src.location import Location
+from jax_ssdtrain._src.optimizer import offload_optimizer
 from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, offload_policy
 
 __all__ = ["DEFAULT_MIN_BYTES", "install", "uninstall", "installed", "MaxTextMissing"]
@@ -204,17 +205,15 @@ def installed() -> dict[str, Any] | None:
 def _offload_optimizer_for(loc: Location, options: dict[str, Any]):
   """``tx -> offload_optimizer(tx, location=loc, **options, param_shardings=...)``; checks the
   options now (on a stateless transformation)."""
-  import optax
-
-  import jax_ssdtrain as ssd
+  import optax  # an optional dependency (the demo extra; MaxText's own)
 
   unknown = sorted(set(options) - {"min_bytes", "chunk_bytes", "in_place"})
   if unknown:
     raise ValueError(
       f"optimizer_options: unknown {unknown} (min_bytes, chunk_bytes and in_place are taken)"
     )
-  ssd.offload_optimizer(optax.identity(), location=loc.value, **options)
-  return functools.partial(ssd.offload_optimizer, location=loc.value, **options)
+  offload_optimizer(optax.identity(), location=loc.value, **options)
+  return functools.partial(offload_optimizer, location=loc.value, **options)
 
 
 def _get_optimizer(get_optimizer, construct, loc: Location, options: dict[str, Any]):
@@ -246,6 +245,7 @@ def _param_shardings(config, mesh, construct):
   so the shardings MaxText gives them (its logical axis rules applied to the ``nnx.Param``
   metadata, ``sharding.nnx_construct_named_sharding``) are computed from the variables that
   ``nnx.Optimizer`` hands ``init``."""
+  # MaxText's own dependency, imported where MaxText calls in
   from flax import nnx
   from flax.core.spmd import logical_axis_rules
 

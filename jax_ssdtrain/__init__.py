@@ -92,6 +92,14 @@ from jax_ssdtrain._src.config import (
 from jax_ssdtrain._src.config import (
   defaults as default_config,
 )
+from jax_ssdtrain._src.layer_stream import (
+  StreamedStack,
+  init_streamed,
+  map_stack,
+  stack_from_tree,
+  stack_to_tree,
+  value_and_grad_streamed,
+)
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.master_weights import MasterWeightsState, with_master_weights
 from jax_ssdtrain._src.optimizer import (
@@ -130,6 +138,7 @@ __all__ = [
   "accumulate_gradients",
   "apply_gradients",
   "HigherOrderOffloadError",
+  "init_streamed",
   "Location",
   "MasterWeightsState",
   "OffloadedState",
@@ -146,6 +155,7 @@ __all__ = [
   "flush",
   "frontier",
   "location_policy",
+  "map_stack",
   "measured_bandwidth",
   "offload_optimizer",
   "offload_policy",
@@ -160,11 +170,15 @@ __all__ = [
   "reset_stats",
   "shutdown",
   "ssd_offload_policy",
+  "stack_from_tree",
+  "stack_to_tree",
   "state_from_host",
   "state_to_host",
   "stats",
+  "StreamedStack",
   "store_directories",
   "TagProfile",
+  "value_and_grad_streamed",
   "with_master_weights",
   "timeline",
 ]

@@ -5,6 +5,8 @@ the update written back; against the same program with the stack on the device (
 and against ``jax.value_and_grad`` of the same model (within a tolerance); the compiled step's
 memory; bad input."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -343,3 +345,24 @@ def test_deeper_stack_many_micro_batches(store, location):
   _assert_bitwise(
     _run(location, layers=12, micro=6, save_inputs="nvme"), _run("device", layers=12, micro=6)
   )
+
+
+def test_failed_write_leaves_the_last_sum(tmp_path):
+  # A host tier with room for the stack and one gradient sum: the second micro-step's sum does
+  # not fit. Its store raises, naming the entry, and the first micro-step's sum (written beside,
+  # never over) is still there, whole.
+  init = functools.partial(_init_layer, width=64)  # 64.25 KiB a layer, 4 layers
+  with ssd.configured(tmp_path / "s", capacity_bytes=64 * MiB, host_tier_bytes=640 * 1024):
+    stack = ssd.init_streamed(init, jax.random.key(0), 4)
+    step = jax.jit(
+      ssd.value_and_grad_streamed(
+        lambda ep, b: b["x"] @ ep, _block, lambda hp, y, b: jnp.mean((y @ hp - b["y"]) ** 2)
+      )
+    )
+    ep, hp = jnp.ones((V, 64)) / 8, jnp.ones((64, OUT)) / 8
+    first, second = _batches(2)
+    _, sums = step(ep, stack, hp, first)
+    before = jax.tree.map(np.asarray, ssd.stack_to_tree(sums[1]))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"host tier full.*layer_stream\.grad_sum"):
+      jax.block_until_ready(step(ep, stack, hp, second, sums))
+    _assert_bitwise(jax.tree.map(np.asarray, ssd.stack_to_tree(sums[1])), before)

@@ -66,7 +66,11 @@ Lifetimes. Every entry made here escapes its execution (its handle is returned):
 release it once no live array holds its handle (lifetimes.py). A step that replaces the sums or
 the parameters leaves the old version in the store until then: donate the old stack to the
 jitted step (``donate_argnums``) or drop it, and the next sweep frees it. The layer inputs saved
-in the store are counted (one load each) and released at their load.
+in the store are counted (one load each) and released at their load. Because every new version
+is written beside the old one, a step or an update whose write fails (a full tier, a disk
+error) raises, and the sums and parameters it was given are still whole: the last consistent
+state (the store then holds two versions at a step; an in-place variant, as the optimizer's
+``in_place``, is left for when host memory binds).
 """
 
 from __future__ import annotations

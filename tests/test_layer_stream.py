@@ -206,6 +206,39 @@ def test_bfloat16_within_tolerance_of_value_and_grad(store):
     np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2 * float(np.max(np.abs(b))))
 
 
+@pytest.mark.parametrize("layers", [3, 4])
+def test_whole_train_step_in_one_jit(store, layers):
+  # Two micro-steps and the update in one program: the first micro-step's sums are loaded by
+  # the second in the same execution, the second's by the update (depth 3: each sum entry is
+  # stored in places that run once each, so its one load is counted and releases it; depth 4:
+  # the scan stores it 2 times, the others once, so sweeps release it). Bit for bit the device
+  # reference's.
+  def run(location):
+    stack = ssd.init_streamed(_init_layer, jax.random.key(0), layers, location=location)
+    micro = ssd.value_and_grad_streamed(_embed, _block, _head)
+
+    @jax.jit
+    def train_step(ep, stack, hp, batches, lr):
+      sums = None
+      for b in batches:
+        loss, sums = micro(ep, stack, hp, b, sums)
+      sgd = lambda p, g: jax.tree.map(lambda a, c: a - lr * c, p, g)
+      return loss, ssd.map_stack(sgd, stack, sums[1]), ep - lr * sums[0], hp - lr * sums[2]
+
+    ep, hp = _side()
+    loss, new, ep, hp = train_step(ep, stack, hp, _batches(2), jnp.float32(0.1))
+    return jax.tree.map(np.asarray, (loss, ssd.stack_to_tree(new), ep, hp))
+
+  ssd.reset_stats()
+  host = run("host")
+  counted = ssd.stats()["counted_releases"]  # the two sums' entries, 3 leaves a layer each
+  assert counted == (2 * 3 * layers if layers == 3 else 0)
+  _assert_bitwise(host, run("device"))
+  ssd.collect()
+  stats = ssd.stats()  # nothing holds a handle any more: the sweep releases every entry
+  assert stats["live_entries"] == 0 and stats["host_tier_bytes_in_use"] == 0, stats
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory
 

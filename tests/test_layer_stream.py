@@ -239,6 +239,30 @@ def test_whole_train_step_in_one_jit(store, layers):
   assert stats["live_entries"] == 0 and stats["host_tier_bytes_in_use"] == 0, stats
 
 
+def test_in_place_holds_one_version(store):
+  # in_place: the step's loads of the old sum and the update's loads of the old parameters and
+  # the sum are their entries' last. The results are the device reference's, bit for bit; the
+  # old versions are gone at once (no sweep): loading them raises, and the store holds the new
+  # parameters only.
+  stack = ssd.init_streamed(_init_layer, jax.random.key(0), 4, location="host")
+  params = ssd.stack_to_tree(stack)
+  step = jax.jit(ssd.value_and_grad_streamed(_embed, _block, _head, in_place=True))
+  ep, hp = _side()
+  sums, losses, old = None, [], None
+  for batch in _batches(3):
+    old, (loss, sums) = sums, step(ep, stack, hp, batch, sums)
+    losses.append(loss)
+  with pytest.raises(Exception, match="ssdtrain"):
+    jax.block_until_ready(ssd.stack_to_tree(old[1]))
+  got = {"losses": losses, "embed": sums[0], "head": sums[2]}
+  got |= {"stack_sum": ssd.stack_to_tree(sums[1]), "params": params}
+  got["updated"] = ssd.stack_to_tree(ssd.map_stack(_sgd, stack, sums[1], in_place=True))
+  _assert_bitwise(jax.tree.map(np.asarray, got), _run("device"))
+  assert ssd.stats()["live_entries"] == 3 * 4  # the new parameters' entries only
+  with pytest.raises(Exception, match="ssdtrain"):
+    jax.block_until_ready(ssd.stack_to_tree(stack))
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory
 
@@ -347,6 +371,8 @@ def test_bad_input(store):
     ssd.value_and_grad_streamed(_embed, _block, _head, sum_dtype=jnp.int32)
   with pytest.raises(ValueError, match="save_inputs"):
     ssd.value_and_grad_streamed(_embed, _block, _head, save_inputs="remat")
+  with pytest.raises(ValueError, match="in_place: expected True or False"):
+    ssd.value_and_grad_streamed(_embed, _block, _head, in_place=1)
   # map_stack over stacks that disagree; a result leaf that is no array.
   with pytest.raises(ValueError, match="stacks\\[1\\] has 2 layers"):
     ssd.map_stack(_sgd, stack, other)

@@ -69,8 +69,9 @@ jitted step (``donate_argnums``) or drop it, and the next sweep frees it. The la
 in the store are counted (one load each) and released at their load. Because every new version
 is written beside the old one, a step or an update whose write fails (a full tier, a disk
 error) raises, and the sums and parameters it was given are still whole: the last consistent
-state (the store then holds two versions at a step; an in-place variant, as the optimizer's
-``in_place``, is left for when host memory binds).
+state (the store then holds two versions at a step). ``in_place=True`` (of the step and of
+:func:`map_stack`) holds one instead: each old entry's load is its last (``consume``), as the
+optimizer's ``in_place``; a failure then leaves no consistent state.
 """
 
 from __future__ import annotations
@@ -265,8 +266,9 @@ def _chain_loads() -> bool:
   return jax.default_backend() == "cpu"
 
 
-def _load_layer(stack: StreamedStack, i: Any) -> Any:
-  """Layer ``i``'s tree (``i`` an int or a traced scalar)."""
+def _load_layer(stack: StreamedStack, i: Any, consume: bool = False) -> Any:
+  """Layer ``i``'s tree (``i`` an int or a traced scalar); ``consume``: the loads are their
+  entries' last (the engine releases each once its bytes are copied)."""
   lay = stack.layout
   leaves = jax.tree.leaves(stack.handles)
   out, before = [], []
@@ -278,9 +280,9 @@ def _load_layer(stack: StreamedStack, i: Any) -> Any:
     if before and _chain_loads():
       row = opaque_copy(row, *before, effect=False)
     aval = jax.core.ShapedArray(shape, dtype)
-    x = load_p.bind(
-      row, aval=aval, site=site, tier=lay.tier, name=f"layer_stream.{lay.kind}{path}", exact=True
-    )
+    name = f"layer_stream.{lay.kind}{path}"
+    extra = {"consume": True} if consume else {}
+    x = load_p.bind(row, aval=aval, site=site, tier=lay.tier, name=name, exact=True, **extra)
     before = [x.reshape(-1)[:1]] if x.size else []
     out.append(x)
   return jax.tree.unflatten(lay.treedef, out)
@@ -398,15 +400,24 @@ def _to_tree_jit(stack):
   return jax.tree.unflatten(lay.treedef, leaves)
 
 
-def map_stack(fn: Callable[..., Any], *stacks: StreamedStack, kind: str | None = None):
+def map_stack(
+  fn: Callable[..., Any], *stacks: StreamedStack, kind: str | None = None, in_place: bool = False
+):
   """``fn`` layer by layer over stacks of equal depth and location; its results stored as a new
   stack there. ``fn(*layers) -> layer``: one layer of each stack in, one layer's tree out. The
   update path: ``params = map_stack(lambda p, g: (p - lr * g).astype(p.dtype), params, grads)``
   reads each layer's bfloat16 parameters and float32 gradient sum and writes the new bfloat16
   copy straight back to the store (the device holds one layer). A result shaped like the first
-  stack keeps its kind and sites (``kind`` names another). Call it under ``jax.jit`` or not."""
+  stack keeps its kind and sites (``kind`` names another). Call it under ``jax.jit`` or not.
+
+  ``in_place``: each layer's loads are its entries' last: the engine releases the input stacks'
+  entries as the layers are read, so that the store holds one version of the parameters instead
+  of two. The input stacks are then gone (using them again raises), and an update that fails
+  part way leaves no consistent state: resume from a checkpoint. Default ``False``: the new stack
+  is written beside the inputs, which stay whole until no live array holds their handles."""
   if not stacks:
     raise TypeError("map_stack: expected at least one StreamedStack")
+  _check_bool(in_place, "in_place")
   lays = [_check_stack(s, f"stacks[{k}]") for k, s in enumerate(stacks)]
   first = lays[0]
   for k, lay in enumerate(lays[1:], 1):
@@ -425,12 +436,17 @@ def map_stack(fn: Callable[..., Any], *stacks: StreamedStack, kind: str | None =
   ):
     lay = _make_layout(layer, first.num_layers, first.location, "mapped", "fn's result")
 
-  return _map_jit(fn, lay, list(stacks))
+  return _map_jit(fn, lay, in_place, list(stacks))
 
 
-@jax.jit(static_argnums=(0, 1))
-def _map_jit(fn, lay, stacks):
-  return _scan_layers(lay, lambda i: fn(*[_load_layer(s, i) for s in stacks]))
+@jax.jit(static_argnums=(0, 1, 2))
+def _map_jit(fn, lay, in_place, stacks):
+  return _scan_layers(lay, lambda i: fn(*[_load_layer(s, i, consume=in_place) for s in stacks]))
+
+
+def _check_bool(value: Any, what: str) -> None:
+  if not isinstance(value, bool):
+    raise ValueError(f"{what}: expected True or False, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,6 +460,7 @@ def value_and_grad_streamed(
   *,
   save_inputs: Any = "device",
   sum_dtype: Any = jnp.float32,
+  in_place: bool = False,
 ):
   """A micro-step over a model ``head(block_{L-1}(... block_0(embed(batch))))`` whose stack of
   blocks streams: its parameters from the store, its gradients into a running sum in the store.
@@ -461,11 +478,18 @@ def value_and_grad_streamed(
   backward pass: ``"device"`` or a store location (``"host"``, ``"nvme"``, ``"host,nvme"``); the
   blocks are recomputed in the backward pass in every case (from those inputs).
 
+  ``in_place``: each load of the old sum is its entries' last: the engine releases them as the
+  backward pass reads them, so that the store holds one version of the sum instead of two (4 B
+  per parameter less at float32). The sums a step was given are then gone (donate them), and a
+  step that fails part way leaves no consistent sum. Default ``False``: the new sum is written
+  beside the old one, which a failed step leaves whole.
+
   Each block's gradient is added to the sum in ``sum_dtype`` (the parameters' gradient converted,
   then added), so that the sum over micro-batches is that of ``jax.grad`` of the same model, up to
   XLA's reassociation; with the stack at ``location="device"`` the same program is the bit-for-bit
   reference of the store's.
   """
+  _check_bool(in_place, "in_place")
   sum_dtype = np.dtype(sum_dtype)
   if not jnp.issubdtype(sum_dtype, jnp.floating):
     raise ValueError(f"sum_dtype: expected a floating dtype, got {sum_dtype}")
@@ -514,7 +538,7 @@ def value_and_grad_streamed(
       """Layer ``i``'s gradient into the sum: its new entries (per leaf)."""
       g = [x.astype(sum_dtype) for x in jax.tree.leaves(g)]
       if sums is not None:
-        old = jax.tree.leaves(_load_layer(stack_sum, i))
+        old = jax.tree.leaves(_load_layer(stack_sum, i, consume=in_place))
         g = [o.astype(sum_dtype) + x for o, x in zip(old, g)]
       return _store_layer(sum_lay, jax.tree.unflatten(sum_lay.treedef, g))
 

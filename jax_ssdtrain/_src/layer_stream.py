@@ -59,8 +59,9 @@ stored by an earlier execution, so their loads read their handles (``exact``); t
 read-ahead from the files then follows store order: the forward pass reads the parameters in the
 order :func:`init_streamed` and :func:`map_stack` store them, and each backward pass reads the
 old sums in the order the previous one stored them (last layer first). The backward pass's
-parameter loads go against store order and are not read ahead from the files (the host tier
-needs none): a reverse read-ahead is an engine change left for later.
+parameter loads and :func:`map_stack`'s loads of a sum go against store order and are not read
+ahead from the files (the host tier needs none): a reverse read-ahead is an engine change left
+for later.
 
 Lifetimes. Every entry made here escapes its execution (its handle is returned): the sweeps
 release it once no live array holds its handle (lifetimes.py). A step that replaces the sums or

@@ -93,6 +93,14 @@ from jax_ssdtrain._src.config import (
 from jax_ssdtrain._src.config import (
   defaults as default_config,
 )
+from jax_ssdtrain._src.layer_stream import (
+  StreamedStack,
+  init_streamed,
+  map_stack,
+  stack_from_tree,
+  stack_to_tree,
+  value_and_grad_streamed,
+)
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.master_weights import MasterWeightsState, with_master_weights
 from jax_ssdtrain._src.optimizer import (
@@ -137,6 +145,7 @@ __all__ = [
   "accumulate_gradients",
   "apply_gradients",
   "HigherOrderOffloadError",
+  "init_streamed",
   "Location",
   "MasterWeightsState",
   "OffloadedState",
@@ -155,6 +164,7 @@ __all__ = [
   "flush",
   "frontier",
   "location_policy",
+  "map_stack",
   "measured_bandwidth",
   "offload_optimizer",
   "offload_policy",
@@ -171,11 +181,15 @@ __all__ = [
   "split_layers",
   "split_scan",
   "ssd_offload_policy",
+  "stack_from_tree",
+  "stack_to_tree",
   "state_from_host",
   "state_to_host",
   "stats",
+  "StreamedStack",
   "store_directories",
   "TagProfile",
+  "value_and_grad_streamed",
   "with_master_weights",
   "timeline",
 ]

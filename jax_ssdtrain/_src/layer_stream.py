@@ -1,0 +1,626 @@
+"""A scanned layer stack whose parameters live in the store and whose gradients leave per layer.
+
+Issue 35's core (a preview, not yet wired into the optimizer, the planner or ``scripts/train.py``):
+the device holds a window of layers, never the whole stack's parameters or gradients.
+
+* :class:`StreamedStack`: a pytree of per-layer tensors with a leading layer axis ``L`` (the
+  parameters of a scanned stack, or their gradients' running sum) kept in the store as one
+  entry per layer per leaf; the device holds, per leaf, a handles array ``uint32[L, 2]``. With
+  ``location="device"`` the same programs keep the stacked leaves on the device instead
+  (``[L, *shape]``), each load and store replaced by a copy XLA cannot see through
+  (``primitives.opaque_copy``): the reference that the store's results equal bit for bit (the
+  arithmetic is, in both, a region bounded by custom calls, which XLA compiles alike).
+* :func:`init_streamed` initialises layer by layer straight into the store (a ``lax.scan``
+  whose iteration makes and stores one layer; pure, so ``jax.eval_shape`` of it works).
+  :func:`stack_from_tree` stores a stacked tree that is already on the device.
+* :func:`value_and_grad_streamed` makes a training micro-step with an explicit per-layer
+  backward pass (a ``custom_vjp`` cannot return new store handles from its backward rule):
+  forward, a ``lax.scan`` over the layers that loads layer ``i + 1``'s parameters while layer
+  ``i`` computes (they travel in the carry: two layers on the device) and saves each layer's
+  input (on the device, or in the store); the head through ``jax.vjp``; backward, a reverse
+  ``lax.scan`` that loads the parameters again (layer ``i - 1`` read ahead while layer ``i``
+  runs), recomputes the layer under ``jax.vjp``, adds its parameter gradient into the running
+  sum in the store and passes the input cotangent down. The last layer's parameters and
+  ``jax.vjp`` from the forward pass serve its backward (one layer's load and compute fewer). The
+  embedding and head parameters stay on the device with ordinary gradients (their running sums
+  too): they are small.
+* :func:`map_stack` runs a function layer by layer over stacks and stores its results: the update
+  path (new bfloat16 parameters from the old ones and the gradient sum, written straight back to
+  the store); :func:`stack_to_tree` loads a whole stack (tests, small models, the optimizer's
+  consumption until it streams them itself).
+
+Where the sum is added: on the device, which reads the old sum back, adds the layer's gradient
+and stores the new sum beside the old one. The alternative, the host's cores adding each arriving
+gradient into the sum in place, crosses the link once per micro-batch instead of twice. Per
+parameter and micro-batch (bfloat16 parameters, float32 sum), the device's way moves 8 B in (the
+parameters twice, the old sum) and 4 B out (the new sum); the host's way 4 B in, 4 B out. The
+link runs both ways at once (~45 GB/s each way on an H100), so the inbound side binds: at 400
+TFLOP/s (6 FLOP per parameter and token) the device's way hides behind the compute from about
+12k tokens per micro-batch (9k with a bfloat16 sum), the host's from about 6k. What the host's
+way costs instead: (1) the sum is updated in place, so a micro-step that fails part way leaves
+a sum that is part old, part new (issue 35 asks that a failed write leave the last consistent
+state; keeping two versions on the host costs the memory the device's way costs); (2) 16 B of
+host-memory traffic per parameter (the arriving gradient written and read, the sum read and
+written): 480 GB per micro-batch at 30B parameters, 1.6-2.4 s of a server's memory bandwidth,
+shared with the link's copies and the disk, and a dozen cores or more doing float32 adds at that
+rate; (3) arithmetic in the engine (dtype conversion, an entry that is both read and written,
+its ordering against the loads of the sum), which today only moves bytes; with the sum in the
+files both ways read and write it on the disk. So the device adds here: consistent under
+failure, no host-memory or core budget, the addition is XLA's and bit for bit the device
+reference's, in any tier, and the first micro-batch of a step reads nothing back (k micro-batches
+read the sum k - 1 times). The host's add is the follow-up where the GPU runs show the link
+binding at the micro-batch sizes that fit (docs/layer_stream.md has the arithmetic).
+
+Ordering and read-ahead. The stores and loads are ordered by their data (a load needs its
+handle) and within a scan iteration by the carry. A layer's loads are chained in its leaves'
+order on the CPU (XLA:CPU runs independent custom calls in any order: each waits for one
+element of the one before, as the optimizer's chunks do). The parameters and the sums were
+stored by an earlier execution, so their loads read their handles (``exact``); the engine's
+read-ahead from the files then follows store order: the forward pass reads the parameters in the
+order :func:`init_streamed` and :func:`map_stack` store them, and each backward pass reads the
+old sums in the order the previous one stored them (last layer first). The backward pass's
+parameter loads and :func:`map_stack`'s loads of a sum go against store order and are not read
+ahead from the files (the host tier needs none): a reverse read-ahead is an engine change left
+for later.
+
+Lifetimes. Every entry made here escapes its execution (its handle is returned): the sweeps
+release it once no live array holds its handle (lifetimes.py). A step that replaces the sums or
+the parameters leaves the old version in the store until then: donate the old stack to the
+jitted step (``donate_argnums``) or drop it, and the next sweep frees it. The layer inputs saved
+in the store are counted (one load each) and released at their load. Because every new version
+is written beside the old one, a step or an update whose write fails (a full tier, a disk
+error) raises, and the sums and parameters it was given are still whole: the last consistent
+state (the store then holds two versions at a step). ``in_place=True`` (of the step and of
+:func:`map_stack`) holds one instead: each old entry's load is its last (``consume``), as the
+optimizer's ``in_place``; a failure then leaves no consistent state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ssdtrain._src.location import TIER_CODES, Location
+from jax_ssdtrain._src.primitives import load_p, opaque_copy, store_p
+
+HANDLE_DTYPE = np.dtype(np.uint32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stack
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """What a stack holds (static: hashable, the pytree's auxiliary data)."""
+
+  treedef: Any  # of one layer's tree
+  paths: tuple[str, ...]  # per leaf, for messages and entry names
+  shapes: tuple[tuple[int, ...], ...]  # per leaf, one layer's shape
+  dtypes: tuple[np.dtype, ...]
+  num_layers: int
+  location: Location
+  sites: tuple[int, ...]  # per leaf: the store site of its entries
+  kind: str  # "params", "grad_sum", ...: entry names and messages
+
+  @property
+  def on_device(self) -> bool:
+    return self.location is Location.DEVICE
+
+  @property
+  def tier(self) -> int:
+    return TIER_CODES[self.location]
+
+  def layer_struct(self) -> Any:
+    """One layer's tree of ``jax.ShapeDtypeStruct``."""
+    leaves = [jax.ShapeDtypeStruct(s, d) for s, d in zip(self.shapes, self.dtypes)]
+    return jax.tree.unflatten(self.treedef, leaves)
+
+  def layer_bytes(self) -> int:
+    return sum(int(np.prod(s)) * d.itemsize for s, d in zip(self.shapes, self.dtypes))
+
+
+@jax.tree_util.register_pytree_node_class
+class StreamedStack:
+  """A scanned layer stack's tensors (parameters, or a gradient sum) held layer by layer.
+
+  ``handles`` is a pytree of one layer's structure whose leaves are, in the store,
+  ``uint32[L, 2]`` handles (one entry per layer per leaf), and with ``location="device"`` the
+  stacked leaves themselves (``[L, *shape]``). It is a pytree (the handles are its leaves): pass
+  it to ``jax.jit`` and donate it. Made by :func:`init_streamed`, :func:`stack_from_tree`,
+  :func:`map_stack` and :func:`value_and_grad_streamed`; read by :func:`stack_to_tree`.
+  """
+
+  def __init__(self, handles: Any, layout: _Layout):
+    self.handles = handles
+    self.layout = layout
+
+  def tree_flatten(self):
+    return jax.tree.leaves(self.handles), self.layout
+
+  @classmethod
+  def tree_unflatten(cls, layout, leaves):
+    return cls(jax.tree.unflatten(layout.treedef, list(leaves)), layout)
+
+  @property
+  def num_layers(self) -> int:
+    return self.layout.num_layers
+
+  @property
+  def location(self) -> Location:
+    return self.layout.location
+
+  def layer_struct(self) -> Any:
+    """One layer's tree of ``jax.ShapeDtypeStruct``."""
+    return self.layout.layer_struct()
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the whole stack (all layers), wherever it lives."""
+    return self.layout.layer_bytes() * self.layout.num_layers
+
+  def __repr__(self) -> str:
+    lay = self.layout
+    return (
+      f"StreamedStack({lay.kind}, {lay.num_layers} layers of {len(lay.shapes)} leaves, "
+      f"{self.nbytes} bytes, location={lay.location.value!r})"
+    )
+
+
+def _site_of(kind: str, index: int, path: str, shape, dtype, num_layers: int) -> int:
+  """A leaf's store site, derived from what it holds (never a counter: two inits of one model
+  make equal layouts). Negative: activation sites count up from 1."""
+  key = repr(("layer_stream", kind, index, path, tuple(shape), np.dtype(dtype).name, num_layers))
+  digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+  return -2 - (int.from_bytes(digest, "little") >> 2)
+
+
+def _parse_location(location: Any) -> Location:
+  expected = f"location: expected 'host', 'nvme', 'host,nvme' or 'device', got {location!r}"
+  try:
+    loc = Location.parse(location, what="location")
+  except ValueError:
+    raise ValueError(expected) from None
+  if not (loc.in_store or loc is Location.DEVICE):
+    raise ValueError(expected)
+  return loc
+
+
+def _make_layout(layer: Any, num_layers: int, location: Location, kind: str, what: str) -> _Layout:
+  """The layout of a stack of ``num_layers`` layers shaped like ``layer`` (a tree of arrays or
+  ShapeDtypeStructs, one layer's)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(layer)
+  if not flat:
+    raise ValueError(f"{what}: one layer's tree has no arrays")
+  paths, shapes, dtypes = [], [], []
+  for path, leaf in flat:
+    name = jax.tree_util.keystr(path)
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+      raise TypeError(f"{what}: leaf {name or '<root>'} is {type(leaf).__name__}, not an array")
+    dtype = (
+      np.dtype(leaf.dtype) if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended) else None
+    )
+    if dtype is None:
+      raise TypeError(
+        f"{what}: leaf {name or '<root>'} has the extended dtype {leaf.dtype} (a typed PRNG key?), "
+        "which the store cannot hold as bytes"
+      )
+    paths.append(name)
+    shapes.append(tuple(int(d) for d in leaf.shape))
+    dtypes.append(dtype)
+  sites = tuple(
+    _site_of(kind, i, p, s, d, num_layers) for i, (p, s, d) in enumerate(zip(paths, shapes, dtypes))
+  )
+  return _Layout(
+    treedef, tuple(paths), tuple(shapes), tuple(dtypes), num_layers, location, sites, kind
+  )
+
+
+def _check_num_layers(num_layers: Any) -> int:
+  if (
+    isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 1
+  ):
+    raise ValueError(f"num_layers: expected an integer >= 1, got {num_layers!r}")
+  return int(num_layers)
+
+
+def _check_stack(stack: Any, what: str) -> _Layout:
+  """``stack``'s layout, once its handles agree with it (a clear error where they do not)."""
+  if not isinstance(stack, StreamedStack):
+    raise TypeError(
+      f"{what}: expected a StreamedStack (init_streamed, stack_from_tree, map_stack or "
+      f"value_and_grad_streamed make one), got {type(stack).__name__}"
+    )
+  lay = stack.layout
+  leaves = jax.tree.leaves(stack.handles)
+  if len(leaves) != len(lay.shapes):
+    raise ValueError(
+      f"{what}: {len(leaves)} handle arrays for a layout of {len(lay.shapes)} leaves"
+    )
+  for leaf, path, shape, dtype in zip(leaves, lay.paths, lay.shapes, lay.dtypes):
+    if lay.on_device:
+      want, want_dtype = (lay.num_layers,) + shape, dtype
+    else:
+      want, want_dtype = (lay.num_layers, 2), HANDLE_DTYPE
+    if tuple(leaf.shape) != want or np.dtype(leaf.dtype) != want_dtype:
+      raise ValueError(
+        f"{what}: leaf {path or '<root>'} of this {lay.kind} stack ({lay.location.value}) must be "
+        f"{want_dtype.name}{list(want)}, got {np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+        + ("" if lay.on_device else " (its handles: one uint32[2] per layer)")
+      )
+  return lay
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and storing one layer (the store's entries, or the device reference's copies)
+
+
+def _chain_loads() -> bool:
+  # XLA:CPU runs independent custom calls in any order: chain a layer's loads (read-ahead
+  # order). A GPU runs them in its stream's order.
+  return jax.default_backend() == "cpu"
+
+
+def _load_layer(stack: StreamedStack, i: Any, consume: bool = False) -> Any:
+  """Layer ``i``'s tree (``i`` an int or a traced scalar); ``consume``: the loads are their
+  entries' last (the engine releases each once its bytes are copied)."""
+  lay = stack.layout
+  leaves = jax.tree.leaves(stack.handles)
+  out, before = [], []
+  for leaf, path, shape, dtype, site in zip(leaves, lay.paths, lay.shapes, lay.dtypes, lay.sites):
+    row = jax.lax.dynamic_index_in_dim(leaf, i, axis=0, keepdims=False)
+    if lay.on_device:  # a copy where the store has a load (see primitives.opaque_copy)
+      out.append(opaque_copy(row))
+      continue
+    if before and _chain_loads():
+      row = opaque_copy(row, *before, effect=False)
+    aval = jax.core.ShapedArray(shape, dtype)
+    name = f"layer_stream.{lay.kind}{path}"
+    extra = {"consume": True} if consume else {}
+    x = load_p.bind(row, aval=aval, site=site, tier=lay.tier, name=name, exact=True, **extra)
+    before = [x.reshape(-1)[:1]] if x.size else []
+    out.append(x)
+  return jax.tree.unflatten(lay.treedef, out)
+
+
+def _store_layer(lay: _Layout, layer: Any) -> list[Any]:
+  """One layer's entries: per leaf a handle uint32[2] (on the device: the leaf, copied)."""
+  leaves = jax.tree.leaves(layer)
+  out = []
+  for x, path, shape, dtype, site in zip(leaves, lay.paths, lay.shapes, lay.dtypes, lay.sites):
+    x = jnp.asarray(x)
+    if x.shape != shape or x.dtype != dtype:
+      raise ValueError(
+        f"{lay.kind} layer leaf {path or '<root>'}: expected {np.dtype(dtype).name}{list(shape)}, "
+        f"got {x.dtype.name}{list(x.shape)}"
+      )
+    if lay.on_device:
+      out.append(opaque_copy(x))
+    else:
+      name = f"layer_stream.{lay.kind}{path}"
+      out.append(store_p.bind(x, site=site, tier=lay.tier, name=name, uses=None)[1])
+  return out
+
+
+def _stacked(lay: _Layout, per_layer: list[list[Any]]) -> StreamedStack:
+  """A stack from parts, each a list (per leaf) of arrays with a leading layer axis."""
+  leaves = [parts[0] if len(parts) == 1 else jnp.concatenate(parts) for parts in zip(*per_layer)]
+  return StreamedStack(jax.tree.unflatten(lay.treedef, leaves), lay)
+
+
+def _scan_layers(lay: _Layout, fn: Callable[[Any], Any]) -> StreamedStack:
+  """A stack whose layer ``i`` is ``fn(i)`` (a layer's tree), made and stored one layer per
+  scan iteration (the device holds one layer at a time)."""
+
+  def body(_, i):
+    return None, _store_layer(lay, fn(i))
+
+  _, leaves = jax.lax.scan(body, None, jnp.arange(lay.num_layers, dtype=jnp.int32))
+  return StreamedStack(jax.tree.unflatten(lay.treedef, leaves), lay)
+
+
+# ---------------------------------------------------------------------------------------------
+# Making, reading and updating stacks
+
+
+def init_streamed(
+  init_layer_fn: Callable[[Any], Any], key: Any, num_layers: int, *, location: Any = "host"
+) -> StreamedStack:
+  """Initialises a stack of ``num_layers`` layers straight into the store, layer by layer.
+
+  ``init_layer_fn(key) -> layer`` makes one layer's parameters (a pytree of arrays); layer ``i``
+  gets ``jax.random.split(key, num_layers)[i]``, so the stack equals
+  ``jax.vmap(init_layer_fn)(jax.random.split(key, num_layers))`` without ever being whole on the
+  device. ``location``: ``"host"``, ``"nvme"``, ``"host,nvme"`` or ``"device"`` (the reference:
+  the stacked tree on the device). Pure: ``jax.eval_shape`` of it gives the stack's structure.
+  """
+  loc = _parse_location(location)
+  num_layers = _check_num_layers(num_layers)
+  keys = jax.random.split(key, num_layers)
+  layer = jax.eval_shape(init_layer_fn, keys[0])
+  lay = _make_layout(layer, num_layers, loc, "params", "init_layer_fn's result")
+  return _init_jit(init_layer_fn, lay, keys)
+
+
+@jax.jit(static_argnums=(0, 1))
+def _init_jit(init_layer_fn, lay, keys):
+  return _scan_layers(lay, lambda i: init_layer_fn(keys[i]))
+
+
+def stack_from_tree(tree: Any, *, location: Any = "host", kind: str = "params") -> StreamedStack:
+  """Stores a stacked tree (leaves ``[L, ...]``, on the device) layer by layer: for stacks that
+  fit on the device (tests, a checkpoint restored whole). :func:`init_streamed` makes one that
+  does not fit."""
+  loc = _parse_location(location)
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    raise ValueError("tree: no arrays")
+  lengths = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+  if len(lengths) != 1 or None in lengths:
+    raise ValueError(
+      f"tree: every leaf needs the same leading layer axis, got leading sizes "
+      f"{sorted(str(n) for n in lengths)}"
+    )
+  (num_layers,) = lengths
+  num_layers = _check_num_layers(num_layers)
+  layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.asarray(x).dtype), tree)
+  lay = _make_layout(layer, num_layers, loc, kind, "tree")
+  return _from_tree_jit(lay, tree)
+
+
+@jax.jit(static_argnums=0)
+def _from_tree_jit(lay, tree):
+  return _scan_layers(
+    lay, lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False), tree)
+  )
+
+
+def stack_to_tree(stack: StreamedStack) -> Any:
+  """The whole stack as a stacked tree (leaves ``[L, ...]``) on the device: for tests, small
+  models and reading a gradient sum back. Loads layer by layer."""
+  lay = _check_stack(stack, "stack")
+  if lay.on_device:
+    return stack.handles
+  return _to_tree_jit(stack)
+
+
+@jax.jit
+def _to_tree_jit(stack):
+  lay = stack.layout
+  _, leaves = jax.lax.scan(
+    lambda _, i: (None, jax.tree.leaves(_load_layer(stack, i))),
+    None,
+    jnp.arange(lay.num_layers, dtype=jnp.int32),
+  )
+  return jax.tree.unflatten(lay.treedef, leaves)
+
+
+def map_stack(
+  fn: Callable[..., Any], *stacks: StreamedStack, kind: str | None = None, in_place: bool = False
+):
+  """``fn`` layer by layer over stacks of equal depth and location; its results stored as a new
+  stack there. ``fn(*layers) -> layer``: one layer of each stack in, one layer's tree out. The
+  update path: ``params = map_stack(lambda p, g: (p - lr * g).astype(p.dtype), params, grads)``
+  reads each layer's bfloat16 parameters and float32 gradient sum and writes the new bfloat16
+  copy straight back to the store (the device holds one layer). A result shaped like the first
+  stack keeps its kind and sites (``kind`` names another). Call it under ``jax.jit`` or not.
+
+  ``in_place``: each layer's loads are its entries' last: the engine releases the input stacks'
+  entries as the layers are read, so that the store holds one version of the parameters instead
+  of two. The input stacks are then gone (using them again raises), and an update that fails
+  part way leaves no consistent state: resume from a checkpoint. Default ``False``: the new stack
+  is written beside the inputs, which stay whole until no live array holds their handles."""
+  if not stacks:
+    raise TypeError("map_stack: expected at least one StreamedStack")
+  _check_bool(in_place, "in_place")
+  lays = [_check_stack(s, f"stacks[{k}]") for k, s in enumerate(stacks)]
+  first = lays[0]
+  for k, lay in enumerate(lays[1:], 1):
+    if lay.num_layers != first.num_layers or lay.location is not first.location:
+      raise ValueError(
+        f"map_stack: stacks[{k}] has {lay.num_layers} layers at {lay.location.value!r}, "
+        f"stacks[0] {first.num_layers} at {first.location.value!r}: they must agree"
+      )
+  layer = jax.eval_shape(fn, *[lay.layer_struct() for lay in lays])
+  out_kind = kind or first.kind
+  lay = _make_layout(layer, first.num_layers, first.location, out_kind, "map_stack's fn result")
+  if kind is None and (lay.treedef, lay.shapes, lay.dtypes) != (
+    first.treedef,
+    first.shapes,
+    first.dtypes,
+  ):
+    lay = _make_layout(layer, first.num_layers, first.location, "mapped", "fn's result")
+
+  return _map_jit(fn, lay, in_place, list(stacks))
+
+
+@jax.jit(static_argnums=(0, 1, 2))
+def _map_jit(fn, lay, in_place, stacks):
+  return _scan_layers(lay, lambda i: fn(*[_load_layer(s, i, consume=in_place) for s in stacks]))
+
+
+def _check_bool(value: Any, what: str) -> None:
+  if not isinstance(value, bool):
+    raise ValueError(f"{what}: expected True or False, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The training micro-step
+
+
+def value_and_grad_streamed(
+  embed_fn: Callable[[Any, Any], Any],
+  block_fn: Callable[[Any, Any], Any],
+  head_fn: Callable[[Any, Any, Any], Any],
+  *,
+  save_inputs: Any = "device",
+  sum_dtype: Any = jnp.float32,
+  in_place: bool = False,
+):
+  """A micro-step over a model ``head(block_{L-1}(... block_0(embed(batch))))`` whose stack of
+  blocks streams: its parameters from the store, its gradients into a running sum in the store.
+
+  ``embed_fn(embed_params, batch) -> x``, ``block_fn(layer_params, x) -> x`` (same shape and
+  dtype), ``head_fn(head_params, x, batch) -> loss`` (a scalar). Returns
+  ``step(embed_params, stack, head_params, batch, sums=None) -> (loss, sums)``, to call under
+  ``jax.jit`` (donate ``sums``): ``stack`` is the blocks' parameters (a :class:`StreamedStack`),
+  ``sums`` the running sums of the gradients ``(embed, stack, head)`` (``None`` at the first
+  micro-batch of a step: the returned sums are then its gradients). The embedding and head sums
+  stay on the device; the stack's is a :class:`StreamedStack` where ``stack`` lives.
+
+  ``sum_dtype``: of the sums, float32 (default) or bfloat16 (2 B per parameter instead of 4; each
+  micro-batch's sum rounds to it). ``save_inputs``: where each block's input waits for the
+  backward pass: ``"device"`` or a store location (``"host"``, ``"nvme"``, ``"host,nvme"``); the
+  blocks are recomputed in the backward pass in every case (from those inputs).
+
+  ``in_place``: each load of the old sum is its entries' last: the engine releases them as the
+  backward pass reads them, so that the store holds one version of the sum instead of two (4 B
+  per parameter less at float32). The sums a step was given are then gone (donate them), and a
+  step that fails part way leaves no consistent sum. Default ``False``: the new sum is written
+  beside the old one, which a failed step leaves whole.
+
+  Each block's gradient is added to the sum in ``sum_dtype`` (the parameters' gradient converted,
+  then added), so that the sum over micro-batches is that of ``jax.grad`` of the same model, up to
+  XLA's reassociation; with the stack at ``location="device"`` the same program is the bit-for-bit
+  reference of the store's.
+  """
+  _check_bool(in_place, "in_place")
+  sum_dtype = np.dtype(sum_dtype)
+  if not jnp.issubdtype(sum_dtype, jnp.floating):
+    raise ValueError(f"sum_dtype: expected a floating dtype, got {sum_dtype}")
+  save_loc = Location.parse(save_inputs, what="save_inputs")
+  if not (save_loc.in_store or save_loc is Location.DEVICE):
+    raise ValueError(
+      f"save_inputs: expected 'device', 'host', 'nvme' or 'host,nvme', got {save_inputs!r}"
+    )
+  from jax_ssdtrain._src.remat import new_site_id
+
+  input_site = new_site_id()  # the saved inputs' site (counted: one load per entry)
+
+  def step(embed_params, stack, head_params, batch, sums=None):
+    lay = _check_stack(stack, "stack")
+    sum_lay = _sum_layout(lay, sum_dtype)
+    if sums is not None:
+      embed_sum, stack_sum, head_sum = _check_sums(sums, sum_lay, embed_params, head_params)
+    num_layers = lay.num_layers
+
+    def save(x):
+      if save_loc is Location.DEVICE:
+        return x
+      return store_p.bind(
+        x, site=input_site, tier=TIER_CODES[save_loc], name="layer_stream.input", uses=None
+      )[1]
+
+    def restore(saved, like):
+      if save_loc is Location.DEVICE:
+        return saved
+      aval = jax.core.ShapedArray(like.shape, like.dtype)
+      return load_p.bind(
+        saved, aval=aval, site=input_site, tier=TIER_CODES[save_loc], name="layer_stream.input"
+      )
+
+    def block(p, x):
+      y = block_fn(p, x)
+      if not (hasattr(y, "shape") and y.shape == x.shape and y.dtype == x.dtype):
+        got = f"{y.dtype}{list(y.shape)}" if hasattr(y, "shape") else type(y).__name__
+        raise ValueError(
+          f"block_fn must return an array shaped like its input x ({x.dtype}{list(x.shape)}), "
+          f"got {got}"
+        )
+      return y
+
+    def add(i, g):
+      """Layer ``i``'s gradient into the sum: its new entries (per leaf)."""
+      g = [x.astype(sum_dtype) for x in jax.tree.leaves(g)]
+      if sums is not None:
+        old = jax.tree.leaves(_load_layer(stack_sum, i, consume=in_place))
+        g = [o.astype(sum_dtype) + x for o, x in zip(old, g)]
+      return _store_layer(sum_lay, jax.tree.unflatten(sum_lay.treedef, g))
+
+    x0, embed_vjp = jax.vjp(lambda ep: embed_fn(ep, batch), embed_params)
+    # Forward: layer i computes while layer i + 1's parameters load (the carry holds both).
+    p = _load_layer(stack, 0)
+    saved = None
+    x = x0
+    if num_layers > 1:
+
+      def fwd(carry, i):
+        x, p = carry
+        p_next = _load_layer(stack, i + 1)
+        return (block(p, x), p_next), save(x)
+
+      (x, p), saved = jax.lax.scan(fwd, (x, p), jnp.arange(num_layers - 1, dtype=jnp.int32))
+    y, last_vjp = jax.vjp(block, p, x)  # the last layer: its vjp serves the backward pass
+    loss, head_vjp = jax.vjp(lambda hp, y: head_fn(hp, y, batch), head_params, y)
+    if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+      raise ValueError(
+        f"head_fn must return a floating scalar loss, got {jnp.result_type(loss)}{list(jnp.shape(loss))}"
+      )
+    g_head, ct = head_vjp(jnp.ones_like(loss))
+    # Backward: layer i's gradient into the sum while layer i - 1's parameters load.
+    g, ct = last_vjp(ct)
+    parts = [[h[None] for h in add(num_layers - 1, g)]]
+    if num_layers > 1:
+      p = _load_layer(stack, num_layers - 2)
+      if num_layers > 2:
+
+        def bwd(carry, xs):
+          ct, p = carry
+          i, s = xs
+          p_prev = _load_layer(stack, i - 1)
+          x = restore(s, x0)
+          _, vjp = jax.vjp(block, p, x)
+          g, ct = vjp(ct)
+          return (ct, p_prev), add(i, g)
+
+        rows = jnp.arange(1, num_layers - 1, dtype=jnp.int32)
+        (ct, p), middle = jax.lax.scan(bwd, (ct, p), (rows, saved[1:]), reverse=True)
+        parts.insert(0, middle)
+      _, vjp = jax.vjp(block, p, restore(saved[0], x0))
+      g, ct = vjp(ct)
+      parts.insert(0, [h[None] for h in add(0, g)])
+    (g_embed,) = embed_vjp(ct)
+    new_stack_sum = _stacked(sum_lay, parts)
+    cast = lambda t: jax.tree.map(lambda x: x.astype(sum_dtype), t)
+    g_embed, g_head = cast(g_embed), cast(g_head)
+    if sums is not None:
+      g_embed = jax.tree.map(jnp.add, embed_sum, g_embed)
+      g_head = jax.tree.map(jnp.add, head_sum, g_head)
+    return loss, (g_embed, new_stack_sum, g_head)
+
+  return step
+
+
+def _sum_layout(lay: _Layout, sum_dtype: np.dtype) -> _Layout:
+  """The layout of a gradient sum of the stack ``lay`` (its leaves in ``sum_dtype``)."""
+  layer = jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct(s, sum_dtype) for s in lay.shapes])
+  return _make_layout(layer, lay.num_layers, lay.location, "grad_sum", "stack")
+
+
+def _check_sums(sums: Any, sum_lay: _Layout, embed_params: Any, head_params: Any):
+  if not (isinstance(sums, (tuple, list)) and len(sums) == 3):
+    raise TypeError(
+      "sums: expected the (embed, stack, head) sums a previous micro-step returned, or None, "
+      f"got {type(sums).__name__}"
+    )
+  embed_sum, stack_sum, head_sum = sums
+  lay = _check_stack(stack_sum, "sums[1]")
+  if lay != sum_lay:
+    mine = f"{lay.num_layers} layers of {[f'{d.name}{list(s)}' for s, d in zip(lay.shapes, lay.dtypes)]} at {lay.location.value!r}"
+    want = f"{sum_lay.num_layers} layers of {[f'{d.name}{list(s)}' for s, d in zip(sum_lay.shapes, sum_lay.dtypes)]} at {sum_lay.location.value!r}"
+    raise ValueError(
+      f"sums[1]: a gradient sum of {mine}, but this stack's (sum_dtype {sum_lay.dtypes[0].name}) "
+      f"is {want}"
+    )
+  for what, s, p in (("sums[0]", embed_sum, embed_params), ("sums[2]", head_sum, head_params)):
+    if jax.tree.structure(s) != jax.tree.structure(p) or any(
+      np.shape(a) != np.shape(b) for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(p))
+    ):
+      raise ValueError(f"{what}: its tree or shapes differ from the parameters it sums")
+  return embed_sum, stack_sum, head_sum

@@ -1,0 +1,427 @@
+"""A scanned layer stack streamed from the store (jax_ssdtrain._src.layer_stream, issue 35's
+core): parameters initialised layer by layer into the store, a micro-step whose blocks load
+their parameters and add their gradients into a running sum in the store, the sum read back and
+the update written back; against the same program with the stack on the device (bit for bit)
+and against ``jax.value_and_grad`` of the same model (within a tolerance); the compiled step's
+memory; bad input."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ssdtrain as ssd
+from jax_ssdtrain._src.layer_stream import StreamedStack
+
+MiB = 1 << 20
+D, V, OUT = 16, 6, 5  # width, input features, outputs
+
+
+@pytest.fixture
+def store(tmp_path):
+  with ssd.configured(tmp_path / "s", capacity_bytes=256 * MiB, host_tier_bytes=64 * MiB):
+    yield
+
+
+def _init_layer(key, dtype=jnp.float32, width=D):
+  k1, k2, k3 = jax.random.split(key, 3)
+  return {
+    "mlp": {
+      "up": (jax.random.normal(k1, (width, 2 * width)) / np.sqrt(width)).astype(dtype),
+      "down": (jax.random.normal(k2, (2 * width, width)) / np.sqrt(2 * width)).astype(dtype),
+    },
+    "scale": (1.0 + 0.1 * jax.random.normal(k3, (width,))).astype(dtype),
+  }
+
+
+def _block(p, x):
+  h = jax.nn.gelu(x @ p["mlp"]["up"])
+  return x + (h @ p["mlp"]["down"]) * p["scale"]
+
+
+def _embed(ep, batch):
+  return (batch["x"] @ ep).astype(ep.dtype)
+
+
+def _head(hp, y, batch):
+  return jnp.mean((y.astype(jnp.float32) @ hp - batch["y"]) ** 2)
+
+
+def _side(dtype=jnp.float32):
+  ep = (jax.random.normal(jax.random.key(1), (V, D)) / np.sqrt(V)).astype(dtype)
+  hp = jax.random.normal(jax.random.key(2), (D, OUT)) / np.sqrt(D)
+  return ep, hp
+
+
+def _batches(n, rows=4):
+  return [
+    {
+      "x": jax.random.normal(jax.random.key(10 + i), (rows, V)),
+      "y": jax.random.normal(jax.random.key(20 + i), (rows, OUT)),
+    }
+    for i in range(n)
+  ]
+
+
+def _sgd(p, g):
+  return jax.tree.map(lambda a, b: (a.astype(jnp.float32) - 0.1 * b).astype(a.dtype), p, g)
+
+
+# Results by arguments (NumPy arrays, no handles): a configuration compiles and runs once per
+# session whichever test asks for it first (CPU compilation dominates these tests' time).
+_RUNS = {}
+
+
+def _run(location, layers=4, micro=3, dtype=jnp.float32, save_inputs="device", sum_dtype=None):
+  """Micro-steps over ``micro`` batches, then an SGD update written back; returns everything
+  the step produced, read back to NumPy."""
+  sum_name = None if sum_dtype is None else jnp.dtype(sum_dtype).name
+  key = (location, layers, micro, jnp.dtype(dtype).name, save_inputs, sum_name)
+  if key not in _RUNS:
+    _RUNS[key] = _run_uncached(location, layers, micro, dtype, save_inputs, sum_dtype)
+  return _RUNS[key]
+
+
+def _run_uncached(location, layers, micro, dtype, save_inputs, sum_dtype):
+  extra = {} if sum_dtype is None else {"sum_dtype": sum_dtype}
+  stack = ssd.init_streamed(
+    lambda k: _init_layer(k, dtype), jax.random.key(0), layers, location=location
+  )
+  step = jax.jit(
+    ssd.value_and_grad_streamed(_embed, _block, _head, save_inputs=save_inputs, **extra),
+    donate_argnums=4,
+  )
+  ep, hp = _side(dtype)
+  sums, losses = None, []
+  for batch in _batches(micro):
+    loss, sums = step(ep, stack, hp, batch, sums)
+    losses.append(loss)
+  new = ssd.map_stack(_sgd, stack, sums[1])
+  out = {
+    "losses": losses,
+    "embed": sums[0],
+    "head": sums[2],
+    "stack_sum": ssd.stack_to_tree(sums[1]),
+    "params": ssd.stack_to_tree(stack),
+    "updated": ssd.stack_to_tree(new),
+  }
+  return jax.tree.map(np.asarray, out)
+
+
+def _assert_bitwise(a, b):
+  flat_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
+  flat_b, tree_b = jax.tree_util.tree_flatten_with_path(b)
+  assert tree_a == tree_b
+  for (path, x), (_, y) in zip(flat_a, flat_b):
+    assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
+    assert np.array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8)), (
+      f"{jax.tree_util.keystr(path)}: differs by {np.max(np.abs(x.astype(float) - y))}"
+    )
+
+
+def _vmap_init(layers, dtype=jnp.float32, key=0):
+  return jax.vmap(lambda k: _init_layer(k, dtype))(jax.random.split(jax.random.key(key), layers))
+
+
+def _assert_init_close(got, want):
+  # init_streamed's scan and vmap's batched init may fuse ``1 + 0.1 * n`` differently (an FMA):
+  # an ulp apart.
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6)
+
+
+def _reference(stacked, micro, dtype=jnp.float32):
+  """``jax.value_and_grad`` of the same model with every parameter on the device."""
+  ep, hp = _side(dtype)
+
+  def model(ep, sp, hp, batch):
+    x = _embed(ep, batch)
+    x, _ = jax.lax.scan(lambda x, p: (_block(p, x), None), x, sp)
+    return _head(hp, x, batch)
+
+  grad = jax.jit(jax.value_and_grad(model, argnums=(0, 1, 2)))
+  losses, total = [], None
+  for batch in _batches(micro):
+    loss, g = grad(ep, stacked, hp, batch)
+    g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+    losses.append(loss)
+    total = g if total is None else jax.tree.map(jnp.add, total, g)
+  return losses, total
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactness
+
+
+@pytest.mark.parametrize("location", ["host", "nvme"])
+def test_store_equals_device_bit_for_bit(store, location):
+  # Loss, embedding and head sums, the stack's gradient sum over 3 micro-batches, the params as
+  # stored and after an update written back: the store's program equals the device reference's.
+  _assert_bitwise(_run(location), _run("device"))
+
+
+def test_bfloat16_stack_saved_inputs_in_store(store):
+  # bfloat16 parameters with a float32 sum, the block inputs saved in the host tier.
+  device = _run("device", layers=3, micro=2, dtype=jnp.bfloat16)
+  _assert_bitwise(_run("host", layers=3, micro=2, dtype=jnp.bfloat16, save_inputs="host"), device)
+  assert device["stack_sum"]["scale"].dtype == np.float32
+  assert device["updated"]["scale"].dtype == jnp.bfloat16
+
+
+@pytest.mark.slow
+def test_bfloat16_sum(store):
+  # A bfloat16 sum on request, in the files.
+  half = _run("nvme", layers=3, micro=2, dtype=jnp.bfloat16, sum_dtype=jnp.bfloat16)
+  _assert_bitwise(half, _run("device", layers=3, micro=2, dtype=jnp.bfloat16, sum_dtype="bfloat16"))
+  assert half["stack_sum"]["mlp"]["up"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("layers", [1, 2, 4])
+def test_equals_value_and_grad_of_the_same_model(store, layers):
+  # float32: the per-layer backward against jax.grad through the scanned model, summed over 3
+  # micro-batches; within 1e-5 relative (XLA may fuse the two programs differently). Depth 1
+  # and 2 have no scan in the backward pass (the last and first layers are outside it).
+  got = _run("host", layers=layers, micro=3)
+  _assert_init_close(got["params"], _vmap_init(layers))
+  stacked = got["params"]
+  losses, (g_embed, g_stack, g_head) = _reference(stacked, 3)
+  tol = dict(rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got["losses"], losses, **tol)
+  np.testing.assert_allclose(got["embed"], g_embed, **tol)
+  np.testing.assert_allclose(got["head"], g_head, **tol)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tol), got["stack_sum"], g_stack)
+  want = jax.tree.map(np.asarray, _sgd(stacked, g_stack))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tol), got["updated"], want)
+
+
+def test_bfloat16_within_tolerance_of_value_and_grad(store):
+  # bfloat16 parameters and activations: the same arithmetic in another association; the sums
+  # (float32) agree to bfloat16's precision.
+  got = _run("device", layers=3, micro=2, dtype=jnp.bfloat16)  # the store's, bit for bit
+  losses, (g_embed, g_stack, g_head) = _reference(got["params"], 2, jnp.bfloat16)
+  np.testing.assert_allclose(got["losses"], losses, rtol=2e-2)
+  for a, b in zip(jax.tree.leaves(got["stack_sum"]), jax.tree.leaves(g_stack)):
+    np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2 * float(np.max(np.abs(b))))
+
+
+@pytest.mark.parametrize("layers", [3, 4])
+def test_whole_train_step_in_one_jit(store, layers):
+  # Two micro-steps and the update in one program: the first micro-step's sums are loaded by
+  # the second in the same execution, the second's by the update (depth 3: each sum entry is
+  # stored in places that run once each, so its one load is counted and releases it; depth 4:
+  # the scan stores it 2 times, the others once, so sweeps release it). Bit for bit the device
+  # reference's.
+  def run(location):
+    stack = ssd.init_streamed(_init_layer, jax.random.key(0), layers, location=location)
+    micro = ssd.value_and_grad_streamed(_embed, _block, _head)
+
+    @jax.jit
+    def train_step(ep, stack, hp, batches, lr):
+      sums = None
+      for b in batches:
+        loss, sums = micro(ep, stack, hp, b, sums)
+      sgd = lambda p, g: jax.tree.map(lambda a, c: a - lr * c, p, g)
+      return loss, ssd.map_stack(sgd, stack, sums[1]), ep - lr * sums[0], hp - lr * sums[2]
+
+    ep, hp = _side()
+    loss, new, ep, hp = train_step(ep, stack, hp, _batches(2), jnp.float32(0.1))
+    return jax.tree.map(np.asarray, (loss, ssd.stack_to_tree(new), ep, hp))
+
+  ssd.reset_stats()
+  host = run("host")
+  counted = ssd.stats()["counted_releases"]  # the two sums' entries, 3 leaves a layer each
+  assert counted == (2 * 3 * layers if layers == 3 else 0)
+  _assert_bitwise(host, run("device"))
+  ssd.collect()
+  stats = ssd.stats()  # nothing holds a handle any more: the sweep releases every entry
+  assert stats["live_entries"] == 0 and stats["host_tier_bytes_in_use"] == 0, stats
+
+
+def test_in_place_holds_one_version(store):
+  # in_place: the step's loads of the old sum and the update's loads of the old parameters and
+  # the sum are their entries' last. The results are the device reference's, bit for bit; the
+  # old versions are gone at once (no sweep): loading them raises, and the store holds the new
+  # parameters only.
+  stack = ssd.init_streamed(_init_layer, jax.random.key(0), 4, location="host")
+  params = ssd.stack_to_tree(stack)
+  step = jax.jit(ssd.value_and_grad_streamed(_embed, _block, _head, in_place=True))
+  ep, hp = _side()
+  sums, losses, old = None, [], None
+  for batch in _batches(3):
+    old, (loss, sums) = sums, step(ep, stack, hp, batch, sums)
+    losses.append(loss)
+  with pytest.raises(Exception, match="ssdtrain"):
+    jax.block_until_ready(ssd.stack_to_tree(old[1]))
+  got = {"losses": losses, "embed": sums[0], "head": sums[2]}
+  got |= {"stack_sum": ssd.stack_to_tree(sums[1]), "params": params}
+  got["updated"] = ssd.stack_to_tree(ssd.map_stack(_sgd, stack, sums[1], in_place=True))
+  _assert_bitwise(jax.tree.map(np.asarray, got), _run("device"))
+  assert ssd.stats()["live_entries"] == 3 * 4  # the new parameters' entries only
+  with pytest.raises(Exception, match="ssdtrain"):
+    jax.block_until_ready(ssd.stack_to_tree(stack))
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+def _wide_layer(key):
+  return _init_layer(key, jnp.float32, width=128)
+
+
+def _step_memory(location, layers):
+  stack = jax.eval_shape(
+    lambda k: ssd.init_streamed(_wide_layer, k, layers, location=location), jax.random.key(0)
+  )
+  step = ssd.value_and_grad_streamed(
+    lambda ep, b: b["x"] @ ep, _block, lambda hp, y, b: jnp.mean((y @ hp - b["y"]) ** 2)
+  )
+  ep = jax.ShapeDtypeStruct((V, 128), jnp.float32)
+  hp = jax.ShapeDtypeStruct((128, OUT), jnp.float32)
+  batch = {
+    "x": jax.ShapeDtypeStruct((4, V), jnp.float32),
+    "y": jax.ShapeDtypeStruct((4, OUT), jnp.float32),
+  }
+  sums = jax.eval_shape(step, ep, stack, hp, batch)[1]
+  memory = jax.jit(step).lower(ep, stack, hp, batch, sums).compile().memory_analysis()
+  return stack, memory
+
+
+def test_compiled_step_holds_no_whole_stack(store):
+  # 24 layers of 256.5 KiB (float32): the stack is 6 MiB, its gradient sum 6 MiB more. The
+  # step's arguments, temporaries and results hold a few layers, never a whole stack.
+  stack, memory = _step_memory("host", 24)
+  layer = stack.nbytes // stack.num_layers
+  assert stack.nbytes == 24 * layer and layer == 256 * 1024 + 512
+  held = memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
+  assert memory.argument_size_in_bytes < layer
+  assert held < 8 * layer, (held, layer)
+  # The device reference holds the stack and its sum as arguments and results.
+  _, ref = _step_memory("device", 24)
+  assert ref.argument_size_in_bytes > 2 * stack.nbytes
+
+
+def test_init_is_pure(store):
+  stack = jax.eval_shape(
+    lambda k: ssd.init_streamed(_init_layer, k, 7, location="nvme"), jax.random.key(0)
+  )
+  assert isinstance(stack, StreamedStack) and stack.num_layers == 7
+  assert [h.shape for h in jax.tree.leaves(stack.handles)] == [(7, 2)] * 3
+  assert stack.layer_struct()["mlp"]["up"].shape == (D, 2 * D)
+  # One init of one model on two calls: the same layout (sites derive from it, not a counter).
+  a = ssd.init_streamed(_init_layer, jax.random.key(0), 2)
+  b = ssd.init_streamed(_init_layer, jax.random.key(3), 2)
+  assert a.layout == b.layout
+  _assert_init_close(ssd.stack_to_tree(a), _vmap_init(2))
+
+
+def test_stack_from_tree_round_trip(store):
+  tree = _vmap_init(3, key=5)
+  stack = ssd.stack_from_tree(tree, location="host,nvme")
+  assert stack.location is ssd.Location.HOST_NVME
+  _assert_bitwise(
+    jax.tree.map(np.asarray, ssd.stack_to_tree(stack)), jax.tree.map(np.asarray, tree)
+  )
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_bad_input(store):
+  stack = ssd.init_streamed(_init_layer, jax.random.key(0), 3)
+  step = jax.jit(ssd.value_and_grad_streamed(_embed, _block, _head))
+  ep, hp = _side()
+  (batch,) = _batches(1)
+  with pytest.raises(
+    ValueError, match="location: expected 'host', 'nvme', 'host,nvme' or 'device'"
+  ):
+    ssd.init_streamed(_init_layer, jax.random.key(0), 3, location="remat")
+  with pytest.raises(ValueError, match="num_layers: expected an integer >= 1"):
+    ssd.init_streamed(_init_layer, jax.random.key(0), 0)
+  with pytest.raises(TypeError, match="expected a StreamedStack"):
+    step(ep, jax.vmap(_init_layer)(jax.random.split(jax.random.key(0), 3)), hp, batch)
+  # Handles that are not one uint32[2] per layer.
+  bad = StreamedStack(jax.tree.map(lambda h: h[:2], stack.handles), stack.layout)
+  with pytest.raises(ValueError, match=r"must be uint32\[3, 2\], got uint32\[2, 2\]"):
+    step(ep, bad, hp, batch)
+  # Sums of another stack (depth), of another dtype, and not sums at all.
+  loss, sums = step(ep, stack, hp, batch)
+  other = ssd.init_streamed(_init_layer, jax.random.key(0), 2)
+  _, other_sums = step(ep, other, hp, batch)
+  with pytest.raises(ValueError, match="sums\\[1\\]: a gradient sum of 2 layers"):
+    step(ep, stack, hp, batch, (sums[0], other_sums[1], sums[2]))
+  half = jax.jit(ssd.value_and_grad_streamed(_embed, _block, _head, sum_dtype=jnp.bfloat16))
+  with pytest.raises(ValueError, match="sum_dtype bfloat16"):
+    half(ep, stack, hp, batch, sums)
+  with pytest.raises(TypeError, match="sums: expected the"):
+    step(ep, stack, hp, batch, sums[1])
+  with pytest.raises(ValueError, match="sums\\[0\\]"):
+    step(ep, stack, hp, batch, (hp, sums[1], sums[2]))
+  # Functions that do not fit the stack.
+  wrong = jax.jit(ssd.value_and_grad_streamed(_embed, lambda p, x: x[:, :2], _head))
+  with pytest.raises(ValueError, match="block_fn must return an array shaped like its input"):
+    wrong(ep, stack, hp, batch)
+  vector = jax.jit(ssd.value_and_grad_streamed(_embed, _block, lambda hp, y, b: y @ hp))
+  with pytest.raises(ValueError, match="head_fn must return a floating scalar loss"):
+    vector(ep, stack, hp, batch)
+  with pytest.raises(ValueError, match="sum_dtype: expected a floating dtype"):
+    ssd.value_and_grad_streamed(_embed, _block, _head, sum_dtype=jnp.int32)
+  with pytest.raises(ValueError, match="save_inputs"):
+    ssd.value_and_grad_streamed(_embed, _block, _head, save_inputs="remat")
+  with pytest.raises(ValueError, match="in_place: expected True or False"):
+    ssd.value_and_grad_streamed(_embed, _block, _head, in_place=1)
+  # map_stack over stacks that disagree; a result leaf that is no array.
+  with pytest.raises(ValueError, match="stacks\\[1\\] has 2 layers"):
+    ssd.map_stack(_sgd, stack, other)
+  with pytest.raises(TypeError, match=r"leaf \['k'\] has the extended dtype"):
+    ssd.init_streamed(lambda k: {"w": jnp.zeros(3), "k": k}, jax.random.key(0), 2)
+  with pytest.raises(ValueError, match="same leading layer axis"):
+    ssd.stack_from_tree({"a": jnp.zeros((3, 2)), "b": jnp.zeros((2, 2))})
+
+
+def test_released_handles_raise(store):
+  # Handles whose entries are gone (the store released them: here, every entry) raise at their
+  # load instead of reading other bytes.
+  stack = ssd.init_streamed(_init_layer, jax.random.key(0), 2)
+  copied = StreamedStack(
+    jax.tree.map(lambda h: jnp.array(np.asarray(h)), stack.handles), stack.layout
+  )
+  ssd.release_all()
+  with pytest.raises(Exception, match="ssdtrain"):
+    jax.block_until_ready(ssd.stack_to_tree(copied))
+
+
+# ---------------------------------------------------------------------------------------------
+# Heavier
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("location", ["host", "nvme", "host,nvme"])
+def test_deeper_stack_many_micro_batches(store, location):
+  _assert_bitwise(
+    _run(location, layers=12, micro=6, save_inputs="nvme"), _run("device", layers=12, micro=6)
+  )
+
+
+def test_failed_write_leaves_the_last_sum(tmp_path):
+  # A host tier with room for the stack and one gradient sum: the second micro-step's sum does
+  # not fit. Its store raises, naming the entry, and the first micro-step's sum (written beside,
+  # never over) is still there, whole.
+  init = functools.partial(_init_layer, width=64)  # 64.25 KiB a layer, 4 layers
+  with ssd.configured(tmp_path / "s", capacity_bytes=64 * MiB, host_tier_bytes=640 * 1024):
+    stack = ssd.init_streamed(init, jax.random.key(0), 4)
+    step = jax.jit(
+      ssd.value_and_grad_streamed(
+        lambda ep, b: b["x"] @ ep, _block, lambda hp, y, b: jnp.mean((y @ hp - b["y"]) ** 2)
+      )
+    )
+    ep, hp = jnp.ones((V, 64)) / 8, jnp.ones((64, OUT)) / 8
+    first, second = _batches(2)
+    _, sums = step(ep, stack, hp, first)
+    before = jax.tree.map(np.asarray, ssd.stack_to_tree(sums[1]))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"host tier full.*layer_stream\.grad_sum"):
+      jax.block_until_ready(step(ep, stack, hp, second, sums))
+    _assert_bitwise(jax.tree.map(np.asarray, ssd.stack_to_tree(sums[1])), before)

@@ -88,6 +88,7 @@ import numpy as np
 
 from jax_ssdtrain._src.location import TIER_CODES, Location
 from jax_ssdtrain._src.primitives import load_p, opaque_copy, store_p
+from jax_ssdtrain._src.remat import new_site_id
 
 HANDLE_DTYPE = np.dtype(np.uint32)
 
@@ -499,7 +500,6 @@ def value_and_grad_streamed(
     raise ValueError(
       f"save_inputs: expected 'device', 'host', 'nvme' or 'host,nvme', got {save_inputs!r}"
     )
-  from jax_ssdtrain._src.remat import new_site_id
 
   input_site = new_site_id()  # the saved inputs' site (counted: one load per entry)
 

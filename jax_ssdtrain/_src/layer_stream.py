@@ -582,7 +582,10 @@ def value_and_grad_streamed(
         rows = jnp.arange(1, num_layers - 1, dtype=jnp.int32)
         (ct, p), middle = jax.lax.scan(bwd, (ct, p), (rows, saved[1:]), reverse=True)
         parts.insert(0, middle)
-      _, vjp = jax.vjp(block, p, restore(saved[0], x0))
+      # the first layer's input after the others' (loads of saved inputs come newest first,
+      # as the engine predicts them on the GPU; nothing else orders this one after the scan)
+      first_input, ct = jax.lax.optimization_barrier((saved[0], ct))
+      _, vjp = jax.vjp(block, p, restore(first_input, x0))
       g, ct = vjp(ct)
       parts.insert(0, [h[None] for h in add(0, g)])
     (g_embed,) = embed_vjp(ct)

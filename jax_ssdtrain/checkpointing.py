@@ -28,11 +28,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 try:
   import orbax.checkpoint as ocp
@@ -47,7 +49,7 @@ from jax_ssdtrain._src.optimizer import (
   OffloadedState,
   OptimizerOffloadError,
   check_leaf,
-  device_blocks,
+  spans_processes,
   stream_in,
   stream_out,
 )
@@ -131,19 +133,29 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
     states = list(args.states)
     for s in states:
       _check_offloaded(s, "OptimizerStateSave.states")
-      # every process refuses state sharded over several processes' devices (each process
-      # can read only its own devices' blocks)
-      device_blocks(s.layout, "saving the optimizer state")
-    if jax.process_index() != 0:  # replicated state: written once
+    # State sharded over several processes' devices: every process writes its own devices'
+    # blocks into arrays the first process makes; else the first process writes it all.
+    shared = any(spans_processes(s.layout) for s in states)
+    primary = jax.process_index() == 0
+    if not (shared or primary):
       return
-    directory.mkdir(parents=True, exist_ok=True)
+    if primary:
+      directory.mkdir(parents=True, exist_ok=True)
+    if shared:
+      if primary:
+        for si, state in enumerate(states):
+          for i, leaf in enumerate(state.layout.leaves):
+            _open(directory, si, i, leaf, create=True, shared=True)
+      multihost_utils.sync_global_devices(f"jax_ssdtrain.checkpointing made {directory}")
     for si, state in enumerate(states):
       arrays = {}
       writing = collections.deque()  # up to WRITES_IN_FLIGHT chunks written at once
 
       def write(i, leaf, index, value, si=si, arrays=arrays, writing=writing):
+        if shared and not leaf.stored and not primary:
+          return  # a leaf kept on the device is replicated: written once
         if i not in arrays:
-          arrays[i] = _open(directory, si, i, leaf, create=True)
+          arrays[i] = _open(directory, si, i, leaf, create=not shared)
         target = arrays[i][index] if index else arrays[i]
         writing.append(target.write(value))
         while len(writing) > WRITES_IN_FLIGHT:
@@ -160,8 +172,11 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
         raise
       while writing:  # every write ends, or raises, before layout.json is written
         writing.popleft().result()
-    layout = {"format": 1, "states": [_describe(s) for s in states]}
-    (directory / "layout.json").write_text(json.dumps(layout, indent=1) + "\n")
+    if shared:  # every process's blocks are written before the layout says the save is whole
+      multihost_utils.sync_global_devices(f"jax_ssdtrain.checkpointing wrote {directory}")
+    if primary:
+      layout = {"format": 1, "states": [_describe(s) for s in states]}
+      (directory / "layout.json").write_text(json.dumps(layout, indent=1) + "\n")
 
   def restore(self, directory, args: OptimizerStateRestore) -> list[OffloadedState]:
     like = list(args.like)
@@ -236,7 +251,7 @@ def _join(like: Any, rest: Any, states: list[OffloadedState]) -> Any:
   )
 
 
-def _open(directory, si: int, i: int, leaf: LeafLayout, *, create: bool):
+def _open(directory, si: int, i: int, leaf: LeafLayout, *, create: bool, shared: bool = False):
   import tensorstore as ts  # orbax-checkpoint's own dependency (optional, as orbax is)
 
   spec = {
@@ -248,7 +263,10 @@ def _open(directory, si: int, i: int, leaf: LeafLayout, *, create: bool):
   chunk = leaf.shape  # a leaf kept on the device: one zarr chunk
   if leaf.stored:  # one zarr chunk per stored chunk (sharded: of a device's block)
     r0, r1 = leaf.bounds[0]
-    chunk = (r1 - r0,) + tuple(leaf.block_shape[1:])
+    rows = r1 - r0
+    if shared:  # written by several processes: no zarr chunk across two devices' blocks
+      rows = math.gcd(rows, leaf.block_shape[0])
+    chunk = (rows,) + tuple(leaf.block_shape[1:])
   return ts.open(
     spec,
     create=True,

@@ -69,6 +69,18 @@ def open_files_in(directory: str) -> int:
   return n
 
 
+def _local_state_bytes(state) -> list[bytes]:
+  """This process's part of the optimizer state: its blocks of every stored leaf, from the
+  store, and the leaves kept on the device."""
+  from jax_ssdtrain._src.optimizer import OffloadedState, stream_out
+
+  out = []
+  for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, OffloadedState)):
+    if isinstance(s, OffloadedState):
+      stream_out(s, lambda i, leaf, index, value: out.append((i, str(index), value.tobytes())))
+  return sorted(out)
+
+
 def main():
   # after initialize: {process} is this process's index
   if GPU:  # the GPU machine's memory: no pinned host tier (every tag goes to nvme)
@@ -107,6 +119,17 @@ def main():
     np.asarray(multihost_utils.process_allgather(p, tiled=True)) if SHARDED else np.asarray(p)
     for p in jax.tree.leaves(state.params)
   ]
+  restored_equal = None
+  if CHECKPOINT:  # saved and restored by every process at once; each compares its own blocks
+    import orbax.checkpoint as ocp
+
+    from jax_ssdtrain import checkpointing
+
+    manager = ocp.CheckpointManager(CHECKPOINT)
+    manager.save(STEPS, args=checkpointing.save_args(state))
+    manager.wait_until_finished()
+    restored = checkpointing.restore(manager, like=state)
+    restored_equal = _local_state_bytes(state) == _local_state_bytes(restored)
   ssd.flush()
   digest = hashlib.sha256()
   for p in params:
@@ -128,6 +151,7 @@ def main():
     "process_count": jax.process_count(),
     "device_kinds": sorted({d.device_kind for d in jax.devices()}),
     "platform": jax.default_backend(),
+    "restored_equal": restored_equal,
   }
   with open(out_path, "w") as f:
     json.dump(result, f)

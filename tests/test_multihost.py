@@ -74,6 +74,53 @@ def test_two_processes_match_single_process(tmp_path):
       assert 4 * s["bytes_written"] == ref["device_stats"]["0"]["bytes_written"]
 
 
+@pytest.mark.slow
+def test_four_processes_stream_their_own_optimizer_blocks(tmp_path):
+  """4 processes of one CPU device each, FSDP over the 4 with the optimizer state in the host
+  tier (each process streams its own device's blocks), saved and restored by all four at once,
+  against one process driving 4 CPU devices with the same mesh."""
+  env = dict(
+    os.environ,
+    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    JAX_PLATFORMS="cpu",
+    SSD_MH_OPTIMIZER="host",
+    SSD_MH_FSDP="1",
+  )
+  port = _free_port()
+  outs = [tmp_path / f"out{i}.json" for i in range(5)]
+  template = str(tmp_path / "store-{process}")
+  runs = [
+    (
+      [str(i), "4", str(port), template, str(outs[i])],
+      dict(env, SSD_MH_DEVICES="1", SSD_MH_CHECKPOINT=str(tmp_path / "ckpt")),
+    )
+    for i in range(4)
+  ]
+  runs.append(
+    (
+      ["0", "0", "0", str(tmp_path / "ref-{process}"), str(outs[4])],
+      dict(env, SSD_MH_DEVICES="4", SSD_MH_CHECKPOINT=str(tmp_path / "ref-ckpt")),
+    )
+  )
+  _run_workers(runs)
+  *procs, ref = (json.loads(o.read_text()) for o in outs)
+  assert [len(r["local_devices"]) for r in procs] == [1, 1, 1, 1] and ref["process_count"] == 1
+  for r in procs[1:]:  # one program: every process the same losses and (gathered) parameters
+    assert r["losses"] == procs[0]["losses"] and r["params_sha256"] == procs[0]["params_sha256"]
+  # gloo's all-reduce against the in-process one: the same sums in another order
+  np.testing.assert_allclose(procs[0]["losses"], ref["losses"], rtol=1e-5)
+  np.testing.assert_allclose(procs[0]["param_sums"], ref["param_sums"], rtol=2e-4)
+  assert all(r["restored_equal"] for r in procs + [ref]), [r["restored_equal"] for r in procs]
+  # Each process stored through its own device only, as much as the reference's first device:
+  # its blocks, and the whole state that create_train_state's init (on the process's first
+  # device, before sharding) stored first.
+  for r in procs:
+    assert sorted(map(int, r["device_stats"])) == r["local_devices"], r
+  written = [r["device_stats"][str(r["local_devices"][0])]["bytes_written"] for r in procs]
+  first = ref["device_stats"][str(ref["local_devices"][0])]["bytes_written"]
+  assert written == [first] * 4, (written, ref["device_stats"])
+
+
 def _gpu_count(env) -> int:
   """GPUs JAX sees in a worker's environment, counted in a subprocess (no CUDA use here)."""
   proc = subprocess.run(
@@ -145,3 +192,56 @@ def test_two_gpu_processes_match_one_process(tmp_path):
   for r in (p0, p1):
     (s,) = r["device_stats"].values()  # one GPU: the CUDA ordinal it sees, 0
     assert s["bytes_written"] == s["bytes_read"] == shard, (r["device_stats"], shard)
+
+
+@pytest.mark.gpu
+def test_four_gpu_processes_stream_their_own_optimizer_blocks(tmp_path):
+  """4 processes with one GPU each, FSDP over the 4 with the optimizer state in the host tier
+  (each process streams its GPU's blocks), saved and restored by the 4 at once, vs one process
+  driving the 4 GPUs: the same losses, gradient norms and parameters, bit for bit."""
+  env = dict(
+    os.environ,
+    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    XLA_PYTHON_CLIENT_PREALLOCATE="false",
+  )
+  env.pop("JAX_PLATFORMS", None)
+  if _gpu_count(env) < 4:
+    pytest.skip("needs 4 GPUs")
+  visible = env.get("CUDA_VISIBLE_DEVICES", "0,1,2,3").split(",")[:4]
+  env.update(
+    SSD_MH_PLATFORM="gpu",
+    SSD_MH_OPTIMIZER="host",
+    SSD_MH_FSDP="1",
+    XLA_FLAGS=env.get("XLA_FLAGS", "") + GPU_XLA_FLAGS,
+    CUDA_VISIBLE_DEVICES=",".join(visible),
+  )
+  template = str(tmp_path / "store-{process}")
+  port = _free_port()
+  outs = [tmp_path / f"out{i}.json" for i in range(5)]
+  ckpt = dict(SSD_MH_CHECKPOINT=str(tmp_path / "ckpt"))
+  _run_workers(
+    [
+      (
+        [str(i), "4", str(port), template, str(outs[i])],
+        dict(env, CUDA_VISIBLE_DEVICES=visible[i], **ckpt),
+      )
+      for i in range(4)
+    ]
+  )
+  ref_env = dict(env, SSD_MH_CHECKPOINT=str(tmp_path / "ref-ckpt"))
+  _run_workers([(["0", "0", "0", str(tmp_path / "ref-{process}"), str(outs[4])], ref_env)])
+  *procs, ref = (json.loads(o.read_text()) for o in outs)
+  for r in procs:
+    assert (r["platform"], r["process_count"], len(r["local_devices"])) == ("gpu", 4, 1), r
+  assert (ref["process_count"], len(ref["local_devices"])) == (1, 4), ref
+  for r in procs[1:] + [ref]:
+    assert r["losses"] == procs[0]["losses"], (r["losses"], procs[0]["losses"])
+    assert r["grad_norms"] == procs[0]["grad_norms"], (r["grad_norms"], procs[0]["grad_norms"])
+    assert r["params_sha256"] == procs[0]["params_sha256"]
+  assert all(r["restored_equal"] for r in procs + [ref]), [r["restored_equal"] for r in procs]
+  # Each GPU stored only its own blocks (and, as the reference's first GPU, the whole state
+  # that create_train_state's init stored before sharding).
+  first = ref["device_stats"][str(ref["local_devices"][0])]["bytes_written"]
+  for r in procs:
+    (s,) = r["device_stats"].values()
+    assert s["bytes_written"] == first > 0, (r["device_stats"], ref["device_stats"])

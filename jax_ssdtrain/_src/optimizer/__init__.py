@@ -28,7 +28,7 @@ How ``update`` computes what ``tx`` computes, one pass through the files of this
   and the room an update needs;
 * ``host_io.py``: the state between the store and host memory piece by piece
   (``state_to_host``, ``state_from_host``, and the seam of :mod:`jax_ssdtrain.checkpointing`:
-  ``stream_out``, ``stream_in``, ``check_leaf``, ``device_blocks``);
+  ``stream_out``, ``stream_in``, ``check_leaf``, ``device_blocks``, ``spans_processes``);
 * ``api.py``: ``offload_optimizer``, ``apply_gradients``, ``optimizer_state``;
   ``base.py``: ``OffloadedState`` and ``OptimizerOffloadError``.
 
@@ -49,6 +49,7 @@ from jax_ssdtrain._src.optimizer.host_io import (
   PIECES_AHEAD,
   check_leaf,
   device_blocks,
+  spans_processes,
   state_from_host,
   state_to_host,
   stream_in,
@@ -69,6 +70,7 @@ __all__ = [
   "check_leaf",
   "choose_location",
   "device_blocks",
+  "spans_processes",
   "floating_dtype",
   "offload_optimizer",
   "optimizer_state",

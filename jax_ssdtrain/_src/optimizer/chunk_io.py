@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ssdtrain._src.location import TIER_CODES, Location
-from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
 from jax_ssdtrain._src.primitives import load_p, opaque_copy, store_p
 
 if TYPE_CHECKING:
@@ -107,8 +106,10 @@ class ChunkIO:
   # -- from the host ----------------------------------------------------------------------------
 
   def blocks(self, mesh, what: str) -> Callable[[LeafLayout], list[Index]] | None:
-    """For state sharded over ``mesh``: ``blocks(leaf)``, the index of each device's block of
-    ``leaf`` (in ``mesh.devices.flat`` order); None where a leaf is read and written whole."""
+    """For state sharded over ``mesh``: ``blocks(leaf)``, the index of the block of ``leaf`` of
+    each of this process's devices of the mesh (in ``mesh.devices.flat`` order: with several
+    processes, each reads and writes its own devices' blocks); None where a leaf is read and
+    written whole."""
     raise NotImplementedError
 
   def to_device(self, leaf: LeafLayout, hs, mesh) -> Any:
@@ -206,15 +207,11 @@ class StoreIO(ChunkIO):
   def blocks(self, mesh, what):
     if mesh is None:
       return None
-    if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
-      raise OptimizerOffloadError(
-        f"{what}: the optimizer state is sharded over devices of several processes; each "
-        "process can read only its own devices' blocks (save and restore per process)"
-      )
+    mine = _local_devices(mesh)
 
-    def blocks(leaf):
+    def blocks(leaf):  # this process's devices' blocks (several processes: each its own)
       where = jax.sharding.NamedSharding(mesh, leaf.spec).devices_indices_map(leaf.shape)
-      return [where[d] for d in mesh.devices.flat]
+      return [where[d] for d in mine]
 
     return blocks
 
@@ -235,12 +232,13 @@ class StoreIO(ChunkIO):
   def read_chunks(self, leaf, hs, mesh, blocks):
     for k, (r0, r1) in enumerate(leaf.bounds):
       load = _load_jit(leaf, r1 - r0, self, mesh)
-      chunk = np.asarray(load(hs, np.int32(k)) if blocks else load(hs[k]))
-      if blocks:  # [devices, rows, ...]: each device's rows of its block
-        for d, index in enumerate(blocks(leaf)):
-          yield rows_of(index, r0, r1), chunk[d]
-      else:
-        yield (slice(r0, r1),), chunk
+      if not blocks:
+        yield (slice(r0, r1),), np.asarray(load(hs[k]))
+        continue
+      # [devices, rows, ...]: each of this process's devices' rows of its block
+      shards = {s.device: s.data for s in load(hs, np.int32(k)).addressable_shards}
+      for d, index in zip(_local_devices(mesh), blocks(leaf)):
+        yield rows_of(index, r0, r1), np.asarray(shards[d])[0]
 
   def piece_indices(self, leaf, blocks):
     if blocks:  # chunk k of every device's block, one row per device
@@ -249,10 +247,15 @@ class StoreIO(ChunkIO):
     return [[(slice(r0, r1),)] for r0, r1 in leaf.bounds]
 
   def write_chunks(self, leaf, mesh, blocks, values):
-    if blocks:
+    if blocks:  # one row per device, this process's rows from its pieces
       rows = jax.sharding.NamedSharding(mesh, per_device(mesh))
       store = _store_jit(leaf, self, mesh)
-      hs = [store(jax.device_put(np.stack(pieces), rows)) for pieces in values]
+      devices = _local_devices(mesh)
+      hs = []
+      for pieces in values:
+        shape = (mesh.devices.size,) + np.shape(pieces[0])
+        local = [jax.device_put(p[None], d) for p, d in zip(pieces, devices)]
+        hs.append(store(jax.make_array_from_single_device_arrays(shape, rows, local)))
       return jnp.stack(hs, axis=1)
     store = _store_jit(leaf, self, None)
     return jnp.stack([store(pieces[0]) for pieces in values])
@@ -331,6 +334,11 @@ def chunk_io(location: Location) -> ChunkIO:
 def joined(parts: list[Any]) -> Any:
   """A leaf's chunks joined along its rows."""
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def _local_devices(mesh) -> list:
+  """This process's devices of ``mesh``, in ``mesh.devices.flat`` order (``blocks``' order)."""
+  return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
 
 
 def per_device(mesh) -> Any:

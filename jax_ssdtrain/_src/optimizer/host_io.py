@@ -30,6 +30,12 @@ def state_to_host(state: OffloadedState) -> Any:
   :func:`state_from_host`."""
   check_state(state, "state")
   layout = state.layout
+  if spans_processes(layout):
+    raise OptimizerOffloadError(
+      "state_to_host: the state is sharded over the devices of several processes and each "
+      "holds only its own devices' blocks; save it with jax_ssdtrain.checkpointing (every "
+      "process writes its blocks) or read it per process with stream_out"
+    )
   out = [np.empty(leaf.shape, leaf.dtype) for leaf in layout.leaves]
 
   def put(i, leaf, index, value):
@@ -102,9 +108,9 @@ def stream_in(like: OffloadedState, read: Callable[..., Any]) -> OffloadedState:
       value = _resolved(read(i, leaf, ()))
       if layout.mesh is None:
         device.append(jnp.asarray(value))
-      else:  # replicated over the mesh, as init makes them
+      else:  # replicated over the mesh, as init makes them (every process gives the value)
         replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
-        device.append(jax.device_put(value, replicated))
+        device.append(jax.make_array_from_callback(value.shape, replicated, lambda ix: value[ix]))
       continue
     pieces = _ahead(
       lambda indices, i=i, leaf=leaf: [read(i, leaf, index) for index in indices],
@@ -116,12 +122,18 @@ def stream_in(like: OffloadedState, read: Callable[..., Any]) -> OffloadedState:
 
 
 def device_blocks(layout: Layout, what: str):
-  """For state sharded over several devices: ``blocks(leaf)``, the index of each device's block
-  of ``leaf`` (in ``mesh.devices.flat`` order), as :func:`stream_out` writes its pieces; None
-  where each leaf is one piece per chunk (state on one device, or kept on the device). Raises
-  OptimizerOffloadError (``what``: the operation, for the message) where the state's devices
-  belong to several processes: each process can read only its own devices' blocks."""
+  """For state sharded over several devices: ``blocks(leaf)``, the index of the block of
+  ``leaf`` of each of this process's devices (in ``mesh.devices.flat`` order), as
+  :func:`stream_out` writes its pieces (with several processes, each streams its own devices'
+  blocks); None where each leaf is one piece per chunk (state on one device, or kept on the
+  device). ``what``: the operation, for messages."""
   return layout.io.blocks(layout.mesh, what)
+
+
+def spans_processes(layout: Layout) -> bool:
+  """Whether the state is sharded over devices of several processes (each streams its own)."""
+  mesh = layout.mesh
+  return mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
 
 
 def _ahead(fetch: Callable[[Any], Any], items: Sequence[Any]):

@@ -33,6 +33,9 @@ ALLOWED_LOCAL = {
   # `python -m jax_ssdtrain.maxtext --help` answers before JAX and MaxText are imported.
   ("maxtext.__main__", "jax_ssdtrain"),
   ("maxtext.__main__", "jax_ssdtrain.maxtext"),
+  # jax_ssdtrain.checkpointing needs orbax (optional): imported where MaxText saves or loads
+  # a checkpoint with the optimizer state in our store.
+  ("maxtext", "jax_ssdtrain.checkpointing"),
 }
 
 

@@ -184,38 +184,110 @@ def test_optimizer_state_in_store_fsdp_scan_gradient_accumulation(tmp_path):
   assert reference["stats"]["tensors_written"] == 0, reference
 
 
+# MaxText's own checkpoints with the optimizer state in our store: the schedule's length is
+# fixed (learning_rate_schedule_steps=4: MaxText's default is `steps`, which the first run of a
+# resumed pair sets to 2), MaxText saves at the end (save_checkpoint_on_completion) and a run with
+# the same base_output_directory and run_name resumes from the latest step (async_checkpointing,
+# MaxText's default, is on).
+CHECKPOINTED = (
+  "scan_layers=true",
+  "ici_fsdp_parallelism=4",
+  "enable_checkpointing=true",
+  "skip_jax_distributed_system=true",
+  "learning_rate_schedule_steps=4",
+)
+
+
+def _resumed(tmp_path, optimizer):
+  """2 steps with checkpoints, then a run of ``steps=4`` resuming from them: (losses of both,
+  the checkpoints' directory, the second run)."""
+  first = run(tmp_path, "device", 4, f"--optimizer={optimizer}", *CHECKPOINTED, "steps=2")
+  out = tmp_path / f"{optimizer}-first"
+  (tmp_path / "device").rename(out)
+  second = run(
+    tmp_path,
+    "device",
+    4,
+    f"--optimizer={optimizer}",
+    *CHECKPOINTED,
+    "steps=4",
+    f"base_output_directory={out / 'out'}",
+  )
+  (tmp_path / "device").rename(tmp_path / f"{optimizer}-second")
+  assert len(first["losses"]) == 2 and len(second["losses"]) == 2, (first, second)
+  return first["losses"] + second["losses"], out / "out" / "t" / "checkpoints", second
+
+
+def _uninterrupted(tmp_path, optimizer):
+  ours = run(tmp_path, "device", 4, f"--optimizer={optimizer}", *CHECKPOINTED[:2], "steps=4")
+  (tmp_path / "device").rename(tmp_path / f"{optimizer}-uninterrupted")
+  assert len(ours["losses"]) == 4, ours
+  return ours["losses"]
+
+
 @pytest.mark.slow
 @needs_maxtext
-def test_optimizer_state_in_store_refuses_maxtext_checkpoints(tmp_path):
-  # MaxText's Orbax checkpoints would save the handles: refused when MaxText builds the optimizer,
-  # naming the setting, the cause and the fix.
-  out = tmp_path / "device"
-  out.mkdir()
-  env = dict(
-    os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-  )
-  proc = subprocess.run(
-    [
-      sys.executable,
-      os.path.join(HERE, "_maxtext_worker.py"),
-      "device",
-      "1",
-      str(out),
-      "--optimizer=host",
-      "enable_checkpointing=true",
-      "skip_jax_distributed_system=true",
-    ],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=HANG_S,
-  )
-  assert proc.returncode != 0
-  assert "enable_checkpointing=True: MaxText's Orbax checkpoints would hold" in proc.stderr, (
-    proc.stderr[-3000:]
-  )
-  assert "set enable_checkpointing=false" in proc.stderr
-  assert not (out / "out" / "t" / "checkpoints" / "0").exists()
+def test_optimizer_state_in_store_maxtext_checkpoints_resume_bit_for_bit(tmp_path):
+  # --ssd-optimizer host, FSDP over 4 CPU devices, scanned layers: 2 steps + 2 resumed from
+  # MaxText's checkpoint give the losses of 4 steps bit for bit.
+  losses, checkpoints, second = _resumed(tmp_path, "host")
+  assert losses == _uninterrupted(tmp_path, "host")
+  assert second["stats"]["tensors_written"] > 0 and second["stats"]["live_entries"] > 0, second
+  # steps 0 (save_checkpoint_on_start), 1 (the first run's end) and 3 (the second run's end)
+  assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [0, 1, 3]
+  step = checkpoints / "1"
+  # MaxText's item holds a placeholder where opt_state's handles were, no uint32 handles
+  tree = json.loads((step / "items" / "_METADATA").read_text())["tree_metadata"]
+  opt = {k: v for k, v in tree.items() if "opt_state" in k}
+  assert list(opt) == ["('opt_state',)"], opt
+  assert opt["('opt_state',)"]["value_metadata"]["value_type"] == "np.ndarray", opt
+  params = {
+    k.replace("('params', 'params', ", "").rstrip(")").replace("'", "").replace(", ", "/")
+    for k in tree
+    if k.startswith("('params', 'params'")
+  }
+  # ssd_optimizer_state: Adam's moments, float arrays of the parameters' shapes, with values
+  import numpy as np
+  import tensorstore as ts
+
+  layout = json.loads((step / "ssd_optimizer_state" / "layout.json").read_text())
+  (state,) = layout["states"]
+  moments = {}
+  for i, leaf in enumerate(state["leaves"]):
+    path = leaf["path"]
+    if ".mu[" not in path and ".nu[" not in path:
+      continue
+    name = path.split(".", 1)[1][3:].replace("']['", "/").strip("[]'")
+    moments.setdefault(path.split(".", 1)[1][:2], {})[name] = leaf
+    array = ts.open(
+      {
+        "driver": "zarr3",
+        "kvstore": {
+          "driver": "file",
+          "path": str(step / "ssd_optimizer_state" / f"state0/leaf{i}"),
+        },
+      },
+      open=True,
+    ).result()
+    value = array.read().result()
+    assert leaf["dtype"] == "float32" and value.dtype == np.float32, leaf
+    assert list(value.shape) == leaf["shape"], (leaf, value.shape)
+    assert np.isfinite(value).all() and np.abs(value).max() > 0, leaf
+  assert sorted(moments) == ["mu", "nu"], sorted(moments)
+  assert set(moments["mu"]) == set(moments["nu"]) == params, (sorted(moments["mu"]), params)
+  # the model's dimensions (emb 64, 2 scanned layers, mlp 128, vocab 256)
+  assert moments["mu"]["decoder/layers/mlp/wi_0/kernel"]["shape"] == [64, 2, 128]
+  assert moments["nu"]["token_embedder/embedding"]["shape"] == [256, 64]
+
+
+@pytest.mark.slow
+@needs_maxtext
+def test_optimizer_state_on_device_maxtext_checkpoints_resume_as_in_store(tmp_path):
+  # --ssd-optimizer device (the reference, the state on the devices) saved and resumed the same
+  # way: its 2 + 2 steps equal the 4 steps of --ssd-optimizer host bit for bit.
+  losses, checkpoints, _ = _resumed(tmp_path, "device")
+  assert losses == _uninterrupted(tmp_path, "host")
+  assert (checkpoints / "1" / "ssd_optimizer_state" / "layout.json").exists()
 
 
 def _run_bench(tmp_path, *args):
@@ -359,11 +431,13 @@ def test_install_routes_offload_names_and_restores(monkeypatch):
 @needs_maxtext
 def test_install_optimizer_wraps_maxtexts_optimizer_and_restores():
   import optax
+  from maxtext.common import checkpointing
   from maxtext.optimizers import optimizers
 
   import jax_ssdtrain as ssd
 
   original = optimizers.get_optimizer
+  create_manager = checkpointing.create_orbax_checkpoint_manager
 
   class Cfg:  # what MaxText's get_optimizer reads for plain sgd, and the refused settings
     opt_type = "sgd"
@@ -371,7 +445,8 @@ def test_install_optimizer_wraps_maxtexts_optimizer_and_restores():
     trainable_parameters_mask = None
     logical_axis_rules = ()
     optimizer_memory_host_offload = False
-    enable_checkpointing = False
+    enable_emergency_checkpoint = False
+    enable_multi_tier_checkpointing = False
     load_full_state_path = ""
     shard_optimizer_over_data = False
 
@@ -383,18 +458,25 @@ def test_install_optimizer_wraps_maxtexts_optimizer_and_restores():
 
     state = tx.init({"w": jnp.ones((4, 4))})
     assert isinstance(state, ssd.OffloadedState) and state.location == "device"
+    assert checkpointing.create_orbax_checkpoint_manager is not create_manager
+    # MaxText's checkpoints are taken (enable_checkpointing is not refused), not its emergency
+    # and multi-tier managers'
+    assert checkpointing.create_orbax_checkpoint_manager("", False, False, 1) is None
     bad = Cfg()
     bad.optimizer_memory_host_offload = True
-    bad.enable_checkpointing = True
+    bad.enable_emergency_checkpoint = True
     with pytest.raises(
-      ValueError, match=r"optimizer_memory_host_offload=True: .*\| enable_checkpointing=True: "
+      ValueError,
+      match=r"optimizer_memory_host_offload=True: .*\| enable_emergency_checkpoint=True: ",
     ):
       optimizers.get_optimizer(bad, 0.1)
     ssd_maxtext.install("host")  # replaces: MaxText's optimizer again
     assert optimizers.get_optimizer is original
+    assert checkpointing.create_orbax_checkpoint_manager is create_manager
   finally:
     ssd_maxtext.uninstall()
   assert optimizers.get_optimizer is original
+  assert checkpointing.create_orbax_checkpoint_manager is create_manager
   assert isinstance(optimizers.get_optimizer(Cfg(), 0.1), optax.GradientTransformation)
   with pytest.raises(ValueError, match="optimizer: unknown location 'disk'"):
     ssd_maxtext.install(optimizer="disk")

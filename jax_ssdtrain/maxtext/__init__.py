@@ -28,20 +28,29 @@ result is wrapped in :func:`jax_ssdtrain.offload_optimizer`, whose ``init`` (run
 ``jit``, the parameters tracers) shards the state by the shardings MaxText gives the parameters
 (``sharding.nnx_construct_named_sharding`` on the ``nnx.Param`` variables). MaxText's settings
 that act on the optimizer state's leaves themselves are refused when it builds the optimizer
-(``_REFUSED``: its pinned-host moves, its Orbax checkpoints, which would hold our handles, a
-full-state load, Zero-1 resharding); see docs/maxtext.md.
+(``_REFUSED``: its pinned-host moves, its emergency and multi-tier checkpoint managers, which
+would save our handles, a full-state load, Zero-1 resharding); see docs/maxtext.md.
+
+MaxText's own Orbax checkpoints save and restore ``tx``'s real state: the manager that
+``checkpointing.create_orbax_checkpoint_manager`` makes is wrapped (:func:`_wrap_manager`) so
+that a step's ``items`` hold a placeholder where the state's handles were and the step has a
+checkpointable ``ssd_optimizer_state`` more, written and read by jax_ssdtrain.checkpointing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import inspect
 from typing import Any
 
+import jax
+import numpy as np
+
 from jax_ssdtrain._src.config import configure
 from jax_ssdtrain._src.location import Location
-from jax_ssdtrain._src.optimizer import offload_optimizer
+from jax_ssdtrain._src.optimizer import OffloadedState, offload_optimizer
 from jax_ssdtrain._src.policies import DEFAULT_MIN_BYTES, offload_policy
 
 __all__ = ["DEFAULT_MIN_BYTES", "install", "uninstall", "installed", "MaxTextMissing"]
@@ -60,6 +69,30 @@ _OPTIMIZER_PATCHED = (
     ("config", "learning_rate_schedule", "model", "mesh"),
   ),
   ("maxtext.utils.sharding", "nnx_construct_named_sharding", ("abs_var_state", "mesh")),
+  # MaxText's Orbax manager (train_utils.create_checkpoint_manager calls it by this name): its
+  # saves and loads are wrapped so that the optimizer state goes through
+  # jax_ssdtrain.checkpointing (see _wrap_manager).
+  (
+    "maxtext.common.checkpointing",
+    "create_orbax_checkpoint_manager",
+    (
+      "checkpoint_dir",
+      "enable_checkpointing",
+      "use_async",
+      "save_interval_steps",
+      "dataset_type",
+      "orbax_logger",
+      "use_ocdbt",
+      "use_zarr3",
+      "enable_continuous_checkpointing",
+      "max_num_checkpoints_to_keep",
+      "checkpoint_storage_concurrent_gb",
+      "enable_autocheckpoint",
+      "todelete_subdir",
+      "todelete_full_path",
+      "ocdbt_target_data_file_size_bytes",
+    ),
+  ),
 )
 # Where install() keeps each patched function's original.
 _ORIGINALS = {
@@ -67,7 +100,12 @@ _ORIGINALS = {
   "get_save_and_offload_names": "get_names",
   "get_optimizer": "get_optimizer",
   "nnx_construct_named_sharding": "",
+  "create_orbax_checkpoint_manager": "create_manager",
 }
+# The checkpointable (a directory of each step) that holds tx's state, written by
+# jax_ssdtrain.checkpointing's OptimizerStateHandler; MaxText's own item ``items`` holds a
+# placeholder where the OffloadedState's leaves (store handles) would be.
+CHECKPOINTABLE = "ssd_optimizer_state"
 # Settings of MaxText's that act on the optimizer state itself and cannot act on ours: (name,
 # why, what to do). Refused by install(optimizer=...) when MaxText builds the optimizer.
 _REFUSED = (
@@ -79,12 +117,17 @@ _REFUSED = (
     "set optimizer_memory_host_offload=false",
   ),
   (
-    "enable_checkpointing",
-    "MaxText's Orbax checkpoints would hold the state's store handles, not its moments, and a "
-    "restore would put stale handles back (checkpointing.maybe_save_checkpoint saves the NNX "
-    "state as it is)",
-    "set enable_checkpointing=false, or save with jax_ssdtrain.checkpointing in a loop of your "
-    "own (docs/maxtext.md)",
+    "enable_emergency_checkpoint",
+    "MaxText's emergency checkpoint manager saves the NNX state as it is "
+    "(emergency_checkpointing.save), the state's store handles, not its moments; only its "
+    "standard Orbax checkpoints (enable_checkpointing) save the state from our store",
+    "set enable_emergency_checkpoint=false (enable_checkpointing=true saves the state)",
+  ),
+  (
+    "enable_multi_tier_checkpointing",
+    "MaxText's replicator checkpoint manager saves the NNX state as it is "
+    "(emergency_checkpointing.save), the state's store handles, not its moments",
+    "set enable_multi_tier_checkpointing=false (enable_checkpointing=true saves the state)",
   ),
   (
     "load_full_state_path",
@@ -106,6 +149,8 @@ class MaxTextMissing(ImportError):
 
 
 _state: dict[str, Any] = {}
+# The tree structure of the last OffloadedState that the wrapped optimizer's init made.
+_treedefs: list[Any] = []
 
 
 def install(
@@ -128,9 +173,10 @@ def install(
   sharded like the parameters on a mesh of several devices. ``optimizer_options``: more
   arguments of ``offload_optimizer`` (``min_bytes``, ``chunk_bytes``, ``in_place``). MaxText's
   settings that act on the optimizer state itself (``optimizer_memory_host_offload``,
-  ``enable_checkpointing``, ``load_full_state_path``, ``shard_optimizer_over_data``) are refused
-  when MaxText builds the optimizer, naming why. None (the default): MaxText's optimizer as it
-  is."""
+  ``enable_emergency_checkpoint``, ``enable_multi_tier_checkpointing``, ``load_full_state_path``,
+  ``shard_optimizer_over_data``) are refused when MaxText builds the optimizer, naming why; its
+  Orbax checkpoints (``enable_checkpointing``) hold ``tx``'s state, saved from and restored into
+  our store. None (the default): MaxText's optimizer as it is."""
   loc = Location.parse(location, what="location")
   if loc not in (Location.NVME, Location.HOST):
     raise ValueError(f"location: MaxText's offloaded tags go to 'nvme' or 'host', got {location!r}")
@@ -182,7 +228,14 @@ def install(
     sharding_module, construct = opt_targets["nnx_construct_named_sharding"]
     wrapped = _get_optimizer(get_optimizer, construct, opt_loc, dict(optimizer_options or {}))
     optimizers.get_optimizer = wrapped
-    _state.update(optimizers=optimizers, get_optimizer=get_optimizer)
+    checkpointing, create_manager = opt_targets["create_orbax_checkpoint_manager"]
+    checkpointing.create_orbax_checkpoint_manager = _create_manager(create_manager)
+    _state.update(
+      optimizers=optimizers,
+      get_optimizer=get_optimizer,
+      checkpointing=checkpointing,
+      create_manager=create_manager,
+    )
 
 
 def uninstall() -> None:
@@ -193,6 +246,7 @@ def uninstall() -> None:
   _state["utils"].get_save_and_offload_names = _state["get_names"]
   if "optimizers" in _state:
     _state["optimizers"].get_optimizer = _state["get_optimizer"]
+    _state["checkpointing"].create_orbax_checkpoint_manager = _state["create_manager"]
   _state.clear()
 
 
@@ -218,6 +272,8 @@ def _offload_optimizer_for(loc: Location, options: dict[str, Any]):
 
 def _get_optimizer(get_optimizer, construct, loc: Location, options: dict[str, Any]):
   """MaxText's ``optimizers.get_optimizer`` with its result wrapped in ``offload_optimizer``."""
+  import optax  # an optional dependency (the demo extra; MaxText's own)
+
   wrap = _offload_optimizer_for(loc, options)
 
   @functools.wraps(get_optimizer)
@@ -233,10 +289,169 @@ def _get_optimizer(get_optimizer, construct, loc: Location, options: dict[str, A
         "--ssd-optimizer), which these MaxText settings cannot take: " + " | ".join(refused)
       )
     tx = get_optimizer(config, learning_rate_schedule, model, mesh)
-    return wrap(tx, param_shardings=_param_shardings(config, mesh, construct))
+    offloaded = wrap(tx, param_shardings=_param_shardings(config, mesh, construct))
+
+    def init(params):
+      state = offloaded.init(params)
+      # The OffloadedState's structure (its layout): MaxText's nnx.State and its checkpoints
+      # keep only the leaves, which the checkpoint hooks put back into it (_wrap_manager).
+      _treedefs[:] = [jax.tree.structure(state)]
+      return state
+
+    return optax.GradientTransformationExtraArgs(init, offloaded.update)
 
   wrapped._ssdtrain = True
   return wrapped
+
+
+def _create_manager(create_manager):
+  """MaxText's ``checkpointing.create_orbax_checkpoint_manager`` with the manager it makes
+  saving and loading the optimizer state through jax_ssdtrain.checkpointing."""
+
+  @functools.wraps(create_manager)
+  def wrapped(*args, **kwargs):
+    manager = create_manager(*args, **kwargs)
+    return None if manager is None else _wrap_manager(manager)
+
+  wrapped._ssdtrain = True
+  return wrapped
+
+
+def _wrap_manager(manager):
+  """``manager`` (MaxText's ``ocp.training.Checkpointer``) with its ``save_checkpointables_async``
+  (which ``save_checkpointables`` calls too) and ``load_checkpointables`` wrapped, on the
+  instance:
+
+  * save: MaxText's item ``items`` (``checkpointing.save_checkpoint``, common/checkpointing.py:
+    1286, the NNX state in the Linen layout) gets a placeholder for ``opt_state`` (the
+    OffloadedState's leaves: the device leaves and the store handles, which
+    ``train_state_nnx.to_checkpoint_dict`` keeps without the structure), and the step gets one
+    checkpointable more, ``ssd_optimizer_state``: tx's own state streamed from the store by
+    jax_ssdtrain.checkpointing's OptimizerStateHandler. Orbax writes the step's items into a
+    temporary directory and makes it current once all are complete. The save waits for that
+    checkpointable (async_checkpointing included): the next step consumes the entries it reads.
+  * load (``checkpointing.load_state_if_possible``, common/checkpointing.py:641): the same
+    placeholder in the restore target, the state streamed from the checkpoint into the store
+    (``stream_in``, into the layout of the state MaxText's abstract init made), and its leaves
+    put where ``items`` had ``opt_state``, placed as the target's; MaxText then overlays them on
+    its freshly initialised state (maxtext_utils.setup_initial_state, utils/maxtext_utils.py:
+    1812) as any restored leaf."""
+  missing = [
+    name
+    for name in ("save_checkpointables_async", "load_checkpointables", "directory")
+    if not hasattr(manager, name)
+  ]
+  if missing:
+    raise RuntimeError(
+      "jax_ssdtrain.maxtext: MaxText's checkpoint manager "
+      f"({type(manager).__module__}.{type(manager).__qualname__}) lacks {missing}: this MaxText "
+      "changed what saves the optimizer state from our store"
+    )
+  save_async, load = manager.save_checkpointables_async, manager.load_checkpointables
+
+  def save_checkpointables_async(step, checkpointables, *args, **kwargs):
+    checkpointables = dict(checkpointables)
+    items, state = _split_items(checkpointables["items"])
+    checkpointables.update(items=items, **{CHECKPOINTABLE: _StateCheckpointable(state)})
+    response = save_async(step, checkpointables, *args, **kwargs)
+    if response is not None:
+      response.result()  # tx's state is written before the next step consumes its entries
+    return response
+
+  def load_checkpointables(step=None, abstract_checkpointables=None):
+    if abstract_checkpointables is None or "items" not in abstract_checkpointables:
+      return load(step, abstract_checkpointables)
+    abstract = dict(abstract_checkpointables)
+    target, like = _split_items(abstract["items"])
+    where = manager.directory / str(getattr(step, "step", step)) / CHECKPOINTABLE
+    if not where.exists():
+      raise FileNotFoundError(
+        f"jax_ssdtrain.maxtext: {where} is missing: step {step} of {manager.directory} was not "
+        "saved with the optimizer state in our store (--ssd-optimizer); its optimizer state, "
+        "if any, is MaxText's own. Resume it without --ssd-optimizer, or load its parameters "
+        "only (load_parameters_path)"
+      )
+    loaded = _StateCheckpointable(like)
+    abstract.update(items=target, **{CHECKPOINTABLE: loaded})
+    restored = dict(load(step, abstract))
+    restored.pop(CHECKPOINTABLE, None)
+    items = dict(restored["items"])
+    items["opt_state"] = _leaves_like(abstract_checkpointables["items"]["opt_state"], loaded.state)
+    restored["items"] = items
+    return restored
+
+  manager.save_checkpointables_async = save_checkpointables_async
+  manager.load_checkpointables = load_checkpointables
+  return manager
+
+
+def _split_items(items):
+  """``(items with a placeholder for opt_state, the OffloadedState rebuilt from its leaves)``:
+  ``items`` is MaxText's checkpoint dict (``train_state_nnx.to_checkpoint_dict``: the optimizer
+  state under ``opt_state``, our OffloadedState's leaves without its structure, device leaves
+  then handles); the structure is the one the wrapped optimizer's init made."""
+  if not isinstance(items, dict) or "opt_state" not in items:
+    raise RuntimeError(
+      "jax_ssdtrain.maxtext: MaxText's checkpoint item has no opt_state (got "
+      f"{type(items).__name__}{sorted(items) if isinstance(items, dict) else ''}): this MaxText "
+      "changed how it saves the optimizer state"
+    )
+  if not _treedefs:
+    raise RuntimeError(
+      "jax_ssdtrain.maxtext: MaxText saves or loads a checkpoint, but the optimizer in our "
+      "store has made no state (its init did not run)"
+    )
+  (treedef,) = _treedefs
+  leaves = jax.tree.leaves(items["opt_state"])
+  if len(leaves) != treedef.num_leaves:
+    raise RuntimeError(
+      f"jax_ssdtrain.maxtext: MaxText's opt_state has {len(leaves)} leaves, the OffloadedState "
+      f"that the optimizer in our store made {treedef.num_leaves}: this MaxText changed how it "
+      "keeps the optimizer state"
+    )
+  state = treedef.unflatten(leaves)
+  assert isinstance(state, OffloadedState), type(state)
+  return {**items, "opt_state": np.zeros((), np.int8)}, state
+
+
+def _leaves_like(abstract, state):
+  """``state``'s leaves in the structure of ``abstract`` (MaxText's opt_state), each placed as
+  its ``abstract`` leaf is (MaxText's shardings of the train state)."""
+  out = []
+  for x, like in zip(jax.tree.leaves(state), jax.tree.leaves(abstract), strict=True):
+    sharding = getattr(like, "sharding", None)
+    out.append(jax.device_put(x, sharding) if sharding is not None else x)
+  return jax.tree.unflatten(jax.tree.structure(abstract), out)
+
+
+class _StateCheckpointable:
+  """An Orbax v1 ``StatefulCheckpointable`` (as MaxText's grain iterator is one): ``save`` writes
+  ``state`` with jax_ssdtrain.checkpointing's OptimizerStateHandler, ``load`` restores into
+  ``state``'s layout (then ``state`` is the restored OffloadedState)."""
+
+  def __init__(self, state):
+    self.state = state
+
+  async def save(self, directory):
+    import jax_ssdtrain.checkpointing as checkpointing  # needs orbax (optional), as MaxText does
+
+    async def write():
+      path = await directory.await_creation()
+      args = checkpointing.OptimizerStateSave([self.state])
+      await asyncio.to_thread(checkpointing.OptimizerStateHandler().save, path, args)
+
+    return write()
+
+  async def load(self, directory):
+    import jax_ssdtrain.checkpointing as checkpointing  # needs orbax (optional), as MaxText does
+
+    async def read():
+      args = checkpointing.OptimizerStateRestore([self.state])
+      (self.state,) = await asyncio.to_thread(
+        checkpointing.OptimizerStateHandler().restore, directory, args
+      )
+
+    return read()
 
 
 def _param_shardings(config, mesh, construct):

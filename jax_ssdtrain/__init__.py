@@ -94,11 +94,16 @@ from jax_ssdtrain._src.config import (
   defaults as default_config,
 )
 from jax_ssdtrain._src.layer_stream import (
+  StreamedOptState,
   StreamedStack,
+  apply_device_update,
+  apply_streamed_update,
   init_streamed,
+  init_streamed_optimizer,
   map_stack,
   stack_from_tree,
   stack_to_tree,
+  streamed_global_norm,
   value_and_grad_streamed,
 )
 from jax_ssdtrain._src.location import Location
@@ -143,9 +148,12 @@ __version__ = "0.1.0"
 
 __all__ = [
   "accumulate_gradients",
+  "apply_device_update",
   "apply_gradients",
+  "apply_streamed_update",
   "HigherOrderOffloadError",
   "init_streamed",
+  "init_streamed_optimizer",
   "Location",
   "MasterWeightsState",
   "OffloadedState",
@@ -186,7 +194,9 @@ __all__ = [
   "state_from_host",
   "state_to_host",
   "stats",
+  "StreamedOptState",
   "StreamedStack",
+  "streamed_global_norm",
   "store_directories",
   "TagProfile",
   "value_and_grad_streamed",

@@ -426,3 +426,248 @@ def test_failed_write_leaves_the_last_sum(tmp_path):
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"host tier full.*layer_stream\.grad_sum"):
       jax.block_until_ready(step(ep, stack, hp, second, sums))
     _assert_bitwise(jax.tree.map(np.asarray, ssd.stack_to_tree(sums[1])), before)
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer update, layer by layer (init_streamed_optimizer, apply_streamed_update)
+
+
+def _tx(name):
+  import optax  # the demo extra, as the tests of the optimizer
+
+  if name == "adam":
+    return optax.adam(1e-2)
+  if name in ("adamw_schedule", "clip_adamw"):
+    return optax.adamw(optax.linear_schedule(2e-2, 5e-3, 3), weight_decay=0.1)
+  if name == "sgd_momentum":
+    return optax.sgd(0.05, momentum=0.9, nesterov=True)
+  raise ValueError(name)
+
+
+_TXS = {}  # one tx per name: the update compiles once per (tx, layout)
+_TRAINS = {}
+
+
+@functools.cache
+def _micro_step(in_place):
+  return jax.jit(ssd.value_and_grad_streamed(_embed, _block, _head, in_place=in_place))
+
+
+def _train(location, name, dtype=jnp.float32, layers=3, steps=2, micro=2, in_place=False):
+  """A whole training loop: ``steps`` updates of ``micro`` micro-batches each, the stack's
+  parameters, gradient sums and optimizer state (master copy included) in the store, the
+  embedding and head updated on the device with the same tx (one global norm where clipped).
+  Returns per step the sums the update consumed and the parameters after it (NumPy)."""
+  key = (location, name, jnp.dtype(dtype).name, layers, steps, micro, in_place)
+  if key in _TRAINS:
+    return _TRAINS[key]
+  tx = _TXS.setdefault(name, _tx(name))
+  clip = 0.5 if name.startswith("clip") else None
+  stack = ssd.init_streamed(
+    lambda k: _init_layer(k, dtype), jax.random.key(0), layers, location=location
+  )
+  tx_state = ssd.init_streamed_optimizer(tx, stack)
+  ep, hp = _side(dtype)
+  side_state = tx.init((ep, hp))
+  micro_step = _micro_step(in_place)
+
+  @jax.jit
+  def update(stack, sums, tx_state, side, side_state):
+    scale = 1.0 / micro
+    norm = None
+    if clip is not None:
+      norm = ssd.streamed_global_norm(sums[1], (sums[0], sums[2]), scale=scale)
+    stack, tx_state = ssd.apply_streamed_update(
+      tx,
+      stack,
+      sums[1],
+      tx_state,
+      scale=scale,
+      clip_global_norm=clip,
+      global_norm=norm,
+      in_place=in_place,
+    )
+    side, side_state = ssd.apply_device_update(
+      tx,
+      side,
+      (sums[0], sums[2]),
+      side_state,
+      scale=scale,
+      clip_global_norm=clip,
+      global_norm=norm,
+    )
+    return stack, tx_state, side, side_state
+
+  out = {"params0": ssd.stack_to_tree(stack), "sums": [], "params": [], "master": [], "side": []}
+  batches = _batches(steps * micro)
+  for s in range(steps):
+    sums = None
+    for b in batches[s * micro : (s + 1) * micro]:
+      _, sums = micro_step(ep, stack, hp, b, sums)
+    out["sums"].append((sums[0], ssd.stack_to_tree(sums[1]), sums[2]))
+    stack, tx_state, (ep, hp), side_state = update(stack, sums, tx_state, (ep, hp), side_state)
+    out["params"].append(ssd.stack_to_tree(stack))
+    per = ssd.stack_to_tree(tx_state.per_layer)
+    out["master"].append(per.get("master"))
+    out["side"].append((ep, hp))
+  out["shared"] = tx_state.shared
+  out["side_shared"] = [x for x in jax.tree.leaves(side_state) if np.ndim(x) == 0]
+  _TRAINS[key] = jax.tree.map(np.asarray, out)
+  return _TRAINS[key]
+
+
+def _optax_reference(got, name, micro=2, dtype=jnp.float32):
+  """Plain optax on the whole model's tree ({embed, stack, head}, the stack stacked), from the
+  same initial parameters and with the same gradient sums at each step: mean, cast to the
+  parameters' dtype, ``chain(clip_by_global_norm, tx)`` where clipped; bfloat16 parameters
+  through a float32 master copy (the parameters: its rounding)."""
+  import optax  # the demo extra
+
+  tx = _tx(name)
+  clip = name.startswith("clip")
+  if clip and dtype == jnp.float32:
+    tx = optax.chain(optax.clip_by_global_norm(0.5), tx)
+  ep, hp = _side(dtype)
+  params = {"embed": ep, "stack": got["params0"], "head": hp}
+  master = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  state = tx.init(master)
+  out = []
+
+  @jax.jit  # XLA's arithmetic, as the stream's (op by op, bfloat16's g**2 would round first)
+  def update(sums, params, master, state):
+    grads = jax.tree.map(lambda s, p: (s / micro).astype(jnp.asarray(p).dtype), sums, params)
+    if clip and dtype != jnp.float32:
+      # The stream's norm is of the float32 mean, optax's of the bfloat16 gradients (their
+      # rounding: 6e-5 apart in the master copy after one step); optax's clipping arithmetic.
+      norm = optax.tree.norm(jax.tree.map(lambda s: s / micro, sums))
+      grads = jax.tree.map(
+        lambda g: jnp.where(norm < 0.5, g, g / norm.astype(g.dtype) * 0.5), grads
+      )
+    updates, state = tx.update(grads, state, master)
+    master = optax.apply_updates(master, updates)
+    params = jax.tree.map(lambda m, p: m.astype(jnp.asarray(p).dtype), master, params)
+    return params, master, state
+
+  for embed_sum, stack_sum, head_sum in got["sums"]:
+    sums = {"embed": embed_sum, "stack": stack_sum, "head": head_sum}
+    params, master, state = update(sums, params, master, state)
+    out.append((params, master))
+  return out, state
+
+
+@pytest.mark.parametrize("location", ["host", pytest.param("nvme", marks=pytest.mark.slow)])
+def test_update_store_equals_device_bit_for_bit(store, location):
+  # bfloat16 parameters with float32 master weights, adamw with a schedule and the whole
+  # model's gradients clipped by one global norm: 2 steps of 2 micro-batches. Every sum,
+  # parameter, master copy and count equals the device reference's.
+  got = _train(location, "clip_adamw", jnp.bfloat16)
+  _assert_bitwise(got, _train("device", "clip_adamw", jnp.bfloat16))
+  assert got["params"][-1]["scale"].dtype == jnp.bfloat16
+  assert got["master"][-1]["scale"].dtype == np.float32
+
+
+@pytest.mark.parametrize(
+  "name",  # clip_adamw: adamw with a schedule, clipped by the whole model's norm
+  ["adam", "clip_adamw"]
+  + [pytest.param(n, marks=pytest.mark.slow) for n in ["adamw_schedule", "sgd_momentum"]],
+)
+def test_update_equals_optax_on_the_whole_tree(store, name):
+  # float32: the layer-by-layer update (and the embedding's and head's on the device) against
+  # optax's on the whole model's tree with the same gradients; the step counts advance once a
+  # step for the whole stack, as optax's.
+  got = _train("host", name)
+  want, state = _optax_reference(got, name)
+  tol = dict(rtol=2e-6, atol=1e-7)
+  for step, (params, _) in enumerate(want):
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, **tol), got["params"][step], params["stack"]
+    )
+    np.testing.assert_allclose(got["side"][step][0], params["embed"], **tol)
+    np.testing.assert_allclose(got["side"][step][1], params["head"], **tol)
+    assert got["master"][step] is None  # float32 parameters: no master copy
+  counts = [int(x) for x in jax.tree.leaves(state) if np.ndim(x) == 0]
+  assert [int(x) for x in got["shared"]] == counts == [2] * len(counts)
+  assert [int(x) for x in got["side_shared"]] == counts
+
+
+def test_master_weights_equal_optax_on_the_whole_tree(store):
+  # bfloat16 parameters: the master copy (float32) equals optax's on a float32 master tree
+  # given the same bfloat16 mean gradients (jitted: XLA's arithmetic in both; clipped by the
+  # float32 mean's norm); the parameters are the master copy's rounding, exactly.
+  got = _train("device", "clip_adamw", jnp.bfloat16)  # the store's, bit for bit
+  want, _ = _optax_reference(got, "clip_adamw", dtype=jnp.bfloat16)
+  for step, (_, master) in enumerate(want):
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+      got["master"][step],
+      master["stack"],
+    )
+    rounded = jax.tree.map(
+      lambda m: np.asarray(jnp.asarray(m).astype(jnp.bfloat16)), got["master"][step]
+    )
+    _assert_bitwise(got["params"][step], rounded)
+
+
+def test_update_refuses_what_needs_more_than_one_layer(store):
+  import optax  # the demo extra
+
+  stack = ssd.init_streamed(_init_layer, jax.random.key(0), 2)
+  clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+  with pytest.raises(ValueError, match=r"reduce_sum.*clip_by_global_norm.*clip_global_norm="):
+    ssd.init_streamed_optimizer(clipped, stack)
+  with pytest.raises(ValueError, match="trust ratio"):
+    ssd.init_streamed_optimizer(optax.lamb(1e-3), stack)
+  tx = _TXS.setdefault("adam", _tx("adam"))
+  state = ssd.init_streamed_optimizer(tx, stack)
+  # mu and nu of the 3 leaves per layer; the count shared (on the device, once)
+  assert not state.master_weights and state.spec.per_layer == (False,) + (True,) * 6
+  _, sums = jax.jit(ssd.value_and_grad_streamed(_embed, _block, _head))(
+    *_side()[:1], stack, _side()[1], _batches(1)[0]
+  )
+  with pytest.raises(ValueError, match="clip_global_norm"):
+    ssd.apply_streamed_update(clipped, stack, sums[1], state)
+  with pytest.raises(ValueError, match="tx_state: made for another stack"):
+    other = ssd.init_streamed(_init_layer, jax.random.key(0), 3)
+    ssd.apply_streamed_update(tx, other, sums[1], state)
+  with pytest.raises(TypeError, match="tx_state: expected the StreamedOptState"):
+    ssd.apply_streamed_update(tx, stack, sums[1], tx.init(_vmap_init(2)))
+  with pytest.raises(ValueError, match="global_norm: given without clip_global_norm"):
+    ssd.apply_streamed_update(tx, stack, sums[1], state, global_norm=1.0)
+  with pytest.raises(ValueError, match="stack_sum: a sum of 3 layers"):
+    ssd.apply_streamed_update(tx, stack, other, state)
+  with pytest.raises(ValueError, match="master_weights: expected True or False"):
+    ssd.init_streamed_optimizer(tx, stack, master_weights=1)
+
+
+def test_update_in_place(store):
+  # in_place: the update's loads of the old sum and state (and, without master weights, the
+  # parameters) are their entries' last; the results are the device reference's, bit for bit.
+  got = _train("host", "adam", in_place=True, steps=1)
+  _assert_bitwise(got, _train("device", "adam", steps=1))
+
+
+def _update_memory(location, layers):
+  stack = jax.eval_shape(
+    lambda k: ssd.init_streamed(_wide_layer, k, layers, location=location), jax.random.key(0)
+  )
+  tx = _TXS.setdefault("adam", _tx("adam"))
+  state = jax.eval_shape(lambda s: ssd.init_streamed_optimizer(tx, s), stack)
+  sums = jax.eval_shape(lambda s: ssd.map_stack(lambda p: p, s, kind="grad_sum"), stack)
+  update = jax.jit(
+    lambda st, su, o: ssd.apply_streamed_update(tx, st, su, o, scale=0.5, clip_global_norm=1.0)
+  )
+  return stack, update.lower(stack, sums, state).compile().memory_analysis()
+
+
+def test_compiled_update_holds_no_whole_stack(store):
+  # 24 layers of 256.5 KiB (float32, Adam: 2 moments a parameter): the parameters, their sum and
+  # the state are 24 MiB in all; the update (a pass for the global norm, then the update read
+  # ahead a layer) holds a few layers (XLA:CPU: 2.3 KB of arguments, 1.45 MB of temporaries,
+  # 1.8 KB of results; the device reference 25.2 MB of arguments, 18.9 MB of results).
+  stack, memory = _update_memory("host", 24)
+  layer = stack.nbytes // stack.num_layers
+  held = memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
+  assert memory.argument_size_in_bytes < layer
+  assert held < 8 * layer, (held, layer)
+  _, ref = _update_memory("device", 24)
+  assert ref.argument_size_in_bytes > 4 * stack.nbytes

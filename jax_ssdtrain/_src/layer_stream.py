@@ -28,6 +28,13 @@ the device holds a window of layers, never the whole stack's parameters or gradi
   path (new bfloat16 parameters from the old ones and the gradient sum, written straight back to
   the store); :func:`stack_to_tree` loads a whole stack (tests, small models, the optimizer's
   consumption until it streams them itself).
+* :func:`init_streamed_optimizer` and :func:`apply_streamed_update`: an optax transformation's
+  update of the stack, layer by layer (a ``lax.scan`` read ahead one layer), with the state's
+  per-parameter leaves and the float32 master copy stored per layer where the stack lives and
+  its shared scalars (the step count) once on the device; :func:`streamed_global_norm` (a pass
+  of loads and reductions) for global-norm clipping, which ``tx`` itself cannot do per layer
+  (refused, by tracing ``tx.update`` of one layer for reductions); :func:`apply_device_update`
+  for the embedding's and head's parameters with ``tx``'s ordinary state.
 
 Where the sum is added: on the device, which reads the old sum back, adds the layer's gradient
 and stores the new sum beside the old one. The alternative, the host's cores adding each arriving
@@ -268,18 +275,19 @@ def _chain_loads() -> bool:
   return jax.default_backend() == "cpu"
 
 
-def _load_layer(stack: StreamedStack, i: Any, consume: bool = False) -> Any:
+def _load_layer(stack: StreamedStack, i: Any, consume: bool = False, after: Any = ()) -> Any:
   """Layer ``i``'s tree (``i`` an int or a traced scalar); ``consume``: the loads are their
-  entries' last (the engine releases each once its bytes are copied)."""
+  entries' last (the engine releases each once its bytes are copied); ``after``: arrays the
+  first load waits for (in the store; not read)."""
   lay = stack.layout
   leaves = jax.tree.leaves(stack.handles)
-  out, before = [], []
+  out, before = [], [a for a in after if a is not None]
   for leaf, path, shape, dtype, site in zip(leaves, lay.paths, lay.shapes, lay.dtypes, lay.sites):
     row = jax.lax.dynamic_index_in_dim(leaf, i, axis=0, keepdims=False)
     if lay.on_device:  # a copy where the store has a load (see primitives.opaque_copy)
       out.append(opaque_copy(row))
       continue
-    if before and _chain_loads():
+    if before and (_chain_loads() or not out):
       row = opaque_copy(row, *before, effect=False)
     aval = jax.core.ShapedArray(shape, dtype)
     name = f"layer_stream.{lay.kind}{path}"
@@ -627,3 +635,486 @@ def _check_sums(sums: Any, sum_lay: _Layout, embed_params: Any, head_params: Any
     ):
       raise ValueError(f"{what}: its tree or shapes differ from the parameters it sums")
   return embed_sum, stack_sum, head_sum
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer update, layer by layer
+
+# Primitives that combine the elements of an array (over more than one element, a number that
+# one layer's update cannot compute from that layer alone).
+_MIXING = frozenset(
+  {
+    "reduce_sum",
+    "reduce_max",
+    "reduce_min",
+    "reduce_prod",
+    "reduce_and",
+    "reduce_or",
+    "reduce_xor",
+    "reduce",
+    "argmax",
+    "argmin",
+    "dot_general",
+    "cumsum",
+    "cumprod",
+    "cummax",
+    "cummin",
+    "cumlogsumexp",
+    "sort",
+    "top_k",
+    "conv_general_dilated",
+    "fft",
+  }
+)
+_PROBE_LAYERS = 3  # the stacked probe of tx.init that tells per-parameter leaves from shared ones
+
+
+@dataclasses.dataclass(frozen=True)
+class _OptSpec:
+  """How a streamed optimizer state is made (static: the pytree's auxiliary data)."""
+
+  treedef: Any  # of tx.init(one layer)'s state
+  per_layer: tuple[bool, ...]  # per state leaf: stored per layer (else shared, on the device)
+  master: bool  # a float32 master copy of the parameters is stored with the state
+  params: tuple  # the stack's (treedef, shapes, dtypes, num_layers, location)
+
+
+def _params_key(lay: _Layout) -> tuple:
+  return (lay.treedef, lay.shapes, lay.dtypes, lay.num_layers, lay.location)
+
+
+@jax.tree_util.register_pytree_node_class
+class StreamedOptState:
+  """An optax state of a :class:`StreamedStack`, made by :func:`init_streamed_optimizer`.
+
+  ``per_layer``: a :class:`StreamedStack` (where the parameters live) of each layer's
+  per-parameter state leaves (Adam's moments, momentum, ...) and, with master weights, the
+  layer's float32 master copy (``per_layer`` layer tree ``{"master": ..., "state": [...]}``).
+  ``shared``: the state's small leaves, one for the whole stack, on the device (a step count,
+  a schedule's count, injected hyperparameters). A pytree: pass it to ``jax.jit`` and donate it.
+  """
+
+  def __init__(self, per_layer: StreamedStack, shared: tuple, spec: _OptSpec):
+    self.per_layer = per_layer
+    self.shared = tuple(shared)
+    self.spec = spec
+
+  def tree_flatten(self):
+    return (self.per_layer, self.shared), self.spec
+
+  @classmethod
+  def tree_unflatten(cls, spec, children):
+    return cls(children[0], children[1], spec)
+
+  @property
+  def master_weights(self) -> bool:
+    return self.spec.master
+
+  def layer_state(self, per_layer_leaves: list[Any]) -> Any:
+    """One layer's optax state from its per-layer leaves and the shared ones."""
+    per, shared = iter(per_layer_leaves), iter(self.shared)
+    leaves = [next(per) if p else next(shared) for p in self.spec.per_layer]
+    return jax.tree.unflatten(self.spec.treedef, leaves)
+
+  def __repr__(self) -> str:
+    return (
+      f"StreamedOptState({len(self.spec.per_layer)} state leaves, "
+      f"{sum(self.spec.per_layer)} per layer, master_weights={self.spec.master}, "
+      f"{self.per_layer!r})"
+    )
+
+
+def _check_tx(tx: Any) -> None:
+  if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+    raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")
+
+
+def _opt_params(lay: _Layout, master: bool) -> Any:
+  """One layer's tree that ``tx`` updates: the parameters, or their float32 master copy."""
+  if not master:
+    return lay.layer_struct()
+  leaves = [
+    jax.ShapeDtypeStruct(s, np.float32 if jnp.issubdtype(d, jnp.floating) else d)
+    for s, d in zip(lay.shapes, lay.dtypes)
+  ]
+  return jax.tree.unflatten(lay.treedef, leaves)
+
+
+def _mixing_eqns(jaxpr: Any, found: list) -> None:
+  """Equations of ``jaxpr`` (and the jaxprs inside it) that combine the elements of an array
+  of more than one element."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in _MIXING:
+      sizes = [int(np.prod(getattr(v.aval, "shape", ()))) for v in eqn.invars]
+      if max(sizes, default=0) > 1:
+        found.append((eqn.primitive.name, [tuple(v.aval.shape) for v in eqn.invars]))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          _mixing_eqns(inner, found)
+
+
+_SPECS: dict = {}  # (tx, layout, master) -> _OptSpec: tracing tx.update once per optimizer
+
+
+def _opt_spec(tx: Any, lay: _Layout, master: bool) -> _OptSpec:
+  try:
+    key = (tx, _params_key(lay), master)
+    hash(key)
+  except TypeError:
+    return _make_opt_spec(tx, lay, master)
+  if key not in _SPECS:
+    _SPECS[key] = _make_opt_spec(tx, lay, master)
+  return _SPECS[key]
+
+
+def _make_opt_spec(tx: Any, lay: _Layout, master: bool) -> _OptSpec:
+  """Which leaves of ``tx``'s state are per parameter, once ``tx`` is checked to update each
+  parameter from its own gradient, state and value and shared scalars only (else a ValueError
+  naming the cause)."""
+  params = _opt_params(lay, master)
+  one = jax.eval_shape(tx.init, params)
+  stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((_PROBE_LAYERS, *s.shape), s.dtype), params)
+  many = jax.eval_shape(tx.init, stacked)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(one)
+  flat_many, treedef_many = jax.tree_util.tree_flatten(many)
+  if treedef != treedef_many:
+    raise ValueError(
+      "tx: its state's structure depends on the parameters' shapes (a per-tensor "
+      "transformation such as Adafactor's factored moments), which a layer-by-layer update "
+      "cannot keep per layer"
+    )
+  per_layer = []
+  for (path, a), b in zip(flat, flat_many):
+    name = jax.tree_util.keystr(path) or "<root>"
+    if tuple(b.shape) == tuple(a.shape):
+      per_layer.append(False)
+    elif tuple(b.shape) == (_PROBE_LAYERS, *a.shape):
+      per_layer.append(True)
+    else:
+      raise ValueError(
+        f"tx: state leaf {name} ({a.dtype}{list(a.shape)} for one layer) is neither per "
+        "parameter nor shared by all of them (a per-tensor transformation, such as Adafactor's "
+        "factored moments): a layer-by-layer update cannot keep it per layer"
+      )
+  grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), lay.layer_struct())
+  try:
+    jaxpr = jax.make_jaxpr(lambda g, st, p: tx.update(g, st, p))(grads, one, params)
+  except TypeError as err:
+    raise ValueError(f"tx: its update of one layer's gradients does not trace: {err}") from err
+  found: list = []
+  _mixing_eqns(jaxpr.jaxpr, found)
+  if found:
+    prim, shapes = found[0]
+    raise ValueError(
+      f"tx: its update combines the elements of the gradients or parameters ({prim} over "
+      f"{', '.join(str(list(s)) for s in shapes)}; {len(found)} such operation(s)), a number "
+      "over all the parameters (optax.clip_by_global_norm's norm) or over a tensor (a trust "
+      "ratio, Adafactor's factored moments) that a layer-by-layer update cannot compute from "
+      "one layer. Only transformations that update each parameter from its own gradient, state "
+      "and value and shared scalars stream exactly (adam, adamw, sgd, lion, rmsprop, schedules). "
+      "For global-norm clipping, remove optax.clip_by_global_norm from tx and pass "
+      "clip_global_norm=max_norm to apply_streamed_update (it computes the norm over the stack "
+      "first, layer by layer)"
+    )
+  return _OptSpec(treedef, tuple(per_layer), master, _params_key(lay))
+
+
+def _opt_layout(spec: _OptSpec, lay: _Layout, one_state: Any) -> _Layout:
+  leaves = jax.tree.leaves(one_state)
+  layer = {"state": [x for x, p in zip(leaves, spec.per_layer) if p]}
+  if spec.master:
+    layer["master"] = _opt_params(lay, True)
+  return _make_layout(layer, lay.num_layers, lay.location, "opt_state", "tx's state")
+
+
+def init_streamed_optimizer(
+  tx: Any, stack: StreamedStack, *, master_weights: bool | None = None
+) -> StreamedOptState:
+  """The optax state of ``tx`` for a streamed stack, made layer by layer where it lives.
+
+  Each layer's state is ``tx.init`` of that layer's parameters (with ``master_weights``, of
+  their float32 master copy, which is stored per layer with the state); its per-parameter
+  leaves (Adam's moments, ...) are stored per layer, as a :class:`StreamedStack`'s, and its
+  small shared leaves (a step count, a schedule's) are kept once, on the device: one count for
+  the whole stack, as optax keeps for a whole tree. ``master_weights``: ``None`` (default) keeps
+  a master copy where the stack has floating-point leaves narrower than float32 (bfloat16).
+  Initialise the stack in float32 to start the master copy from full-precision values, then
+  cast it (``map_stack(lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p), stack,
+  kind="params")``): the update writes the parameters as the master copy in their dtype.
+
+  ``tx`` must update each parameter from its own gradient, state and value and shared scalars
+  (adam, adamw, sgd with momentum, lion, rmsprop, with schedules); one that needs a number over
+  all the parameters or a tensor (``clip_by_global_norm``, trust ratios, Adafactor) is refused
+  with the cause (global-norm clipping: ``apply_streamed_update(clip_global_norm=...)``).
+  Pure: ``jax.eval_shape`` of it gives the state's structure.
+  """
+  _check_tx(tx)
+  lay = _check_stack(stack, "stack")
+  if master_weights is None:
+    master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
+  _check_bool(master_weights, "master_weights")
+  spec = _opt_spec(tx, lay, master_weights)
+  return _opt_init_jit(tx, spec, stack)
+
+
+@jax.jit(static_argnums=(0, 1))
+def _opt_init_jit(tx, spec, stack):
+  lay = stack.layout
+  one = jax.eval_shape(tx.init, _opt_params(lay, spec.master))
+  per_lay = _opt_layout(spec, lay, one)
+
+  def layer_state(i):
+    p = _load_layer(stack, i)
+    if spec.master:
+      p = jax.tree.map(lambda x, s: x.astype(s.dtype), p, _opt_params(lay, True))
+    leaves = jax.tree.leaves(tx.init(p))
+    out = {"state": [x for x, k in zip(leaves, spec.per_layer) if k]}
+    if spec.master:
+      out["master"] = p
+    return out
+
+  per = _scan_layers(per_lay, layer_state)
+  zeros = _zeros(_opt_params(lay, spec.master))  # one layer (its per-layer leaves unused)
+  shared = [x for x, k in zip(jax.tree.leaves(tx.init(zeros)), spec.per_layer) if not k]
+  return StreamedOptState(per, tuple(shared), spec)
+
+
+def _zeros(struct: Any) -> Any:
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), struct)
+
+
+def _check_opt_state(state: Any, lay: _Layout) -> _OptSpec:
+  if not isinstance(state, StreamedOptState):
+    raise TypeError(
+      f"tx_state: expected the StreamedOptState that init_streamed_optimizer made, got "
+      f"{type(state).__name__}"
+    )
+  if state.spec.params != _params_key(lay):
+    raise ValueError(
+      "tx_state: made for another stack (its layers' structure, shapes, dtypes, depth or "
+      "location differ from this stack's)"
+    )
+  _check_stack(state.per_layer, "tx_state.per_layer")
+  return state.spec
+
+
+def _check_scalar(value: Any, what: str) -> Any:
+  if value is None:
+    return None
+  if jnp.ndim(value) != 0:
+    raise ValueError(f"{what}: expected a scalar, got shape {list(jnp.shape(value))}")
+  return jnp.asarray(value, jnp.float32)
+
+
+def _sum_of_squares(stack_sum: StreamedStack, scale: Any) -> Any:
+  """The sum over all layers and leaves of ``(x * scale)**2`` in float32: a scan of loads and
+  reductions (one layer on the device)."""
+
+  def body(acc, i):
+    leaves = jax.tree.leaves(_load_layer(stack_sum, i))
+    for x in leaves:
+      acc = acc + jnp.sum(jnp.square(x.astype(jnp.float32) * scale))
+    return acc, None
+
+  rows = jnp.arange(stack_sum.num_layers, dtype=jnp.int32)
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), rows)
+  return total
+
+
+def streamed_global_norm(stack_sum: StreamedStack, side_sums: Any = None, *, scale: Any = 1.0):
+  """The global L2 norm of the mean gradients ``scale * sum`` (float32): of a streamed stack's
+  gradient sum, computed layer by layer (one pass of loads and reductions), and of
+  ``side_sums`` (a pytree on the device: the embedding's and head's sums) with it. Pass it as
+  ``global_norm`` to :func:`apply_streamed_update` and :func:`apply_device_update` to clip the
+  whole model's gradients by one norm, as ``optax.clip_by_global_norm`` on the whole tree."""
+  _check_stack(stack_sum, "stack_sum")
+  return _global_norm_jit(stack_sum, side_sums, _check_scalar(scale, "scale"))
+
+
+@jax.jit
+def _global_norm_jit(stack_sum, side_sums, scale):
+  total = _sum_of_squares(stack_sum, scale)
+  for x in jax.tree.leaves(side_sums):
+    total = total + jnp.sum(jnp.square(jnp.asarray(x).astype(jnp.float32) * scale))
+  return jnp.sqrt(total)
+
+
+def _mean_grad(s: Any, like_dtype: Any, scale: Any) -> Any:
+  """A sum's mean (``s * scale`` in the sum's dtype) cast to the parameter's dtype (as
+  ``optax.MultiSteps`` and :func:`jax_ssdtrain.accumulate_gradients` hand ``tx`` the mean)."""
+  s = jnp.asarray(s)
+  return (s * scale.astype(s.dtype)).astype(like_dtype)
+
+
+def _clip(g: Any, norm: Any, max_norm: Any) -> Any:
+  """``optax.clip_by_global_norm``'s arithmetic given the norm."""
+  return jax.tree.map(
+    lambda t: jnp.where(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm.astype(t.dtype)),
+    g,
+  )
+
+
+def apply_streamed_update(
+  tx: Any,
+  stack: StreamedStack,
+  stack_sum: StreamedStack,
+  tx_state: StreamedOptState,
+  *,
+  scale: Any = 1.0,
+  clip_global_norm: Any = None,
+  global_norm: Any = None,
+  in_place: bool = False,
+):
+  """``tx``'s update of a streamed stack, layer by layer: returns ``(new_stack, new_tx_state)``.
+
+  A ``lax.scan`` over the layers loads layer ``i``'s gradient sum, its optimizer state and master
+  copy (or, without master weights, its parameters) while layer ``i - 1`` updates (read ahead
+  one layer, as the forward pass); the mean ``sum * scale`` (``scale = 1 / k`` after ``k``
+  micro-batches) is cast to the parameters' dtype (as ``optax.MultiSteps`` and
+  :func:`jax_ssdtrain.accumulate_gradients` do), ``tx.update`` and ``optax.apply_updates`` run on
+  that layer, and the new state, master copy and parameters (the master copy in the
+  parameters' dtype) are stored where the stack lives. The device holds two layers. The shared
+  leaves of the state (the step count) advance once for the whole stack. Call it under
+  ``jax.jit`` or not; donate the old stack, sum and state.
+
+  ``clip_global_norm``: clip the mean gradients to this global norm as
+  ``optax.clip_by_global_norm`` does (keep it out of ``tx``): the norm is ``global_norm`` where
+  given (:func:`streamed_global_norm` of the stack's sum and the embedding's and head's: the
+  whole model's), else the stack's own, computed first in a pass of loads and reductions.
+
+  ``in_place``: the loads of the old sum, state and master copy (without master weights, of the
+  parameters) are their entries' last, so that the store holds one version of each; an update
+  that fails part way then leaves no consistent state (see :func:`map_stack`). With master
+  weights the old parameters are not read: sweeps release them once no array holds their
+  handles (donate the stack). The results equal the same update with ``location="device"`` bit
+  for bit, and ``tx`` applied to the whole stacked tree within XLA's reassociation.
+  """
+  _check_tx(tx)
+  _check_bool(in_place, "in_place")
+  lay = _check_stack(stack, "stack")
+  spec = _check_opt_state(tx_state, lay)
+  if _opt_spec(tx, lay, spec.master) != spec:
+    raise ValueError(
+      "tx: its state differs from tx_state's (init_streamed_optimizer of another tx)"
+    )
+  sum_lay = _check_stack(stack_sum, "stack_sum")
+  if (sum_lay.treedef, sum_lay.shapes, sum_lay.num_layers, sum_lay.location) != (
+    lay.treedef,
+    lay.shapes,
+    lay.num_layers,
+    lay.location,
+  ):
+    raise ValueError(
+      f"stack_sum: a sum of {sum_lay.num_layers} layers at {sum_lay.location.value!r} whose "
+      f"leaves or shapes differ from the stack's ({lay.num_layers} layers at "
+      f"{lay.location.value!r})"
+    )
+  scale = _check_scalar(scale, "scale")
+  max_norm = _check_scalar(clip_global_norm, "clip_global_norm")
+  norm = _check_scalar(global_norm, "global_norm")
+  if norm is not None and max_norm is None:
+    raise ValueError("global_norm: given without clip_global_norm")
+  return _update_jit(tx, in_place, stack, stack_sum, tx_state, scale, max_norm, norm)
+
+
+@jax.jit(static_argnums=(0, 1))
+def _update_jit(tx, in_place, stack, stack_sum, state, scale, max_norm, norm):
+  import optax  # an optional dependency (the demo extra): needed only by the update
+
+  spec, lay, per = state.spec, stack.layout, state.per_layer
+  if max_norm is not None and norm is None:
+    norm = jnp.sqrt(_sum_of_squares(stack_sum, scale))
+
+  def last_of(tree):
+    leaves = [x for x in jax.tree.leaves(tree) if x.size]
+    return leaves[-1].reshape(-1)[:1] if leaves and _chain_loads() else None
+
+  def load(i):
+    # sum, state (and master copy), parameters: chained (one read order); all after the norm's
+    # loads (in_place consumes the sum)
+    s = _load_layer(stack_sum, i, consume=in_place, after=[norm])
+    st = _load_layer(per, i, consume=in_place, after=[last_of(s)])
+    p = None if spec.master else _load_layer(stack, i, consume=in_place, after=[last_of(st)])
+    return s, st, p
+
+  dtypes = jax.tree.unflatten(lay.treedef, list(lay.dtypes))
+
+  def compute(loaded):
+    s, st, p = loaded
+    params = st["master"] if spec.master else p
+    g = jax.tree.map(lambda x, d: _mean_grad(x, d, scale), s, dtypes)
+    if max_norm is not None:
+      g = _clip(g, norm, max_norm)
+    updates, new = tx.update(g, state.layer_state(st["state"]), params)
+    new_params = optax.apply_updates(params, updates)
+    leaves = jax.tree.leaves(new)
+    if len(leaves) != len(spec.per_layer):
+      raise ValueError("tx: its update changed the state's structure")
+    out = {"state": [x for x, k in zip(leaves, spec.per_layer) if k]}
+    shared = tuple(x for x, k in zip(leaves, spec.per_layer) if not k)
+    if spec.master:
+      out["master"] = new_params
+      new_params = jax.tree.map(lambda m, d: m.astype(d), new_params, dtypes)
+    return new_params, out, shared
+
+  parts_p, parts_st = [], []
+  loaded = load(0)
+  if lay.num_layers > 1:
+
+    def body(cur, i):
+      nxt = load(i + 1)
+      new_p, new_st, _ = compute(cur)
+      return nxt, (_store_layer(lay, new_p), _store_layer(per.layout, new_st))
+
+    rows = jnp.arange(lay.num_layers - 1, dtype=jnp.int32)
+    loaded, (rows_p, rows_st) = jax.lax.scan(body, loaded, rows)
+    parts_p.append(rows_p)
+    parts_st.append(rows_st)
+  new_p, new_st, shared = compute(loaded)
+  parts_p.append([h[None] for h in _store_layer(lay, new_p)])
+  parts_st.append([h[None] for h in _store_layer(per.layout, new_st)])
+  for old, new in zip(state.shared, shared):
+    if jnp.shape(old) != jnp.shape(new) or jnp.result_type(old) != jnp.result_type(new):
+      raise ValueError("tx: its update changed a shared state leaf's shape or dtype")
+  new_state = StreamedOptState(_stacked(per.layout, parts_st), shared, spec)
+  return _stacked(lay, parts_p), new_state
+
+
+def apply_device_update(
+  tx: Any,
+  params: Any,
+  sums: Any,
+  state: Any,
+  *,
+  scale: Any = 1.0,
+  clip_global_norm: Any = None,
+  global_norm: Any = None,
+):
+  """The same update of parameters on the device (the embedding's and head's), with
+  ``tx``'s ordinary state (``tx.init(params)``): the mean ``sums * scale`` cast to each
+  parameter's dtype, clipped as :func:`apply_streamed_update` clips (``global_norm``: the whole
+  model's, from :func:`streamed_global_norm`; else these sums' own), ``tx.update`` and
+  ``optax.apply_updates``. Returns ``(new_params, new_state)``. Called once per update with the
+  streamed stack's, its step count advances with the stack's (both start at 0)."""
+  import optax  # an optional dependency (the demo extra): needed only by this function
+
+  _check_tx(tx)
+  scale = _check_scalar(scale, "scale")
+  max_norm = _check_scalar(clip_global_norm, "clip_global_norm")
+  norm = _check_scalar(global_norm, "global_norm")
+  if norm is not None and max_norm is None:
+    raise ValueError("global_norm: given without clip_global_norm")
+  g = jax.tree.map(lambda s, p: _mean_grad(s, jnp.result_type(p), scale), sums, params)
+  if max_norm is not None:
+    if norm is None:
+      norm = jnp.sqrt(
+        sum(
+          jnp.sum(jnp.square(jnp.asarray(s).astype(jnp.float32) * scale))
+          for s in jax.tree.leaves(sums)
+        )
+      )
+    g = _clip(g, norm, max_norm)
+  updates, state = tx.update(g, state, params)
+  return optax.apply_updates(params, updates), state

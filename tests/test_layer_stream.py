@@ -162,6 +162,7 @@ def test_store_equals_device_bit_for_bit(store, location):
   _assert_bitwise(_run(location), _run("device"))
 
 
+@pytest.mark.slow  # the README's command keeps the float32 and nvme bit-for-bit cases
 def test_bfloat16_stack_saved_inputs_in_store(store):
   # bfloat16 parameters with a float32 sum, the block inputs saved in the host tier.
   device = _run("device", layers=3, micro=2, dtype=jnp.bfloat16)
@@ -178,7 +179,10 @@ def test_bfloat16_sum(store):
   assert half["stack_sum"]["mlp"]["up"].dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("layers", [1, 2, 4])
+# depth 2 by default (the first and the last layer, no scan); 1 and 4 under -m slow
+@pytest.mark.parametrize(
+  "layers", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)]
+)
 def test_equals_value_and_grad_of_the_same_model(store, layers):
   # float32: the per-layer backward against jax.grad through the scanned model, summed over 3
   # micro-batches; within 1e-5 relative, 1e-5 absolute (XLA may fuse and order the two programs'
@@ -207,7 +211,7 @@ def test_bfloat16_within_tolerance_of_value_and_grad(store):
     np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2 * float(np.max(np.abs(b))))
 
 
-@pytest.mark.parametrize("layers", [3, 4])
+@pytest.mark.parametrize("layers", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_whole_train_step_in_one_jit(store, layers):
   # Two micro-steps and the update in one program: the first micro-step's sums are loaded by
   # the second in the same execution, the second's by the update (depth 3: each sum entry is
@@ -639,6 +643,7 @@ def test_update_refuses_what_needs_more_than_one_layer(store):
     ssd.init_streamed_optimizer(tx, stack, master_weights=1)
 
 
+@pytest.mark.slow  # the step's in_place test stays in the README's command
 def test_update_in_place(store):
   # in_place: the update's loads of the old sum and state (and, without master weights, the
   # parameters) are their entries' last; the results are the device reference's, bit for bit.

@@ -629,7 +629,7 @@ _shapes = st.lists(
 
 
 @settings(
-  max_examples=12,
+  max_examples=8,
   deadline=None,
   derandomize=True,
   database=None,

@@ -660,7 +660,7 @@ def test_split_scan_is_the_one_split_scan():
     return jax.lax.scan(lambda h, p: (_block(p, h), None), v, ps)[0].sum()
 
   want = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(params, x)
-  for k in (0, 1, 3, L):
+  for k in (0, 1, L):  # the empty first segment, a split inside the stack, the empty rest
     for policies in ((None, saving), (saving, jax.checkpoint_policies.nothing_saveable)):
       stacked = lambda ps, v: ssd.split_scan(_block, ps, v, split=k, policies=policies).sum()
       got = jax.jit(jax.value_and_grad(stacked, argnums=(0, 1)))(params, x)

@@ -162,6 +162,7 @@ def test_parse_mesh_and_specs():
     par.spec(up, (2, 64, 255))
 
 
+@pytest.mark.slow  # test_two_of_four_cpu_devices keeps a smaller mesh in the README's command
 def test_meshes_smaller_than_the_machine(tmp_path):
   """On 4 CPU devices, meshes of fewer: models.parallel takes the first devices (it refused any
   mesh not over every device: "mesh data=2 x model=1 needs 2 devices, got 4", as

@@ -141,6 +141,7 @@ def _small_args(B=4, H=16, F=32):
   return p, jax.random.normal(k[2], (B, H))
 
 
+@pytest.mark.slow  # heavy (a disk probe); the profile's other tests stay in the README's command
 def test_profile_measures_the_store_directory_by_default(tmp_path, monkeypatch, capfd):
   # Neither directory= nor bandwidth=: the store's own directory, probed with what a step of
   # this stack could send (16 MiB at least, in tensors of its largest tag: 1 MiB at least).
@@ -184,6 +185,7 @@ def test_profile_measures_the_store_directory_by_default(tmp_path, monkeypatch, 
     ssd.profile(_small, p, x, num_layers=3, bandwidth=(1.0, 1.0), progress="yes")
 
 
+@pytest.mark.slow  # heavy (a full profile)
 def test_profile_shows_its_progress(capfd):
   p, x = _small_args()
   ssd.profile(_small, p, x, num_layers=3, bandwidth=(1.0, 1.0), repeats=1, warmup=0, progress=True)

@@ -221,6 +221,7 @@ def test_loads_out_of_store_order(tmp_path):
   check(sweep(run, tmp_path / "s", 16 * KiB, step), step)
 
 
+@pytest.mark.slow  # 4 devices; the read-ahead order is checked on one in the README's command
 def test_tensor_parallel_on_4_devices(tmp_path):
   env = dict(
     os.environ,

@@ -80,6 +80,7 @@ def test_synthetic_is_deterministic():
   assert first[0].max() < 255
 
 
+@pytest.mark.slow  # the CLI run-and-restore test keeps a restore in the README's command
 def test_checkpoint_restore_next_step_identical(tmp_path):
   run = training.RunConfig(
     model="gpt", batch=4, steps=10, locations="qkv=nvme,mlp_up=nvme", min_bytes=0
@@ -156,6 +157,7 @@ def test_cli_optimizer_state_in_the_store_and_restore(tmp_path):
   assert resumed["final_loss"] == ours["final_loss"]
 
 
+@pytest.mark.slow  # the planner's own test of the decision stays in the README's command
 def test_cli_optimizer_location_auto_weighs_the_device(capsys):
   # auto keeps the state on the device when the compiled step fits the budget with it there,
   # else leaves it to the store's choice of tier (train.py's summary names where it went: the

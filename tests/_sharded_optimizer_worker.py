@@ -198,6 +198,30 @@ def in_place_case() -> dict:
   }
 
 
+def two_pass_case() -> dict:
+  """Transformations streamed in two passes (a number built from every parameter's state: each
+  device's partial of each sum joined over the mesh) against the same on the devices."""
+  out = {}
+  for name, tx in {"prodigy": optax.contrib.prodigy(1.0), "dog": optax.contrib.dog(1.0)}.items():
+    params = make_params()
+    ref, _ = train(tx, params, STEPS)
+    runs = {}
+    for loc in ("device", "host"):
+      otx = ssd.offload_optimizer(tx, location=loc, min_bytes=4096, chunk_bytes=CHUNK)
+      runs[loc] = train(otx, params, STEPS)
+    out[name] = {
+      "host_eq_device": equal(runs["host"][0], runs["device"][0]),
+      "state_host_eq_device": equal(
+        ssd.optimizer_state(runs["host"][1]), ssd.optimizer_state(runs["device"][1])
+      ),
+      "vs_tx": rel(runs["host"][0], ref),
+      "stored_leaves": len(runs["host"][1].handles),
+    }
+    del runs
+    ssd.collect()
+  return out
+
+
 def main():
   result = {"devices": N, "platform": jax.default_backend(), "tx": {}}
   result["visible_devices"] = len(jax.devices())
@@ -252,6 +276,7 @@ def main():
       )
       del runs, state, fresh, restored, a, b
       ssd.collect()
+    result["two_pass"] = two_pass_case()
     result["train"] = train_case()
     result["collect_between_steps"] = collect_between_steps()
     result["in_place"] = in_place_case()

@@ -438,6 +438,93 @@ def test_multisteps_inside_equals_multisteps_around_it(store):
         np.testing.assert_array_equal(np.asarray(g[name]), np.asarray(w[name]))
 
 
+def test_a_two_pass_stream_equals_the_device_and_reads_what_it_reduces_once_more(store):
+  # prodigy: sums and dot products of every parameter's state feed every parameter's update.
+  # The reduction pass loads grad_sum and params0 (for |new grad_sum| and g . (params0 - p)),
+  # the update pass exp_avg, exp_avg_sq and grad_sum (params0 is returned as it is: kept).
+  kw = dict(min_bytes=4096, chunk_bytes=32 << 10)
+  tx = optax.contrib.prodigy(1.0)
+  want, want_state = _train(offload_optimizer(tx, location="device", **kw), 3)
+  ours = offload_optimizer(tx, location="host", **kw)
+  got, got_state = _train(ours, 3)
+  for w, g in zip(want, got):
+    for k in w:
+      np.testing.assert_array_equal(np.asarray(g[k]), np.asarray(w[k]))
+  for a, b in zip(*(jax.tree.leaves(optimizer_state(s)) for s in (want_state, got_state))):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+  plain, _ = _train(tx, 3)
+  for w, g in zip(plain, want):
+    for k in w:  # the sums in another order than tx's: a few ulps
+      np.testing.assert_allclose(np.asarray(g[k]), np.asarray(w[k]), rtol=1e-5, atol=1e-6)
+
+  per_leaf: dict[str, int] = {}  # the chunks of "a" and "c"'s leaves of each name
+  for leaf in got_state.layout.leaves:
+    if leaf.stored:
+      name = leaf.path.split("[")[0]
+      per_leaf[name] = per_leaf.get(name, 0) + len(leaf.bounds)
+  assert set(per_leaf) == {".exp_avg", ".exp_avg_sq", ".grad_sum", ".params0"}, per_leaf
+  x = jax.random.normal(jax.random.key(7), (16, 64))
+
+  @jax.jit
+  def step(p, s):
+    u, s = ours.update(jax.grad(_loss)(p, x), s, p)
+    return optax.apply_updates(p, u), s
+
+  params = _params()
+  state = ours.init(params)
+  jax.block_until_ready(state)
+  ssd.flush()
+  ssd.reset_stats()
+  jax.block_until_ready(step(params, state))
+  ssd.flush()
+  stats = ssd.stats()
+  updated = per_leaf[".exp_avg"] + per_leaf[".exp_avg_sq"] + per_leaf[".grad_sum"]
+  assert stats["tensors_read"] == updated + per_leaf[".grad_sum"] + per_leaf[".params0"], stats
+  assert stats["tensors_written"] == updated, stats
+
+
+def test_a_two_pass_stream_in_place_equals_the_device(store):
+  # the reduction pass's loads are not the entries' last: the update pass consumes them
+  kw = dict(min_bytes=4096, chunk_bytes=32 << 10)
+  x = jax.random.normal(jax.random.key(7), (16, 64))
+  tx = optax.contrib.dadapt_adamw(1.0)
+  same = offload_optimizer(tx, location="device", **kw)
+  want, _, _ = _jitted_steps(same, True, x, _params(), same.init(_params()), 3)
+  ours = offload_optimizer(tx, location="host", in_place=True, **kw)
+  got, state, _ = _jitted_steps(ours, True, x, _params(), ours.init(_params()), 3)
+  for w, g in zip(want, got):
+    for k in w:
+      np.testing.assert_array_equal(g[k], w[k])
+  ssd.flush()
+  assert ssd.stats()["live_entries"] == sum(len(h) for h in state.handles)
+
+
+def _nested_norms() -> optax.GradientTransformation:
+  """A momentum scaled by the norm of the whole momentum, then by the size of the scaled one:
+  the second number needs the first (three passes)."""
+
+  def init(params):
+    return {"m": jax.tree.map(jnp.zeros_like, params)}
+
+  def update(updates, state, params=None):
+    m = jax.tree.map(lambda m, g: 0.9 * m + g, state["m"], updates)
+    first = sum(jnp.sum(x * x) for x in jax.tree.leaves(m))
+    scaled = jax.tree.map(lambda x: x / (1.0 + first), m)
+    second = sum(jnp.sum(jnp.abs(x)) for x in jax.tree.leaves(scaled))
+    return jax.tree.map(lambda x: -1e-3 * x / (1.0 + second), scaled), {"m": scaled}
+
+  return optax.GradientTransformation(init, update)
+
+
+def test_a_number_that_needs_another_first_is_refused_naming_the_passes(store):
+  tx = offload_optimizer(_nested_norms(), location="host", min_bytes=4096, chunk_bytes=32 << 10)
+  state = tx.init(_params())
+  with pytest.raises(OptimizerOffloadError, match="cannot be computed in one reduction pass"):
+    tx.update(_params(), state, _params())
+  # on the device it runs (the refusal is the stream's, not the transformation's)
+  jax.block_until_ready(_nested_norms().update(_params(), _nested_norms().init(_params())))
+
+
 def test_update_with_another_optimizers_state_names_both_layouts(store):
   adam = offload_optimizer(optax.adam(1e-3), min_bytes=4096)
   sgd = offload_optimizer(optax.sgd(1e-3, momentum=0.9), min_bytes=4096)
@@ -823,6 +910,10 @@ def _check_sharded(r: dict, devices: int) -> None:
   t = r["train"]
   assert t["stored_leaves"] > 0 and t["handle_rows"] == [devices], t
   assert t["host_eq_device"] and t["vs_tx"] < 1e-5, t
+  # two passes: each device's partials of the sums joined over the mesh, as on the devices
+  for name, t in r["two_pass"].items():
+    assert t["stored_leaves"] > 0 and t["host_eq_device"] and t["state_host_eq_device"], (name, t)
+    assert t["vs_tx"] < 1e-5, (name, t["vs_tx"])
   # LAMB's trust ratio is a norm of each whole leaf: a device's block would give another one.
   assert "cannot stream sharded state" in r["lamb"] and "not elementwise" in r["lamb"], r["lamb"]
 

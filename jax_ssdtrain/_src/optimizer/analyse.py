@@ -12,6 +12,9 @@ Pure functions of a :class:`~jax_ssdtrain._src.optimizer.trace.Program` (no stor
 * :func:`elementwise`: whether a group's equations are all elementwise over one shape
   (:data:`ELEMENTWISE`): elementwise operations give the same bits on a slice of rows as on the
   whole, so such a group runs chunk by chunk.
+* :func:`cuttable`: a full reduction of one leaf's value to a scalar (a sum, a maximum, a dot
+  product of two flattened leaves), which a reduction pass can compute chunk by chunk
+  (``plan.two_pass``): the partials of the chunks joined in chunk order.
 * :func:`coupling_error`: the refusal of a group that reads the state of several parameters
   together, naming the transformation and the operation.
 """
@@ -19,6 +22,7 @@ Pure functions of a :class:`~jax_ssdtrain._src.optimizer.trace.Program` (no stor
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from jax_ssdtrain._src import jax_internals as ji
@@ -32,6 +36,15 @@ ELEMENTWISE = frozenset(
   is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
   reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor""".split()
 )
+
+
+# A full reduction to a scalar and how the partials of its chunks are joined.
+PARTIAL_REDUCTIONS = {
+  "reduce_sum": "add",
+  "reduce_max": "max",
+  "reduce_min": "min",
+  "dot_general": "add",
+}
 
 
 @dataclasses.dataclass
@@ -79,14 +92,15 @@ def dependencies(prog: Program, stored_in: dict, stored_out: dict) -> Dependenci
   return found
 
 
-def pull_into_groups(prog: Program, found: Dependencies) -> list[set[int]]:
+def pull_into_groups(prog: Program, found: Dependencies, flatten: bool = False) -> list[set[int]]:
   """Per equation, the roots of the groups that run it (empty: the device part runs it).
 
   An elementwise equation that reads no stored leaf and feeds groups alone runs in them: one on
   the chunk (0.1 * g in Adam's first moment) in the one group it feeds, a scalar one (a bias
   correction 1 - b ** count) in each group that uses it. Then each group holds the same chain
   of operations as tx's own program from its inputs on, and XLA can rewrite it as it rewrites
-  tx's (x / s into x * (1 / s), say): the results stay within ulps of tx's."""
+  tx's (x / s into x * (1 / s), say): the results stay within ulps of tx's. ``flatten`` (the
+  reduction pass): a leaf's flattening for a dot product runs in its group too, on the chunk."""
   eqn_deps = found.eqn_deps
   owners: list[set[int]] = [{found.find(next(iter(d)))} if d else set() for d in eqn_deps]
   stored_eqn = [bool(d) for d in eqn_deps]
@@ -98,7 +112,9 @@ def pull_into_groups(prog: Program, found: Dependencies) -> list[set[int]]:
   outputs = {v for v in prog.outvars if is_var(v)}
   for k in range(len(prog.eqns) - 1, -1, -1):
     eqn = prog.eqns[k]
-    if stored_eqn[k] or not pullable(eqn) or any(v in outputs for v in eqn.outvars):
+    if stored_eqn[k] or any(v in outputs for v in eqn.outvars):
+      continue
+    if not (pullable(eqn) or (flatten and flattening(eqn))):
       continue
     users = [owners[j] for v in eqn.outvars for j in consumers.get(v, ())]
     if not users or any(not u for u in users):  # the device part needs it too
@@ -110,6 +126,14 @@ def pull_into_groups(prog: Program, found: Dependencies) -> list[set[int]]:
   return owners
 
 
+def flattening(eqn: Eqn) -> bool:
+  """A ``reshape`` of an array into a vector (``jnp.vdot``'s ``ravel``)."""
+  if eqn.primitive is None or eqn.primitive.name != "reshape":
+    return False
+  shape, out = tuple(eqn.invars[0].aval.shape), tuple(eqn.outvars[0].aval.shape)
+  return len(shape) > 1 and out == (math.prod(shape),)
+
+
 def pullable(eqn: Eqn) -> bool:
   """An elementwise equation (what a group may run on its chunk, or recompute if scalar)."""
   if eqn.primitive is None or not eqn.outvars:
@@ -118,18 +142,37 @@ def pullable(eqn: Eqn) -> bool:
   return name in ELEMENTWISE or (name == "broadcast_in_dim" and eqn.invars[0].aval.shape == ())
 
 
-def elementwise(eqns: list[Eqn], shape: tuple[int, ...]) -> bool:
+def elementwise(eqns: list[Eqn], shape: tuple[int, ...], ends: dict | None = None) -> bool:
   """Whether ``eqns`` are all elementwise over ``shape`` (scalars as they are): a group that may
-  run on chunks of rows."""
+  run on chunks of rows. ``ends``: the outputs of the reduction pass's full reductions, which
+  may end such a group (the group then gives each chunk's partial), with the flattening of a
+  leaf that a dot product reads (a chunk's rows flattened are a run of the leaf's)."""
   if not shape:
     return False
+  ends = ends or {}
+  flat = (math.prod(shape),)
+  flat_vars = set()
   for e in eqns:
-    if e.primitive is None:
+    name = e.primitive.name if e.primitive is not None else None
+    if e.outvars and e.outvars[0] in ends:  # a full reduction (cuttable), given per chunk
+      if any(
+        is_var(v) and (v in ends or tuple(v.aval.shape) not in (shape, flat)) for v in e.invars
+      ):
+        return False
+      continue
+    if any(is_var(v) and (v in flat_vars or v in ends) for v in e.invars):
+      return False  # a flattened leaf or a partial read by anything but a reduction
+    if name == "reshape" and tuple(e.invars[0].aval.shape) == shape:
+      if tuple(e.outvars[0].aval.shape) != flat:
+        return False
+      flat_vars.add(e.outvars[0])
+      continue
+    if name is None:
       pass
-    elif e.primitive.name == "broadcast_in_dim":  # of a scalar only
+    elif name == "broadcast_in_dim":  # of a scalar only
       if tuple(e.invars[0].aval.shape) != ():
         return False
-    elif e.primitive.name not in ELEMENTWISE:
+    elif name not in ELEMENTWISE:
       return False
     for v in list(e.invars) + list(e.outvars):
       if tuple(v.aval.shape) not in ((), shape):
@@ -137,10 +180,35 @@ def elementwise(eqns: list[Eqn], shape: tuple[int, ...]) -> bool:
   return True
 
 
-def coupling_error(name: str, eqns, deps: dict, leaves, members: list[int]):
+def cuttable(eqn: Eqn, deps: dict, leaves) -> bool:
+  """A full reduction to a scalar of a value computed from one parameter's stored state (a sum,
+  a maximum, a dot product of two vectors: ``jnp.vdot`` of two leaves flattened), which a
+  reduction pass computes chunk by chunk (:data:`PARTIAL_REDUCTIONS`)."""
+  if eqn.primitive is None or eqn.primitive.name not in PARTIAL_REDUCTIONS or len(eqn.outvars) != 1:
+    return False
+  if tuple(eqn.outvars[0].aval.shape) != ():
+    return False
+  read = frozenset().union(*(deps.get(v, frozenset()) for v in eqn.invars if is_var(v)))
+  if len({leaves[i].owner for i in read}) != 1:  # none, or several parameters' already
+    return False
+  if eqn.primitive.name == "dot_general":
+    (contract, batch) = eqn.params["dimension_numbers"]
+    ranks = [len(v.aval.shape) for v in eqn.invars]
+    return ranks == [1, 1] and tuple(map(tuple, contract)) == ((0,), (0,)) and not any(batch)
+  ndim = len(eqn.invars[0].aval.shape)
+  return ndim > 0 and tuple(sorted(eqn.params["axes"])) == tuple(range(ndim))
+
+
+def partial_kind(eqn: Eqn) -> str:
+  """How the partials of a cuttable reduction's chunks are joined: "add", "max" or "min"."""
+  return PARTIAL_REDUCTIONS[eqn.primitive.name]
+
+
+def coupling_error(name: str, eqns, deps: dict, leaves, members: list[int], passes: int = 1):
   """The refusal of a group that reads the state of several parameters together: it names the
   first equation that does (its operation, the transformation and line that traced it) and the
-  leaves it reads."""
+  leaves it reads. ``passes`` 2: the refusal of a two-pass stream (``plan.two_pass``) that does
+  not resolve it."""
   cause, read = None, ()
   for e in eqns:
     d = frozenset().union(*(deps.get(v, frozenset()) for v in e.invars if is_var(v)))
@@ -158,7 +226,14 @@ def coupling_error(name: str, eqns, deps: dict, leaves, members: list[int]):
   scalar = cause is not None and all(
     tuple(getattr(v, "aval", v).shape) == () for v in cause.outvars
   )
-  if scalar or prim.startswith("reduce") or prim in ("dot_general", "argmax", "argmin"):
+  if passes == 2:
+    why = (
+      "a number built from the stored state of every parameter (a norm, a sum or a dot product "
+      "over the whole tree) that feeds every parameter's update, and that cannot be computed in "
+      "one reduction pass before the update pass (it needs another such number first, or its "
+      "reduction is not a full sum, maximum or dot product of one parameter's state)"
+    )
+  elif scalar or prim.startswith("reduce") or prim in ("dot_general", "argmax", "argmin"):
     why = (
       "a number built from the stored state of every parameter (a norm, a sum or a dot product "
       "over the whole tree) that feeds every parameter's update: no parameter's state can be "

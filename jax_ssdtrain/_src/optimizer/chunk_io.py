@@ -75,6 +75,14 @@ class ChunkIO:
     """The handles of a whole new ``leaf``, stored chunk by chunk."""
     raise NotImplementedError
 
+  def wait_for(self, hs, after: list) -> Any:
+    """``hs`` once ``after`` is computed: a two-pass stream's update pass loads an entry after
+    its reduction pass did (there the load may be the entry's last, and the engine predicts
+    ordered loads from what was loaded before). A copy of the handles that reads ``after``: a
+    data dependency, which orders custom calls on every backend (XLA:CPU drops optimization
+    barriers). The device reference needs no order: its handles are the state itself."""
+    return opaque_copy(hs, *after, effect=False)
+
   def store_rows(self, value, leaf: LeafLayout) -> Any:
     """The handle of one new chunk of ``leaf``."""
     raise NotImplementedError
@@ -289,6 +297,9 @@ class DeviceIO(ChunkIO):
 
   def store_rows(self, value, leaf):
     return opaque_copy(value)
+
+  def wait_for(self, hs, after):
+    return hs
 
   def newest(self, handles, zero):
     return zero

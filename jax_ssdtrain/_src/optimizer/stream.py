@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.optimizer.base import OffloadedState, OptimizerOffloadError
 from jax_ssdtrain._src.optimizer.chunk_io import ChunkIO
 from jax_ssdtrain._src.optimizer.layout import Layout
@@ -67,18 +68,27 @@ def stream(fn, args, layout: Layout, state: OffloadedState | None, name: str, ap
   for v, x in zip(prog.invars, traced.in_values):
     if x is not None:
       env[v] = x
-  for eqn in plan.device_eqns:  # 1. what reads no stored leaf, as tx runs it
-    eval_eqn(eqn, env)
-
   handles_in = dict(zip(stored_ids, state.handles)) if state is not None else {}
+  runner = on_one_device if layout.mesh is None else on_each_device
+  after: list[Any] = []
+  if plan.first is not None:  # 0. a two-pass stream: the reduction pass (stores nothing)
+    for eqn in plan.first.device_eqns:
+      eval_eqn(eqn, env)
+    run = functools.partial(run_groups, plan.first, leaves, {}, layout.io)
+    numbers = runner(run, plan.first, layout, env, handles_in, name)[1]
+    env.update(numbers)
+    after = list(numbers.values())  # what the update pass's loads wait for (run_groups)
+  for eqn in plan.device_eqns:  # 1. what reads no stored leaf, as tx runs it
+    if not all(v in env for v in eqn.outvars if not isinstance(v, ji.DropVar)):
+      eval_eqn(eqn, env)  # (unless the reduction pass ran it)
+
   new_handles: dict[int, Any] = {}
   for group in plan.groups:  # a leaf the update leaves as it is: the same entries
     new_handles.update({i: handles_in[i] for i in group.passed})
   consume = layout.in_place and state is not None  # in place: each load is its entry's last
   run = functools.partial(run_groups, plan, leaves, stored_out, layout.io, consume=consume)
   # 2. each group, chunk by chunk (sharded state: each device runs every group on its blocks)
-  runner = on_one_device if layout.mesh is None else on_each_device
-  handles, group_outs = runner(run, plan, layout, env, handles_in, name)
+  handles, group_outs = runner(run, plan, layout, env, handles_in, name, after)
   new_handles.update(handles)
   env.update(group_outs)
 
@@ -97,20 +107,26 @@ def stream(fn, args, layout: Layout, state: OffloadedState | None, name: str, ap
   return new_updates, new_state
 
 
-def on_one_device(run, plan: Plan, layout: Layout, env: dict, handles_in: dict, name: str):
-  """State on one device: ``run`` (every group) as it is."""
-  return run(env, handles_in)
+def on_one_device(
+  run, plan: Plan, layout: Layout, env: dict, handles_in: dict, name: str, after=()
+):
+  """State on one device: ``run`` (every group) as it is (its loads after ``after``)."""
+  return run(env, handles_in, after=list(after))
 
 
-def on_each_device(run, plan: Plan, layout: Layout, env: dict, handles_in: dict, name: str):
+def on_each_device(
+  run, plan: Plan, layout: Layout, env: dict, handles_in: dict, name: str, after=()
+):
   """Sharded state: one ``shard_map`` over the layout's mesh runs ``run`` (every group) on each
   device's blocks: its own handles, its block of each state leaf and of the gradients and
   parameters of the same shape (resharded by XLA where they come sharded otherwise); scalars
-  (a learning rate, a clipping factor of the device part) replicated."""
+  (a learning rate, a clipping factor of the device part, the reduction pass's numbers that
+  the loads wait for: ``after``) replicated."""
   P = jax.sharding.PartitionSpec
   leaves, io, mesh = layout.leaves, layout.io, layout.mesh
   read_specs: dict[Any, Any] = {}
   out_specs: dict[Any, Any] = {}
+  joins: dict[Any, tuple[str, tuple[str, ...]]] = {}  # a partial: (how joined, mesh axes)
   for group in plan.groups:
     members = sorted(set(group.stores) | {i for _, i in group.loads})
     if not members:
@@ -138,14 +154,19 @@ def on_each_device(run, plan: Plan, layout: Layout, env: dict, handles_in: dict,
         )
     for v in group.outputs:
       out_specs[v] = P() if tuple(v.aval.shape) == () else spec
+    for v, kind in group.partials.items():  # each device's partial, joined over the mesh
+      joins[v] = (kind, tuple(a for part in spec if part for a in _names(part)))
   reads, out_vars = list(read_specs), list(out_specs)
   loaded = sorted({i for g in plan.groups for _, i in g.loads})
   stored = sorted({i for g in plan.groups for i in g.stores})
   placed = lambda i: io.spec(leaves[i], mesh)  # noqa: E731 (handles: e.g. one row per device)
 
-  def body(read_values, hs):
+  def body(read_values, hs, after):
     local_hs = {i: io.local(h) for i, h in zip(loaded, hs)}
-    handles, outs = run(dict(zip(reads, read_values)), local_hs)
+    handles, outs = run(dict(zip(reads, read_values)), local_hs, after=after)
+    for v, (kind, axes) in joins.items():  # a full reduction: every block's partial
+      if axes:
+        outs[v] = _COLLECTIVE[kind](outs[v], axes)
     new = [io.from_local(handles[i]) for i in stored]
     return new, [outs[v] for v in out_vars]
 
@@ -153,20 +174,38 @@ def on_each_device(run, plan: Plan, layout: Layout, env: dict, handles_in: dict,
   each = jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=([read_specs[v] for v in reads], [placed(i) for i in loaded]),
+    in_specs=([read_specs[v] for v in reads], [placed(i) for i in loaded], [P()] * len(after)),
     out_specs=([placed(i) for i in stored], [out_specs[v] for v in out_vars]),
     check_vma=False,
   )
-  new, outs = each([env[v] for v in reads], [handles_in[i] for i in loaded])
+  new, outs = each([env[v] for v in reads], [handles_in[i] for i in loaded], list(after))
   return dict(zip(stored, new)), dict(zip(out_vars, outs))
 
 
+_COLLECTIVE = {"add": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
+_JOIN = {"add": jnp.sum, "max": jnp.max, "min": jnp.min}
+
+
+def _names(part) -> tuple[str, ...]:
+  """The mesh axes of one entry of a PartitionSpec."""
+  return tuple(part) if isinstance(part, tuple) else (part,)
+
+
 def run_groups(
-  plan: Plan, leaves, stored_out: dict, io: ChunkIO, env: dict, handles_in: dict, consume=False
+  plan: Plan,
+  leaves,
+  stored_out: dict,
+  io: ChunkIO,
+  env: dict,
+  handles_in: dict,
+  consume=False,
+  after=(),
 ):
   """Runs ``plan``'s groups one after the other; returns ``({stored leaf: new handles},
   {output var: value})``. ``env`` holds every value a group reads; ``consume``: each load is its
-  entry's last (``in_place``)."""
+  entry's last (``in_place``); ``after``: values every load waits for (a two-pass stream's
+  numbers: the reduction pass's loads of an entry come before the update pass's, whose loads
+  may be the entry's last and are predicted in store order: ``ChunkIO.wait_for``)."""
   env = dict(env)
   new_handles: dict[int, Any] = {}
   outputs: dict[Any, Any] = {}
@@ -175,6 +214,8 @@ def run_groups(
     if not group.loads and not group.stores:
       continue
     hs_in = {i: handles_in[i] for _, i in group.loads}
+    if after:
+      hs_in = {i: io.wait_for(h, after) for i, h in hs_in.items()}
     if last:  # this group's loads start once the last group's stores are under way
       hs_in, _ = jax.lax.optimization_barrier((hs_in, last))
     run = functools.partial(run_chunk, group, leaves, env, stored_out, io, consume=consume)
@@ -222,13 +263,13 @@ def run_groups(
       for i, h in hs.items():
         stacked_h[i].append(io.scanned(h, full * rows))
       for v, o in zip(outs_order, os):
-        stacked_o[v].append(o.reshape((full * rows,) + o.shape[2:]))
+        stacked_o[v].append(o if v in group.partials else o.reshape((full * rows,) + o.shape[2:]))
     else:  # one full chunk: no scan (its arithmetic is bounded by custom calls all the same)
       handles, outs = run(0, hs_in, rows, start=0, carried=carried)
       carried, outs = split(outs)
       for i, h in handles.items():
         stacked_h[i].append(io.single(h))
-      stacked_o.update({v: [o] for v, o in outs.items()})
+      stacked_o.update({v: [o[None] if v in group.partials else o] for v, o in outs.items()})
       newest = io.newest(handles, zero)
     last = [newest]
     if full < len(group.chunks):  # the rest of the rows
@@ -238,12 +279,14 @@ def run_groups(
       for i, h in handles.items():
         stacked_h[i].append(io.single(h))
       for v, o in outs.items():
-        stacked_o[v].append(o)
+        stacked_o[v].append(o[None] if v in group.partials else o)
       last = list(handles.values())
     for i, parts in stacked_h.items():
       new_handles[i] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     for v, parts in stacked_o.items():
       outputs[v] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+      if v in group.partials:  # the chunks' partials of a full reduction, joined
+        outputs[v] = _JOIN[group.partials[v]](outputs[v]).astype(v.aval.dtype)
     outputs.update({u: carried[p] for u, p in applied.items()})
   return new_handles, outputs
 

@@ -180,12 +180,15 @@ def read(env, v):
 
 def eval_eqn(eqn: Eqn, env: dict, rows: tuple[int, ...] | None = None) -> None:
   """Runs ``eqn`` on the values in ``env`` and puts its results there. ``rows``: the shape of a
-  group's chunk (a ``broadcast_in_dim`` of a scalar then makes a chunk, not the whole leaf)."""
+  group's chunk (a ``broadcast_in_dim`` of a scalar then makes a chunk, not the whole leaf, and
+  the flattening of a leaf flattens the chunk: ``analyse.elementwise`` allows no other)."""
   invals = [read(env, v) for v in eqn.invars]
   if eqn.primitive is None:
     outs = invals
   elif rows is not None and eqn.primitive.name == "broadcast_in_dim":
     outs = [jax.lax.broadcast_in_dim(invals[0], rows, ())]
+  elif rows is not None and eqn.primitive.name == "reshape":  # a chunk flattened (a dot product's)
+    outs = [invals[0].reshape(-1)]
   else:
     outs = ji.bind_equation(eqn.primitive, eqn.params, invals)
   for v, x in zip(eqn.outvars, outs):

@@ -1127,6 +1127,9 @@ def apply_device_update(
 # fit (issue 35, must-have 5)
 
 
+_ENTRY_ALIGN = 4096  # the engine rounds each entry up to this (xla_ffi/src/config.h: kAlign)
+
+
 class StreamedRoomError(ValueError):
   """A streamed stack (its parameters, master copy, optimizer state and gradient sum) needs
   more room in the store than its location holds: raised by :func:`check_streamed_room` with
@@ -1160,8 +1163,9 @@ def check_streamed_room(
   (``sum_dtype``: 4 or 2 B). At its peak the update writes the new parameters beside the old
   ones (with master weights the old are not read: they stay until swept) and, unless
   ``in_place``, the new master copy and state beside theirs; a micro-step writes the new sum
-  beside the old one unless ``in_place``. The peak (plus one layer of each class: the entries
-  in flight) must fit the location's room: ``host_tier_bytes`` (``"host"``), ``capacity_bytes``
+  beside the old one unless ``in_place``. The peak (each entry, a layer's leaf, rounded up to
+  the store's 4 KiB alignment; plus one layer of each class: the entries in flight; old versions
+  released as soon as no array holds them: ``ssd.collect()`` after each call) must fit the location's room: ``host_tier_bytes`` (``"host"``), ``capacity_bytes``
   (``"nvme"``; where it is not configured, 90% of the store directories' free space, as the
   store takes it when it opens) or both (``"host,nvme"``). Where it does not, raises
   :class:`StreamedRoomError` with the arithmetic. Returns the arithmetic (a dict: bytes per
@@ -1177,31 +1181,41 @@ def check_streamed_room(
     master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
   _check_bool(master_weights, "master_weights")
   count = sum(int(np.prod(s)) for s in lay.shapes) * lay.num_layers  # parameters
-  params = lay.layer_bytes() * lay.num_layers
-  master = 0
+  L = lay.num_layers
+
+  def entries(arrays) -> tuple[int, int]:
+    """Bytes of one layer's entries for ``(size, itemsize)`` arrays, times the layers: as
+    they are, and as the store holds them (each entry rounded up to its 4 KiB alignment)."""
+    raw = sum(n * b for n, b in arrays)
+    return raw * L, sum(-(-(n * b) // _ENTRY_ALIGN) * _ENTRY_ALIGN for n, b in arrays) * L
+
+  sizes = [int(np.prod(s)) for s in lay.shapes]
+  params = entries([(n, d.itemsize) for n, d in zip(sizes, lay.dtypes)])
+  master = (0, 0)
   if master_weights:
-    master = sum(
-      int(np.prod(s)) * (4 if jnp.issubdtype(d, jnp.floating) else d.itemsize)
-      for s, d in zip(lay.shapes, lay.dtypes)
+    master = entries(
+      [(n, 4 if jnp.issubdtype(d, jnp.floating) else d.itemsize) for n, d in zip(sizes, lay.dtypes)]
     )
-    master *= lay.num_layers
-  state, state_what = 0, "none"
+  state, state_what = (0, 0), "none"
   if tx is not None:
     _check_tx(tx)
     spec = _opt_spec(tx, lay, master_weights)
     one = jax.eval_shape(tx.init, _opt_params(lay, master_weights))
-    state = sum(
-      int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-      for x, k in zip(jax.tree.leaves(one), spec.per_layer)
-      if k
+    state = entries(
+      [
+        (int(np.prod(x.shape)), np.dtype(x.dtype).itemsize)
+        for x, k in zip(jax.tree.leaves(one), spec.per_layer)
+        if k
+      ]
     )
-    state *= lay.num_layers
     state_what = f"{sum(spec.per_layer)} arrays per layer of {len(lay.shapes)} parameter arrays"
-  grad_sum = count * sum_dtype.itemsize
-  resident = params + master + state + grad_sum
-  micro_peak = resident + (0 if in_place else grad_sum)
-  update_peak = resident + params + (0 if in_place else master + state)
-  peak = max(micro_peak, update_peak) + (resident // lay.num_layers)  # one layer in flight
+  grad_sum = entries([(n, sum_dtype.itemsize) for n in sizes])
+  (params, params_held), (master, master_held) = params, master
+  (state, state_held), (grad_sum, sum_held) = state, grad_sum
+  resident = params_held + master_held + state_held + sum_held
+  micro_peak = resident + (0 if in_place else sum_held)
+  update_peak = resident + params_held + (0 if in_place else master_held + state_held)
+  peak = max(micro_peak, update_peak) + resident // L  # one layer in flight
   per = lambda b: b / count  # noqa: E731 - bytes per parameter
   out = dict(
     parameters=count,
@@ -1259,7 +1273,8 @@ def check_streamed_room(
   raise StreamedRoomError(
     f"{name}: its streamed stack of {lay.num_layers} layers, {count} parameters "
     f"({count / 1e9:.3g}B), does not fit location={lay.location.value!r}. Per parameter the "
-    f"store holds {', '.join(classes)} = {per(resident):g} B ({resident / GB:.3g} GB); at its "
+    f"store holds {', '.join(classes)} = {per(params + master + state + grad_sum):g} B "
+    f"({resident / GB:.3g} GB with each entry's alignment); at its "
     f"peak {when}: {per(peak):.4g} B per parameter with one layer in flight, {peak} bytes "
     f"({peak / GB:.3g} GB), more than {' + '.join(parts)} = {room} bytes ({room / GB:.3g} GB). "
     f"Ways out: {'; '.join(hints)}"

@@ -95,9 +95,11 @@ from jax_ssdtrain._src.config import (
 )
 from jax_ssdtrain._src.layer_stream import (
   StreamedOptState,
+  StreamedRoomError,
   StreamedStack,
   apply_device_update,
   apply_streamed_update,
+  check_streamed_room,
   init_streamed,
   init_streamed_optimizer,
   map_stack,
@@ -151,6 +153,7 @@ __all__ = [
   "apply_device_update",
   "apply_gradients",
   "apply_streamed_update",
+  "check_streamed_room",
   "HigherOrderOffloadError",
   "init_streamed",
   "init_streamed_optimizer",
@@ -195,6 +198,7 @@ __all__ = [
   "state_to_host",
   "stats",
   "StreamedOptState",
+  "StreamedRoomError",
   "StreamedStack",
   "streamed_global_norm",
   "store_directories",

@@ -166,6 +166,16 @@ _SHAPES = {
   "gpt-4b": (36, 3072, 24, 2048),
   "gpt-6.7b": (32, 4096, 32, 2048),
   "gpt-8b": (40, 4096, 32, 2048),
+  # Past one GPU's memory (issue 35: parameters and gradients streamed from the store), heads of
+  # 128. Parameters with the tied embedding and 2048 learned positions (12 x hidden^2 + 13 x
+  # hidden per layer, 52352 x hidden + 2 x hidden besides; 50304 x hidden more with an untied
+  # head, as scripts/bench_layer_stream.py trains): 13B 12.85B (OPT-13B's shape), 20B 20.26B
+  # (GPT-NeoX-20B's width and depth), 30B 29.97B (OPT-30B's), 34B 34.26B (66B-class width 8192,
+  # 42 layers).
+  "gpt-13b": (40, 5120, 40, 2048),
+  "gpt-20b": (44, 6144, 48, 2048),
+  "gpt-30b": (48, 7168, 56, 2048),
+  "gpt-34b": (42, 8192, 64, 2048),
   # SSDTrain evaluation shapes (few layers, very wide, head dim 128).
   "ssdtrain-h8192": (4, 8192, 64, 1024),
   "ssdtrain-h12288": (3, 12288, 96, 1024),

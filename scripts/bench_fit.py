@@ -189,18 +189,33 @@ def _ideal(args, preset: str, env: dict, master: bool) -> dict | None:
 
   layers = models.get_config("gpt", preset).num_layers
   times = [_measured(s, None)["step_s"] for s in runs]
-  per_layer, fixed = np.polyfit(args.ideal_layers, times, 1)
-  ideal = {f"step_s_{n}": t for n, t in zip(args.ideal_layers, times)}
-  ideal |= dict(step_s=fixed + layers * per_layer, per_layer_s=per_layer, master=master)
+  ideal = extend_to_depth(args.ideal_layers, times, layers) | dict(master=master)
   ideal["tokens_per_s"] = runs[0]["tokens_per_step"] / ideal["step_s"]
   return ideal
+
+
+def extend_to_depth(layer_counts, step_times, layers: int) -> dict:
+  """The ideal's step at ``layers`` layers from steps measured at ``layer_counts`` layers (the
+  same width, everything on the device): a least squares line through the step times, its time
+  per layer extended to the full depth. Also used by bench_layer_stream."""
+  per_layer, fixed = np.polyfit(layer_counts, step_times, 1)
+  ideal = {f"step_s_{n}": t for n, t in zip(layer_counts, step_times)}
+  return ideal | dict(
+    step_s=float(fixed + layers * per_layer), per_layer_s=float(per_layer), fixed_s=float(fixed)
+  )
+
+
+def peak_tflops(device_kind: str, override: float | None = None) -> float | None:
+  """The bf16 dense peak (TFLOP/s) of ``device_kind`` for MFU (``override`` where given)."""
+  low = device_kind.lower()
+  return override or next((v for k, v in PEAK_TFLOPS.items() if k in low), None)
 
 
 def run(args) -> dict:
   import jax
 
   kind = jax.devices()[0].device_kind
-  peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in kind.lower()), None)
+  peak = peak_tflops(kind, args.peak_tflops)
   peak_flops = peak * 1e12 if peak else None
   env = dict(os.environ)
   for item in args.ssd:

@@ -44,6 +44,12 @@
 #                the checkpoint directory's raw write and read rates (one GPU)       [checkpoint]
 #   accumulate   bench_accumulate, gpt-1.3b, accumulation 1/4/16 (one GPU)          [accumulate]
 #   fit          bench_fit: the largest GPT JAX alone trains against ours (FIT_ARGS)  [fit]
+#   layerstream  bench_layer_stream on one GPU: gpt-13b, parameters and gradients streamed from
+#                the host tier (in place, 10 steps), against the ideal of 2 and 4 layers; LS_ARGS:
+#                more arguments (e.g. --micro-batches 8), LS13_TIER: its host tier (300GiB)
+#                                                                               [layer_stream]
+#   layerstream30  the same for gpt-30b (a call of its own): the host tier (LS30_TIER, 440GiB:
+#                a 503 GiB machine) spilling to the files, a bfloat16 sum, 3 steps [layer_stream]
 #   maxtextfsdp  bench_maxtext --fsdp 2: MaxText's policies and ours over 2 GPUs
 #                (needs 2 GPUs; carry .whl/ as for maxtext)                          [maxtext_fsdp]
 #   maxtextfsdpqkv  the same for the query/key/value projections (their nvme variant moves a
@@ -70,7 +76,7 @@ if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
 KNOWN=(tests tests4 reliability jaxlayer lifetimes rok rok8192 hostrows hosttier link planner planner32k
   planner8192 plannernvme cap emulated train maxtext multigpu multigpu4 multihost optimizer optimizerbench
-  optimizer2 optimizer4 checkpoint accumulate fit maxtextfsdp maxtextfsdpqkv)
+  optimizer2 optimizer4 checkpoint accumulate fit layerstream layerstream30 maxtextfsdp maxtextfsdpqkv)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
   exit 2
@@ -283,6 +289,19 @@ for stage in "${STAGES[@]}"; do
     fit)  # FIT_ARGS: bench_fit's arguments (presets, ways, store sizes): one call's worth each
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run fit $((LIMIT_S - SECONDS)) \
         $PY -m scripts.bench_fit --store-dir /var/tmp/fit --out "$OUT/fit" ${FIT_ARGS:-} ;;
+    layerstream)  # LS_ARGS: more bench_layer_stream arguments; the store on the local disk
+      # shellcheck disable=SC2086  # LS_ARGS splits on purpose
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run layerstream $((LIMIT_S - SECONDS)) \
+        $PY -m scripts.bench_layer_stream --preset gpt-13b --location host --in-place --steps 10 \
+        --ssd "SSDTRAIN_HOST_TIER=${LS13_TIER:-300GiB}" --store-dir /var/tmp/ls13 \
+        --timeout $((LIMIT_S - SECONDS - 90)) --out "$OUT/layerstream" ${LS_ARGS:-} ;;
+    layerstream30)
+      # shellcheck disable=SC2086  # LS_ARGS splits on purpose
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run layerstream30 $((LIMIT_S - SECONDS)) \
+        $PY -m scripts.bench_layer_stream --preset gpt-30b --location host,nvme --in-place \
+        --sum-dtype bfloat16 --steps 3 --ssd "SSDTRAIN_HOST_TIER=${LS30_TIER:-440GiB}" \
+        --store-dir /var/tmp/ls30 --timeout $((LIMIT_S - SECONDS - 90)) \
+        --out "$OUT/layerstream30" ${LS_ARGS:-} ;;
     maxtextfsdp)  # FSDP over both GPUs: MaxText's policies and ours
       maxtext_fsdp maxtextfsdp \
         "minimal,minimal_offloaded@host,minimal_offloaded,minimal_offloaded@nvme,full" ;;

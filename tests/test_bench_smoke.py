@@ -115,3 +115,36 @@ def test_bench_multigpu_cpu_smoke(tmp_path):
     str(tmp_path / "store" / "n2" / f"gpu{i}") for i in range(2)
   ]
   assert "weak-scaling" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_layer_stream_cpu_smoke(tmp_path):
+  """The tiny GPT of 4 layers streamed from the host tier against its ideal (2 and 4 layers on
+  the device): the script runs end to end, the 4-layer ideal is the same model (its losses
+  agree), and the store holds what check_streamed_room's arithmetic says."""
+  cmd = [sys.executable, "-m", "scripts.bench_layer_stream", "--cpu-smoke", "--out", str(tmp_path)]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_S)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  (path,) = tmp_path.glob("layerstream_cpu_*.json")
+  assert path.with_suffix(".md").read_text().startswith("cpu: tiny (4 layers)")
+  doc = json.loads(path.read_text())
+  s = doc["streamed"]
+  assert "error" not in s, s
+  assert (doc["layers"], doc["micro_batches"], doc["steps"]) == (4, 2, 2) and doc["steps_note"]
+  assert len(s["step_s_all"]) == 3 and s["step_s"] > 0 and s["tokens_per_step"] == 2 * 2 * 32
+  assert s["losses"][-1] < s["losses"][0]  # AdamW trains it
+  assert s["max_loss_diff_vs_ideal_run"] < 2e-3  # bfloat16 compute, reassociated
+  runs = {r["layers"]: r for r in doc["ideal_runs"]}
+  assert sorted(runs) == [2, 4] and runs[4]["n_params"] == s["n_params"]
+  # two layer counts: the extended line passes through both, and the 4-layer run is the ideal
+  assert doc["ideal"]["step_s"] == pytest.approx(runs[4]["step_s"])
+  assert s["x_ideal"] == pytest.approx(doc["ideal"]["step_s"] / s["step_s"])
+  room, engine = s["store_room"], s["engine"]
+  assert room["bytes_per_parameter"] == dict(params=2, master=4, optimizer_state=8, grad_sum=4)
+  assert 0.5 * room["peak_bytes"] < engine["host_tier_GB_peak"] * 1e9 <= room["peak_bytes"]
+  assert engine["disk_MB_written_per_step"] == 0  # the host tier alone
+  # per step: the sums (4 B a parameter, a micro-batch) and the update (14 B) went out
+  assert engine["offload_GB_per_step"] * 1e9 == pytest.approx(
+    room["parameters"] * (2 * 4 + 14), rel=1e-6
+  )

@@ -676,3 +676,79 @@ def test_compiled_update_holds_no_whole_stack(store):
   assert held < 8 * layer, (held, layer)
   _, ref = _update_memory("device", 24)
   assert ref.argument_size_in_bytes > 4 * stack.nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# The room a streamed model needs, refused before anything is stored (issue 35, must-have 5)
+
+
+def _shape(layers, location, dtype=jnp.bfloat16, width=64):
+  """The stack's structure (jax.eval_shape of init_streamed): nothing stored."""
+  init = functools.partial(_init_layer, dtype=dtype, width=width)
+  return jax.eval_shape(
+    lambda k: ssd.init_streamed(init, k, layers, location=location), jax.random.key(0)
+  )
+
+
+def test_room_arithmetic_per_parameter(tmp_path):
+  import optax
+
+  with ssd.configured(tmp_path / "s", capacity_bytes=256 * MiB, host_tier_bytes=64 * MiB):
+    shape = _shape(8, "host")
+    per_layer = 2 * 64 * 128 + 64  # up, down, scale
+    room = ssd.check_streamed_room(shape, optax.adamw(1e-3))
+    assert room["parameters"] == 8 * per_layer and room["room_bytes"] == 64 * MiB
+    assert room["bytes_per_parameter"] == dict(params=2, master=4, optimizer_state=8, grad_sum=4)
+    # as the store holds them: each entry (a layer's leaf) rounded up to 4 KiB
+    pad = lambda b: -(-b // 4096) * 4096  # noqa: E731
+    held = lambda b: 8 * (2 * pad(64 * 128 * b) + pad(64 * b))  # noqa: E731 - b B a parameter
+    resident = held(2) + held(4) + 2 * held(4) + held(4)  # parameters, master, moments, sum
+    assert room["resident_bytes"] == resident
+    # the update writes the new parameters, master copy and state beside the old
+    assert room["update_peak_bytes"] == resident + held(2) + held(4) + 2 * held(4)
+    assert room["micro_step_peak_bytes"] == resident + held(4)
+    assert room["peak_bytes"] == room["update_peak_bytes"] + resident // 8
+    small = ssd.check_streamed_room(shape, optax.adamw(1e-3), sum_dtype=jnp.bfloat16, in_place=True)
+    assert small["bytes_per_parameter"]["grad_sum"] == 2
+    resident = held(2) + held(4) + 2 * held(4) + held(2)
+    assert small["update_peak_bytes"] == resident + held(2)  # + the new parameters
+    assert small["micro_step_peak_bytes"] == resident
+    plain = ssd.check_streamed_room(_shape(8, "host", jnp.float32))  # no optimizer, no master
+    assert plain["bytes_per_parameter"] == dict(params=4, master=0, optimizer_state=0, grad_sum=4)
+    assert ssd.check_streamed_room(_shape(8, "device"), optax.adam(1e-3))["room_bytes"] is None
+
+
+def test_room_refused_with_the_arithmetic(tmp_path):
+  import optax
+
+  # 16 layers of 16448 bfloat16 parameters: 263168 parameters, 32 B each at the update's peak
+  # (8.4 MB) against a 4 MiB host tier and 4 MiB of files.
+  with ssd.configured(tmp_path / "s", capacity_bytes=4 * MiB, host_tier_bytes=4 * MiB):
+    for location, room in (("host", "host_tier_bytes 4194304"), ("nvme", "capacity_bytes 4194304")):
+      with pytest.raises(ssd.StreamedRoomError) as info:
+        ssd.check_streamed_room(_shape(16, location), optax.adamw(1e-3), name="gpt")
+      msg = str(info.value)
+      assert msg.startswith("gpt: its streamed stack of 16 layers, 263168 parameters")
+      for part in (
+        "parameters 2 B (bfloat16)",
+        "master copy 4 B",
+        "optimizer state 8 B (6 arrays per layer of 3 parameter arrays)",
+        "gradient sum 4 B (float32)",
+        "= 18 B",
+        "the update writes the new parameters, master copy and state beside the old",
+        room,
+        "in_place=True",
+        "sum_dtype=bfloat16",
+      ):
+        assert part in msg, (part, msg)
+    # host and files together: 8 MiB hold the in-place update with a bfloat16 sum (18 B)
+    both = _shape(16, "host,nvme")
+    with pytest.raises(ssd.StreamedRoomError, match="host_tier_bytes 4194304 \\+ capacity_bytes"):
+      ssd.check_streamed_room(both, optax.adamw(1e-3))
+    fits = ssd.check_streamed_room(both, optax.adamw(1e-3), sum_dtype=jnp.bfloat16, in_place=True)
+    assert fits["peak_bytes"] <= fits["room_bytes"] == 8 * MiB
+    assert ssd.stats()["bytes_written"] == 0  # nothing was stored
+  with pytest.raises(ValueError, match="sum_dtype"):
+    ssd.check_streamed_room(_shape(2, "device"), sum_dtype=jnp.int32)
+  with pytest.raises(TypeError, match="StreamedStack"):
+    ssd.check_streamed_room({"w": jnp.zeros((2, 3))})

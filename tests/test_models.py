@@ -158,6 +158,10 @@ def test_presets(preset):
     "gpt-4b": 4.2e9,
     "gpt-6.7b": 6.65e9,
     "gpt-8b": 8.25e9,
+    "gpt-13b": 12.85e9,
+    "gpt-20b": 20.26e9,
+    "gpt-30b": 29.97e9,
+    "gpt-34b": 34.26e9,
   }
   if preset in expected:
     assert abs(n / expected[preset] - 1) < 0.05, n

@@ -93,7 +93,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ssdtrain._src.config import ensure_configured, store_directories
 from jax_ssdtrain._src.location import TIER_CODES, Location
+from jax_ssdtrain._src.options import free_bytes_total
 from jax_ssdtrain._src.primitives import load_p, opaque_copy, store_p
 from jax_ssdtrain._src.remat import new_site_id
 
@@ -1118,3 +1120,162 @@ def apply_device_update(
     g = _clip(g, norm, max_norm)
   updates, state = tx.update(g, state, params)
   return optax.apply_updates(params, updates), state
+
+
+# ---------------------------------------------------------------------------------------------
+# The room a streamed model needs in the store: refused before its first step where it does not
+# fit (issue 35, must-have 5)
+
+
+_ENTRY_ALIGN = 4096  # the engine rounds each entry up to this (xla_ffi/src/config.h: kAlign)
+
+
+class StreamedRoomError(ValueError):
+  """A streamed stack (its parameters, master copy, optimizer state and gradient sum) needs
+  more room in the store than its location holds: raised by :func:`check_streamed_room` with
+  the arithmetic."""
+
+
+def _dtype_name(d: np.dtype) -> str:
+  return np.dtype(d).name
+
+
+def check_streamed_room(
+  stack: Any,
+  tx: Any = None,
+  *,
+  sum_dtype: Any = jnp.float32,
+  master_weights: bool | None = None,
+  in_place: bool = False,
+  name: str = "model",
+) -> dict:
+  """Refuses a streamed stack that does not fit the store, before anything is stored or run.
+
+  ``stack``: a :class:`StreamedStack`, or its structure before it is made (``jax.eval_shape``
+  of :func:`init_streamed`: nothing stored). ``tx``: the optax transformation that
+  :func:`apply_streamed_update` will run (``None``: no optimizer state); ``master_weights`` as
+  :func:`init_streamed_optimizer`'s (``None``: a float32 copy where the parameters are
+  narrower); ``sum_dtype`` and ``in_place`` as :func:`value_and_grad_streamed`'s and
+  :func:`apply_streamed_update`'s.
+
+  Per parameter, the store holds the parameters (bfloat16: 2 B), the master copy (4 B), the
+  optimizer state's per-parameter leaves (Adam's moments: 8 B) and the gradients' running sum
+  (``sum_dtype``: 4 or 2 B). At its peak the update writes the new parameters beside the old
+  ones (with master weights the old are not read: they stay until swept) and, unless
+  ``in_place``, the new master copy and state beside theirs; a micro-step writes the new sum
+  beside the old one unless ``in_place``. The peak (each entry, a layer's leaf, rounded up to
+  the store's 4 KiB alignment; plus one layer of each class: the entries in flight; old versions
+  released as soon as no array holds them: ``ssd.collect()`` after each call) must fit the location's room: ``host_tier_bytes`` (``"host"``), ``capacity_bytes``
+  (``"nvme"``; where it is not configured, 90% of the store directories' free space, as the
+  store takes it when it opens) or both (``"host,nvme"``). Where it does not, raises
+  :class:`StreamedRoomError` with the arithmetic. Returns the arithmetic (a dict: bytes per
+  parameter per class, the peak and the room) where it fits; a stack on the device takes no
+  room in the store (``room_bytes`` ``None``). The activations saved in the store
+  (``save_inputs``, policies) come on top of it."""
+  lay = _check_stack(stack, "stack")
+  _check_bool(in_place, "in_place")
+  sum_dtype = np.dtype(sum_dtype)
+  if not jnp.issubdtype(sum_dtype, jnp.floating):
+    raise ValueError(f"sum_dtype: expected a floating dtype, got {sum_dtype}")
+  if master_weights is None:
+    master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
+  _check_bool(master_weights, "master_weights")
+  count = sum(int(np.prod(s)) for s in lay.shapes) * lay.num_layers  # parameters
+  L = lay.num_layers
+
+  def entries(arrays) -> tuple[int, int]:
+    """Bytes of one layer's entries for ``(size, itemsize)`` arrays, times the layers: as
+    they are, and as the store holds them (each entry rounded up to its 4 KiB alignment)."""
+    raw = sum(n * b for n, b in arrays)
+    return raw * L, sum(-(-(n * b) // _ENTRY_ALIGN) * _ENTRY_ALIGN for n, b in arrays) * L
+
+  sizes = [int(np.prod(s)) for s in lay.shapes]
+  params = entries([(n, d.itemsize) for n, d in zip(sizes, lay.dtypes)])
+  master = (0, 0)
+  if master_weights:
+    master = entries(
+      [(n, 4 if jnp.issubdtype(d, jnp.floating) else d.itemsize) for n, d in zip(sizes, lay.dtypes)]
+    )
+  state, state_what = (0, 0), "none"
+  if tx is not None:
+    _check_tx(tx)
+    spec = _opt_spec(tx, lay, master_weights)
+    one = jax.eval_shape(tx.init, _opt_params(lay, master_weights))
+    state = entries(
+      [
+        (int(np.prod(x.shape)), np.dtype(x.dtype).itemsize)
+        for x, k in zip(jax.tree.leaves(one), spec.per_layer)
+        if k
+      ]
+    )
+    state_what = f"{sum(spec.per_layer)} arrays per layer of {len(lay.shapes)} parameter arrays"
+  grad_sum = entries([(n, sum_dtype.itemsize) for n in sizes])
+  (params, params_held), (master, master_held) = params, master
+  (state, state_held), (grad_sum, sum_held) = state, grad_sum
+  resident = params_held + master_held + state_held + sum_held
+  micro_peak = resident + (0 if in_place else sum_held)
+  update_peak = resident + params_held + (0 if in_place else master_held + state_held)
+  peak = max(micro_peak, update_peak) + resident // L  # one layer in flight
+  per = lambda b: b / count  # noqa: E731 - bytes per parameter
+  out = dict(
+    parameters=count,
+    num_layers=lay.num_layers,
+    location=lay.location.value,
+    bytes_per_parameter=dict(
+      params=per(params), master=per(master), optimizer_state=per(state), grad_sum=per(grad_sum)
+    ),
+    resident_bytes=resident,
+    micro_step_peak_bytes=micro_peak,
+    update_peak_bytes=update_peak,
+    peak_bytes=peak,
+    room_bytes=None,
+    in_place=in_place,
+  )
+  if lay.on_device:
+    return out
+  cfg = ensure_configured()
+  parts, room = [], 0
+  if lay.location in (Location.HOST, Location.HOST_NVME):
+    parts.append(f"host_tier_bytes {cfg.host_tier_bytes}")
+    room += cfg.host_tier_bytes
+  if lay.location in (Location.NVME, Location.HOST_NVME):
+    files = cfg.capacity_bytes
+    if files is None:
+      files = int(0.9 * free_bytes_total(store_directories()))
+      parts.append(f"capacity_bytes {files} (90% of the store directories' free space)")
+    else:
+      parts.append(f"capacity_bytes {files}")
+    room += files
+  out["room_bytes"] = room
+  if peak <= room:
+    return out
+  GB = 1e9
+  p = out["bytes_per_parameter"]
+  classes = [
+    f"parameters {p['params']:g} B ({'/'.join(sorted({_dtype_name(d) for d in lay.dtypes}))})",
+    f"master copy {p['master']:g} B" + ("" if master_weights else " (none)"),
+    f"optimizer state {p['optimizer_state']:g} B ({state_what})",
+    f"gradient sum {p['grad_sum']:g} B ({sum_dtype.name})",
+  ]
+  if update_peak >= micro_peak:
+    beside = "the new parameters" + ("" if in_place else ", master copy and state")
+    when = f"the update writes {beside} beside the old"
+  else:
+    when = "a micro-step writes the new gradient sum beside the old one"
+  hints = ["configure more room (ssd.configure(host_tier_bytes=..., capacity_bytes=...))"]
+  if lay.location is not Location.HOST_NVME:
+    hints.append("use location='host,nvme' (the host tier spilling to the files)")
+  if not in_place:
+    hints.append("in_place=True (one version of the sum, state and master copy)")
+  if sum_dtype.itemsize > 2:
+    hints.append("sum_dtype=bfloat16 (2 B per parameter)")
+  hints.append("or fewer or narrower layers")
+  raise StreamedRoomError(
+    f"{name}: its streamed stack of {lay.num_layers} layers, {count} parameters "
+    f"({count / 1e9:.3g}B), does not fit location={lay.location.value!r}. Per parameter the "
+    f"store holds {', '.join(classes)} = {per(params + master + state + grad_sum):g} B "
+    f"({resident / GB:.3g} GB with each entry's alignment); at its "
+    f"peak {when}: {per(peak):.4g} B per parameter with one layer in flight, {peak} bytes "
+    f"({peak / GB:.3g} GB), more than {' + '.join(parts)} = {room} bytes ({room / GB:.3g} GB). "
+    f"Ways out: {'; '.join(hints)}"
+  )

@@ -162,27 +162,40 @@ def today() -> str:
   return datetime.date.today().strftime("%Y%m%d")
 
 
-def run_json_child(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+def run_json_child(
+  cmd: list[str], timeout: float, env: dict | None = None, *, partial: bool = False
+) -> dict:
   """Runs ``cmd`` (environment: ``child_env(env)``); returns the last JSON object it printed on
-  stdout, else ``{"error": ...}``."""
+  stdout, else ``{"error": ...}``. With ``partial``, a child that times out gives the last JSON
+  object it printed before (a child that prints its results so far after each part keeps
+  them), with the error."""
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(env))
   except subprocess.TimeoutExpired as e:
-    return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": tail(e.stderr)}
-  for line in reversed(proc.stdout.splitlines()):
-    if line.startswith("{"):
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if proc.returncode:
-        row.setdefault("error", f"exit status {proc.returncode}")
-        row["stderr_tail"] = tail(proc.stderr)
-      return row
+    text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+    row = (partial and _last_json(text(e.stdout))) or {}
+    return row | {"error": f"timed out after {timeout:.0f} s", "stderr_tail": tail(text(e.stderr))}
+  row = _last_json(proc.stdout)
+  if row is not None:
+    if proc.returncode:
+      row.setdefault("error", f"exit status {proc.returncode}")
+      row["stderr_tail"] = tail(proc.stderr)
+    return row
   return {
     "error": f"exit status {proc.returncode}, no JSON line printed",
     "stderr_tail": tail(proc.stderr) or tail(proc.stdout),
   }
+
+
+def _last_json(stdout: str) -> dict | None:
+  """The last line of ``stdout`` that is a JSON object, else None."""
+  for line in reversed(stdout.splitlines()):
+    if line.startswith("{"):
+      try:
+        return json.loads(line)
+      except json.JSONDecodeError:
+        continue
+  return None
 
 
 # ---------------------------------------------------------------------------------------------

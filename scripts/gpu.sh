@@ -32,6 +32,9 @@
 #   maxtext      bench_maxtext: MaxText's trainer, its presets and ours (carry .whl/) [maxtext]
 #   multigpu     bench_multigpu: 1 vs 2 GPUs, DP and FSDP (needs 2 GPUs)            [multigpu]
 #   multigpu4    bench_multigpu --gpus 4: 1 vs 4 GPUs, DP and FSDP (needs 4 GPUs)   [multigpu]
+#   multigpu124  bench_multigpu --gpus 1,2,4, gpt-1.3b: layer inputs and AdamW's state in the
+#                host tier vs remat (both on the device), DP and FSDP, the collectives'
+#                arithmetic; 1, then 4, then 2 within LIMIT_S (needs 4 GPUs)    [multigpu]
 #   multihost    tests/test_multihost.py: 2 processes x 1 GPU vs 1 x 2 (needs 2 GPUs) [Tests]
 #   optimizer    tests/test_optimizer.py on the GPU, then bench_optimizer (one GPU)  [optimizer]
 #   optimizerbench  bench_optimizer alone (one GPU); both write the host and nvme rows' last
@@ -75,8 +78,9 @@ LIMIT_S=${LIMIT_S:-570}
 if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
 KNOWN=(tests tests4 reliability jaxlayer lifetimes rok rok8192 hostrows hosttier link planner planner32k
-  planner8192 plannernvme cap emulated train maxtext multigpu multigpu4 multihost optimizer optimizerbench
-  optimizer2 optimizer4 checkpoint accumulate fit layerstream layerstream30 maxtextfsdp maxtextfsdpqkv)
+  planner8192 plannernvme cap emulated train maxtext multigpu multigpu4 multigpu124 multihost optimizer
+  optimizerbench optimizer2 optimizer4 checkpoint accumulate fit layerstream layerstream30 maxtextfsdp
+  maxtextfsdpqkv)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
   exit 2
@@ -262,6 +266,11 @@ for stage in "${STAGES[@]}"; do
       gpus 4 multigpu4 || continue
       run multigpu4 600 $PY -m scripts.bench_multigpu --gpus 4 --policies offload,offload_host,remat \
         --batch-per-gpu 32 --out "$OUT/multigpu4" ;;
+    multigpu124)  # 10 configurations; the host tier holds DP's 4 replicas of the 10.5 GB state
+      gpus 4 multigpu124 || continue
+      run multigpu124 $((LIMIT_S - SECONDS)) $PY -m scripts.bench_multigpu --gpus 1,2,4 \
+        --preset gpt-1.3b --policies offload_host,remat --batch-per-gpu 16 --host-tier 128GiB \
+        --budget-s $((LIMIT_S - SECONDS - 15)) --out "$OUT/multigpu124" ;;
     multihost)
       run multihost 300 $PY -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_multihost.py ;;
     optimizer)

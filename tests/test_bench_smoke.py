@@ -60,8 +60,9 @@ def test_bench_rok_tiny(tmp_path):
 
 @pytest.mark.slow
 def test_bench_multigpu_cpu_smoke(tmp_path):
-  """1 vs 2 CPU devices, FSDP, both offload policies and remat: the script runs end to end and
-  writes its rows, and the offload adds no collective to the compiled program."""
+  """1 vs 2 CPU devices, FSDP, both offload policies (the optimizer state in the host tier) and
+  remat: the script runs end to end and writes its rows, and the offload adds no collective to
+  the compiled program."""
   cmd = [
     sys.executable,
     "-m",
@@ -78,7 +79,7 @@ def test_bench_multigpu_cpu_smoke(tmp_path):
     "--host-cache",
     "64MiB",
     "--host-tier",
-    "64MiB",
+    "512MiB",  # the layer inputs and Adam's state (two versions during the update)
     "--out",
     str(tmp_path),
     "--store-dir",
@@ -148,3 +149,82 @@ def test_bench_layer_stream_cpu_smoke(tmp_path):
   assert engine["offload_GB_per_step"] * 1e9 == pytest.approx(
     room["parameters"] * (2 * 4 + 14), rel=1e-6
   )
+
+
+@pytest.mark.slow
+def test_bench_multigpu_cpu_smoke_1_2_4(tmp_path):
+  """--gpus 1,2,4 on 1, 2 and 4 CPU devices, DP and FSDP, the layer inputs and the optimizer
+  state in the host tier against remat: a row per layout and count, the points against remat,
+  the collectives' arithmetic, and no collective added by the offload."""
+  cmd = [
+    sys.executable,
+    "-m",
+    "scripts.bench_multigpu",
+    "--cpu-smoke",
+    "--gpus",
+    "1,2,4",
+    "--steps",
+    "2",
+    "--warmup",
+    "2",
+    "--policies",
+    "offload_host,remat",
+    "--host-cache",
+    "64MiB",
+    "--host-tier",
+    "1GiB",  # DP at 4: four replicas of Adam's state, two versions each during the update
+    "--out",
+    str(tmp_path),
+    "--store-dir",
+    str(tmp_path / "store"),
+  ]
+  proc = subprocess.run(
+    cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ), timeout=HANG_S
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  (path,) = tmp_path.glob("multigpu_cpu_*.json")
+  doc = json.loads(path.read_text())
+  assert doc["config"]["gpus"] == [1, 2, 4] and sorted(doc["runs"]) == ["1", "2", "4"]
+  for n in ("1", "2", "4"):
+    run = doc["runs"][n]
+    assert not run.get("error") and run["partial"] is False, run.get("error")
+    assert {r["gpus"] for r in run["rows"]} == {int(n)}
+  # Every offloaded row keeps the optimizer state in the host tier; remat on the device.
+  for run in doc["runs"].values():
+    for r in run["rows"]:
+      assert r["optimizer_location"] == ("host" if r["policy"] == "offload_host" else "device")
+      assert r["engine"]["disk_bytes_written"] == 0
+  rows = {(r["layout"], r["policy"], r["gpus"]): r for r in doc["rows"]}
+  assert set(rows) == {
+    (layout, policy, n)
+    for layout in ("dp", "fsdp")
+    for policy in ("offload_host", "remat")
+    for n in (2, 4)
+  }
+  for (layout, policy, n), r in rows.items():
+    assert r["efficiency"] > 0 and r["step_ms_1"] > 0 and r["step_ms_n"] > 0
+    assert r["collectives_n"] > 0
+    if policy == "offload_host":
+      assert r["collectives_added_vs_remat"] == 0, r
+      assert r["collectives_same_as_remat"] is True, r
+      remat = rows[(layout, "remat", n)]
+      points = 100 * (r["efficiency"] - remat["efficiency"])
+      assert r["points_vs_no_offload"] == pytest.approx(points)
+    else:
+      assert r["points_vs_no_offload"] is None
+  # The arithmetic: the model's bytes, and the ring collectives' formulas at each count.
+  model = doc["runs"]["1"]["model"]
+  assert model["param_bytes"] == 4 * model["param_count"] == model["grad_bytes"]
+  assert model["opt_state_bytes"] >= 2 * model["param_bytes"]  # Adam's two moments
+  arith = {(a["layout"], a["gpus"]): a for a in doc["arithmetic"]}
+  assert set(arith) == {(layout, n) for layout in ("dp", "fsdp") for n in (2, 4)}
+  p, g = model["param_bytes"], model["grad_bytes"]
+  for (layout, n), a in arith.items():
+    f = (n - 1) / n
+    want = 2 * f * g if layout == "dp" else f * (2 * p + g)
+    assert a["collective_GB_per_gpu_step"] == pytest.approx(want / 1e9)
+    assert a["collective_ms"] == pytest.approx(1e3 * want / 450e9)
+    assert a["optimizer_stream_gbps"] == pytest.approx(min(50.7, 88 / n))
+    assert 0 < a["remat_efficiency_no_overlap"] <= 1 and a["offload_efficiency_no_overlap"] > 0
+  assert [c["no_added_collective"] for c in doc["summary"]["checks"]] == [True, True]
+  assert "points vs no offload" in proc.stdout and "Collectives' arithmetic" in proc.stdout

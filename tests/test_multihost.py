@@ -140,24 +140,32 @@ def _gpu_count(env) -> int:
 GPU_XLA_FLAGS = " --xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
 
 
-@pytest.mark.gpu
-def test_two_gpu_processes_match_one_process(tmp_path):
-  """2 processes with one GPU each (NCCL across processes, a store per process) vs one process
-  driving both GPUs: the same losses, gradient norms and parameters, bit for bit."""
+def _gpu_env(n: int, **extra) -> tuple[dict, list[str]]:
+  """The workers' environment on the first ``n`` GPUs (of ``CUDA_VISIBLE_DEVICES`` when set):
+  (env, those GPUs' ids); ``extra`` added to env. Skips the test with fewer than ``n`` GPUs."""
   env = dict(
     os.environ,
     PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
     XLA_PYTHON_CLIENT_PREALLOCATE="false",
   )
   env.pop("JAX_PLATFORMS", None)
-  if _gpu_count(env) < 2:
-    pytest.skip("needs 2 GPUs")
-  visible = env.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")[:2]
+  if _gpu_count(env) < n:
+    pytest.skip(f"needs {n} GPUs")
+  visible = env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(n)))).split(",")[:n]
   env.update(
     SSD_MH_PLATFORM="gpu",
     XLA_FLAGS=env.get("XLA_FLAGS", "") + GPU_XLA_FLAGS,
     CUDA_VISIBLE_DEVICES=",".join(visible),
+    **extra,
   )
+  return env, visible
+
+
+@pytest.mark.gpu
+def test_two_gpu_processes_match_one_process(tmp_path):
+  """2 processes with one GPU each (NCCL across processes, a store per process) vs one process
+  driving both GPUs: the same losses, gradient norms and parameters, bit for bit."""
+  env, visible = _gpu_env(2)
   template = str(tmp_path / "store-{process}")
   port = _free_port()
   outs = [tmp_path / f"out{i}.json" for i in range(3)]
@@ -199,22 +207,7 @@ def test_four_gpu_processes_stream_their_own_optimizer_blocks(tmp_path):
   """4 processes with one GPU each, FSDP over the 4 with the optimizer state in the host tier
   (each process streams its GPU's blocks), saved and restored by the 4 at once, vs one process
   driving the 4 GPUs: the same losses, gradient norms and parameters, bit for bit."""
-  env = dict(
-    os.environ,
-    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    XLA_PYTHON_CLIENT_PREALLOCATE="false",
-  )
-  env.pop("JAX_PLATFORMS", None)
-  if _gpu_count(env) < 4:
-    pytest.skip("needs 4 GPUs")
-  visible = env.get("CUDA_VISIBLE_DEVICES", "0,1,2,3").split(",")[:4]
-  env.update(
-    SSD_MH_PLATFORM="gpu",
-    SSD_MH_OPTIMIZER="host",
-    SSD_MH_FSDP="1",
-    XLA_FLAGS=env.get("XLA_FLAGS", "") + GPU_XLA_FLAGS,
-    CUDA_VISIBLE_DEVICES=",".join(visible),
-  )
+  env, visible = _gpu_env(4, SSD_MH_OPTIMIZER="host", SSD_MH_FSDP="1")
   template = str(tmp_path / "store-{process}")
   port = _free_port()
   outs = [tmp_path / f"out{i}.json" for i in range(5)]

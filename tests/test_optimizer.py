@@ -472,6 +472,10 @@ def test_a_two_pass_stream_equals_the_device_and_reads_what_it_reduces_once_more
 
   params = _params()
   state = ours.init(params)
+  # every load reads its handle: the engine's prediction of ordered loads assumes each entry is
+  # loaded once per update, in store order (on the GPU a misprediction failed the step)
+  program = str(jax.make_jaxpr(ours.update)(params, state, params))
+  assert "exact=True" in program and "exact=ordered" not in program
   jax.block_until_ready(state)
   ssd.flush()
   ssd.reset_stats()

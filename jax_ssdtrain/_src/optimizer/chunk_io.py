@@ -140,9 +140,12 @@ class ChunkIO:
 
 @dataclasses.dataclass(frozen=True)
 class StoreIO(ChunkIO):
-  """The store: handles of engine entries, one per chunk of rows (see the module doc)."""
+  """The store: handles of engine entries, one per chunk of rows (see the module doc).
+  ``ordered``: a scan's chunk loads are predicted in store order; False reads each handle (a
+  two-pass stream, whose update pass loads entries its reduction pass loaded before)."""
 
   location: Location
+  ordered: bool = True
 
   @property
   def tier(self) -> int:
@@ -181,7 +184,9 @@ class StoreIO(ChunkIO):
       h = opaque_copy(h, *after, effect=False)
     shape = (rows,) + leaf.block_shape[1:]
     # a scan's iterations load each leaf's chunks in their store order: predicted on the GPU
-    value = self.load(h, leaf, 0, shape=shape, consume=consume, exact="ordered")
+    # (unless ``ordered`` is off)
+    exact = "ordered" if self.ordered else True
+    value = self.load(h, leaf, 0, shape=shape, consume=consume, exact=exact)
     return value, [value.reshape(-1)[:1]]  # one element of it: the load has run
 
   def store_leaf(self, value, leaf):

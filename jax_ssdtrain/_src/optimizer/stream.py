@@ -27,6 +27,7 @@ is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -36,7 +37,7 @@ import numpy as np
 
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.optimizer.base import OffloadedState, OptimizerOffloadError
-from jax_ssdtrain._src.optimizer.chunk_io import ChunkIO
+from jax_ssdtrain._src.optimizer.chunk_io import ChunkIO, StoreIO
 from jax_ssdtrain._src.optimizer.layout import Layout
 from jax_ssdtrain._src.optimizer.plan import Plan, make_plan, mark_applied
 from jax_ssdtrain._src.optimizer.trace import eval_eqn, is_var, read, trace_init, trace_update
@@ -71,10 +72,14 @@ def stream(fn, args, layout: Layout, state: OffloadedState | None, name: str, ap
   handles_in = dict(zip(stored_ids, state.handles)) if state is not None else {}
   runner = on_one_device if layout.mesh is None else on_each_device
   after: list[Any] = []
+  io = layout.io
   if plan.first is not None:  # 0. a two-pass stream: the reduction pass (stores nothing)
+    # Each pass loads entries the other loads too: every load reads its handle (the engine's
+    # prediction of ordered loads assumes each entry is loaded once, in store order).
+    io = dataclasses.replace(io, ordered=False) if isinstance(io, StoreIO) else io
     for eqn in plan.first.device_eqns:
       eval_eqn(eqn, env)
-    run = functools.partial(run_groups, plan.first, leaves, {}, layout.io)
+    run = functools.partial(run_groups, plan.first, leaves, {}, io)
     numbers = runner(run, plan.first, layout, env, handles_in, name)[1]
     env.update(numbers)
     after = list(numbers.values())  # what the update pass's loads wait for (run_groups)
@@ -86,7 +91,7 @@ def stream(fn, args, layout: Layout, state: OffloadedState | None, name: str, ap
   for group in plan.groups:  # a leaf the update leaves as it is: the same entries
     new_handles.update({i: handles_in[i] for i in group.passed})
   consume = layout.in_place and state is not None  # in place: each load is its entry's last
-  run = functools.partial(run_groups, plan, leaves, stored_out, layout.io, consume=consume)
+  run = functools.partial(run_groups, plan, leaves, stored_out, io, consume=consume)
   # 2. each group, chunk by chunk (sharded state: each device runs every group on its blocks)
   handles, group_outs = runner(run, plan, layout, env, handles_in, name, after)
   new_handles.update(handles)

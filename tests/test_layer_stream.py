@@ -748,6 +748,16 @@ def test_room_refused_with_the_arithmetic(tmp_path):
     fits = ssd.check_streamed_room(both, optax.adamw(1e-3), sum_dtype=jnp.bfloat16, in_place=True)
     assert fits["peak_bytes"] <= fits["room_bytes"] == 8 * MiB
     assert ssd.stats()["bytes_written"] == 0  # nothing was stored
+    # the optimizer's init refuses what cannot fit in the least room (in place, bfloat16 sum),
+    # before storing anything: the stack's parameters (0.5 MB) fit, with the rest 4.7 MB do not
+    init = functools.partial(_init_layer, dtype=jnp.bfloat16, width=64)
+    stack = ssd.init_streamed(init, jax.random.key(0), 16, location="host")
+    jax.block_until_ready(stack)
+    ssd.flush()
+    written = ssd.stats()["bytes_written"]
+    with pytest.raises(ssd.StreamedRoomError, match="stack: its streamed stack of 16 layers"):
+      ssd.init_streamed_optimizer(optax.adamw(1e-3), stack)
+    assert ssd.stats()["bytes_written"] == written
   with pytest.raises(ValueError, match="sum_dtype"):
     ssd.check_streamed_room(_shape(2, "device"), sum_dtype=jnp.int32)
   with pytest.raises(TypeError, match="StreamedStack"):

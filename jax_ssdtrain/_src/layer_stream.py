@@ -851,12 +851,20 @@ def init_streamed_optimizer(
   all the parameters or a tensor (``clip_by_global_norm``, trust ratios, Adafactor) is refused
   with the cause (global-norm clipping: ``apply_streamed_update(clip_global_norm=...)``).
   Pure: ``jax.eval_shape`` of it gives the state's structure.
+
+  A stack whose parameters, master copy, state and gradients' sum cannot fit the store even
+  updated in place with a bfloat16 sum (the least room: :func:`check_streamed_room`) is refused
+  here, before anything is stored, with :class:`StreamedRoomError`'s arithmetic; call
+  :func:`check_streamed_room` with the training's own settings for the exact peak.
   """
   _check_tx(tx)
   lay = _check_stack(stack, "stack")
   if master_weights is None:
     master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
   _check_bool(master_weights, "master_weights")
+  check_streamed_room(
+    stack, tx, sum_dtype=jnp.bfloat16, master_weights=master_weights, in_place=True, name="stack"
+  )
   spec = _opt_spec(tx, lay, master_weights)
   return _opt_init_jit(tx, spec, stack)
 

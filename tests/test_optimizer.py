@@ -914,6 +914,15 @@ def _check_sharded(r: dict, devices: int) -> None:
   t = r["train"]
   assert t["stored_leaves"] > 0 and t["handle_rows"] == [devices], t
   assert t["host_eq_device"] and t["vs_tx"] < 1e-5, t
+  # no collective added by the offload: the leaves kept on the device (under min_bytes) lie as
+  # their parameters, as optax's own state (they were replicated: XLA gathered them every step)
+  c = t["collectives"]
+  assert c["None"] and c["device"] == c["host"] == c["kept"] == c["None"], c
+  specs = t["kept_specs"]
+  assert t["kept_stored_leaves"] > 0 and t["kept_eq_host"], t
+  assert all(layout == placed for layout, placed in specs.values()), specs
+  assert any(layout != "P()" for layout, _ in specs.values()), specs
+  assert all(spec == "P()" for path, (spec, _) in specs.items() if path.endswith(".count")), specs
   # two passes: each device's partials of the sums joined over the mesh, as on the devices
   for name, t in r["two_pass"].items():
     assert t["stored_leaves"] > 0 and t["host_eq_device"] and t["state_host_eq_device"], (name, t)

@@ -108,9 +108,10 @@ def stream_in(like: OffloadedState, read: Callable[..., Any]) -> OffloadedState:
       value = _resolved(read(i, leaf, ()))
       if layout.mesh is None:
         device.append(jnp.asarray(value))
-      else:  # replicated over the mesh, as init makes them (every process gives the value)
-        replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
-        device.append(jax.make_array_from_callback(value.shape, replicated, lambda ix: value[ix]))
+      else:  # as init makes them: its parameter's sharding (every process gives the value)
+        spec = jax.sharding.PartitionSpec() if leaf.spec is None else leaf.spec
+        where = jax.sharding.NamedSharding(layout.mesh, spec)
+        device.append(jax.make_array_from_callback(value.shape, where, lambda ix: value[ix]))
       continue
     pieces = _ahead(
       lambda indices, i=i, leaf=leaf: [read(i, leaf, index) for index in indices],

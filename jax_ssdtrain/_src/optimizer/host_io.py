@@ -135,7 +135,18 @@ def stream_in(like: OffloadedState, read: Callable[..., Any]) -> OffloadedState:
     )
     values = ([_resolved(p) for p in ps] for ps in pieces)
     handles.append(io.write_chunks(leaf, layout.mesh, blocks, values))
+  if layout.mesh is None:  # on like's device, committed as like's arrays are: a step jitted
+    # with out_shardings returns committed ones, and an uncommitted input made it compile twice
+    device = [_like(x, y) for x, y in zip(device, like.device)]
+    handles = [_like(x, y) for x, y in zip(handles, like.handles)]
   return OffloadedState(device, handles, layout)
+
+
+def _like(x: Any, like: Any) -> Any:
+  """``x`` placed as ``like`` where ``like`` is an array committed to its device."""
+  if isinstance(like, jax.Array) and getattr(like, "committed", False):
+    return jax.device_put(x, like.sharding)
+  return x
 
 
 def device_blocks(layout: Layout, what: str):

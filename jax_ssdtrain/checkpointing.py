@@ -152,8 +152,8 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
       writing = collections.deque()  # up to WRITES_IN_FLIGHT chunks written at once
 
       def write(i, leaf, index, value, si=si, arrays=arrays, writing=writing):
-        if shared and not leaf.stored and not primary:
-          return  # a leaf kept on the device is replicated: written once
+        if shared and not leaf.stored and not primary and not index:
+          return  # a leaf kept on the device, replicated: written once (else its blocks)
         if i not in arrays:
           arrays[i] = _open(directory, si, i, leaf, create=not shared)
         target = arrays[i][index] if index else arrays[i]

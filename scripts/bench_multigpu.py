@@ -78,8 +78,8 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute
 # counted; XLA's async-start wrappers hold the plain op in the computation they call).
 # --cpu-smoke's model: the tiny preset widened so that every leaf of the optimizer state is at
 # least offload_optimizer's min_bytes (4 KiB here: RunConfig's floor) and stored. A smaller leaf
-# stays on the device, and under FSDP offload_optimizer's init leaves it replicated where remat
-# shards it like its parameter: XLA then gathers it every step (tiny: 16 small all-gathers).
+# stays on the device, sharded like its parameter as remat's state (it was replicated, and XLA
+# gathered it every step: tiny's 16 small all-gathers; tests/_sharded_optimizer_worker.py).
 CPU_WIDTH = {"hidden": 512, "mlp_dim": 2048}
 _COLLECTIVE_RE = re.compile(r"=\s+(.*?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 

@@ -120,15 +120,27 @@ def block_bytes(layout) -> int:
 
 def train_case() -> dict:
   """models.training's FSDP path (scripts/train.py --mesh dp=N,fsdp): the train state placed on
-  the mesh with its optimizer state in the store, 2 steps, against the state on the devices."""
+  the mesh with its optimizer state in the store, 2 steps, against the state on the devices;
+  the collectives of each compiled step ("kept": leaves under min_bytes stay on the device)."""
   from models import parallel, training
+  from scripts.bench_multigpu import count_collectives
 
   par = parallel.Parallelism(data=N, fsdp=True)
   mesh = par.mesh()  # the first N devices, as scripts/train.py's
-  out = {}
-  for loc in (None, "device", "host"):
+  out, collectives, kept_specs = {}, {}, {}
+  for case, loc, min_bytes in (
+    ("None", None, 0),
+    ("device", "device", 0),
+    ("host", "host", 0),
+    ("kept", "host", 4096),  # the tiny model's biases and norms (512 bytes) on the device
+  ):
     run = training.RunConfig(
-      preset="tiny", batch=8, seq_len=16, optimizer_location=loc, min_bytes=0, dtype="float32"
+      preset="tiny",
+      batch=8,
+      seq_len=16,
+      optimizer_location=loc,
+      min_bytes=min_bytes,
+      dtype="float32",
     )
     state, _, _ = training.create_train_state(run)
     state, shardings = training.shard_train_state(state, par, mesh)
@@ -136,11 +148,23 @@ def train_case() -> dict:
     tokens = training.shard_batch(
       np.random.default_rng(0).integers(0, 256, (8, 17), dtype=np.int32), par, mesh
     )
+    hlo = step.lower(state, tokens, jax.random.key(1)).compile().as_text()
+    collectives[case] = count_collectives(hlo)["ops"]
+    if case == "kept":
+      offloaded = state.opt_state
+      kept = [leaf for leaf in offloaded.layout.leaves if not leaf.stored]
+      kept_specs = {
+        leaf.path: [str(leaf.spec), str(x.sharding.spec)] for leaf, x in zip(kept, offloaded.device)
+      }
     for _ in range(2):
       state, metrics = step(state, tokens, jax.random.key(1))
-    out[str(loc)] = (host(state.params), float(metrics["loss"]), state)
+    out[case] = (host(state.params), float(metrics["loss"]), state)
   stored = out["host"][2].opt_state
   return {
+    "collectives": collectives,
+    "kept_specs": kept_specs,
+    "kept_stored_leaves": len(out["kept"][2].opt_state.handles),
+    "kept_eq_host": all(np.array_equal(a, b) for a, b in zip(out["kept"][0], out["host"][0])),
     "stored_leaves": len(stored.handles),
     "handle_rows": sorted({h.shape[0] for h in stored.handles}),
     "host_eq_device": all(np.array_equal(a, b) for a, b in zip(out["host"][0], out["device"][0])),

@@ -914,6 +914,15 @@ def _check_sharded(r: dict, devices: int) -> None:
   t = r["train"]
   assert t["stored_leaves"] > 0 and t["handle_rows"] == [devices], t
   assert t["host_eq_device"] and t["vs_tx"] < 1e-5, t
+  # no collective added by the offload: the leaves kept on the device (under min_bytes) lie as
+  # their parameters, as optax's own state (they were replicated: XLA gathered them every step)
+  c = t["collectives"]
+  assert c["None"] and c["device"] == c["host"] == c["kept"] == c["None"], c
+  specs = t["kept_specs"]
+  assert t["kept_stored_leaves"] > 0 and t["kept_eq_host"], t
+  assert all(layout == placed for layout, placed in specs.values()), specs
+  assert any(layout != "P()" for layout, _ in specs.values()), specs
+  assert all(spec == "P()" for path, (spec, _) in specs.items() if path.endswith(".count")), specs
   # two passes: each device's partials of the sums joined over the mesh, as on the devices
   for name, t in r["two_pass"].items():
     assert t["stored_leaves"] > 0 and t["host_eq_device"] and t["state_host_eq_device"], (name, t)
@@ -1025,3 +1034,26 @@ def test_the_chunk_io_is_chosen_once_from_the_location():
   for loc, code in TIER_CODES.items():
     io = chunk_io.chunk_io(loc)
     assert isinstance(io, chunk_io.StoreIO) and io.tier == code and io.location is loc
+
+
+def test_one_device_train_step_compiles_once(store):
+  # models.training on a mesh of one device (scripts/bench_multigpu.py's 1-GPU rows): init's
+  # state was uncommitted (its jit dropped the parameters, which zeros do not read) and the step
+  # returns committed arrays (its out_shardings), so that the second step compiled again.
+  from models import parallel, training
+
+  run = training.RunConfig(
+    preset="tiny", batch=2, seq_len=16, optimizer_location="host", min_bytes=4096
+  )
+  state, _, _ = training.create_train_state(run)
+  par = parallel.Parallelism(data=1, fsdp=True)
+  mesh = par.mesh(jax.devices()[:1])
+  state, shardings = training.shard_train_state(state, par, mesh)
+  assert all(x.committed for x in jax.tree.leaves(state.opt_state))
+  step = training.jit_train_step(shardings)
+  tokens = training.shard_batch(np.zeros((2, 17), np.int32), par, mesh)
+  for _ in range(3):
+    state, metrics = step(state, tokens, jax.random.key(0))
+  jax.block_until_ready(metrics)
+  assert step._cache_size() == 1  # jit's compilations (a private method)
+  assert all(x.committed for x in jax.tree.leaves(state.opt_state))

@@ -132,7 +132,11 @@ def offload_optimizer(
       layout = dataclasses.replace(layout, location=where)
     check_room(layout, where, name)
     # Under jit: a stored leaf is made and stored chunk by chunk, never whole next to the others.
-    return jax.jit(lambda p: stream(tx.init, (p,), layout, None, name)[1])(params)
+    # keep_unused: the parameters (which zeros do not read) stay arguments, so that the state is
+    # committed to their device as theirs is (as optax's own init's; an uncommitted state made
+    # a step jitted with out_shardings, whose outputs are committed, compile twice).
+    init = jax.jit(lambda p: stream(tx.init, (p,), layout, None, name)[1], keep_unused=True)
+    return init(params)
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, OffloadedState):

@@ -77,7 +77,8 @@ def stream_out(state: OffloadedState, write: Callable[..., None]) -> None:
   each, with ``i`` the leaf's index in ``state.layout.leaves``, ``index`` the piece's place in
   the whole leaf (a tuple of slices; ``()`` for a whole leaf) and ``value`` a NumPy array. A
   stored leaf comes one chunk at a time (sharded state: each device's rows of that chunk of its
-  block), read from the store onto the device and then into host memory; the rest whole."""
+  block), read from the store onto the device and then into host memory; the rest whole (a
+  leaf sharded over several processes' devices: this process's blocks)."""
   check_state(state, "state")
   layout = state.layout
   io = layout.io
@@ -85,10 +86,25 @@ def stream_out(state: OffloadedState, write: Callable[..., None]) -> None:
   device, handles = iter(state.device), iter(state.handles)
   for i, leaf in enumerate(layout.leaves):
     if not leaf.stored:
-      write(i, leaf, (), np.asarray(next(device)))
+      _write_kept(write, i, leaf, next(device))
       continue
     for index, value in io.read_chunks(leaf, next(handles), layout.mesh, blocks):
       write(i, leaf, index, value)
+
+
+def _write_kept(write: Callable[..., None], i: int, leaf: LeafLayout, x: Any) -> None:
+  """A leaf kept on the device, to ``write``: whole where this process holds all of it; else
+  (sharded as its parameter over several processes' devices) this process's blocks, each once
+  over the processes (the replica 0 of each)."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+    write(i, leaf, (), np.asarray(x))
+    return
+  done = set()
+  for shard in x.addressable_shards:
+    key = tuple((s.start, s.stop) for s in shard.index)
+    if shard.replica_id == 0 and key not in done:
+      done.add(key)
+      write(i, leaf, shard.index, np.asarray(shard.data))
 
 
 def stream_in(like: OffloadedState, read: Callable[..., Any]) -> OffloadedState:
@@ -108,9 +124,10 @@ def stream_in(like: OffloadedState, read: Callable[..., Any]) -> OffloadedState:
       value = _resolved(read(i, leaf, ()))
       if layout.mesh is None:
         device.append(jnp.asarray(value))
-      else:  # replicated over the mesh, as init makes them (every process gives the value)
-        replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
-        device.append(jax.make_array_from_callback(value.shape, replicated, lambda ix: value[ix]))
+      else:  # as init makes them: its parameter's sharding (every process gives the value)
+        spec = jax.sharding.PartitionSpec() if leaf.spec is None else leaf.spec
+        where = jax.sharding.NamedSharding(layout.mesh, spec)
+        device.append(jax.make_array_from_callback(value.shape, where, lambda ix: value[ix]))
       continue
     pieces = _ahead(
       lambda indices, i=i, leaf=leaf: [read(i, leaf, index) for index in indices],
@@ -118,7 +135,18 @@ def stream_in(like: OffloadedState, read: Callable[..., Any]) -> OffloadedState:
     )
     values = ([_resolved(p) for p in ps] for ps in pieces)
     handles.append(io.write_chunks(leaf, layout.mesh, blocks, values))
+  if layout.mesh is None:  # on like's device, committed as like's arrays are: a step jitted
+    # with out_shardings returns committed ones, and an uncommitted input made it compile twice
+    device = [_like(x, y) for x, y in zip(device, like.device)]
+    handles = [_like(x, y) for x, y in zip(handles, like.handles)]
   return OffloadedState(device, handles, layout)
+
+
+def _like(x: Any, like: Any) -> Any:
+  """``x`` placed as ``like`` where ``like`` is an array committed to its device."""
+  if isinstance(like, jax.Array) and getattr(like, "committed", False):
+    return jax.device_put(x, like.sharding)
+  return x
 
 
 def device_blocks(layout: Layout, what: str):

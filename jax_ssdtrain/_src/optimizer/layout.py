@@ -55,8 +55,10 @@ class LeafLayout:
   dtype: Any
   bounds: tuple[tuple[int, int], ...] = ()  # () for a leaf kept on the device
   site: int = -1  # the store site of every chunk (the engine checks a handle's site on load)
-  # Sharded state (Layout.mesh set): the leaf's PartitionSpec and each device's block shape;
-  # bounds cut that block (every device streams its own block, chunk by chunk).
+  # Sharded state (Layout.mesh set): the leaf's PartitionSpec (a leaf kept on the device too:
+  # its parameter's, so that it lies as optax's own state would, replicated where it mirrors
+  # none) and each stored leaf's block shape; bounds cut that block (every device streams its
+  # own block, chunk by chunk).
   spec: Any = None
   local_shape: tuple[int, ...] | None = None
   # The parameter whose state this is (its index among the parameters' leaves: the longest
@@ -147,11 +149,12 @@ def make_layout(
     # A scalar is no bigger than a handle; a small leaf that mirrors no parameter (muon's
     # Newton-Schulz coefficients) is read by every parameter's update: both stay on the device.
     shared = owner == -1 and leaf.nbytes < opts.chunk_bytes
+    if mesh is not None:  # kept on the device too: sharded as its parameter (no gathers)
+      leaf = dataclasses.replace(leaf, spec=_spec_for(path, shape, param_specs))
     if shape and not shared and leaf.nbytes >= max(opts.min_bytes, 1):
       if mesh is not None:
-        spec = _spec_for(path, shape, param_specs)
-        block = _block_shape(shape, spec, mesh, leaf.path, name)
-        leaf = dataclasses.replace(leaf, spec=spec, local_shape=block)
+        block = _block_shape(shape, leaf.spec, mesh, leaf.path, name)
+        leaf = dataclasses.replace(leaf, local_shape=block)
       bounds = row_bounds(leaf.block_shape, opts.chunk_bytes)
       leaf = dataclasses.replace(leaf, bounds=bounds)
       leaf = dataclasses.replace(leaf, site=site_of(leaf, len(leaves)))

@@ -98,7 +98,11 @@ def stream(fn, args, layout: Layout, state: OffloadedState | None, name: str, ap
   env.update(group_outs)
 
   outs = [None if k - n_updates in stored_out else read(env, v) for k, v in enumerate(prog.outvars)]
-  device_state = [outs[n_updates + i] for i, leaf in enumerate(leaves) if not leaf.stored]
+  device_state = [
+    _placed(outs[n_updates + i], leaf, layout.mesh)
+    for i, leaf in enumerate(leaves)
+    if not leaf.stored
+  ]
   new_state = OffloadedState(device_state, [new_handles[i] for i in stored_ids], layout)
   if state is None:
     return None, new_state
@@ -110,6 +114,15 @@ def stream(fn, args, layout: Layout, state: OffloadedState | None, name: str, ap
     return jax.tree_util.tree_structure(params).unflatten(new_params), new_state
   new_updates = traced.updates_tree.unflatten(outs[:n_updates])
   return new_updates, new_state
+
+
+def _placed(x, leaf, mesh):
+  """A leaf kept on the device, sharded state: constrained to its parameter's sharding (the
+  layout's spec; replicated where it mirrors none), as optax's own state lies. Left to the
+  partitioner, init's zeros come out replicated and XLA gathers them every step."""
+  if mesh is None or leaf.spec is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, leaf.spec))
 
 
 def on_one_device(

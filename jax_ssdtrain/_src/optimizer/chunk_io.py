@@ -77,10 +77,10 @@ class ChunkIO:
 
   def wait_for(self, hs, after: list) -> Any:
     """``hs`` once ``after`` is computed: a two-pass stream's update pass loads an entry after
-    its reduction pass did (there the load may be the entry's last, and the engine predicts
-    ordered loads from what was loaded before). A copy of the handles that reads ``after``: a
-    data dependency, which orders custom calls on every backend (XLA:CPU drops optimization
-    barriers). The device reference needs no order: its handles are the state itself."""
+    its reduction pass did (in place, the update pass's load is the entry's last). A copy of
+    the handles that reads ``after``: a data dependency, which orders custom calls on every
+    backend (XLA:CPU drops optimization barriers). The device reference needs no order: its
+    handles are the state itself."""
     return opaque_copy(hs, *after, effect=False)
 
   def store_rows(self, value, leaf: LeafLayout) -> Any:

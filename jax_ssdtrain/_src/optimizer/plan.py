@@ -110,29 +110,28 @@ def two_pass(prog: Program, stored_in: dict, stored_out: dict, leaves, name: str
   together (a reduction of a value built from another global number: more than two passes)."""
   cut_ids = {id(e) for e in cut.reductions}
   # The reduction pass: the equations the reductions need, the reductions its outputs.
-  needed: set = set()
-  wanted = {v for e in cut.reductions for v in e.invars if is_var(v)}
-  for eqn in reversed(prog.eqns):
-    if id(eqn) in cut_ids or any(v in wanted for v in eqn.outvars):
-      needed.add(id(eqn))
-      wanted.update(v for v in eqn.invars if is_var(v))
-  first_eqns = [e for e in prog.eqns if id(e) in needed]
   first_out = [v for e in cut.reductions for v in e.outvars]
-  first_prog = Program(prog.invars, first_out, first_eqns, prog.consts)
+  first_prog = Program(prog.invars, first_out, _needed(prog.eqns, first_out), prog.consts)
   first = _plan(first_prog, stored_in, {}, leaves, name, partials=cut.reductions)
   # The update pass: what the outputs need, the reductions' results as inputs.
-  live = {v for v in prog.outvars if is_var(v)}
-  kept = []
-  for eqn in reversed(prog.eqns):
-    if id(eqn) not in cut_ids and any(v in live for v in eqn.outvars):
-      kept.append(eqn)
-      live.update(v for v in eqn.invars if is_var(v))
-  rest = Program(prog.invars, prog.outvars, kept[::-1], prog.consts)
+  rest_eqns = [e for e in prog.eqns if id(e) not in cut_ids]
+  rest = Program(prog.invars, prog.outvars, _needed(rest_eqns, prog.outvars), prog.consts)
   plan = _plan(rest, stored_in, stored_out, leaves, name)
   if not isinstance(first, Plan) or not isinstance(plan, Plan):  # more than two passes
     raise cut.errors[0]
   plan.first = first
   return plan
+
+
+def _needed(eqns: list[Eqn], outvars) -> list[Eqn]:
+  """The equations of ``eqns`` that ``outvars`` are computed from, in their order."""
+  live = {v for v in outvars if is_var(v)}
+  kept = []
+  for eqn in reversed(eqns):
+    if any(v in live for v in eqn.outvars):
+      kept.append(eqn)
+      live.update(v for v in eqn.invars if is_var(v))
+  return kept[::-1]
 
 
 def _plan(

@@ -222,8 +222,8 @@ def run_groups(
   """Runs ``plan``'s groups one after the other; returns ``({stored leaf: new handles},
   {output var: value})``. ``env`` holds every value a group reads; ``consume``: each load is its
   entry's last (``in_place``); ``after``: values every load waits for (a two-pass stream's
-  numbers: the reduction pass's loads of an entry come before the update pass's, whose loads
-  may be the entry's last and are predicted in store order: ``ChunkIO.wait_for``)."""
+  numbers: the reduction pass's loads of an entry come before the update pass's, which may be
+  the entry's last: ``ChunkIO.wait_for``)."""
   env = dict(env)
   new_handles: dict[int, Any] = {}
   outputs: dict[Any, Any] = {}

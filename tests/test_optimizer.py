@@ -3,6 +3,8 @@ transformations wrapped by offload_optimizer against the same transformations on
 refusals, MultiSteps around it, one copy of the state in the store; and the "host,nvme" location
 (the host tier spilling to the files) for activations."""
 
+import re
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
+from jax_ssdtrain._src import lifetimes
 from jax_ssdtrain._src.optimizer import (
   OffloadedState,
   OptimizerOffloadError,
@@ -159,6 +162,17 @@ def test_one_step_state_is_bit_exact(store):
   _, got = jax.jit(ours.update)(g, ours.init(p), p)
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(optimizer_state(got))):
     assert (np.asarray(a) == np.asarray(b)).all()
+
+
+def test_the_state_is_stored_as_loaded_later_in_store_order(store):
+  # The engine makes such an entry's host copy at once instead of keeping the newest stores in
+  # device staging for loads of the same execution (the next update loads the oldest first,
+  # read ahead into that staging room): every store of the update carries LATER_IN_ORDER.
+  ours = offload_optimizer(optax.adam(1e-3), min_bytes=4096, chunk_bytes=32 << 10)
+  p = _params()
+  text = jax.jit(ours.update).lower(p, ours.init(p), p).as_text()
+  stores = re.findall(r"ssdtrain_store.*?uses = (-?\d+)", text)
+  assert len(stores) >= 4 and set(stores) == {str(lifetimes.LATER_IN_ORDER)}, stores
 
 
 def test_min_bytes_zero_keeps_scalars_on_the_device(store):

@@ -48,6 +48,10 @@ from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src import native
 
 UNCOUNTED = -1
+# A store's ``uses`` given, not counted: only later executions load its entries, in store order
+# (an optimizer's state). Swept as UNCOUNTED; the engine makes its host copy at once (its
+# oldest entries are loaded first: keeping the newest in device staging would serve no load).
+LATER_IN_ORDER = -3
 
 
 # ---------------------------------------------------------------------------------------------

@@ -72,7 +72,8 @@ store_p.multiple_results = True
 
 # Params: site (the tag site, shared with its loads), tier (TIER_CODES), name (the tag, for
 # messages), uses (loads per stored entry in one execution; None: counted when the program is
-# lowered, see lifetimes.py; -1: released by sweeps only), recomputed (optional, default False:
+# lowered, see lifetimes.py; -1: released by sweeps only; lifetimes.LATER_IN_ORDER: by sweeps,
+# loaded by later executions in store order), recomputed (optional, default False:
 # True where a differentiation encloses the checkpoint and the backward takes the loaded value's
 # tangent from a recomputation of the tagged value (reload_p): forward-mode passes it through).
 

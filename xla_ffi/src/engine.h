@@ -116,7 +116,7 @@ class Engine {
   // ---- CPU handlers -------------------------------------------------------
   // `device`: the XLA device ordinal of the call (per-device sites and statistics).
   // `uses`: loads per stored entry in its execution (0: nobody loads it; Entry::kUncounted,
-  // Entry::kManual).
+  // Entry::kManual, Entry::kLaterInOrder).
   Status StoreFromHost(const void* src, uint64_t nbytes, int64_t site, Tier tier,
                        std::string_view name, uint32_t handle[2], int device = 0, int64_t uses = -1,
                        int64_t run_id = -1);
@@ -170,10 +170,11 @@ class Engine {
                    uint64_t* left) const;
   // Lock held. The handle of an ordered exact load (optimizer state: a site's chunks loaded in
   // the order an earlier execution stored them): the oldest entry of `site`, `device` and size
-  // not loaded yet, stored by the execution whose entry the last exact load of `run_id` on
-  // `device` loaded (NoteExactLoad). `*left`: that execution's unloaded entries on `device`
-  // besides it. False before the execution's first exact load (it reads its handle) or when
-  // there is none.
+  // stored after the site's last exact load of `run_id` on `device` (NoteExactLoad), by the
+  // execution that stored that load's entry. Whether an entry was loaded before does not
+  // matter: an update that failed loaded some of the state its retry loads again. `*left`:
+  // that execution's entries on `device` past their site's last load, besides it. False before
+  // the execution's first exact load (it reads its handle) or when there is none.
   bool PredictOrderedLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes, uint32_t h[2],
                           uint64_t* left) const;
   // Lock held. An exact load of execution `run_id` on `device` loaded `e`: the next ordered
@@ -306,6 +307,7 @@ class Engine {
   struct ExactSource {
     int64_t run_id = -1;     // the loading execution
     int64_t stored_by = -1;  // the execution that stored what its first exact load read
+    std::map<int64_t, uint64_t> last_seq;  // per site: the store seq of its last load's entry
   };
   std::map<int, ExactSource> exact_sources_;  // per device (PredictOrderedLoad)
   std::map<uint64_t, EntryPtr> retired_;      // by store seq (Retire)

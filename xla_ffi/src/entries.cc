@@ -108,26 +108,40 @@ bool Engine::PredictOrderedLoad(int64_t site, int64_t run_id, int device, uint64
   auto src = exact_sources_.find(device);
   if (src == exact_sources_.end() || src->second.run_id != run_id) return false;
   const int64_t from = src->second.stored_by;
+  const std::map<int64_t, uint64_t>& cursor = src->second.last_seq;
+  auto at = [&](int64_t s) -> uint64_t {  // the site's last loaded seq (0: none loaded yet)
+    auto c = cursor.find(s);
+    return c == cursor.end() ? 0 : c->second;
+  };
+  const uint64_t after = at(site);
+  auto ids = by_site_.find({device, site});
+  if (ids == by_site_.end()) return false;
   const Entry* next = nullptr;
-  uint64_t n = 0;
-  for (const auto& [seq, e] : unloaded_) {  // oldest first
-    if (e->run_id_ != from || e->device_ != device) continue;
-    if (!next && e->site_ == site && e->nbytes_ == nbytes && !e->retired()) {
-      next = e.get();
-    } else {
-      n++;
-    }
+  for (uint32_t id : ids->second) {
+    auto it = entries_.find(id);
+    if (it == entries_.end()) continue;
+    const Entry* e = it->second.get();
+    if (e->run_id_ != from || e->seq_ <= after || e->nbytes_ != nbytes || e->retired()) continue;
+    if (!next || e->seq_ < next->seq_) next = e;
   }
   if (!next) return false;
+  uint64_t n = 0;
+  for (const auto& [id, e] : entries_) {
+    if (e->run_id_ != from || e->device_ != device) continue;
+    if (e->seq_ > (e->site_ == site ? next->seq_ : at(e->site_))) n++;
+  }
   *left = n;
   MakeHandle(*next, h);
   return true;
 }
 
 void Engine::NoteExactLoad(int64_t run_id, int device, const Entry& e) {
-  // The execution that stored the last exact load's entry: a predicted one's, unchanged; a read
-  // one's (the execution's first, or one that found no prediction) names where the rest are.
-  exact_sources_[device] = ExactSource{run_id, e.run_id_};
+  // The execution that stored the last exact load's entry (a predicted one's, unchanged; a read
+  // one's, the execution's first or one that found no prediction, names where the rest are)
+  // and, per site, the entry's place in it: the site's next ordered load was stored after it.
+  ExactSource& src = exact_sources_[device];
+  if (src.run_id != run_id || src.stored_by != e.run_id_) src = ExactSource{run_id, e.run_id_, {}};
+  src.last_seq[e.site_] = e.seq_;
 }
 
 void Engine::CountUnusedStore(uint64_t nbytes, int device) {

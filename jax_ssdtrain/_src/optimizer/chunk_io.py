@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ssdtrain._src.lifetimes import LATER_IN_ORDER
 from jax_ssdtrain._src.location import TIER_CODES, Location
 from jax_ssdtrain._src.primitives import load_p, opaque_copy, store_p
 
@@ -164,9 +165,11 @@ class StoreIO(ChunkIO):
     )
 
   def store(self, x, leaf: LeafLayout, k: int):
-    """``store_p`` of chunk ``k`` of ``leaf``: its handle."""
+    """``store_p`` of chunk ``k`` of ``leaf``: its handle. Loaded by the next update, in store
+    order (``LATER_IN_ORDER``: the engine makes its host copy at once, so that device staging
+    is free to read the next update's loads ahead)."""
     name = f"opt_state{leaf.path}"
-    return store_p.bind(x, site=leaf.site, tier=self.tier, name=name, uses=None)[1]
+    return store_p.bind(x, site=leaf.site, tier=self.tier, name=name, uses=LATER_IN_ORDER)[1]
 
   def load_leaf(self, hs, leaf, *, consume=False):
     return joined([self.load(hs[k], leaf, k, consume=consume) for k in range(len(leaf.bounds))])

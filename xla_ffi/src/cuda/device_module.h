@@ -52,6 +52,9 @@ struct DeviceEntry {
   bool stage_from_store = false;
   bool stage_unused = false;  // a read-ahead copy no load has used yet
   bool d2h_deferred = false;  // a store's staging copy whose D2H is not issued yet (lazy host copy)
+  // A store's copy of an entry only later executions load, oldest first (optimizer state): no
+  // load of this execution takes it, so read-ahead may take its room (staging.cu).
+  bool later_in_order = false;
   uint64_t stage_off = 0, stage_len = 0;
   char* stage_ptr = nullptr;
   cudaEvent_t stage_ready = nullptr;      // the staging copy is complete after this

@@ -127,7 +127,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("site")                     // tag site id (shared by store and load)
         .Attr<int32_t>("tier")                     // 0 = nvme via host cache, 1 = host tier
         .Attr<std::string_view>("name")            // tag name, for messages only
-        .Attr<int64_t>("uses"));  // loads per entry in this execution, -1: uncounted
+        .Attr<int64_t>("uses"));  // loads per entry in this execution, < 0: Entry::k*
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCuda, ssdtrain::LoadCudaImpl,

@@ -72,7 +72,10 @@ Status CudaModule::AllocStaging(DeviceState* ds, const EntryPtr& e, cudaStream_t
     };
     for (auto& [raw, ep] : ds->staged) {
       if (raw == e.get() || raw->filling() || raw->pinned()) continue;
-      if (prefetch_seq && !(raw->loaded() || raw->seq() < prefetch_seq)) continue;
+      // Read-ahead takes no room a load is more likely to need than its own entry: never that
+      // of a newer entry not loaded yet (an activation), unless only a later execution loads it.
+      if (prefetch_seq && !(raw->loaded() || raw->seq() < prefetch_seq || D(*raw)->later_in_order))
+        continue;
       if (D(*raw)->stage_unused) {
         if (!prefetch_seq && better(raw, best_unused)) best_unused = raw;
       } else if (D(*raw)->d2h_deferred && !Dead(*raw)) {

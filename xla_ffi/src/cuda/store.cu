@@ -44,11 +44,17 @@ Status ReserveStaging(CudaModule* mod, DeviceState* ds, const EntryPtr& e, const
 // Lock held. The D2D copy into staging on the compute stream (E1: stage_ready), the handle
 // after it, then the host copy on the copy stream: issued now, or deferred (host tier with
 // forwarding: the first loads of the backward pass take the newest stores from staging, so
-// their bytes need not cross the link at all).
+// their bytes need not cross the link at all). Not an entry that later executions load in store
+// order (uses == Entry::kLaterInOrder: the optimizer's state): its oldest entries are loaded
+// first, so deferred it would only hold staging room until newer stores pushed it out, and the
+// state's next loads would find no room to be read ahead on the h2d stream (they would cross
+// the link on the compute stream, between the chunks' arithmetic). Once copied out, its
+// staging room is read-ahead's to take (staging.cu).
 Status CopyToStaging(Engine& eng, CudaModule* mod, DeviceState* ds, const EntryPtr& e,
                      DeviceEntry* d, const DeviceStore& store, const uint32_t h[2]) {
   cudaStream_t stream = store.stream;
   d->stage_from_store = true;
+  d->later_in_order = store.uses == Entry::kLaterInOrder;
   ds->largest = std::max(ds->largest, d->stage_len);
   SSD_RETURN_IF_ERROR(
       mod->Tracked(store.device, stream, CopyOp::kStageIn, store.nbytes, store.name, [&] {
@@ -61,7 +67,8 @@ Status CopyToStaging(Engine& eng, CudaModule* mod, DeviceState* ds, const EntryP
   d->stage_ready = e1;
   SSD_CHECK_CUDA(cudaEventRecord(e1, stream));
   SSD_RETURN_IF_ERROR(LaunchWriteHandle(stream, store.handle, h));
-  if (e->tier() == Tier::kHost && eng.config().forwarding) return mod->DeferD2H(ds, e);
+  if (e->tier() == Tier::kHost && eng.config().forwarding && !d->later_in_order)
+    return mod->DeferD2H(ds, e);
   return mod->IssueD2H(ds, *e);
 }
 

@@ -22,7 +22,7 @@ struct DeviceStore {
   int64_t site = 0;            // tag site id (shared by store and load)
   Tier tier = Tier::kNvme;
   std::string_view name;  // tag name, for messages only
-  int64_t uses = -1;      // loads per entry in this execution; 0: nobody loads it, -1: uncounted
+  int64_t uses = -1;      // loads per entry in this execution; 0: nobody loads it, < 0: Entry::k*
 };
 
 // Stores `store.src`: copies it out (device staging, then pinned host memory and, for the nvme

@@ -82,7 +82,9 @@ class Entry {
   // Loads left before the entry is released (counted when the program was compiled);
   // kUncounted: released by a sweep (its handle left the execution, or the count was unknown);
   // kManual: stored through the C ABI (probe, tests), released by release_all() only.
-  static constexpr int64_t kUncounted = -1, kManual = -2;
+  // A store's uses == kLaterInOrder (an optimizer's state) is kUncounted too, and says more: only
+  // later executions load the entry, in store order, so its host copy is made at once (store.cu).
+  static constexpr int64_t kUncounted = -1, kManual = -2, kLaterInOrder = -3;
 
   // ---- identity ------------------------------------------------------------
   uint32_t id() const { return id_; }

@@ -111,52 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
 # One run, in a process of its own (imports JAX)
 
 
-def _model(spec: dict):
-  """The GPT's pieces: (cfg, init_layer, block, init_side, embed, head)."""
-  import flax.linen as nn
-  import jax
-  import jax.numpy as jnp
-
-  import models
-  from models.common import Block, Embedding, LMHead, Norm, cross_entropy
-
-  cfg = models.get_config(
-    "gpt", spec["preset"], num_layers=spec["layers"], tie_embeddings=False
-  )  # untied: the embedding and the head are separate trees (embed_fn's and head_fn's)
-
-  class Head(nn.Module):  # the final norm, the untied head and the loss
-    cfg: models.ModelConfig
-
-    @nn.compact
-    def __call__(self, x, targets):
-      logits = LMHead(self.cfg, name="head")(Norm(self.cfg, "ln_final")(x), None)
-      return cross_entropy(logits, targets)[0]
-
-  block_mod, embed_mod, head_mod = Block(cfg, causal=True), Embedding(cfg), Head(cfg)
-  bf16 = lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t)  # noqa: E731
-
-  def init_layer(key):  # one layer's parameters, bfloat16 (its master copy starts from them)
-    x = jnp.zeros((1, 8, cfg.hidden), cfg.compute_dtype)
-    return bf16(block_mod.init(key, x)["params"])
-
-  def block(p, x):
-    return block_mod.apply({"params": p}, x)[0]
-
-  def embed(ep, batch):
-    return embed_mod.apply({"params": ep}, batch[:, :-1])
-
-  def head(hp, x, batch):
-    return head_mod.apply({"params": hp}, x, batch[:, 1:])
-
-  def init_side(key, batch):  # the embedding's and head's parameters, float32
-    k1, k2 = jax.random.split(key)
-    ep = embed_mod.init(k1, batch[:, :-1])["params"]
-    x = jnp.zeros(batch[:, :-1].shape + (cfg.hidden,), cfg.compute_dtype)
-    return ep, head_mod.init(k2, x, batch[:, 1:])["params"]
-
-  return cfg, init_layer, block, init_side, embed, head
-
-
 def _size(tree) -> int:
   import jax
 
@@ -173,7 +127,16 @@ def _run_child(spec: dict) -> dict:
 
   import jax_ssdtrain as ssd
 
-  cfg, init_layer, block, init_side, embed, head = _model(spec)
+  from models.layer_stream import StreamedTraining, gpt_pieces
+
+  pieces = gpt_pieces(spec["preset"], spec["layers"])
+  cfg, init_layer, block, embed, head = (
+    pieces.cfg,
+    pieces.init_layer,
+    pieces.block,
+    pieces.embed,
+    pieces.head,
+  )
   L, k, streamed = spec["layers"], spec["micro_batches"], spec["way"] == "streamed"
   sum_dtype = jnp.dtype(spec["sum_dtype"])
   clip = spec["clip"] or None
@@ -185,72 +148,31 @@ def _run_child(spec: dict) -> dict:
   ]
   out: dict = dict(way=spec["way"], layers=L, device_kind=jax.devices()[0].device_kind)
   layer_struct = jax.eval_shape(init_layer, key)
-  side = jax.jit(init_side)(jax.random.key(1), batches[0])
+  side = jax.jit(pieces.init_side)(jax.random.key(1), batches[0])
   out["n_params"] = L * _size(layer_struct) + _size(side)
   t0 = time.perf_counter()
   if streamed:
-    shape = jax.eval_shape(
-      lambda kk: ssd.init_streamed(init_layer, kk, L, location=spec["location"]), key
+    training = StreamedTraining(
+      pieces,
+      tx,
+      L,
+      location=spec["location"],
+      micro_batches=k,
+      sum_dtype=spec["sum_dtype"],
+      in_place=spec["in_place"],
+      save_inputs=spec["save_inputs"],
+      clip=clip,
+      collect=spec["collect"],
     )
-    out["store_room"] = ssd.check_streamed_room(
-      shape, tx, sum_dtype=sum_dtype, in_place=spec["in_place"], name=spec["preset"]
-    )  # refused here, before anything is stored, where the model does not fit
-    stack = ssd.init_streamed(init_layer, key, L, location=spec["location"])
-    opt = ssd.init_streamed_optimizer(tx, stack)  # the float32 master copy and the moments
-    side_state = tx.init(side)
-    jax.block_until_ready((stack, opt, side_state))
-    micro = jax.jit(
-      ssd.value_and_grad_streamed(
-        embed,
-        block,
-        head,
-        save_inputs=spec["save_inputs"],
-        sum_dtype=sum_dtype,
-        in_place=spec["in_place"],
-      ),
-      donate_argnums=4,
-    )
-
-    def update(stack, sums, opt, side, side_state):
-      scale = 1.0 / k
-      norm = ssd.streamed_global_norm(sums[1], (sums[0], sums[2]), scale=scale) if clip else None
-      stack, opt = ssd.apply_streamed_update(
-        tx,
-        stack,
-        sums[1],
-        opt,
-        scale=scale,
-        clip_global_norm=clip,
-        global_norm=norm,
-        in_place=spec["in_place"],
-      )
-      side, side_state = ssd.apply_device_update(
-        tx,
-        side,
-        (sums[0], sums[2]),
-        side_state,
-        scale=scale,
-        clip_global_norm=clip,
-        global_norm=norm,
-      )
-      return stack, opt, side, side_state
-
-    update = jax.jit(update, donate_argnums=(0, 1, 2, 3, 4))
-    state = (stack, opt, side, side_state)
-    del stack, opt  # the loop's state holds them (donated: each step's old ones are gone)
+    # refused here, before anything is stored, where the model does not fit
+    out["store_room"] = training.check_room(key, spec["preset"])
+    del side
+    state = training.init(key, jax.random.key(1), batches[0])
+    jax.block_until_ready(state)
 
     def step(state):
-      stack, opt, side, side_state = state
-      sums = None
-      for m in range(k):
-        loss, sums = micro(side[0], stack, side[1], batches[m], sums)
-        if spec["collect"]:  # the old sum's entries go now, not at the daemon's next sweep
-          ssd.collect()
-      state = update(stack, sums, opt, side, side_state)
-      del stack, opt, sums
-      if spec["collect"]:  # the old parameters, state and sum
-        ssd.collect()
-      return loss, state
+      metrics, state = training.step(state, batches)
+      return metrics["loss"], state
 
   else:
     layers = jax.jit(jax.vmap(init_layer))(jax.random.split(key, L))

@@ -5,6 +5,7 @@ From the repository root:
     python -m scripts.train --model gpt --preset tiny --steps 30 --locations layer_in=nvme,qkv=nvme
     python -m scripts.train --model gpt --preset tiny --locations layer_in=host --workdir runs/a
     python -m scripts.train --model gpt --preset gpt-1.3b --policy auto --memory-budget 20GB
+    python -m scripts.train --model gpt --preset gpt-13b --stream-layers host --accum 8 --batch 4
 
 Tags and locations are documented in models/common.py.
 """
@@ -199,6 +200,14 @@ class Config:
     "dtype of the running mean of the gradients (--accum), on the device",
     choices=["float32", "bfloat16"],
   )
+  stream_layers: str | None = _flag(
+    None,
+    "GPT only: the layer stack's bfloat16 parameters, their gradients' running sum (in "
+    "--accum-dtype), the float32 master copy and AdamW's state live here, streamed layer by "
+    "layer (jax_ssdtrain's layer stream; docs/layer_stream.md); the embedding and head stay on "
+    "the device; device: the same programs with everything on the device (the reference)",
+    choices=["host", "nvme", "host,nvme", "device"],
+  )
   restore: bool = _flag(
     False, "resume from the latest checkpoint in --workdir", action="store_true"
   )
@@ -372,8 +381,29 @@ def parse_config(argv=None, parser: argparse.ArgumentParser | None = None) -> Co
     parser.error("--restore needs --workdir")
   if cfg.checkpoint_every and not cfg.workdir:
     parser.error("--checkpoint-every needs --workdir")
-  if cfg.accum_dtype != "float32" and cfg.accum == 1:
-    parser.error("--accum-dtype needs --accum K > 1")
+  if cfg.accum_dtype != "float32" and cfg.accum == 1 and not cfg.stream_layers:
+    parser.error("--accum-dtype needs --accum K > 1 (or --stream-layers: the sum's dtype)")
+  if cfg.stream_layers:
+    if cfg.model != "gpt":
+      parser.error(f"--stream-layers: streams the GPT's layer stack, not --model {cfg.model}")
+    apart = {  # what the layer stream does its own way, or not yet
+      "--mesh": cfg.mesh,
+      "--policy": cfg.policy,
+      "--locations": cfg.locations,
+      "--remat-policy": cfg.remat_policy,
+      "--optimizer-location": cfg.optimizer_location,
+      "--master-weights": cfg.master_weights,
+      "--workdir": cfg.workdir,
+      "--restore": cfg.restore,
+      "--distributed": cfg.distributed,
+    }
+    given = [name for name, v in apart.items() if v]
+    if given:
+      parser.error(
+        f"--stream-layers does not go with {', '.join(given)}: the streamed stack keeps its "
+        "float32 master copy and optimizer state where it lives, recomputes each layer in the "
+        "backward pass, and has no checkpoints or several devices yet"
+      )
   if (
     cfg.data != "synthetic"
     and not any(c in cfg.data for c in "*?[")
@@ -382,7 +412,8 @@ def parse_config(argv=None, parser: argparse.ArgumentParser | None = None) -> Co
     parser.error(f"--data: no such file {cfg.data!r}")
   run = cfg.run_config()
   try:  # the optimizer's settings (in place needs a location, ...): make_optimizer checks them
-    training.make_optimizer(run)
+    if not cfg.stream_layers:  # (the layer stream's: its own, in place or not)
+      training.make_optimizer(run)
   except ValueError as e:
     parser.error(str(e))
   model = run.model_config()
@@ -451,6 +482,8 @@ def main(argv=None) -> dict:
       run = auto_plan(run, args)
   except ValueError as e:
     parser.error(str(e))
+  if args.stream_layers:
+    return train_streamed(args, run, cfg, parser, argv)
   locations = run.resolved_locations()
   offloading = bool(locations) and any(v in ("host", "nvme") for v in locations.values())
   try:
@@ -605,6 +638,118 @@ def main(argv=None) -> dict:
     }
     with open(args.summary_json, "w") as f:
       json.dump(summary | record, f, indent=1)
+  return summary
+
+
+def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> dict:
+  """--stream-layers: ``args.steps`` optimizer steps of ``args.accum`` micro-batches through
+  ``models.layer_stream.StreamedTraining`` (AdamW with --lr, --weight-decay and --clip-norm,
+  a constant rate: the schedule's warm-up is not streamed yet)."""
+  import numpy as np
+  import optax
+
+  import jax_ssdtrain as ssd
+  from models.layer_stream import StreamedTraining, gpt_pieces
+
+  extra = {"dtype": args.dtype} if args.dtype else {}
+  pieces = gpt_pieces(args.preset, args.layers, attention=args.attention, **extra)
+  num_layers = pieces.cfg.num_layers
+  tx = optax.adamw(args.lr, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
+  training_ = StreamedTraining(
+    pieces,
+    tx,
+    num_layers,
+    location=args.stream_layers,
+    micro_batches=args.accum,
+    sum_dtype=args.accum_dtype,
+    in_place=args.optimizer_in_place,
+    clip=args.clip_norm,
+  )
+  seq = run.example_length(cfg)
+  try:
+    batches = data_lib.make_batches(
+      args.data, args.loader, run.batch, seq, cfg.vocab_size, run.seed
+    )
+  except data_lib.DataError as e:
+    parser.error(str(e))
+  key, side_key = jax.random.split(jax.random.key(run.seed))
+  if args.stream_layers != "device":  # refused before anything is stored, with the arithmetic
+    try:
+      room = training_.check_room(key, args.preset)
+    except ssd.StreamedRoomError as e:
+      parser.exit(2, f"{parser.prog}: error: {e}\n")
+    print(
+      f"layer stream: {num_layers} layers in {args.stream_layers}, "
+      f"{room['peak_bytes'] / 1e9:.2f} GB of the store at most "
+      f"({room['room_bytes'] / 1e9:.2f} GB of room)",
+      flush=True,
+    )
+
+  def micro_batches():
+    out = []
+    for _ in range(args.accum):
+      try:
+        out.append(jax.numpy.asarray(np.asarray(next(batches)), jax.numpy.int32))
+      except data_lib.DataError as e:
+        parser.error(str(e))
+    return out
+
+  first = micro_batches()
+  state = training_.init(key, side_key, first[0])
+  n_params = sum(x.size for x in jax.tree.leaves(state[2])) + num_layers * sum(
+    int(np.prod(x.shape)) for x in jax.tree.leaves(state[0].layer_struct())
+  )
+  tokens_per_step = run.batch * args.accum * (seq - 1)
+  print(
+    f"gpt/{args.preset}: {n_params / 1e6:.2f}M params, {num_layers} layers streamed from "
+    f"{args.stream_layers}, {args.accum} x {run.batch}x{seq - 1} tokens a step",
+    flush=True,
+  )
+  ssd.reset_stats()
+  losses, times, loss, tokens_done, t0 = [], [], float("nan"), 0, None
+  for step in range(args.steps):
+    t = time.perf_counter()
+    metrics, state = training_.step(state, first if step == 0 else micro_batches())
+    loss = float(metrics["loss"])  # waits for the step
+    times.append(time.perf_counter() - t)
+    losses.append(loss)
+    if t0 is None:
+      t0 = time.perf_counter()  # compilation excluded
+    else:
+      tokens_done += tokens_per_step
+    if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+      print(
+        f"step {step + 1}: loss {loss:.4f}  grad_norm {float(metrics['grad_norm']):.4f}  "
+        f"{times[-1]:.2f} s",
+        flush=True,
+      )
+  if hasattr(batches, "close"):
+    batches.close()
+  dt = time.perf_counter() - t0
+  st = ssd.stats()
+  mem = jax.local_devices()[0].memory_stats() or {}
+  summary = dict(
+    final_loss=loss,
+    losses=losses,
+    tokens_per_s=tokens_done / dt if dt > 0 and tokens_done else 0.0,
+    step_s_median=float(np.median(times[1:])) if len(times) > 1 else times[0],
+    gb_written=st.get("bytes_written", 0) / 1e9,
+    gb_read=st.get("bytes_read", 0) / 1e9,
+    peak_device_gb=mem.get("peak_bytes_in_use", 0) / 1e9,
+    peak_host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+    n_params=int(n_params),
+    tokens_per_step=tokens_per_step,
+    steps=args.steps,
+    stream_layers=args.stream_layers,
+  )
+  print(
+    f"done: steps {args.steps}  final loss {loss:.4f}  tokens/s {summary['tokens_per_s']:,.0f}  "
+    f"store written {summary['gb_written']:.4f} GB  read {summary['gb_read']:.4f} GB",
+    flush=True,
+  )
+  if args.summary_json:
+    with open(args.summary_json, "w") as f:
+      json.dump(summary | {"argv": sys.argv[1:] if argv is None else list(argv)}, f, indent=1)
   return summary
 
 

@@ -248,6 +248,10 @@ def test_cli_memmap_data(tmp_path, shards, capsys):
     (["--mesh", "dp=2", "--devices", "0,x"], "expected device ids like 0,1"),
     (["--mesh", "dp=1", "--devices", "4096"], "--devices: no device 4096; there are"),
     (["--mesh", "dp=1", "--devices", "0,0"], "distinct device ids"),
+    (["--model", "bert", "--stream-layers", "host"], "not --model bert"),
+    (["--stream-layers", "host", "--mesh", "dp=1"], "does not go with --mesh"),
+    (["--stream-layers", "host", "--workdir", "w", "--master-weights"], "--master-weights, --wo"),
+    (["--stream-layers", "host", "--preset", "gpt-13b"], "does not fit"),
   ],
 )
 def test_cli_errors(flags, message, capsys):
@@ -255,6 +259,25 @@ def test_cli_errors(flags, message, capsys):
     train_script.main(flags)
   assert e.value.code == 2
   assert message in capsys.readouterr().err
+
+
+def test_cli_stream_layers_equals_the_device_and_streams(tmp_path):
+  # The GPT's stack streamed from the host tier and from the files: the same losses and gradient
+  # norms, bit for bit, as the same programs with every stack on the device; in place too.
+  base = ["--preset", "tiny", "--layers", "3", "--batch", "2", "--seq-len", "16", "--steps", "2"]
+  base += ["--accum", "2", "--accum-dtype", "bfloat16", "--log-every", "1"]
+  runs = {}
+  for loc in ("device", "host", "nvme"):
+    runs[loc] = train_script.main(base + ["--stream-layers", loc, "--store-dir", str(tmp_path)])
+  in_place = train_script.main(
+    base + ["--stream-layers", "host", "--optimizer-in-place", "--store-dir", str(tmp_path)]
+  )
+  want = runs["device"]
+  assert want["gb_written"] == 0 and np.isfinite(want["losses"]).all()
+  for got in (runs["host"], runs["nvme"], in_place):
+    assert got["losses"] == want["losses"]
+    assert got["gb_written"] > 0 and got["gb_read"] > 0  # it went through the store
+  assert want["losses"][1] < want["losses"][0]
 
 
 @pytest.mark.gpu

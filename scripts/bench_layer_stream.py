@@ -126,7 +126,6 @@ def _run_child(spec: dict) -> dict:
   import optax
 
   import jax_ssdtrain as ssd
-
   from models.layer_stream import StreamedTraining, gpt_pieces
 
   pieces = gpt_pieces(spec["preset"], spec["layers"])

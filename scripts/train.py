@@ -643,8 +643,8 @@ def main(argv=None) -> dict:
 
 def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> dict:
   """--stream-layers: ``args.steps`` optimizer steps of ``args.accum`` micro-batches through
-  ``models.layer_stream.StreamedTraining`` (AdamW with --lr, --weight-decay and --clip-norm,
-  a constant rate: the schedule's warm-up is not streamed yet)."""
+  ``models.layer_stream.StreamedTraining``: AdamW with the schedule and weight-decay mask of
+  ``training.make_optimizer``, global-norm clipping at --clip-norm."""
   import numpy as np
   import optax
 
@@ -654,7 +654,9 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
   extra = {"dtype": args.dtype} if args.dtype else {}
   pieces = gpt_pieces(args.preset, args.layers, attention=args.attention, **extra)
   num_layers = pieces.cfg.num_layers
-  tx = optax.adamw(args.lr, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
+  schedule = training.make_optimizer(dataclasses.replace(run, optimizer_in_place=False))[1]
+  mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731 (as make_optimizer)
+  tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=mask)
   training_ = StreamedTraining(
     pieces,
     tx,
@@ -720,7 +722,7 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
     if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
       print(
         f"step {step + 1}: loss {loss:.4f}  grad_norm {float(metrics['grad_norm']):.4f}  "
-        f"{times[-1]:.2f} s",
+        f"lr {float(schedule(step)):.2e}  {times[-1]:.2f} s",
         flush=True,
       )
   if hasattr(batches, "close"):

@@ -44,6 +44,7 @@ except ImportError as e:  # an optional dependency (the `demo` extra)
     "(or jax_ssdtrain[demo])"
   ) from e
 
+from jax_ssdtrain._src.layer_stream import StreamedStack
 from jax_ssdtrain._src.optimizer import (
   LeafLayout,
   OffloadedState,
@@ -75,6 +76,7 @@ def save_args(tree: Any) -> ocp.args.Composite:
   """The Orbax arguments that save ``tree`` (a train state, or any pytree): every
   :class:`OffloadedState` in it streamed from the store (:class:`OptimizerStateSave`), the rest
   with ``StandardSave`` (items ``tree`` and ``optimizer_state`` of the step)."""
+  _refuse_stacks(tree, "save_args")
   rest, states = _split(tree)
   return ocp.args.Composite(
     **{TREE_ITEM: ocp.args.StandardSave(rest), STATE_ITEM: OptimizerStateSave(states)}
@@ -84,6 +86,7 @@ def save_args(tree: Any) -> ocp.args.Composite:
 def restore_args(like: Any) -> ocp.args.Composite:
   """The Orbax arguments that restore a checkpoint :func:`save_args` wrote into the structure
   of ``like`` (its OffloadedStates give the layout and the store locations)."""
+  _refuse_stacks(like, "restore_args")
   rest, states = _split(like)
   return ocp.args.Composite(
     **{TREE_ITEM: ocp.args.StandardRestore(rest), STATE_ITEM: OptimizerStateRestore(states)}
@@ -219,6 +222,22 @@ ocp.args.register_with_handler(OptimizerStateHandler, for_restore=True)(Optimize
 
 def _is_offloaded(x) -> bool:
   return isinstance(x, OffloadedState)
+
+
+def _is_stack(x) -> bool:
+  return isinstance(x, StreamedStack)
+
+
+def _refuse_stacks(tree: Any, what: str) -> None:
+  """A StreamedStack in the store holds handles, which mean nothing once saved: refused."""
+  for x in jax.tree.leaves(tree, is_leaf=_is_stack):
+    if _is_stack(x) and not x.layout.on_device:
+      raise TypeError(
+        f"{what}: the tree holds {x!r}, whose leaves are store handles (uint32[L, 2]) that "
+        "mean nothing in a checkpoint: jax_ssdtrain.checkpointing cannot stream a StreamedStack "
+        "yet. Save ssd.stack_to_tree(stack) in its place (it loads the whole stack onto the "
+        "device) and restore with ssd.stack_from_tree, or keep the stack at location='device'"
+      )
 
 
 def _check_offloaded(x, what: str) -> None:

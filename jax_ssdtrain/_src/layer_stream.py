@@ -152,7 +152,9 @@ class StreamedStack:
     self.layout = layout
 
   def tree_flatten(self):
-    return jax.tree.leaves(self.handles), self.layout
+    # Up to one layer's structure: a leaf mapped to None (Orbax's per-leaf save arguments)
+    # stays a child.
+    return self.layout.treedef.flatten_up_to(self.handles), self.layout
 
   @classmethod
   def tree_unflatten(cls, layout, leaves):

@@ -393,8 +393,6 @@ def parse_config(argv=None, parser: argparse.ArgumentParser | None = None) -> Co
       "--remat-policy": cfg.remat_policy,
       "--optimizer-location": cfg.optimizer_location,
       "--master-weights": cfg.master_weights,
-      "--workdir": cfg.workdir,
-      "--restore": cfg.restore,
       "--distributed": cfg.distributed,
     }
     given = [name for name, v in apart.items() if v]
@@ -402,7 +400,7 @@ def parse_config(argv=None, parser: argparse.ArgumentParser | None = None) -> Co
       parser.error(
         f"--stream-layers does not go with {', '.join(given)}: the streamed stack keeps its "
         "float32 master copy and optimizer state where it lives, recomputes each layer in the "
-        "backward pass, and has no checkpoints or several devices yet"
+        "backward pass, and runs on one device"
       )
   if (
     cfg.data != "synthetic"
@@ -697,7 +695,38 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
     return out
 
   first = micro_batches()
-  state = training_.init(key, side_key, first[0])
+  state, start = training_.init(key, side_key, first[0]), 0
+  manager = None
+  if args.workdir:  # checkpoints streamed layer by layer (jax_ssdtrain.checkpointing)
+    from jax_ssdtrain import checkpointing
+
+    manager = training.checkpoint_manager(os.path.join(args.workdir, "checkpoints"))
+    print(f"checkpoints: {os.path.join(args.workdir, 'checkpoints')}", flush=True)
+  if args.restore:
+    if not manager.latest_step():
+      parser.error(f"--restore: no checkpoint in {os.path.join(args.workdir, 'checkpoints')}")
+    restored = checkpointing.restore(manager, {"state": state, "step": np.zeros((), np.int64)})
+    state, start = restored["state"], int(restored["step"])
+    ssd.collect()  # the fresh init's entries (nothing holds them now)
+    if hasattr(batches, "close"):  # deterministic sources resume at the restored step
+      batches.close()
+    batches = data_lib.make_batches(
+      args.data,
+      args.loader,
+      run.batch,
+      seq,
+      cfg.vocab_size,
+      run.seed,
+      start_step=start * args.accum,
+    )
+    first = micro_batches()
+
+  def save(step: int, state) -> None:
+    manager.save(
+      step, args=checkpointing.save_args({"state": state, "step": np.asarray(step, np.int64)})
+    )
+    manager.wait_until_finished()
+
   n_params = sum(x.size for x in jax.tree.leaves(state[2])) + num_layers * sum(
     int(np.prod(x.shape)) for x in jax.tree.leaves(state[0].layer_struct())
   )
@@ -709,9 +738,9 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
   )
   ssd.reset_stats()
   losses, times, loss, tokens_done, t0 = [], [], float("nan"), 0, None
-  for step in range(args.steps):
+  for step in range(start, args.steps):
     t = time.perf_counter()
-    metrics, state = training_.step(state, first if step == 0 else micro_batches())
+    metrics, state = training_.step(state, first if step == start else micro_batches())
     loss = float(metrics["loss"])  # waits for the step
     times.append(time.perf_counter() - t)
     losses.append(loss)
@@ -725,16 +754,20 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
         f"lr {float(schedule(step)):.2e}  {times[-1]:.2f} s",
         flush=True,
       )
+    if manager and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+      save(step + 1, state)
+  if manager and (manager.latest_step() or 0) < args.steps:
+    save(args.steps, state)
   if hasattr(batches, "close"):
     batches.close()
-  dt = time.perf_counter() - t0
+  dt = time.perf_counter() - t0 if t0 is not None else 0.0
   st = ssd.stats()
   mem = jax.local_devices()[0].memory_stats() or {}
   summary = dict(
     final_loss=loss,
     losses=losses,
     tokens_per_s=tokens_done / dt if dt > 0 and tokens_done else 0.0,
-    step_s_median=float(np.median(times[1:])) if len(times) > 1 else times[0],
+    step_s_median=float(np.median(times[1:] or times or [0.0])),
     gb_written=st.get("bytes_written", 0) / 1e9,
     gb_read=st.get("bytes_read", 0) / 1e9,
     peak_device_gb=mem.get("peak_bytes_in_use", 0) / 1e9,

@@ -280,6 +280,24 @@ def test_cli_stream_layers_equals_the_device_and_streams(tmp_path):
   assert want["losses"][1] < want["losses"][0]
 
 
+def test_cli_stream_layers_resume_equals_never_stopping(tmp_path):
+  # Checkpoints of the streamed stack, its optimizer state and the side's (every 2 steps, Orbax
+  # through jax_ssdtrain.checkpointing): resumed from step 2, steps 3 and 4 are those of the run
+  # that never stopped, bit for bit.
+  import shutil
+
+  base = ["--preset", "tiny", "--layers", "2", "--batch", "2", "--seq-len", "16", "--steps", "4"]
+  base += ["--stream-layers", "host", "--store-dir", str(tmp_path / "s")]
+  work = tmp_path / "work"
+  straight = train_script.main(base + ["--workdir", str(work), "--checkpoint-every", "2"])
+  assert sorted(os.listdir(work / "checkpoints")) == ["2", "4"]
+  shutil.rmtree(work / "checkpoints" / "4")
+  resumed = train_script.main(base + ["--workdir", str(work), "--restore"])
+  assert resumed["losses"] == straight["losses"][2:]
+  with pytest.raises(SystemExit):  # nothing to restore
+    train_script.main(base + ["--workdir", str(tmp_path / "empty"), "--restore"])
+
+
 @pytest.mark.gpu
 def test_gpu_gpt_small_offload_matches_device():
   run = dict(model="gpt", preset="small", batch=2, seq_len=512, min_bytes=0)

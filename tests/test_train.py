@@ -261,6 +261,10 @@ def test_cli_errors(flags, message, capsys):
   assert message in capsys.readouterr().err
 
 
+# Four training runs of the CLI (about 45 s on 2 cores): in .ci/run's slow stage, so that the
+# README's test command stays within its 10 minutes (test_layer_stream.py tests the same
+# equality by default, through the library).
+@pytest.mark.slow
 def test_cli_stream_layers_equals_the_device_and_streams(tmp_path):
   # The GPT's stack streamed from the host tier and from the files: the same losses and gradient
   # norms, bit for bit, as the same programs with every stack on the device; in place too.

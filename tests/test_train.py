@@ -250,7 +250,7 @@ def test_cli_memmap_data(tmp_path, shards, capsys):
     (["--mesh", "dp=1", "--devices", "0,0"], "distinct device ids"),
     (["--model", "bert", "--stream-layers", "host"], "not --model bert"),
     (["--stream-layers", "host", "--mesh", "dp=1"], "does not go with --mesh"),
-    (["--stream-layers", "host", "--workdir", "w", "--master-weights"], "--master-weights, --wo"),
+    (["--stream-layers", "host", "--policy", "auto", "--master-weights"], "--policy, --master-"),
     (["--stream-layers", "host", "--preset", "gpt-13b"], "does not fit"),
   ],
 )

@@ -175,29 +175,17 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
       multihost_utils.sync_global_devices(f"jax_ssdtrain.checkpointing made {directory}")
     for si, state in enumerate(states):
       arrays = {}
-      writing = collections.deque()  # up to WRITES_IN_FLIGHT chunks written at once
+      with _Writes() as writes:  # up to WRITES_IN_FLIGHT chunks written at once
 
-      def write(i, leaf, index, value, si=si, arrays=arrays, writing=writing):
-        if shared and not leaf.stored and not primary and not index:
-          return  # a leaf kept on the device, replicated: written once (else its blocks)
-        if i not in arrays:
-          arrays[i] = _open(directory, si, i, leaf, create=not shared)
-        target = arrays[i][index] if index else arrays[i]
-        writing.append(target.write(value))
-        while len(writing) > WRITES_IN_FLIGHT:
-          writing.popleft().result()
+        def write(i, leaf, index, value, si=si, arrays=arrays, writes=writes):
+          if shared and not leaf.stored and not primary and not index:
+            return  # a leaf kept on the device, replicated: written once (else its blocks)
+          if i not in arrays:
+            arrays[i] = _open(directory, si, i, leaf, create=not shared)
+          target = arrays[i][index] if index else arrays[i]
+          writes.add([target.write(value)])
 
-      try:
         stream_out(state, write)
-      except BaseException:  # the writes in flight end before the error leaves the save
-        for w in writing:
-          try:
-            w.result()
-          except Exception:  # noqa: BLE001 (the first error is the one raised)
-            pass
-        raise
-      while writing:  # every write ends, or raises, before layout.json is written
-        writing.popleft().result()
     if shared:  # every process's blocks are written before the layout says the save is whole
       multihost_utils.sync_global_devices(f"jax_ssdtrain.checkpointing wrote {directory}")
     if primary:
@@ -230,13 +218,7 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
     return out
 
   def metadata(self, directory) -> dict:
-    path = directory / "layout.json"
-    if not path.exists():
-      raise FileNotFoundError(
-        f"{path}: no optimizer state layout (not written by jax_ssdtrain.checkpointing, or a "
-        "save that did not complete)"
-      )
-    return json.loads(path.read_text())
+    return _read_layout(directory, "optimizer state")
 
 
 ocp.args.register_with_handler(OptimizerStateHandler, for_save=True)(OptimizerStateSave)
@@ -275,25 +257,10 @@ class StreamedStackHandler(ocp.CheckpointHandler):
     for si, stack in enumerate(stacks):
       lay = stack.layout
       arrays = [_open_stack(directory, si, j, lay, create=True) for j in range(len(lay.shapes))]
-      writing = collections.deque()  # up to WRITES_IN_FLIGHT layers written at once
-      try:
+      with _Writes() as writes:  # up to WRITES_IN_FLIGHT layers written at once
         for i in range(lay.num_layers):
           leaves = jax.device_get(jax.tree.leaves(_layer_jit(stack, np.int32(i))))
-          writing.append([a[i].write(x) for a, x in zip(arrays, leaves)])
-          while len(writing) > WRITES_IN_FLIGHT:
-            for w in writing.popleft():
-              w.result()
-      except BaseException:  # the writes in flight end before the error leaves the save
-        for ws in writing:
-          for w in ws:
-            try:
-              w.result()
-            except Exception:  # noqa: BLE001 (the first error is the one raised)
-              pass
-        raise
-      while writing:  # every write ends, or raises, before layout.json is written
-        for w in writing.popleft():
-          w.result()
+          writes.add([a[i].write(x) for a, x in zip(arrays, leaves)])
     layout = {"format": 1, "stacks": [_describe_stack(s.layout) for s in stacks]}
     (directory / "layout.json").write_text(json.dumps(layout, indent=1) + "\n")
 
@@ -327,17 +294,54 @@ class StreamedStackHandler(ocp.CheckpointHandler):
     return out
 
   def metadata(self, directory) -> dict:
-    path = directory / "layout.json"
-    if not path.exists():
-      raise FileNotFoundError(
-        f"{path}: no StreamedStack layout (not written by jax_ssdtrain.checkpointing, or a "
-        "save that did not complete)"
-      )
-    return json.loads(path.read_text())
+    return _read_layout(directory, "StreamedStack")
 
 
 ocp.args.register_with_handler(StreamedStackHandler, for_save=True)(StreamedStackSave)
 ocp.args.register_with_handler(StreamedStackHandler, for_restore=True)(StreamedStackRestore)
+
+
+class _Writes:
+  """A save's tensorstore writes in flight, at most WRITES_IN_FLIGHT pieces (each a list of
+  write futures). Every write ends, or raises, before the ``with`` block is left: on an error
+  the writes in flight end first and the first error is the one raised; without one, the
+  caller writes layout.json after the block."""
+
+  def __init__(self):
+    self._pieces = collections.deque()
+
+  def add(self, futures: list) -> None:
+    self._pieces.append(futures)
+    while len(self._pieces) > WRITES_IN_FLIGHT:
+      for w in self._pieces.popleft():
+        w.result()
+
+  def __enter__(self) -> _Writes:
+    return self
+
+  def __exit__(self, kind, error, tb) -> None:
+    if kind is not None:
+      for futures in self._pieces:
+        for w in futures:
+          try:
+            w.result()
+          except Exception:  # noqa: BLE001 (the first error is the one raised)
+            pass
+      return
+    while self._pieces:
+      for w in self._pieces.popleft():
+        w.result()
+
+
+def _read_layout(directory, what: str) -> dict:
+  """The ``layout.json`` a handler's save writes last (``what``: its kind, for the message)."""
+  path = directory / "layout.json"
+  if not path.exists():
+    raise FileNotFoundError(
+      f"{path}: no {what} layout (not written by jax_ssdtrain.checkpointing, or a save that "
+      "did not complete)"
+    )
+  return json.loads(path.read_text())
 
 
 @jax.jit

@@ -56,7 +56,13 @@ except ImportError as e:  # an optional dependency (the `demo` extra)
     "(or jax_ssdtrain[demo])"
   ) from e
 
-from jax_ssdtrain._src.layer_stream import StreamedStack, _Layout, _load_layer, _store_layer
+from jax_ssdtrain._src.layer_stream import (
+  StreamedStack,
+  _Layout,
+  _load_layer,
+  _store_layer,
+  new_pass,
+)
 from jax_ssdtrain._src.optimizer import (
   LeafLayout,
   OffloadedState,
@@ -347,13 +353,13 @@ def _read_layout(directory, what: str) -> dict:
 @jax.jit
 def _layer_jit(stack: StreamedStack, i):
   """Layer ``i`` of a stack in the store, loaded (not consumed)."""
-  return _load_layer(stack, i)
+  return _load_layer(stack, i, new_pass())
 
 
 @jax.jit(static_argnums=0)
 def _store_jit(lay: _Layout, layer):
   """One layer stored where ``lay`` lives: per leaf a handle uint32[2]."""
-  return _store_layer(lay, layer)
+  return _store_layer(lay, layer, new_pass())
 
 
 def _is_offloaded(x) -> bool:

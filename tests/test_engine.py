@@ -361,6 +361,15 @@ def test_invalid_tier(tmp_path):
     jax.block_until_ready(store(jnp.ones(4), site=1, tier=3))
 
 
+def test_invalid_load_order(tmp_path):
+  cfg(tmp_path)
+  x = jnp.ones(4)
+  h = store(x, site=1)
+  with pytest.raises(Exception, match="exact=7 names no load order"):
+    jax.block_until_ready(load(h, x, site=1, exact=7))
+  same(load(h, x, site=1), x)  # the entry is still there
+
+
 def test_capacity_enospc(tmp_path):
   cfg(tmp_path, capacity_bytes=1 * MiB)
   ok = store(rand((512 * 1024,), jnp.uint8), site=1, name="fits")

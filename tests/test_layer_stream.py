@@ -762,3 +762,57 @@ def test_room_refused_with_the_arithmetic(tmp_path):
     ssd.check_streamed_room(_shape(2, "device"), sum_dtype=jnp.int32)
   with pytest.raises(TypeError, match="StreamedStack"):
     ssd.check_streamed_room({"w": jnp.zeros((2, 3))})
+
+
+# ---------------------------------------------------------------------------------------------
+# Predicted loads: the CPU reads every handle, and checks the engine's prediction against it (the
+# GPU loads the predicted entry and checks it on the device: a wrong one fails the step)
+
+
+def test_a_stacks_loads_are_predicted_from_each_pass_third_load_on(store):
+  layers, leaves = 5, 3
+  stack = ssd.init_streamed(_init_layer, jax.random.key(0), layers, location="host")
+  step = jax.jit(ssd.value_and_grad_streamed(_embed, _block, _head), donate_argnums=4)
+  ep, hp = _side()
+  sums, predicted = None, []
+  ssd.reset_stats()
+  for batch in _batches(3):
+    _, sums = jax.block_until_ready(step(ep, stack, hp, batch, sums))
+    predicted.append(ssd.stats()["speculative_loads"])
+  jax.block_until_ready(ssd.map_stack(_sgd, stack, sums[1]))
+  s = ssd.stats()
+  assert s["handle_mismatches"] == 0, s
+  # A pass's first two loads of a leaf read their handles: the forward pass loads L layers, the
+  # backward pass L - 1 (the last layer's parameters stay from the forward pass), the sums L
+  # from the second micro-step on; the update reads both stacks once.
+  fwd, bwd, sum_loads = leaves * (layers - 2), leaves * (layers - 3), leaves * (layers - 2)
+  assert np.diff([0] + predicted).tolist() == [fwd + bwd, fwd + bwd + sum_loads] + [
+    fwd + bwd + sum_loads
+  ]
+  assert s["speculative_loads"] == predicted[-1] + 2 * leaves * (layers - 2)
+
+
+@pytest.mark.parametrize("how", ["one_jit", "clipped_update"])
+def test_no_load_is_mispredicted(store, how):
+  # One program that loads a stack in several passes (micro-steps and an update in one jit: the
+  # first micro-step's sums and the second's share their site and their execution), and an
+  # update whose global norm reads the sums once before the update reads them again.
+  ssd.reset_stats()
+  if how == "one_jit":
+    layers = 5
+    stack = ssd.init_streamed(_init_layer, jax.random.key(0), layers, location="host")
+    micro = ssd.value_and_grad_streamed(_embed, _block, _head)
+
+    @jax.jit
+    def train_step(ep, stack, hp, batches):
+      sums = None
+      for b in batches:
+        _, sums = micro(ep, stack, hp, b, sums)
+      return ssd.map_stack(_sgd, stack, sums[1])
+
+    jax.block_until_ready(train_step(*_side()[:1], stack, _side()[1], _batches(3)))
+  else:
+    _TRAINS.pop(("host", "clip_adamw", "float32", 5, 2, 3, False), None)
+    _train("host", "clip_adamw", layers=5, steps=2, micro=3)
+  s = ssd.stats()
+  assert s["handle_mismatches"] == 0 and s["speculative_loads"] > 0, s

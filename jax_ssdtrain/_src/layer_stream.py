@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -94,6 +95,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ssdtrain._src.config import ensure_configured, store_directories
+from jax_ssdtrain._src.lifetimes import COUNTED_OR_LATER
 from jax_ssdtrain._src.location import TIER_CODES, Location
 from jax_ssdtrain._src.options import free_bytes_total
 from jax_ssdtrain._src.primitives import load_p, opaque_copy, store_p
@@ -279,31 +281,67 @@ def _chain_loads() -> bool:
   return jax.default_backend() == "cpu"
 
 
-def _load_layer(stack: StreamedStack, i: Any, consume: bool = False, after: Any = ()) -> Any:
-  """Layer ``i``'s tree (``i`` an int or a traced scalar); ``consume``: the loads are their
-  entries' last (the engine releases each once its bytes are copied); ``after``: arrays the
-  first load waits for (in the store; not read)."""
+_PASSES = itertools.count(1)
+
+
+def new_pass() -> int:
+  """A number no other pass of a stack's loads uses (see :func:`_load_layer`)."""
+  return next(_PASSES)
+
+
+def _load_layer(
+  stack: StreamedStack, i: Any, stream_pass: int, consume: bool = False, after: Any = ()
+) -> Any:
+  """Layer ``i``'s tree (``i`` an int or a traced scalar); ``stream_pass``: the pass the load
+  belongs to (:func:`new_pass`); ``consume``: the loads are their entries' last (the engine
+  releases each once its bytes are copied); ``after``: arrays the loads wait for (not read).
+
+  The loads are streamed (``exact="stream"``): a pass loads a stack's layers one after the
+  other in one direction (0 up, or down), so the engine predicts each leaf's next entry from
+  the pass's last two loads of it instead of reading the handle (a sync each). A pass's loads
+  must run in that order: loads outside a scan wait for the ones before them (``after``), or
+  XLA may move them."""
   lay = stack.layout
   leaves = jax.tree.leaves(stack.handles)
-  out, before = [], [a for a in after if a is not None]
+  given = [a for a in after if a is not None]
+  out, before = [], given
   for leaf, path, shape, dtype, site in zip(leaves, lay.paths, lay.shapes, lay.dtypes, lay.sites):
     row = jax.lax.dynamic_index_in_dim(leaf, i, axis=0, keepdims=False)
     if lay.on_device:  # a copy where the store has a load (see primitives.opaque_copy)
       out.append(opaque_copy(row))
       continue
-    if before and (_chain_loads() or not out):
-      row = opaque_copy(row, *before, effect=False)
+    deps = before if _chain_loads() else given  # on a GPU each leaf waits for `after`
+    if deps:
+      row = opaque_copy(row, *deps, effect=False)
     aval = jax.core.ShapedArray(shape, dtype)
     name = f"layer_stream.{lay.kind}{path}"
     extra = {"consume": True} if consume else {}
-    x = load_p.bind(row, aval=aval, site=site, tier=lay.tier, name=name, exact=True, **extra)
+    x = load_p.bind(
+      row,
+      aval=aval,
+      site=site,
+      tier=lay.tier,
+      name=name,
+      exact="stream",
+      stream_pass=stream_pass,
+      **extra,
+    )
     before = [x.reshape(-1)[:1]] if x.size else []
     out.append(x)
   return jax.tree.unflatten(lay.treedef, out)
 
 
-def _store_layer(lay: _Layout, layer: Any) -> list[Any]:
-  """One layer's entries: per leaf a handle uint32[2] (on the device: the leaf, copied)."""
+def _token(leaves: list[Any]) -> Any:
+  """A one-element slice of the last non-empty leaf (what a later load waits for), or None."""
+  sized = [x for x in leaves if x.size]
+  return sized[-1].reshape(-1)[:1] if sized else None
+
+
+def _store_layer(lay: _Layout, layer: Any, stream_pass: int) -> list[Any]:
+  """One layer's entries: per leaf a handle uint32[2] (on the device: the leaf, copied).
+  ``stream_pass``: the pass that stores this version of the stack (:func:`new_pass`): a later
+  pass's streamed loads follow one version's entries (a program may store two versions of a
+  stack at the same sites, as micro-steps in one program store their sums)."""
   leaves = jax.tree.leaves(layer)
   out = []
   for x, path, shape, dtype, site in zip(leaves, lay.paths, lay.shapes, lay.dtypes, lay.sites):
@@ -317,7 +355,13 @@ def _store_layer(lay: _Layout, layer: Any) -> list[Any]:
       out.append(opaque_copy(x))
     else:
       name = f"layer_stream.{lay.kind}{path}"
-      out.append(store_p.bind(x, site=site, tier=lay.tier, name=name, uses=None)[1])
+      # counted where this program loads it; else loaded by later programs, layer after layer:
+      # the engine makes the host copy at once (LATER_IN_ORDER)
+      out.append(
+        store_p.bind(
+          x, site=site, tier=lay.tier, name=name, uses=COUNTED_OR_LATER, stream_pass=stream_pass
+        )[1]
+      )
   return out
 
 
@@ -330,9 +374,10 @@ def _stacked(lay: _Layout, per_layer: list[list[Any]]) -> StreamedStack:
 def _scan_layers(lay: _Layout, fn: Callable[[Any], Any]) -> StreamedStack:
   """A stack whose layer ``i`` is ``fn(i)`` (a layer's tree), made and stored one layer per
   scan iteration (the device holds one layer at a time)."""
+  store_pass = new_pass()
 
   def body(_, i):
-    return None, _store_layer(lay, fn(i))
+    return None, _store_layer(lay, fn(i), store_pass)
 
   _, leaves = jax.lax.scan(body, None, jnp.arange(lay.num_layers, dtype=jnp.int32))
   return StreamedStack(jax.tree.unflatten(lay.treedef, leaves), lay)
@@ -407,7 +452,7 @@ def stack_to_tree(stack: StreamedStack) -> Any:
 def _to_tree_jit(stack):
   lay = stack.layout
   _, leaves = jax.lax.scan(
-    lambda _, i: (None, jax.tree.leaves(_load_layer(stack, i))),
+    lambda _, i, ps=new_pass(): (None, jax.tree.leaves(_load_layer(stack, i, ps))),
     None,
     jnp.arange(lay.num_layers, dtype=jnp.int32),
   )
@@ -455,7 +500,8 @@ def map_stack(
 
 @jax.jit(static_argnums=(0, 1, 2))
 def _map_jit(fn, lay, in_place, stacks):
-  return _scan_layers(lay, lambda i: fn(*[_load_layer(s, i, consume=in_place) for s in stacks]))
+  ps = new_pass()
+  return _scan_layers(lay, lambda i: fn(*[_load_layer(s, i, ps, consume=in_place) for s in stacks]))
 
 
 def _check_bool(value: Any, what: str) -> None:
@@ -547,24 +593,30 @@ def value_and_grad_streamed(
         )
       return y
 
-    def add(i, g):
-      """Layer ``i``'s gradient into the sum: its new entries (per leaf)."""
+    def add(i, g, after=None):
+      """Layer ``i``'s gradient into the sum: its new entries (per leaf), and a token of the old
+      sum's loads (None without sums) that the next layer's loads wait for (``after``): the
+      engine predicts a stack's loads from their order, which XLA would otherwise choose."""
       g = [x.astype(sum_dtype) for x in jax.tree.leaves(g)]
+      token = None
       if sums is not None:
-        old = jax.tree.leaves(_load_layer(stack_sum, i, consume=in_place))
+        old = _load_layer(stack_sum, i, sum_pass, consume=in_place, after=[after])
+        old = jax.tree.leaves(old)
+        token = _token(old)
         g = [o.astype(sum_dtype) + x for o, x in zip(old, g)]
-      return _store_layer(sum_lay, jax.tree.unflatten(sum_lay.treedef, g))
+      return _store_layer(sum_lay, jax.tree.unflatten(sum_lay.treedef, g), store_pass), token
 
     x0, embed_vjp = jax.vjp(lambda ep: embed_fn(ep, batch), embed_params)
     # Forward: layer i computes while layer i + 1's parameters load (the carry holds both).
-    p = _load_layer(stack, 0)
+    fwd_pass, bwd_pass, sum_pass, store_pass = new_pass(), new_pass(), new_pass(), new_pass()
+    p = _load_layer(stack, 0, fwd_pass)
     saved = None
     x = x0
     if num_layers > 1:
 
       def fwd(carry, i):
         x, p = carry
-        p_next = _load_layer(stack, i + 1)
+        p_next = _load_layer(stack, i + 1, fwd_pass)
         return (block(p, x), p_next), save(x)
 
       (x, p), saved = jax.lax.scan(fwd, (x, p), jnp.arange(num_layers - 1, dtype=jnp.int32))
@@ -576,30 +628,39 @@ def value_and_grad_streamed(
       )
     g_head, ct = head_vjp(jnp.ones_like(loss))
     # Backward: layer i's gradient into the sum while layer i - 1's parameters load.
+    # The backward pass's first parameter load after the forward pass (after ct): it holds one
+    # layer less on the device than a load XLA would move up.
+    turn_after = ct
     g, ct = last_vjp(ct)
-    parts = [[h[None] for h in add(num_layers - 1, g)]]
+    last, token = add(num_layers - 1, g)
+    parts = [[h[None] for h in last]]
     if num_layers > 1:
-      p = _load_layer(stack, num_layers - 2)
+      # the other layers' stores after this one (ct waits for it): the sums' entries are stored
+      # in layer order, which their loads' prediction follows; XLA would move this store
+      ct = opaque_copy(ct, *last, effect=False)
+      p = _load_layer(stack, num_layers - 2, bwd_pass, after=[turn_after])
       if num_layers > 2:
 
         def bwd(carry, xs):
-          ct, p = carry
+          ct, p, token = carry
           i, s = xs
-          p_prev = _load_layer(stack, i - 1)
+          p_prev = _load_layer(stack, i - 1, bwd_pass)
           x = restore(s, x0)
           _, vjp = jax.vjp(block, p, x)
           g, ct = vjp(ct)
-          return (ct, p_prev), add(i, g)
+          new, token = add(i, g, after=token)
+          return (ct, p_prev, token), new
 
         rows = jnp.arange(1, num_layers - 1, dtype=jnp.int32)
-        (ct, p), middle = jax.lax.scan(bwd, (ct, p), (rows, saved[1:]), reverse=True)
+        (ct, p, token), middle = jax.lax.scan(bwd, (ct, p, token), (rows, saved[1:]), reverse=True)
         parts.insert(0, middle)
       # the first layer's input after the others' (loads of saved inputs come newest first,
       # as the engine predicts them on the GPU; nothing else orders this one after the scan)
       first_input, ct = jax.lax.optimization_barrier((saved[0], ct))
       _, vjp = jax.vjp(block, p, restore(first_input, x0))
       g, ct = vjp(ct)
-      parts.insert(0, [h[None] for h in add(0, g)])
+      first, _ = add(0, g, after=token)
+      parts.insert(0, [h[None] for h in first])
     (g_embed,) = embed_vjp(ct)
     new_stack_sum = _stacked(sum_lay, parts)
     cast = lambda t: jax.tree.map(lambda x: x.astype(sum_dtype), t)
@@ -877,8 +938,10 @@ def _opt_init_jit(tx, spec, stack):
   one = jax.eval_shape(tx.init, _opt_params(lay, spec.master))
   per_lay = _opt_layout(spec, lay, one)
 
+  init_pass = new_pass()
+
   def layer_state(i):
-    p = _load_layer(stack, i)
+    p = _load_layer(stack, i, init_pass)
     if spec.master:
       p = jax.tree.map(lambda x, s: x.astype(s.dtype), p, _opt_params(lay, True))
     leaves = jax.tree.leaves(tx.init(p))
@@ -923,9 +986,10 @@ def _check_scalar(value: Any, what: str) -> Any:
 def _sum_of_squares(stack_sum: StreamedStack, scale: Any) -> Any:
   """The sum over all layers and leaves of ``(x * scale)**2`` in float32: a scan of loads and
   reductions (one layer on the device)."""
+  norm_pass = new_pass()
 
   def body(acc, i):
-    leaves = jax.tree.leaves(_load_layer(stack_sum, i))
+    leaves = jax.tree.leaves(_load_layer(stack_sum, i, norm_pass))
     for x in leaves:
       acc = acc + jnp.sum(jnp.square(x.astype(jnp.float32) * scale))
     return acc, None
@@ -1043,12 +1107,16 @@ def _update_jit(tx, in_place, stack, stack_sum, state, scale, max_norm, norm):
     leaves = [x for x in jax.tree.leaves(tree) if x.size]
     return leaves[-1].reshape(-1)[:1] if leaves and _chain_loads() else None
 
+  update_pass, store_pass = new_pass(), new_pass()
+
   def load(i):
     # sum, state (and master copy), parameters: chained (one read order); all after the norm's
     # loads (in_place consumes the sum)
-    s = _load_layer(stack_sum, i, consume=in_place, after=[norm])
-    st = _load_layer(per, i, consume=in_place, after=[last_of(s)])
-    p = None if spec.master else _load_layer(stack, i, consume=in_place, after=[last_of(st)])
+    s = _load_layer(stack_sum, i, update_pass, consume=in_place, after=[norm])
+    st = _load_layer(per, i, update_pass, consume=in_place, after=[last_of(s)])
+    p = None
+    if not spec.master:
+      p = _load_layer(stack, i, update_pass, consume=in_place, after=[last_of(st)])
     return s, st, p
 
   dtypes = jax.tree.unflatten(lay.treedef, list(lay.dtypes))
@@ -1078,15 +1146,18 @@ def _update_jit(tx, in_place, stack, stack_sum, state, scale, max_norm, norm):
     def body(cur, i):
       nxt = load(i + 1)
       new_p, new_st, _ = compute(cur)
-      return nxt, (_store_layer(lay, new_p), _store_layer(per.layout, new_st))
+      return nxt, (
+        _store_layer(lay, new_p, store_pass),
+        _store_layer(per.layout, new_st, store_pass),
+      )
 
     rows = jnp.arange(lay.num_layers - 1, dtype=jnp.int32)
     loaded, (rows_p, rows_st) = jax.lax.scan(body, loaded, rows)
     parts_p.append(rows_p)
     parts_st.append(rows_st)
   new_p, new_st, shared = compute(loaded)
-  parts_p.append([h[None] for h in _store_layer(lay, new_p)])
-  parts_st.append([h[None] for h in _store_layer(per.layout, new_st)])
+  parts_p.append([h[None] for h in _store_layer(lay, new_p, store_pass)])
+  parts_st.append([h[None] for h in _store_layer(per.layout, new_st, store_pass)])
   for old, new in zip(state.shared, shared):
     if jnp.shape(old) != jnp.shape(new) or jnp.result_type(old) != jnp.result_type(new):
       raise ValueError("tx: its update changed a shared state leaf's shape or dtype")

@@ -52,6 +52,9 @@ UNCOUNTED = -1
 # (an optimizer's state). Swept as UNCOUNTED; the engine makes its host copy at once (its
 # oldest entries are loaded first: keeping the newest in device staging would serve no load).
 LATER_IN_ORDER = -3
+# A store's ``uses`` to count where the program loads every entry it stores, and LATER_IN_ORDER
+# where the handle leaves it (a layer stack's entries: later programs load them layer by layer).
+COUNTED_OR_LATER = "counted_or_later"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,6 +109,8 @@ def analyze(jaxpr: Any, *, store_p: Any, load_ps: tuple[Any, ...]) -> dict[int, 
             sites[site].load_runs += runs
             sites[site].uncertain |= uncertain
         out_t = [empty]
+      elif ji.ffi_call_target(eqn) == native.COPY_TARGET:
+        out_t = in_t[:1]  # an ordering copy (opaque_copy): x's value; the others are not read
       else:
         out_t = _higher_order(eqn, in_t, runs, uncertain, record, walk)
       for v, t in zip(eqn.outvars, out_t):

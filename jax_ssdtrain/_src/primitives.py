@@ -73,13 +73,16 @@ store_p.multiple_results = True
 # Params: site (the tag site, shared with its loads), tier (TIER_CODES), name (the tag, for
 # messages), uses (loads per stored entry in one execution; None: counted when the program is
 # lowered, see lifetimes.py; -1: released by sweeps only; lifetimes.LATER_IN_ORDER: by sweeps,
-# loaded by later executions in store order), recomputed (optional, default False:
+# loaded by later executions in store order; lifetimes.COUNTED_OR_LATER: counted, or
+# LATER_IN_ORDER where the program's count is not definite), stream_pass (optional, default 0:
+# a layer stack's store, the pass that stores one version of the stack, which streamed loads
+# follow), recomputed (optional, default False:
 # True where a differentiation encloses the checkpoint and the backward takes the loaded value's
 # tangent from a recomputation of the tagged value (reload_p): forward-mode passes it through).
 
 
-def _store_abstract_eval(x, *, site, tier, name, uses, recomputed=False):
-  del site, tier, name, uses, recomputed
+def _store_abstract_eval(x, *, site, tier, name, uses, recomputed=False, stream_pass=0):
+  del site, tier, name, uses, recomputed, stream_pass
   return [x, HANDLE_AVAL]
 
 
@@ -102,11 +105,14 @@ def _round_to_dtype(x):
   return jax.lax.reduce_precision(x, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
 
 
-def _store_lowering(ctx, x, *, site, tier, name, uses, recomputed=False):
+def _store_lowering(ctx, x, *, site, tier, name, uses, recomputed=False, stream_pass=0):
   del recomputed  # a differentiation matter only
   _lowering_uses_store(ctx)
-  if uses is None:
-    uses = lifetimes.current_uses(site)
+  if uses is None or uses == lifetimes.COUNTED_OR_LATER:
+    counted = lifetimes.current_uses(site)
+    uses = (
+      lifetimes.LATER_IN_ORDER if counted == lifetimes.UNCOUNTED and uses is not None else counted
+    )
   (aval,) = ctx.avals_in
   if jnp.issubdtype(aval.dtype, jnp.floating):
     # As JAX does for residuals saved on the device (its PR 22244): the stored value and the
@@ -130,6 +136,7 @@ def _store_lowering(ctx, x, *, site, tier, name, uses, recomputed=False):
     tier=np.int32(tier),
     name=name,
     uses=np.int64(uses),
+    stream_pass=np.int64(stream_pass),
   )
   # The first result is the operand itself: no copy, and XLA keeps x alive until the call.
   return [x, handle]
@@ -199,13 +206,30 @@ load_p = ji.Primitive("ssd_load")
 # "ordered" also promises that the loads of a site come in the order an earlier execution stored
 # its entries (a streamed update's chunks): after the execution's first exact load, which reads
 # its handle, the engine predicts them and checks on the device (a mismatch fails the step,
-# as for activations); consume (optional,
+# as for activations); "stream" (a layer stack's loads, with stream_pass, a number the
+# program's other passes do not use) that the pass's loads of each site step through the
+# entries one execution stored there, one at a time in one direction of store order (the
+# pass's first two loads of the site read their handles and show it); consume (optional,
 # default False): this load is the entry's last, the engine releases it once its bytes are
 # copied (optimizer state updated in place: the new version takes the old one's room).
 
 
-def _load_abstract_eval(handle, *, aval, site, tier, name, exact=False, consume=False):
-  del handle, site, tier, name, exact, consume
+# The handlers' "exact" attribute (LoadOrder in xla_ffi/src/detail/entry.h).
+_LOAD_ORDERS = {False: 0, True: 1, "ordered": 2, "stream": 3}
+
+
+def _load_abstract_eval(
+  handle, *, aval, site, tier, name, exact=False, consume=False, stream_pass=0
+):
+  del handle, site, tier, consume
+  if exact not in _LOAD_ORDERS:
+    raise ValueError(
+      f"load of {name!r}: exact: expected one of {list(_LOAD_ORDERS)}, got {exact!r}"
+    )
+  if (exact == "stream") != (stream_pass != 0):
+    raise ValueError(
+      f"load of {name!r}: stream_pass={stream_pass!r} goes with exact='stream' alone"
+    )
   return aval
 
 
@@ -213,7 +237,9 @@ load_p.def_abstract_eval(_load_abstract_eval)
 load_p.def_impl(lambda h, **params: ji.apply_primitive(load_p, h, **params))
 
 
-def _load_lowering(ctx, handle, *, aval, site, tier, name, exact=False, consume=False):
+def _load_lowering(
+  ctx, handle, *, aval, site, tier, name, exact=False, consume=False, stream_pass=0
+):
   _lowering_uses_store(ctx)
   if sharded.needs_partitioning(ctx):  # each device loads its own shard
     if exact or consume:
@@ -234,8 +260,9 @@ def _load_lowering(ctx, handle, *, aval, site, tier, name, exact=False, consume=
     site=np.int64(site),
     tier=np.int32(tier),
     name=name,
-    exact=np.int32(2 if exact == "ordered" else bool(exact)),
+    exact=np.int32(_LOAD_ORDERS[exact]),
     consume=np.int32(consume),
+    stream_pass=np.int64(stream_pass),
   )
 
 
@@ -243,13 +270,14 @@ ji.register_lowering(load_p, _load_lowering)
 ji.prim_requires_devices_during_lowering.add(load_p)
 
 
-def _load_batch(args, dims, *, aval, site, tier, name, exact=False, consume=False):
+def _load_batch(args, dims, *, aval, site, tier, name, exact=False, consume=False, stream_pass=0):
   (handle,), (d,) = args, dims
   # handle: [B, 2], every row equal (see _store_batch); the stored tensor is the batched one.
   size = handle.shape[d]
   handle = jax.lax.index_in_dim(handle, 0, axis=d, keepdims=False)
   batched = aval.update(shape=(size,) + tuple(aval.shape))
   extra = ({"exact": exact} if exact else {}) | ({"consume": True} if consume else {})
+  extra |= {"stream_pass": stream_pass} if stream_pass else {}
   return load_p.bind(handle, aval=batched, site=site, tier=tier, name=name, **extra), 0
 
 

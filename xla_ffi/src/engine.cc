@@ -70,7 +70,7 @@ Status Engine::TakePendingError() {
 }
 
 Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_view name,
-                          EntryPtr* out, int device, int64_t uses, int64_t run_id) {
+                          EntryPtr* out, int device, int64_t uses, int64_t run_id, int64_t pass) {
   if (tier != Tier::kNvme && tier != Tier::kHost && tier != Tier::kHostThenNvme)
     return Status(EINVAL, "store of tag '" + std::string(name) + "': invalid tier " +
                               std::to_string(static_cast<int32_t>(tier)) +
@@ -89,6 +89,7 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
   e->site_ = site;
   e->device_ = device;
   e->run_id_ = run_id;
+  e->pass_ = pass;
   e->tier_ = tier;
   e->nbytes_ = nbytes;
   e->padded_ = RoundUp(nbytes, kAlign);
@@ -271,14 +272,14 @@ void Engine::AbortStore(const EntryPtr& e) {
 
 Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, Tier tier,
                              std::string_view name, uint32_t handle[2], int device, int64_t uses,
-                             int64_t run_id) {
+                             int64_t run_id, int64_t pass) {
   if (uses == 0) {
     CountUnusedStore(nbytes, device);
     MakeNullHandle(handle);
     return Status::Ok();
   }
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(BeginStore(site, tier, nbytes, name, &e, device, uses, run_id));
+  SSD_RETURN_IF_ERROR(BeginStore(site, tier, nbytes, name, &e, device, uses, run_id, pass));
   MakeHandle(*e, handle);
   if (nbytes == 0 || e->host_ptr_) {
     if (nbytes) {
@@ -403,11 +404,24 @@ void Engine::ReleaseHost(Lock& lk, HostRef* ref) {
 }
 
 Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
-                          std::string_view name, int device, bool consume, bool exact) {
+                          std::string_view name, int device, bool consume, LoadOrder order,
+                          int64_t run_id, int64_t pass) {
   Lock lk(mu_);
   SSD_RETURN_IF_ERROR(TakePendingError());
+  const bool stream = order == LoadOrder::kStream;
+  uint32_t predicted[2] = {0, 0};
+  uint64_t left = 0;
+  const bool guessed =
+      stream && PredictStreamLoad(site, pass, run_id, device, nbytes, predicted, &left);
   EntryPtr e;
   SSD_RETURN_IF_ERROR(LookupForLoad(lk, handle, nbytes, site, name, &e, device, consume));
+  if (guessed) {
+    if (predicted[0] == handle[0] && predicted[1] == handle[1])
+      stats_.speculative_loads++;
+    else
+      stats_.handle_mismatches++;
+  }
+  if (stream) NoteStreamLoad(run_id, device, pass, *e);
   e->loading_++;
   HostRef ref;
   Status s = AcquireHost(lk, e, &ref);
@@ -425,7 +439,7 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
   e->loading_--;
   ReleaseHost(lk, &ref);
   if (s.ok()) CountLoad(e);
-  SchedulePrefetch(lk, device, exact ? e.get() : nullptr);
+  SchedulePrefetch(lk, device, order != LoadOrder::kActivation ? e.get() : nullptr, stream);
   return s;
 }
 

@@ -119,22 +119,27 @@ class Engine {
   // Entry::kManual, Entry::kLaterInOrder).
   Status StoreFromHost(const void* src, uint64_t nbytes, int64_t site, Tier tier,
                        std::string_view name, uint32_t handle[2], int device = 0, int64_t uses = -1,
-                       int64_t run_id = -1);
+                       int64_t run_id = -1, int64_t pass = 0);
   // `consume`: this load is the entry's last (optimizer state updated in place): the entry is
   // released once its bytes are copied out, whatever its count. `exact`: the entry was stored
   // by an earlier execution that stored the next loads after it (optimizer state): the
   // read-ahead follows store order (PredictNext).
+  // `order`: the load's LoadOrder (the handlers' "exact" attribute). The host reads every
+  // handle; a streamed load's prediction is made as on the GPU and checked against it
+  // (speculative_loads, handle_mismatches count them; nothing else depends on it).
   Status LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
                     std::string_view name, int device = 0, bool consume = false,
-                    bool exact = false);
+                    LoadOrder order = LoadOrder::kActivation, int64_t run_id = -1,
+                    int64_t pass = 0);
 
   // ---- building blocks (device module) -----------------------------------
   // Registers a new entry that `uses` loads will consume (-1: until a sweep) and reserves its
   // host buffer and file slot. e->host_ptr == nullptr means "no host buffer": use
   // WriteThrough. A store nobody loads (uses == 0) keeps nothing: the caller writes the
-  // null handle (MakeNullHandle) instead. `run_id`: the XLA execution storing it (-1: none).
+  // null handle (MakeNullHandle) instead. `run_id`: the XLA execution storing it (-1: none);
+  // `pass`: the store's stream_pass (a layer stack's: one version of the stack per pass).
   Status BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_view name, EntryPtr* out,
-                    int device = 0, int64_t uses = -1, int64_t run_id = -1);
+                    int device = 0, int64_t uses = -1, int64_t run_id = -1, int64_t pass = 0);
   static void MakeNullHandle(uint32_t h[2]) { h[0] = h[1] = 0; }
   // Counts a store nobody loads (uses == 0).
   void CountUnusedStore(uint64_t nbytes, int device);
@@ -180,6 +185,20 @@ class Engine {
   // Lock held. An exact load of execution `run_id` on `device` loaded `e`: the next ordered
   // loads of that execution on that device are predicted among the entries of `e`'s execution.
   void NoteExactLoad(int64_t run_id, int device, const Entry& e);
+  // Lock held. The handle of a streamed load (a layer stack's, LoadOrder::kStream) of pass
+  // `pass` of execution `run_id` on `device`: a pass's loads of a site step through the entries
+  // one store pass of one execution stored there (a version of the stack), one at a time in
+  // one direction of store order, which the pass's
+  // first two loads of the site show (they read their handles; NoteStreamLoad). Predicted: the
+  // next entry of that execution, site and size past the pass's last load of the site, in that
+  // direction; whether an entry was loaded before does not matter. `*left`: entries still ahead
+  // of the execution's streamed (site, pass) cursors in their directions, besides it. False
+  // where the pass has no direction for the site yet or none is left.
+  bool PredictStreamLoad(int64_t site, int64_t pass, int64_t run_id, int device, uint64_t nbytes,
+                         uint32_t h[2], uint64_t* left) const;
+  // Lock held. A streamed load of pass `pass` of execution `run_id` on `device` loaded `e`: the
+  // (site, pass) cursor (and, from its second load on, its direction).
+  void NoteStreamLoad(int64_t run_id, int device, int64_t pass, const Entry& e);
 
   // Validates the handle and marks the entry loaded. Lock held. `consume`: this load is the
   // entry's last (its CountLoad releases it, after the load's copy on the GPU).
@@ -200,7 +219,8 @@ class Engine {
   void ConsumeRead(Entry& e);
   // Read-ahead of `device`'s next predicted entries (-1: every device's; `after`: see
   // PredictNext). Lock held.
-  void SchedulePrefetch(Lock& lk, int device = -1, const Entry* after = nullptr);
+  void SchedulePrefetch(Lock& lk, int device = -1, const Entry* after = nullptr,
+                        bool stream = false);
   // Returns (and clears) a recorded asynchronous error. Lock held.
   Status TakePendingError();
 
@@ -228,7 +248,10 @@ class Engine {
   // unloaded entries first. With `after` (just loaded: state an earlier execution stored, such
   // as an optimizer's, which a step loads in its store order) the unloaded entries that the
   // same execution stored after it, oldest first.
-  std::vector<EntryPtr> PredictNext(uint64_t budget, int device = -1, const Entry* after = nullptr);
+  // With `stream` (after a streamed load on `device`): the entries each streamed site of the
+  // execution loads next, in its direction, the sites' next ones first, then their second, ...
+  std::vector<EntryPtr> PredictNext(uint64_t budget, int device = -1, const Entry* after = nullptr,
+                                    bool stream = false);
   // Statistics the device module keeps (lock held): seconds a handler blocked on a copy, and
   // on reading a load's handle; predicted loads, and those found wrong on the device; staging
   // reuses ordered after a still-running user; device staging bytes taken and given back; a
@@ -310,7 +333,23 @@ class Engine {
     std::map<int64_t, uint64_t> last_seq;  // per site: the store seq of its last load's entry
   };
   std::map<int, ExactSource> exact_sources_;  // per device (PredictOrderedLoad)
-  std::map<uint64_t, EntryPtr> retired_;      // by store seq (Retire)
+  struct StreamCursor {
+    int64_t stored_by = -1;  // the execution that stored the site's last loaded entry
+    int64_t store_pass = 0;  // and the pass of its store (one version of a stack)
+    uint64_t seq = 0;        // that entry's store seq
+    uint64_t nbytes = 0;
+    int dir = 0;  // +1: the loads follow store order, -1: the reverse, 0: one load so far
+  };
+  struct StreamSource {
+    int64_t run_id = -1;                                        // the loading execution
+    std::map<std::pair<int64_t, int64_t>, StreamCursor> sites;  // per (site, pass)
+  };
+  std::map<int, StreamSource> stream_sources_;  // per device (PredictStreamLoad)
+  // Lock held. The entries at (`device`, `site`) of the cursor's execution, store pass and size,
+  // live, past `from` in direction `dir`, nearest first.
+  std::vector<const Entry*> StreamAhead(int device, int64_t site, const StreamCursor& c, int dir,
+                                        uint64_t from) const;
+  std::map<uint64_t, EntryPtr> retired_;  // by store seq (Retire)
   uint64_t retired_bytes_ = 0;
   // Uncounted entries (and bytes) stored since the last sweep; a sweep is due past the marks.
   uint64_t uncounted_since_sweep_ = 0, uncounted_bytes_since_sweep_ = 0;

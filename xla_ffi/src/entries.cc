@@ -1,6 +1,7 @@
 // Entries and their lifetimes: handles (id + salted check word), lookup for a load, load
-// prediction on the GPU, release at the counted last load, sweeps of uncounted entries, and
-// freeing a released entry's host buffer and file slot once nothing uses them.
+// prediction (GPU; a layer stack's streamed loads also on the CPU, checked there), release at the
+// counted last load, sweeps of uncounted entries, and freeing a released entry's host buffer and
+// file slot once nothing uses them.
 #include <algorithm>
 #include <set>
 
@@ -142,6 +143,60 @@ void Engine::NoteExactLoad(int64_t run_id, int device, const Entry& e) {
   ExactSource& src = exact_sources_[device];
   if (src.run_id != run_id || src.stored_by != e.run_id_) src = ExactSource{run_id, e.run_id_, {}};
   src.last_seq[e.site_] = e.seq_;
+}
+
+std::vector<const Entry*> Engine::StreamAhead(int device, int64_t site, const StreamCursor& c,
+                                              int dir, uint64_t from) const {
+  std::vector<const Entry*> out;
+  auto ids = by_site_.find({device, site});
+  if (ids == by_site_.end() || dir == 0) return out;
+  for (uint32_t id : ids->second) {
+    auto it = entries_.find(id);
+    if (it == entries_.end()) continue;
+    const Entry* e = it->second.get();
+    if (e->run_id_ != c.stored_by || e->pass_ != c.store_pass || e->nbytes_ != c.nbytes ||
+        e->retired())
+      continue;
+    if (dir > 0 ? e->seq_ > from : e->seq_ < from) out.push_back(e);
+  }
+  std::sort(out.begin(), out.end(), [dir](const Entry* a, const Entry* b) {
+    return dir > 0 ? a->seq_ < b->seq_ : a->seq_ > b->seq_;
+  });
+  return out;
+}
+
+bool Engine::PredictStreamLoad(int64_t site, int64_t pass, int64_t run_id, int device,
+                               uint64_t nbytes, uint32_t h[2], uint64_t* left) const {
+  auto src = stream_sources_.find(device);
+  if (src == stream_sources_.end() || src->second.run_id != run_id) return false;
+  auto here = src->second.sites.find({site, pass});
+  if (here == src->second.sites.end()) return false;
+  const StreamCursor& c = here->second;
+  if (c.dir == 0 || c.nbytes != nbytes) return false;
+  std::vector<const Entry*> ahead = StreamAhead(device, site, c, c.dir, c.seq);
+  if (ahead.empty()) return false;
+  uint64_t n = ahead.size() - 1;
+  for (const auto& [key, oc] : src->second.sites)
+    if (key != here->first) n += StreamAhead(device, key.first, oc, oc.dir, oc.seq).size();
+  *left = n;
+  MakeHandle(*ahead.front(), h);
+  return true;
+}
+
+void Engine::NoteStreamLoad(int64_t run_id, int device, int64_t pass, const Entry& e) {
+  StreamSource& src = stream_sources_[device];
+  if (src.run_id != run_id) src = StreamSource{run_id, {}};
+  StreamCursor& c = src.sites[{e.site_, pass}];
+  const bool same_source =
+      c.stored_by == e.run_id_ && c.store_pass == e.pass_ && c.nbytes == e.nbytes_ && c.seq != 0;
+  if (!same_source)
+    c.dir = 0;  // the pass's first load of the site (or another execution's entry)
+  else if (e.seq_ != c.seq)
+    c.dir = e.seq_ > c.seq ? 1 : -1;
+  c.stored_by = e.run_id_;
+  c.store_pass = e.pass_;
+  c.seq = e.seq_;
+  c.nbytes = e.nbytes_;
 }
 
 void Engine::CountUnusedStore(uint64_t nbytes, int device) {

@@ -36,6 +36,13 @@ inline Status CheckHandleShape(size_t element_count, std::string_view op, std::s
                             std::to_string(element_count));
 }
 
+// The load's "exact" attribute names a LoadOrder (entry.h).
+inline Status CheckLoadOrder(int32_t exact, std::string_view name) {
+  if (exact >= 0 && exact <= static_cast<int32_t>(LoadOrder::kStream)) return Status::Ok();
+  return Status(EINVAL, "load of tag '" + std::string(name) + "': attribute exact=" +
+                            std::to_string(exact) + " names no load order (0 to 3)");
+}
+
 // Runs f() -> Status, converting exceptions so nothing propagates into XLA.
 template <typename F>
 xla::ffi::Error Guarded(F&& f) {

@@ -11,29 +11,32 @@ namespace {
 
 ffi::Error StoreCpuImpl(int32_t device, ffi::RunId run, ffi::AnyBuffer x,
                         ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
-                        std::string_view name, int64_t uses) {
+                        std::string_view name, int64_t uses, int64_t stream_pass) {
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
     return engine->StoreFromHost(x.untyped_data(), x.size_bytes(), site, TierFromAttr(tier), name,
-                                 handle->typed_data(), device, uses, run.run_id);
+                                 handle->typed_data(), device, uses, run.run_id, stream_pass);
   });
 }
 
-ffi::Error LoadCpuImpl(int32_t device, ffi::Buffer<ffi::U32> handle,
+ffi::Error LoadCpuImpl(int32_t device, ffi::RunId run, ffi::Buffer<ffi::U32> handle,
                        ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
-                       std::string_view name, int32_t exact, int32_t consume) {
-  // The host reads every handle: nothing is predicted on the CPU. `exact` (state an earlier
-  // execution stored, loaded in its store order) orders the read-ahead of the files.
+                       std::string_view name, int32_t exact, int32_t consume, int64_t stream_pass) {
+  // The host reads every handle: nothing depends on a prediction on the CPU (a streamed load's
+  // is made and checked, for the counters). `exact` (state an earlier execution stored) orders
+  // the read-ahead of the files.
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
+    SSD_RETURN_IF_ERROR(CheckLoadOrder(exact, name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
     return engine->LoadToHost(handle.typed_data(), out->untyped_data(), out->size_bytes(), site,
-                              name, device, consume != 0, exact != 0);
+                              name, device, consume != 0, LoadOrderFromAttr(exact), run.run_id,
+                              stream_pass);
   });
 }
 
@@ -75,16 +78,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("site")           // tag site id (shared by store and load)
         .Attr<int32_t>("tier")           // 0 = nvme via host cache, 1 = host tier
         .Attr<std::string_view>("name")  // tag name, for messages only
-        .Attr<int64_t>("uses"));         // loads per entry in this execution, < 0: Entry::k*
+        .Attr<int64_t>("uses")           // loads per entry in this execution, < 0: Entry::k*
+        .Attr<int64_t>("stream_pass"));  // a layer stack's store: the program's pass, else 0
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCpu, ssdtrain::LoadCpuImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::DeviceOrdinal>()       // device of the call (must be the store's)
+        .Ctx<ffi::RunId>()               // XLA execution (streamed loads' prediction)
         .Arg<ffi::Buffer<ffi::U32>>()    // handle: from the matching store
         .Ret<ffi::AnyBuffer>()           // out: receives the stored bytes
         .Attr<int64_t>("site")           // tag site id (must match the store)
         .Attr<int32_t>("tier")           // tier of the matching store
         .Attr<std::string_view>("name")  // tag name, for messages only
-        .Attr<int32_t>("exact")          // 1: an earlier execution's entry (read ahead in order)
-        .Attr<int32_t>("consume"));      // 1: the entry's last load (released after it)
+        .Attr<int32_t>("exact")          // LoadOrder (entry.h)
+        .Attr<int32_t>("consume")        // 1: the entry's last load (released after it)
+        .Attr<int64_t>("stream_pass"));  // exact == 3: the program's pass of the load

@@ -175,7 +175,8 @@ void Engine::BusyEnd(bool write) {
   }
 }
 
-std::vector<EntryPtr> Engine::PredictNext(uint64_t budget, int device, const Entry* after) {
+std::vector<EntryPtr> Engine::PredictNext(uint64_t budget, int device, const Entry* after,
+                                          bool stream) {
   std::vector<EntryPtr> out;
   auto take = [&](const EntryPtr& e) {  // false: the budget is spent
     if (device >= 0 && e->device_ != device) return true;
@@ -184,6 +185,20 @@ std::vector<EntryPtr> Engine::PredictNext(uint64_t budget, int device, const Ent
     out.push_back(e);
     return true;
   };
+  if (stream) {
+    auto src = stream_sources_.find(after ? after->device_ : device);
+    if (src == stream_sources_.end()) return out;
+    std::vector<std::vector<const Entry*>> sites;
+    size_t longest = 0;
+    for (const auto& [key, c] : src->second.sites) {
+      sites.push_back(StreamAhead(src->first, key.first, c, c.dir, c.seq));
+      longest = std::max(longest, sites.back().size());
+    }
+    for (size_t k = 0; k < longest; k++)  // every site's next entry, then every site's second...
+      for (const auto& ahead : sites)
+        if (k < ahead.size() && !take(entries_.at(ahead[k]->id_))) return out;
+    return out;
+  }
   if (after) {
     for (auto it = unloaded_.upper_bound(after->seq_); it != unloaded_.end(); ++it) {
       if (it->second->run_id_ != after->run_id_) break;  // a later execution's entries
@@ -199,9 +214,9 @@ std::vector<EntryPtr> Engine::PredictNext(uint64_t budget, int device, const Ent
 // Never costs a second read of anything: it only takes room EvictOne may take (loaded or older
 // entries, never a read no load has taken yet, its own earlier fetches included), and stops at
 // the first entry it cannot place instead of making room some other way.
-void Engine::SchedulePrefetch(Lock& lk, int device, const Entry* after) {
+void Engine::SchedulePrefetch(Lock& lk, int device, const Entry* after, bool stream) {
   if (cfg_.prefetch_bytes == 0) return;
-  for (const EntryPtr& e : PredictNext(cfg_.prefetch_bytes, device, after)) {
+  for (const EntryPtr& e : PredictNext(cfg_.prefetch_bytes, device, after, stream)) {
     if (e->host_ptr_ || e->reading() || e->filling() || e->w_ != WState::kDone) continue;
     if (e->padded_ > cache_.size) continue;
     if (hooks_ && e->dev_ && hooks_->HasDeviceCopy(*e)) continue;  // its load reads no host copy

@@ -175,9 +175,9 @@ class CudaModule final : public DeviceHooks {
 
   // ---- read-ahead (read_ahead.cu) ------------------------------------------------------
   // Copies the next predicted entries that sit in host memory into device staging on the h2d
-  // stream (`after`: Engine::PredictNext's; then within half the staging arena, so that the
-  // stores of the same step keep room).
-  Status StagePrefetch(DeviceState* ds, const Entry* after = nullptr);
+  // stream (`after`, `stream`: Engine::PredictNext's; then within half the staging arena, so that
+  // the stores of the same step keep room).
+  Status StagePrefetch(DeviceState* ds, const Entry* after = nullptr, bool stream = false);
 
   // ---- handle checks (handles.h) -------------------------------------------------------
   HandleChecks& handle_checks() { return checks_; }

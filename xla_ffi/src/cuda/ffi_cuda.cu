@@ -17,7 +17,7 @@ namespace {
 
 ffi::Error StoreCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run, ffi::AnyBuffer x,
                          ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
-                         std::string_view name, int64_t uses) {
+                         std::string_view name, int64_t uses, int64_t stream_pass) {
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
     Status st;
@@ -34,21 +34,24 @@ ffi::Error StoreCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run, ff
     store.tier = TierFromAttr(tier);
     store.name = name;
     store.uses = uses;
+    store.stream_pass = stream_pass;
     return StoreFromDevice(*engine, store);
   });
 }
 
 ffi::Error LoadCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run,
                         ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out, int64_t site,
-                        int32_t tier, std::string_view name, int32_t exact, int32_t consume) {
+                        int32_t tier, std::string_view name, int32_t exact, int32_t consume,
+                        int64_t stream_pass) {
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
+    SSD_RETURN_IF_ERROR(CheckLoadOrder(exact, name));
     DeviceLoad load;
-    load.exact = exact != 0;
-    load.ordered = exact == 2;
+    load.order = LoadOrderFromAttr(exact);
+    load.stream_pass = stream_pass;
     load.consume = consume != 0;
     load.device = device;
     load.stream = stream;
@@ -127,7 +130,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("site")                     // tag site id (shared by store and load)
         .Attr<int32_t>("tier")                     // 0 = nvme via host cache, 1 = host tier
         .Attr<std::string_view>("name")            // tag name, for messages only
-        .Attr<int64_t>("uses"));  // loads per entry in this execution, < 0: Entry::k*
+        .Attr<int64_t>("uses")           // loads per entry in this execution, < 0: Entry::k*
+        .Attr<int64_t>("stream_pass"));  // a layer stack's store: the program's pass, else 0
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCuda, ssdtrain::LoadCudaImpl,
@@ -140,6 +144,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("site")                     // tag site id (must match the store)
         .Attr<int32_t>("tier")                     // tier of the matching store
         .Attr<std::string_view>("name")            // tag name, for messages only
-        .Attr<int32_t>("exact")      // 1: state from a past step, read the handle; 2: the
-                                     // same, a site's chunks in store order (predicted)
-        .Attr<int32_t>("consume"));  // 1: the entry's last load (state updated in place)
+        .Attr<int32_t>("exact")                    // LoadOrder (entry.h)
+        .Attr<int32_t>("consume")        // 1: the entry's last load (state updated in place)
+        .Attr<int64_t>("stream_pass"));  // exact == 3: the program's pass of the load

@@ -28,19 +28,29 @@ struct LoadHandle {
 // Reports a mismatch found since the last load, collects finished releases, and predicts the
 // handle unless exact_loads is set: an activation among this execution's entries; an ordered
 // exact load (optimizer state of an earlier step, a site's chunks in store order) among the
-// entries of the execution the first exact load read. Other exact loads read their handle.
+// entries of the execution the first exact load read; a streamed load (a layer stack's) the
+// site's next entry in its direction. Other exact loads read their handle.
 Status PredictHandle(Engine& eng, const DeviceLoad& load, LoadHandle* handle) {
   Lock lk = eng.LockState();
   CudaModule* mod = Module(eng);
   SSD_RETURN_IF_ERROR(mod->TakeMismatch());
   mod->ReclaimReleases(false);
   if (eng.config().exact_loads) return Status::Ok();
-  if (!load.exact) {
-    handle->predicted =
-        eng.PredictLoad(load.site, load.run_id, load.device, load.nbytes, handle->h, &handle->left);
-  } else if (load.ordered) {
-    handle->predicted = eng.PredictOrderedLoad(load.site, load.run_id, load.device, load.nbytes,
-                                               handle->h, &handle->left);
+  switch (load.order) {
+    case LoadOrder::kActivation:
+      handle->predicted = eng.PredictLoad(load.site, load.run_id, load.device, load.nbytes,
+                                          handle->h, &handle->left);
+      break;
+    case LoadOrder::kStoreOrder:
+      handle->predicted = eng.PredictOrderedLoad(load.site, load.run_id, load.device, load.nbytes,
+                                                 handle->h, &handle->left);
+      break;
+    case LoadOrder::kStream:
+      handle->predicted = eng.PredictStreamLoad(load.site, load.stream_pass, load.run_id,
+                                                load.device, load.nbytes, handle->h, &handle->left);
+      break;
+    case LoadOrder::kRead:
+      break;
   }
   return Status::Ok();
 }
@@ -155,12 +165,14 @@ Status CountLoadAndRelease(Engine& eng, CudaModule* mod, DeviceState* ds, const 
 
 // Lock held. Read-ahead of the GPU's next predicted loads: file -> host, then host -> staging.
 // After an exact load (state of an earlier execution, loaded in its store order) the entries
-// stored after `e` by the same execution; else the newest (activations: reverse order).
+// stored after `e` by the same execution; after a streamed one each streamed site's next ones
+// in its direction; else the newest (activations: reverse order).
 Status ReadAhead(Lock& lk, Engine& eng, CudaModule* mod, DeviceState* ds, const Entry& e,
                  const DeviceLoad& load) {
-  const Entry* after = load.exact ? &e : nullptr;
-  eng.SchedulePrefetch(lk, load.device, after);
-  return mod->StagePrefetch(ds, after);
+  const Entry* after = load.exact() ? &e : nullptr;
+  const bool stream = load.order == LoadOrder::kStream;
+  eng.SchedulePrefetch(lk, load.device, after, stream);
+  return mod->StagePrefetch(ds, after, stream);
 }
 
 // Lock held (released while waiting). The execution's last load on this GPU waits for the
@@ -194,7 +206,10 @@ Status LoadToDevice(Engine& eng, const DeviceLoad& load) {
   EntryPtr e;
   SSD_RETURN_IF_ERROR(eng.LookupForLoad(lk, handle.h, load.nbytes, load.site, load.name, &e,
                                         load.device, load.consume));
-  if (load.exact) eng.NoteExactLoad(load.run_id, load.device, *e);
+  if (load.order == LoadOrder::kStream)
+    eng.NoteStreamLoad(load.run_id, load.device, load.stream_pass, *e);
+  else if (load.exact())
+    eng.NoteExactLoad(load.run_id, load.device, *e);
   // The entry counts as being loaded until this function returns, although the lock is dropped
   // while its bytes are read or copied through a bounce buffer (the scope ends under the lock).
   Entry::LoadingScope loading(*e);

@@ -21,8 +21,9 @@ struct DeviceStore {
   uint32_t* handle = nullptr;  // receives the handle (device)
   int64_t site = 0;            // tag site id (shared by store and load)
   Tier tier = Tier::kNvme;
-  std::string_view name;  // tag name, for messages only
-  int64_t uses = -1;      // loads per entry in this execution; 0: nobody loads it, < 0: Entry::k*
+  std::string_view name;    // tag name, for messages only
+  int64_t uses = -1;        // loads per entry in this execution; 0: nobody loads it, < 0: Entry::k*
+  int64_t stream_pass = 0;  // a layer stack's store: its pass (Engine::BeginStore)
 };
 
 // Stores `store.src`: copies it out (device staging, then pinned host memory and, for the nvme
@@ -38,10 +39,14 @@ struct DeviceLoad {
   uint64_t nbytes = 0;
   int64_t site = 0;       // tag site id (must match the store)
   std::string_view name;  // tag name, for messages only
-  bool exact = false;     // an entry of an earlier execution: read the handle, never predict it
-  bool ordered = false;   // exact, and a site's entries come in store order: predicted after the
-                          // execution's first exact load (Engine::PredictOrderedLoad), checked
-  bool consume = false;   // the entry's last load: released once copied (state updated in place)
+  // How the handle is found (entry.h): kRead: an earlier execution's entry, the handle is read;
+  // kStoreOrder: the same, predicted after the execution's first such load
+  // (Engine::PredictOrderedLoad); kStream: a layer stack's, predicted from a pass's third load
+  // of a site on (Engine::PredictStreamLoad); predictions are checked on the device.
+  LoadOrder order = LoadOrder::kActivation;
+  int64_t stream_pass = 0;  // kStream: the program's pass the load belongs to
+  bool exact() const { return order != LoadOrder::kActivation; }  // an earlier execution's entry
+  bool consume = false;  // the entry's last load: released once copied (state updated in place)
 };
 
 // Loads the entry `load.handle` names into `load.dst`, in order on the compute stream.

@@ -26,6 +26,18 @@ enum class Tier : int32_t {
 // The tier a handler's attribute names; BeginStore rejects a value that names none.
 inline Tier TierFromAttr(int32_t value) { return static_cast<Tier>(value); }
 
+// How a load finds its entry: the values of the handlers' "exact" attribute (the Python side's
+// load_p `exact` codes, primitives.py): keep them.
+enum class LoadOrder : int32_t {
+  kActivation = 0,  // stored by this execution: predicted among its entries (newest first)
+  kRead = 1,        // stored by an earlier execution: the handle is read
+  kStoreOrder = 2,  // an earlier execution's, a site's entries in its store order (optimizer
+                    // state's chunks): predicted after the execution's first such load
+  kStream = 3,      // a layer stack's: in each pass, each site steps through one execution's
+                    // entries in one direction of store order (Engine::PredictStreamLoad)
+};
+inline LoadOrder LoadOrderFromAttr(int32_t value) { return static_cast<LoadOrder>(value); }
+
 // The host arena holding an entry's host copy.
 enum class Arena {
   kNone,      // no host copy
@@ -95,7 +107,8 @@ class Entry {
   uint64_t padded() const { return padded_; }  // nbytes rounded up to the file alignment
   uint64_t seq() const { return seq_; }        // store order
   const std::string& name() const { return name_; }
-  int64_t run_id() const { return run_id_; }  // XLA execution of the store (device path)
+  int64_t run_id() const { return run_id_; }     // XLA execution of the store (device path)
+  int64_t stream_pass() const { return pass_; }  // the store's pass (a layer stack's), or 0
 
   // ---- state (lock held) ----------------------------------------------------
   EntryLife life() const { return life_; }
@@ -169,6 +182,7 @@ class Entry {
   int loads_ = 0;
   int64_t uses_left_ = kUncounted;
   int64_t run_id_ = -1;
+  int64_t pass_ = 0;  // the stream_pass of the store (a layer stack's entries), else 0
   // Host copy (the cache for the nvme tier, the host-tier arena for the host tier).
   Arena host_arena_ = Arena::kNone;
   uint64_t host_off_ = 0;

@@ -337,6 +337,20 @@ def _token(leaves: list[Any]) -> Any:
   return sized[-1].reshape(-1)[:1] if sized else None
 
 
+def _token32(leaves: list[Any]) -> Any:
+  """:func:`_token` as float32[1] (zeros without a non-empty leaf): a scan's carry."""
+  t = _token(leaves)
+  return jnp.zeros((1,), jnp.float32) if t is None else t.astype(jnp.float32)
+
+
+def _after(i: Any, *tokens: Any) -> Any:
+  """The layer index ``i`` once ``tokens`` are computed: what a scan iteration derives from it
+  (its loads, the data it stores) comes after the iteration before it. XLA may unroll a scan
+  and order its iterations' independent calls as it likes; the engine predicts a stack's loads
+  from their order and the stores' order (see :func:`_load_layer`)."""
+  return opaque_copy(i, *tokens, effect=False)
+
+
 def _store_layer(lay: _Layout, layer: Any, stream_pass: int) -> list[Any]:
   """One layer's entries: per leaf a handle uint32[2] (on the device: the leaf, copied).
   ``stream_pass``: the pass that stores this version of the stack (:func:`new_pass`): a later
@@ -376,10 +390,12 @@ def _scan_layers(lay: _Layout, fn: Callable[[Any], Any]) -> StreamedStack:
   scan iteration (the device holds one layer at a time)."""
   store_pass = new_pass()
 
-  def body(_, i):
-    return None, _store_layer(lay, fn(i), store_pass)
+  def body(token, i):
+    handles = _store_layer(lay, fn(_after(i, token)), store_pass)
+    return _token32(handles), handles
 
-  _, leaves = jax.lax.scan(body, None, jnp.arange(lay.num_layers, dtype=jnp.int32))
+  rows = jnp.arange(lay.num_layers, dtype=jnp.int32)
+  _, leaves = jax.lax.scan(body, jnp.zeros((1,), jnp.float32), rows)
   return StreamedStack(jax.tree.unflatten(lay.treedef, leaves), lay)
 
 
@@ -451,11 +467,14 @@ def stack_to_tree(stack: StreamedStack) -> Any:
 @jax.jit
 def _to_tree_jit(stack):
   lay = stack.layout
-  _, leaves = jax.lax.scan(
-    lambda _, i, ps=new_pass(): (None, jax.tree.leaves(_load_layer(stack, i, ps))),
-    None,
-    jnp.arange(lay.num_layers, dtype=jnp.int32),
-  )
+  ps = new_pass()
+
+  def body(token, i):
+    leaves = jax.tree.leaves(_load_layer(stack, _after(i, token), ps))
+    return _token32(leaves), leaves
+
+  rows = jnp.arange(lay.num_layers, dtype=jnp.int32)
+  _, leaves = jax.lax.scan(body, jnp.zeros((1,), jnp.float32), rows)
   return jax.tree.unflatten(lay.treedef, leaves)
 
 
@@ -616,7 +635,7 @@ def value_and_grad_streamed(
 
       def fwd(carry, i):
         x, p = carry
-        p_next = _load_layer(stack, i + 1, fwd_pass)
+        p_next = _load_layer(stack, _after(i, _token32(jax.tree.leaves(p))) + 1, fwd_pass)
         return (block(p, x), p_next), save(x)
 
       (x, p), saved = jax.lax.scan(fwd, (x, p), jnp.arange(num_layers - 1, dtype=jnp.int32))
@@ -644,7 +663,7 @@ def value_and_grad_streamed(
         def bwd(carry, xs):
           ct, p, token = carry
           i, s = xs
-          p_prev = _load_layer(stack, i - 1, bwd_pass)
+          p_prev = _load_layer(stack, _after(i, _token32(jax.tree.leaves(p))) - 1, bwd_pass)
           x = restore(s, x0)
           _, vjp = jax.vjp(block, p, x)
           g, ct = vjp(ct)
@@ -988,14 +1007,16 @@ def _sum_of_squares(stack_sum: StreamedStack, scale: Any) -> Any:
   reductions (one layer on the device)."""
   norm_pass = new_pass()
 
-  def body(acc, i):
-    leaves = jax.tree.leaves(_load_layer(stack_sum, i, norm_pass))
+  def body(carry, i):
+    acc, token = carry
+    leaves = jax.tree.leaves(_load_layer(stack_sum, _after(i, token), norm_pass))
     for x in leaves:
       acc = acc + jnp.sum(jnp.square(x.astype(jnp.float32) * scale))
-    return acc, None
+    return (acc, _token32(leaves)), None
 
   rows = jnp.arange(stack_sum.num_layers, dtype=jnp.int32)
-  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), rows)
+  zero = jnp.zeros((), jnp.float32)
+  (total, _), _ = jax.lax.scan(body, (zero, jnp.zeros((1,), jnp.float32)), rows)
   return total
 
 
@@ -1143,16 +1164,17 @@ def _update_jit(tx, in_place, stack, stack_sum, state, scale, max_norm, norm):
   loaded = load(0)
   if lay.num_layers > 1:
 
-    def body(cur, i):
-      nxt = load(i + 1)
+    def body(carry, i):
+      cur, token = carry
+      # layer i + 1's loads after layer i's, and its stores (next iteration) after layer i's
+      nxt = load(_after(i, _token32(jax.tree.leaves(cur)), token) + 1)
       new_p, new_st, _ = compute(cur)
-      return nxt, (
-        _store_layer(lay, new_p, store_pass),
-        _store_layer(per.layout, new_st, store_pass),
-      )
+      stored = (_store_layer(lay, new_p, store_pass), _store_layer(per.layout, new_st, store_pass))
+      return (nxt, _token32(jax.tree.leaves(stored))), stored
 
     rows = jnp.arange(lay.num_layers - 1, dtype=jnp.int32)
-    loaded, (rows_p, rows_st) = jax.lax.scan(body, loaded, rows)
+    start = (loaded, jnp.zeros((1,), jnp.float32))
+    (loaded, _), (rows_p, rows_st) = jax.lax.scan(body, start, rows)
     parts_p.append(rows_p)
     parts_st.append(rows_st)
   new_p, new_st, shared = compute(loaded)

@@ -290,10 +290,10 @@ def new_pass() -> int:
 
 
 def _load_layer(
-  stack: StreamedStack, i: Any, stream_pass: int, consume: bool = False, after: Any = ()
+  stack: StreamedStack, i: Any, stream_pass: int | None, consume: bool = False, after: Any = ()
 ) -> Any:
   """Layer ``i``'s tree (``i`` an int or a traced scalar); ``stream_pass``: the pass the load
-  belongs to (:func:`new_pass`); ``consume``: the loads are their entries' last (the engine
+  belongs to (:func:`new_pass`; None: the loads read their handles); ``consume``: the loads are their entries' last (the engine
   releases each once its bytes are copied); ``after``: arrays the loads wait for (not read).
 
   The loads are streamed (``exact="stream"``): a pass loads a stack's layers one after the
@@ -316,16 +316,8 @@ def _load_layer(
     aval = jax.core.ShapedArray(shape, dtype)
     name = f"layer_stream.{lay.kind}{path}"
     extra = {"consume": True} if consume else {}
-    x = load_p.bind(
-      row,
-      aval=aval,
-      site=site,
-      tier=lay.tier,
-      name=name,
-      exact="stream",
-      stream_pass=stream_pass,
-      **extra,
-    )
+    extra |= {"exact": "stream", "stream_pass": stream_pass} if stream_pass else {"exact": True}
+    x = load_p.bind(row, aval=aval, site=site, tier=lay.tier, name=name, **extra)
     before = [x.reshape(-1)[:1]] if x.size else []
     out.append(x)
   return jax.tree.unflatten(lay.treedef, out)
@@ -467,7 +459,9 @@ def stack_to_tree(stack: StreamedStack) -> Any:
 @jax.jit
 def _to_tree_jit(stack):
   lay = stack.layout
-  ps = new_pass()
+  # The loads read their handles: on the GPU this program's streamed loads were found one layer
+  # behind their prediction (the training programs' were not); it serves tests and small models.
+  ps = None
 
   def body(token, i):
     leaves = jax.tree.leaves(_load_layer(stack, _after(i, token), ps))

@@ -792,7 +792,7 @@ def test_a_stacks_loads_are_predicted_from_each_pass_third_load_on(store):
   assert s["speculative_loads"] == predicted[-1] + 2 * leaves * (layers - 2)
 
 
-@pytest.mark.parametrize("how", ["one_jit", "clipped_update"])
+@pytest.mark.parametrize("how", ["one_jit", pytest.param("clipped_update", marks=pytest.mark.slow)])
 def test_no_load_is_mispredicted(store, how):
   # One program that loads a stack in several passes (micro-steps and an update in one jit: the
   # first micro-step's sums and the second's share their site and their execution), and an

@@ -62,8 +62,9 @@ Ordering and read-ahead. The stores and loads are ordered by their data (a load 
 handle) and within a scan iteration by the carry. A layer's loads are chained in its leaves'
 order on the CPU (XLA:CPU runs independent custom calls in any order: each waits for one
 element of the one before, as the optimizer's chunks do). The parameters and the sums were
-stored by an earlier execution, so their loads read their handles (``exact``); the engine's
-read-ahead from the files then follows store order: the forward pass reads the parameters in the
+stored by an earlier execution; their loads are streamed (``exact="stream"``, see
+:func:`_load_layer`): the engine predicts each from the pass's last two loads of its leaf and
+reads them ahead into device staging; the read-ahead from the files follows store order: the forward pass reads the parameters in the
 order :func:`init_streamed` and :func:`map_stack` store them, and each backward pass reads the
 old sums in the order the previous one stored them (last layer first). The backward pass's
 parameter loads and :func:`map_stack`'s loads of a sum go against store order and are not read

@@ -339,6 +339,8 @@ class Engine {
     uint64_t seq = 0;        // that entry's store seq
     uint64_t nbytes = 0;
     int dir = 0;  // +1: the loads follow store order, -1: the reverse, 0: one load so far
+    // Whether entry `a` comes before `b` in the direction of the loads.
+    bool Nearer(const Entry* a, const Entry* b) const;
   };
   struct StreamSource {
     int64_t run_id = -1;                                        // the loading execution
@@ -346,9 +348,9 @@ class Engine {
   };
   std::map<int, StreamSource> stream_sources_;  // per device (PredictStreamLoad)
   // Lock held. The entries at (`device`, `site`) of the cursor's execution, store pass and size,
-  // live, past `from` in direction `dir`, nearest first.
-  std::vector<const Entry*> StreamAhead(int device, int64_t site, const StreamCursor& c, int dir,
-                                        uint64_t from) const;
+  // live, past the cursor in its direction (none before it has one), in no particular order
+  // (StreamCursor::Nearer orders them).
+  std::vector<const Entry*> StreamAhead(int device, int64_t site, const StreamCursor& c) const;
   std::map<uint64_t, EntryPtr> retired_;  // by store seq (Retire)
   uint64_t retired_bytes_ = 0;
   // Uncounted entries (and bytes) stored since the last sweep; a sweep is due past the marks.

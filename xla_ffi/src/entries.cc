@@ -145,11 +145,11 @@ void Engine::NoteExactLoad(int64_t run_id, int device, const Entry& e) {
   src.last_seq[e.site_] = e.seq_;
 }
 
-std::vector<const Entry*> Engine::StreamAhead(int device, int64_t site, const StreamCursor& c,
-                                              int dir, uint64_t from) const {
+std::vector<const Entry*> Engine::StreamAhead(int device, int64_t site,
+                                              const StreamCursor& c) const {
   std::vector<const Entry*> out;
   auto ids = by_site_.find({device, site});
-  if (ids == by_site_.end() || dir == 0) return out;
+  if (ids == by_site_.end() || c.dir == 0) return out;
   for (uint32_t id : ids->second) {
     auto it = entries_.find(id);
     if (it == entries_.end()) continue;
@@ -157,12 +157,13 @@ std::vector<const Entry*> Engine::StreamAhead(int device, int64_t site, const St
     if (e->run_id_ != c.stored_by || e->pass_ != c.store_pass || e->nbytes_ != c.nbytes ||
         e->retired())
       continue;
-    if (dir > 0 ? e->seq_ > from : e->seq_ < from) out.push_back(e);
+    if (c.dir > 0 ? e->seq_ > c.seq : e->seq_ < c.seq) out.push_back(e);
   }
-  std::sort(out.begin(), out.end(), [dir](const Entry* a, const Entry* b) {
-    return dir > 0 ? a->seq_ < b->seq_ : a->seq_ > b->seq_;
-  });
   return out;
+}
+
+bool Engine::StreamCursor::Nearer(const Entry* a, const Entry* b) const {
+  return dir > 0 ? a->seq() < b->seq() : a->seq() > b->seq();
 }
 
 bool Engine::PredictStreamLoad(int64_t site, int64_t pass, int64_t run_id, int device,
@@ -173,13 +174,14 @@ bool Engine::PredictStreamLoad(int64_t site, int64_t pass, int64_t run_id, int d
   if (here == src->second.sites.end()) return false;
   const StreamCursor& c = here->second;
   if (c.dir == 0 || c.nbytes != nbytes) return false;
-  std::vector<const Entry*> ahead = StreamAhead(device, site, c, c.dir, c.seq);
+  std::vector<const Entry*> ahead = StreamAhead(device, site, c);
   if (ahead.empty()) return false;
   uint64_t n = ahead.size() - 1;
   for (const auto& [key, oc] : src->second.sites)
-    if (key != here->first) n += StreamAhead(device, key.first, oc, oc.dir, oc.seq).size();
+    if (key != here->first) n += StreamAhead(device, key.first, oc).size();
   *left = n;
-  MakeHandle(*ahead.front(), h);
+  auto nearer = [&c](const Entry* a, const Entry* b) { return c.Nearer(a, b); };
+  MakeHandle(**std::min_element(ahead.begin(), ahead.end(), nearer), h);
   return true;
 }
 

@@ -186,12 +186,14 @@ std::vector<EntryPtr> Engine::PredictNext(uint64_t budget, int device, const Ent
     return true;
   };
   if (stream) {
-    auto src = stream_sources_.find(after ? after->device_ : device);
+    auto src = stream_sources_.find(device);
     if (src == stream_sources_.end()) return out;
     std::vector<std::vector<const Entry*>> sites;
     size_t longest = 0;
     for (const auto& [key, c] : src->second.sites) {
-      sites.push_back(StreamAhead(src->first, key.first, c, c.dir, c.seq));
+      sites.push_back(StreamAhead(device, key.first, c));
+      std::sort(sites.back().begin(), sites.back().end(),
+                [&c = c](const Entry* a, const Entry* b) { return c.Nearer(a, b); });
       longest = std::max(longest, sites.back().size());
     }
     for (size_t k = 0; k < longest; k++)  // every site's next entry, then every site's second...

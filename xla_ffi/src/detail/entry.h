@@ -107,8 +107,7 @@ class Entry {
   uint64_t padded() const { return padded_; }  // nbytes rounded up to the file alignment
   uint64_t seq() const { return seq_; }        // store order
   const std::string& name() const { return name_; }
-  int64_t run_id() const { return run_id_; }     // XLA execution of the store (device path)
-  int64_t stream_pass() const { return pass_; }  // the store's pass (a layer stack's), or 0
+  int64_t run_id() const { return run_id_; }  // XLA execution of the store (device path)
 
   // ---- state (lock held) ----------------------------------------------------
   EntryLife life() const { return life_; }

@@ -64,12 +64,10 @@ order on the CPU (XLA:CPU runs independent custom calls in any order: each waits
 element of the one before, as the optimizer's chunks do). The parameters and the sums were
 stored by an earlier execution; their loads are streamed (``exact="stream"``, see
 :func:`_load_layer`): the engine predicts each from the pass's last two loads of its leaf and
-reads them ahead into device staging; the read-ahead from the files follows store order: the forward pass reads the parameters in the
-order :func:`init_streamed` and :func:`map_stack` store them, and each backward pass reads the
-old sums in the order the previous one stored them (last layer first). The backward pass's
-parameter loads and :func:`map_stack`'s loads of a sum go against store order and are not read
-ahead from the files (the host tier needs none): a reverse read-ahead is an engine change left
-for later.
+reads the next ones ahead (files to host memory, host memory to device staging) in the pass's
+direction, with store order or against it (the backward pass's parameter loads, an update's
+loads of a sum). Each scan iteration's loads and stores wait for the iteration before
+(:func:`_after`): the predictions follow the order of the loads and of the stores.
 
 Lifetimes. Every entry made here escapes its execution (its handle is returned): the sweeps
 release it once no live array holds its handle (lifetimes.py). A step that replaces the sums or
@@ -294,8 +292,9 @@ def _load_layer(
   stack: StreamedStack, i: Any, stream_pass: int | None, consume: bool = False, after: Any = ()
 ) -> Any:
   """Layer ``i``'s tree (``i`` an int or a traced scalar); ``stream_pass``: the pass the load
-  belongs to (:func:`new_pass`; None: the loads read their handles); ``consume``: the loads are their entries' last (the engine
-  releases each once its bytes are copied); ``after``: arrays the loads wait for (not read).
+  belongs to (:func:`new_pass`; None: the loads read their handles); ``consume``: the loads are
+  their entries' last (the engine releases each once its bytes are copied); ``after``: arrays
+  the loads wait for (not read).
 
   The loads are streamed (``exact="stream"``): a pass loads a stack's layers one after the
   other in one direction (0 up, or down), so the engine predicts each leaf's next entry from
@@ -460,12 +459,12 @@ def stack_to_tree(stack: StreamedStack) -> Any:
 @jax.jit
 def _to_tree_jit(stack):
   lay = stack.layout
-  # The loads read their handles: on the GPU this program's streamed loads were found one layer
-  # behind their prediction (the training programs' were not); it serves tests and small models.
-  ps = None
 
   def body(token, i):
-    leaves = jax.tree.leaves(_load_layer(stack, _after(i, token), ps))
+    # The loads read their handles (stream_pass None): on the GPU this program's streamed loads
+    # were found one layer behind their prediction (the training programs' were not); it serves
+    # tests and small models.
+    leaves = jax.tree.leaves(_load_layer(stack, _after(i, token), None))
     return _token32(leaves), leaves
 
   rows = jnp.arange(lay.num_layers, dtype=jnp.int32)
@@ -1120,8 +1119,7 @@ def _update_jit(tx, in_place, stack, stack_sum, state, scale, max_norm, norm):
     norm = jnp.sqrt(_sum_of_squares(stack_sum, scale))
 
   def last_of(tree):
-    leaves = [x for x in jax.tree.leaves(tree) if x.size]
-    return leaves[-1].reshape(-1)[:1] if leaves and _chain_loads() else None
+    return _token(jax.tree.leaves(tree)) if _chain_loads() else None
 
   update_pass, store_pass = new_pass(), new_pass()
 

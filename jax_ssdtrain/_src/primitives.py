@@ -110,9 +110,8 @@ def _store_lowering(ctx, x, *, site, tier, name, uses, recomputed=False, stream_
   _lowering_uses_store(ctx)
   if uses is None or uses == lifetimes.COUNTED_OR_LATER:
     counted = lifetimes.current_uses(site)
-    uses = (
-      lifetimes.LATER_IN_ORDER if counted == lifetimes.UNCOUNTED and uses is not None else counted
-    )
+    later = uses == lifetimes.COUNTED_OR_LATER and counted == lifetimes.UNCOUNTED
+    uses = lifetimes.LATER_IN_ORDER if later else counted
   (aval,) = ctx.avals_in
   if jnp.issubdtype(aval.dtype, jnp.floating):
     # As JAX does for residuals saved on the device (its PR 22244): the stored value and the

@@ -4,6 +4,7 @@ restore, and resuming bit for bit, are in test_optimizer.py)."""
 
 import tracemalloc
 
+import _checkpoint_common as ckpt
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,18 +41,6 @@ def _stepped(tx, params, steps=2):
   return state
 
 
-def _manager(path):
-  return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=True))
-
-
-def _saved(path, step, tree):
-  """A manager at ``path`` that has saved ``tree`` (checkpointing.save_args) at ``step``."""
-  manager = _manager(path)
-  manager.save(step, args=checkpointing.save_args(tree))
-  manager.wait_until_finished()
-  return manager
-
-
 def _host_leaves(tree):
   """Every leaf of ``tree`` as NumPy, each OffloadedState read out of the store."""
   return [
@@ -82,7 +71,7 @@ def test_save_and_restore_a_tree_with_state_in_the_store(store, tmp_path, locati
     "step": np.asarray(2, np.int32),
     "none": None,
   }
-  manager = _saved(tmp_path / "ckpt", 2, tree)
+  manager = ckpt.saved(tmp_path / "ckpt", 2, tree)
 
   like = {"params": params, "opt": tx.init(params), "step": np.asarray(0, np.int32), "none": None}
   restored = checkpointing.restore(manager, like)
@@ -103,7 +92,7 @@ def test_save_never_holds_the_whole_state_in_host_memory(store, tmp_path):
   tx = ssd.offload_optimizer(optax.adam(1e-3), location="host", chunk_bytes=CHUNK)
   params = _params()
   state = _stepped(tx, params)
-  manager = _manager(tmp_path / "ckpt")
+  manager = ckpt.manager(tmp_path / "ckpt")
 
   def peak(fn):
     tracemalloc.start()
@@ -140,7 +129,7 @@ def test_a_save_is_complete_when_save_returns(store, tmp_path, monkeypatch):
     return real(*args)
 
   monkeypatch.setattr(checkpointing, "stream_out", slow)
-  manager = _manager(tmp_path / "ckpt")
+  manager = ckpt.manager(tmp_path / "ckpt")
   manager.save(1, args=checkpointing.save_args({"opt": state}))
   update = jax.jit(tx.update, donate_argnums=1)
   _, later = update(jax.tree.map(jnp.ones_like, params), state, params)  # consumes its chunks
@@ -152,7 +141,7 @@ def test_a_save_is_complete_when_save_returns(store, tmp_path, monkeypatch):
 def test_a_checkpoint_of_another_layout_is_refused(store, tmp_path):
   tx = ssd.offload_optimizer(optax.adam(1e-3), location="host", chunk_bytes=CHUNK)
   params = _params()
-  manager = _saved(tmp_path / "ckpt", 1, {"opt": _stepped(tx, params)})
+  manager = ckpt.saved(tmp_path / "ckpt", 1, {"opt": _stepped(tx, params)})
 
   other_shapes = _params(rows=512)
   with pytest.raises(OptimizerOffloadError, match=r"w0.*float32\[1024, 256\].*another layout"):
@@ -172,7 +161,7 @@ def test_a_failed_write_leaves_the_last_checkpoint(store, tmp_path, monkeypatch,
   tx = ssd.offload_optimizer(optax.adam(1e-3), location="nvme", chunk_bytes=CHUNK)
   params = _params()
   first = _stepped(tx, params, 1)
-  manager = _saved(tmp_path / "ckpt", 1, {"opt": first})
+  manager = ckpt.saved(tmp_path / "ckpt", 1, {"opt": first})
   want = _host_leaves({"opt": first})
 
   real_open, writes = checkpointing._open, []
@@ -202,14 +191,14 @@ def test_a_failed_write_leaves_the_last_checkpoint(store, tmp_path, monkeypatch,
     manager.wait_until_finished()
   monkeypatch.undo()
   assert manager.latest_step() == 1
-  restored = checkpointing.restore(_manager(tmp_path / "ckpt"), {"opt": tx.init(params)})
+  restored = checkpointing.restore(ckpt.manager(tmp_path / "ckpt"), {"opt": tx.init(params)})
   _assert_leaves_equal(restored, want)
 
 
 def test_a_plain_orbax_checkpoint_is_named_as_such(store, tmp_path):
   tx = ssd.offload_optimizer(optax.adam(1e-3), location="host", chunk_bytes=CHUNK)
   params = _params()
-  manager = _manager(tmp_path / "ckpt")
+  manager = ckpt.manager(tmp_path / "ckpt")
   manager.save(1, args=ocp.args.StandardSave({"opt": ssd.state_to_host(tx.init(params))}))
   manager.wait_until_finished()
   with pytest.raises(ValueError, match="one unnamed item.*state_from_host"):
@@ -255,7 +244,7 @@ def test_restore_into_an_abstract_state_made_by_eval_shape(store, tmp_path):
   params = _params()
   tree = {"params": params, "opt": _stepped(tx, params)}
   want = _host_leaves(tree)
-  manager = _saved(tmp_path / "ckpt", 2, tree)
+  manager = ckpt.saved(tmp_path / "ckpt", 2, tree)
   abstract = jax.eval_shape(lambda p: {"params": p, "opt": tx.init(p)}, params)
   assert jax.tree.structure(abstract) == jax.tree.structure(tree)
   restored = checkpointing.restore(manager, like=abstract)

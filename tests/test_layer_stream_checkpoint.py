@@ -4,11 +4,11 @@ layer by layer and restored into the store bit for bit, a training run resumed f
 checkpoint equal to one never stopped, a checkpoint of another layout refused naming the
 difference, a multi-process run refused."""
 
+import _checkpoint_common as ckpt
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 
 import jax_ssdtrain as ssd
@@ -53,17 +53,6 @@ def _batch(i, rows=4):
   }
 
 
-def _manager(path):
-  return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=True))
-
-
-def _save(path, step, tree):
-  manager = _manager(path)
-  manager.save(step, args=checkpointing.save_args(tree))
-  manager.wait_until_finished()
-  return manager
-
-
 def _bytes(tree):
   """Every leaf as bytes (StreamedStacks loaded out of the store), for bit-for-bit equality."""
   tree = jax.tree.map(
@@ -81,7 +70,7 @@ def _bytes(tree):
 def test_a_stack_saved_and_restored_bit_for_bit(store, tmp_path, location):
   stack = ssd.init_streamed(_init_layer, jax.random.key(0), 3, location=location)
   want = _bytes({"stack": stack})
-  manager = _save(tmp_path / "ck", 1, {"stack": stack, "step": jnp.int32(7)})
+  manager = ckpt.saved(tmp_path / "ck", 1, {"stack": stack, "step": jnp.int32(7)})
   assert (tmp_path / "ck/1/streamed_stacks").exists() == (location != "device")
   like = jax.eval_shape(
     lambda: {
@@ -144,7 +133,7 @@ def _steps(state, first, last):
 def test_resume_equals_never_stopping(store, tmp_path, location):
   never_stopped = _bytes(_steps(_fresh(location), 0, 3))
   state = _steps(_fresh(location), 0, 2)
-  manager = _save(tmp_path / "ck", 2, state)
+  manager = ckpt.saved(tmp_path / "ck", 2, state)
   assert isinstance(state["opt"], StreamedOptState)
   del state
   resumed = checkpointing.restore(manager, _fresh(location, seed=100))
@@ -158,7 +147,7 @@ def test_resume_equals_never_stopping(store, tmp_path, location):
 
 def test_a_checkpoint_of_another_layout_is_refused(store, tmp_path):
   stack = ssd.init_streamed(_init_layer, jax.random.key(0), 3)
-  manager = _save(tmp_path / "ck", 1, {"stack": stack})
+  manager = ckpt.saved(tmp_path / "ck", 1, {"stack": stack})
   deeper = ssd.init_streamed(_init_layer, jax.random.key(0), 4)
   with pytest.raises(ValueError, match=r"has 3 layers, the stack to restore into 4"):
     checkpointing.restore(manager, {"stack": deeper})

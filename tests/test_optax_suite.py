@@ -503,6 +503,10 @@ def _check_stored(case_id, location):
   for i, (g, d) in enumerate(zip(got, device)):
     _assert_bits_equal(g, d, f"{location} step {i + 1} params")
   _assert_bits_equal(_host(_tx_state(state)), device_state, f"{location} state")
+  # The CPU reads every handle and checks the engine's prediction of the state's loads against
+  # it: a wrong one is a step the GPU fails.
+  wrong = ssd.stats()["handle_mismatches"]
+  assert wrong == 0, f"{location}: {wrong} loads of the state were predicted wrong"
   return plain, plain_state, device, device_state
 
 

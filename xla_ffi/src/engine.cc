@@ -411,8 +411,10 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
   const bool stream = order == LoadOrder::kStream;
   uint32_t predicted[2] = {0, 0};
   uint64_t left = 0;
-  const bool guessed =
-      stream && PredictStreamLoad(site, pass, run_id, device, nbytes, predicted, &left);
+  const bool guessed = stream
+                           ? PredictStreamLoad(site, pass, run_id, device, nbytes, predicted, &left)
+                           : order == LoadOrder::kStoreOrder &&
+                                 PredictOrderedLoad(site, run_id, device, nbytes, predicted, &left);
   EntryPtr e;
   SSD_RETURN_IF_ERROR(LookupForLoad(lk, handle, nbytes, site, name, &e, device, consume));
   if (guessed) {
@@ -421,7 +423,10 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
     else
       stats_.handle_mismatches++;
   }
-  if (stream) NoteStreamLoad(run_id, device, pass, *e);
+  if (stream)
+    NoteStreamLoad(run_id, device, pass, *e);
+  else if (order != LoadOrder::kActivation)
+    NoteExactLoad(run_id, device, *e);
   e->loading_++;
   HostRef ref;
   Status s = AcquireHost(lk, e, &ref);

@@ -125,8 +125,8 @@ class Engine {
   // by an earlier execution that stored the next loads after it (optimizer state): the
   // read-ahead follows store order (PredictNext).
   // `order`: the load's LoadOrder (the handlers' "exact" attribute). The host reads every
-  // handle; a streamed load's prediction is made as on the GPU and checked against it
-  // (speculative_loads, handle_mismatches count them; nothing else depends on it).
+  // handle; an ordered or streamed load's prediction is made as on the GPU and checked against
+  // it (speculative_loads, handle_mismatches count them; nothing else depends on it).
   Status LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
                     std::string_view name, int device = 0, bool consume = false,
                     LoadOrder order = LoadOrder::kActivation, int64_t run_id = -1,
@@ -176,12 +176,22 @@ class Engine {
   // Lock held. The handle of an ordered exact load (optimizer state: a site's chunks loaded in
   // the order an earlier execution stored them): the oldest entry of `site`, `device` and size
   // stored after the site's last exact load of `run_id` on `device` (NoteExactLoad), by the
-  // execution that stored that load's entry. Whether an entry was loaded before does not
+  // execution that stored that load's entry (before the site's first: the execution that stored
+  // the execution's first exact load's entry). Whether an entry was loaded before does not
   // matter: an update that failed loaded some of the state its retry loads again. `*left`:
-  // that execution's entries on `device` past their site's last load, besides it. False before
-  // the execution's first exact load (it reads its handle) or when there is none.
+  // entries on `device` past their site's last load in their site's execution (a site not loaded
+  // yet: the first exact load's), besides it. False before the execution's first exact load (it
+  // reads its handle) or when there is none.
   bool PredictOrderedLoad(int64_t site, int64_t run_id, int device, uint64_t nbytes, uint32_t h[2],
                           uint64_t* left) const;
+  // Lock held. The execution a site's first ordered load in an execution is predicted from, among
+  // the site's live entries `ids` of size `nbytes` (`first`: the execution that stored the
+  // execution's first exact load's entry): `first` where its entries are the site's newest; the
+  // one execution with entries there where `first` has none; else false (the load reads its
+  // handle: an older version than another's, as a state leaf no update rewrites next to a
+  // rewritten one not yet released, or an update's state loaded twice, cannot be told apart).
+  bool FirstOrderedSource(const std::set<uint32_t>& ids, int64_t first, uint64_t nbytes,
+                          int64_t* from) const;
   // Lock held. An exact load of execution `run_id` on `device` loaded `e`: the next ordered
   // loads of that execution on that device are predicted among the entries of `e`'s execution.
   void NoteExactLoad(int64_t run_id, int device, const Entry& e);
@@ -330,7 +340,11 @@ class Engine {
   struct ExactSource {
     int64_t run_id = -1;     // the loading execution
     int64_t stored_by = -1;  // the execution that stored what its first exact load read
-    std::map<int64_t, uint64_t> last_seq;  // per site: the store seq of its last load's entry
+    struct Cursor {
+      int64_t stored_by = -1;  // the execution that stored the site's last loaded entry
+      uint64_t seq = 0;        // that entry's store seq
+    };
+    std::map<int64_t, Cursor> sites;  // per site loaded so far
   };
   std::map<int, ExactSource> exact_sources_;  // per device (PredictOrderedLoad)
   struct StreamCursor {

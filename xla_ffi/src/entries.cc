@@ -108,41 +108,74 @@ bool Engine::PredictOrderedLoad(int64_t site, int64_t run_id, int device, uint64
                                 uint32_t h[2], uint64_t* left) const {
   auto src = exact_sources_.find(device);
   if (src == exact_sources_.end() || src->second.run_id != run_id) return false;
-  const int64_t from = src->second.stored_by;
-  const std::map<int64_t, uint64_t>& cursor = src->second.last_seq;
-  auto at = [&](int64_t s) -> uint64_t {  // the site's last loaded seq (0: none loaded yet)
-    auto c = cursor.find(s);
-    return c == cursor.end() ? 0 : c->second;
+  // Per site: the execution that stored its entries and the last loaded one's seq; a site not
+  // loaded yet in this execution: the first exact load's execution, from its oldest entry.
+  const ExactSource& s = src->second;
+  auto at = [&s](int64_t site_id) -> ExactSource::Cursor {
+    auto c = s.sites.find(site_id);
+    return c == s.sites.end() ? ExactSource::Cursor{s.stored_by, 0} : c->second;
   };
-  const uint64_t after = at(site);
+  ExactSource::Cursor here = at(site);
   auto ids = by_site_.find({device, site});
   if (ids == by_site_.end()) return false;
+  if (!s.sites.count(site) &&
+      !FirstOrderedSource(ids->second, s.stored_by, nbytes, &here.stored_by))
+    return false;
   const Entry* next = nullptr;
   for (uint32_t id : ids->second) {
     auto it = entries_.find(id);
     if (it == entries_.end()) continue;
     const Entry* e = it->second.get();
-    if (e->run_id_ != from || e->seq_ <= after || e->nbytes_ != nbytes || e->retired()) continue;
+    if (e->run_id_ != here.stored_by || e->seq_ <= here.seq || e->nbytes_ != nbytes || e->retired())
+      continue;
     if (!next || e->seq_ < next->seq_) next = e;
   }
   if (!next) return false;
   uint64_t n = 0;
   for (const auto& [id, e] : entries_) {
-    if (e->run_id_ != from || e->device_ != device) continue;
-    if (e->seq_ > (e->site_ == site ? next->seq_ : at(e->site_))) n++;
+    if (e->device_ != device) continue;
+    const ExactSource::Cursor c =
+        e->site_ == site ? ExactSource::Cursor{here.stored_by, next->seq_} : at(e->site_);
+    if (e->run_id_ == c.stored_by && e->seq_ > c.seq) n++;
   }
   *left = n;
   MakeHandle(*next, h);
   return true;
 }
 
+bool Engine::FirstOrderedSource(const std::set<uint32_t>& ids, int64_t first, uint64_t nbytes,
+                                int64_t* from) const {
+  // The newest live entry of each execution with entries of this size at the site.
+  std::map<int64_t, uint64_t> newest;
+  uint64_t top = 0;
+  for (uint32_t id : ids) {
+    auto it = entries_.find(id);
+    if (it == entries_.end()) continue;
+    const Entry* e = it->second.get();
+    if (e->nbytes_ != nbytes || e->retired()) continue;
+    newest[e->run_id_] = std::max(newest[e->run_id_], e->seq_);
+    top = std::max(top, e->seq_);
+  }
+  auto f = newest.find(first);
+  if (f != newest.end() && f->second == top) {
+    *from = first;  // the version the execution's first exact load came from is the site's newest
+    return true;
+  }
+  if (f == newest.end() && newest.size() == 1) {
+    *from = newest.begin()->first;  // a leaf no later execution rewrote (initial parameters)
+    return true;
+  }
+  return false;  // a newer version than the first load's, or several others: read the handle
+}
+
 void Engine::NoteExactLoad(int64_t run_id, int device, const Entry& e) {
-  // The execution that stored the last exact load's entry (a predicted one's, unchanged; a read
-  // one's, the execution's first or one that found no prediction, names where the rest are)
-  // and, per site, the entry's place in it: the site's next ordered load was stored after it.
+  // The execution's first exact load names where the sites not loaded yet are; each site keeps
+  // the execution that stored its last loaded entry (a state leaf an update never rewrites,
+  // such as madgrad's or cocob's initial parameters, comes from an older one than the rest)
+  // and the entry's place in it: the site's next ordered load was stored after it.
   ExactSource& src = exact_sources_[device];
-  if (src.run_id != run_id || src.stored_by != e.run_id_) src = ExactSource{run_id, e.run_id_, {}};
-  src.last_seq[e.site_] = e.seq_;
+  if (src.run_id != run_id) src = ExactSource{run_id, e.run_id_, {}};
+  src.sites[e.site_] = {e.run_id_, e.seq_};
 }
 
 std::vector<const Entry*> Engine::StreamAhead(int device, int64_t site,

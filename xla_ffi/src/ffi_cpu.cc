@@ -25,9 +25,9 @@ ffi::Error StoreCpuImpl(int32_t device, ffi::RunId run, ffi::AnyBuffer x,
 ffi::Error LoadCpuImpl(int32_t device, ffi::RunId run, ffi::Buffer<ffi::U32> handle,
                        ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
                        std::string_view name, int32_t exact, int32_t consume, int64_t stream_pass) {
-  // The host reads every handle: nothing depends on a prediction on the CPU (a streamed load's
-  // is made and checked, for the counters). `exact` (state an earlier execution stored) orders
-  // the read-ahead of the files.
+  // The host reads every handle: nothing depends on a prediction on the CPU (an ordered or
+  // streamed load's is made and checked, for the counters). `exact` (state an earlier execution
+  // stored) orders the read-ahead of the files.
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
     SSD_RETURN_IF_ERROR(CheckLoadOrder(exact, name));

@@ -20,9 +20,14 @@ import jax_ssdtrain as ssd
 def call(target, shape, dtype, *args):
   # A store's handle leaves this eager call: uses=-1 (released by a sweep once dropped).
   if target == "ssdtrain_store":
-    extra = {"uses": np.int64(-1), "stream_pass": np.int64(0)}
+    extra = {"uses": np.int64(-1), "stream_pass": np.int64(0), "stream_dir": np.int32(0)}
   else:
-    extra = {"exact": np.int32(0), "consume": np.int32(0), "stream_pass": np.int64(0)}
+    extra = {
+      "exact": np.int32(0),
+      "consume": np.int32(0),
+      "stream_pass": np.int64(0),
+      "stream_dir": np.int32(0),
+    }
   return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True)(
     *args, site=np.int64(1), tier=np.int32(0), name="bench", **extra
   )

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def raw_store(x, site=1, tier=0, name="t", uses=-1, stream_pass=0):
+def raw_store(x, site=1, tier=0, name="t", uses=-1, stream_pass=0, stream_dir=0):
   """``ssdtrain_store`` of ``x``: its handle (uint32[2])."""
   return jax.ffi.ffi_call(
     "ssdtrain_store", jax.ShapeDtypeStruct((2,), jnp.uint32), has_side_effect=True
@@ -17,10 +17,11 @@ def raw_store(x, site=1, tier=0, name="t", uses=-1, stream_pass=0):
     name=name,
     uses=np.int64(uses),
     stream_pass=np.int64(stream_pass),
+    stream_dir=np.int32(stream_dir),
   )
 
 
-def raw_load(h, like, site=1, tier=0, name="t", *, exact=0, consume=0, stream_pass=0):
+def raw_load(h, like, site=1, tier=0, name="t", *, exact=0, consume=0, stream_pass=0, stream_dir=0):
   """``ssdtrain_load`` of the handle ``h`` into an array of ``like``'s shape and dtype (a call
   with a side effect, which XLA neither removes nor merges with another)."""
   return jax.ffi.ffi_call(
@@ -33,4 +34,5 @@ def raw_load(h, like, site=1, tier=0, name="t", *, exact=0, consume=0, stream_pa
     exact=np.int32(exact),
     consume=np.int32(consume),
     stream_pass=np.int64(stream_pass),
+    stream_dir=np.int32(stream_dir),
   )

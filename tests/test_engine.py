@@ -370,6 +370,60 @@ def test_invalid_load_order(tmp_path):
   same(load(h, x, site=1), x)  # the entry is still there
 
 
+def test_invalid_stream_dir(tmp_path):
+  cfg(tmp_path)
+  x = jnp.ones(4)
+  with pytest.raises(Exception, match="stream_dir=5 names no layer order"):
+    jax.block_until_ready(store(x, site=1, stream_pass=1, stream_dir=5))
+  h = store(x, site=1, stream_pass=1, stream_dir=1)
+  with pytest.raises(Exception, match="stream_dir=-2 names no layer order"):
+    jax.block_until_ready(load(h, x, site=1, exact=3, stream_pass=2, stream_dir=-2))
+  same(load(h, x, site=1, exact=3, stream_pass=2, stream_dir=1), x)
+
+
+@pytest.mark.parametrize(
+  "store_dir, load_dir", [(0, 0), (1, 0), (0, -1), (1, 1), (1, -1), (-1, 1), (-1, -1)]
+)
+def test_streamed_loads_predicted_from_the_second_where_both_directions_are_given(
+  tmp_path, store_dir, load_dir
+):
+  # A store pass of N "layers" (in its direction's layer order), then a pass loading them in its
+  # own: the engine predicts each load after the pass's first where both passes give their
+  # direction, after its second where either does not (the second shows it); the CPU reads
+  # every handle and counts the predictions that match it.
+  cfg(tmp_path)
+  n = 6
+  xs = [rand((64,), jnp.float32, seed=i) for i in range(n)]
+  order = lambda d: list(range(n)) if d >= 0 else list(range(n))[::-1]
+
+  @jax.jit
+  def put(xs):
+    hs, prev = {}, None
+    for i in order(store_dir):
+      # x + 0.0 * h (XLA folds an integer product with 0: it would not order the stores)
+      x = xs[i] if prev is None else xs[i] + prev[0].astype(jnp.float32) * 0.0
+      hs[i] = prev = store(x, site=5, stream_pass=1, stream_dir=store_dir)
+    return [hs[i] for i in range(n)]
+
+  @jax.jit
+  def get(hs):
+    out, prev = {}, None
+    for i in order(load_dir):
+      h = hs[i] if prev is None else hs[i] + (prev[0] * 0).astype(jnp.uint32)
+      out[i] = prev = load(h, xs[0], site=5, exact=3, stream_pass=2, stream_dir=load_dir)
+    return [out[i] for i in range(n)]
+
+  hs = jax.block_until_ready(put(xs))
+  before = native.stats()
+  got = jax.block_until_ready(get(hs))
+  for a, b in zip(got, xs):
+    same(a, b)
+  s = native.stats()
+  assert s["handle_mismatches"] == before["handle_mismatches"]
+  both = store_dir != 0 and load_dir != 0
+  assert s["speculative_loads"] - before["speculative_loads"] == (n - 1 if both else n - 2)
+
+
 def test_capacity_enospc(tmp_path):
   cfg(tmp_path, capacity_bytes=1 * MiB)
   ok = store(rand((512 * 1024,), jnp.uint8), site=1, name="fits")

@@ -63,9 +63,10 @@ handle) and within a scan iteration by the carry. A layer's loads are chained in
 order on the CPU (XLA:CPU runs independent custom calls in any order: each waits for one
 element of the one before, as the optimizer's chunks do). The parameters and the sums were
 stored by an earlier execution; their loads are streamed (``exact="stream"``, see
-:func:`_load_layer`): the engine predicts each from the pass's last two loads of its leaf and
-reads the next ones ahead (files to host memory, host memory to device staging) in the pass's
-direction, with store order or against it (the backward pass's parameter loads, an update's
+:func:`_load_layer`): each pass gives its layer order (:class:`StreamPass`), and so did the
+pass that stored the version it loads, so the engine predicts every load of a leaf after the
+pass's first (which reads its handle) and reads the next ones ahead (files to host memory,
+host memory to device staging) in the pass's direction, with store order or against it (the backward pass's parameter loads, an update's
 loads of a sum). Each scan iteration's loads and stores wait for the iteration before
 (:func:`_after`): the predictions follow the order of the loads and of the stores.
 
@@ -283,13 +284,30 @@ def _chain_loads() -> bool:
 _PASSES = itertools.count(1)
 
 
-def new_pass() -> int:
-  """A number no other pass of a stack's loads uses (see :func:`_load_layer`)."""
-  return next(_PASSES)
+@dataclasses.dataclass(frozen=True)
+class StreamPass:
+  """One pass of a program over a stack's layers (its loads, or the stores of one version):
+  ``number``, which no other pass uses, and ``direction``, the order of its layers (1: up, -1:
+  down, 0: not said). With both passes' directions the engine predicts a pass's loads from the
+  second on (from the third without)."""
+
+  number: int
+  direction: int
+
+
+def new_pass(direction: int = 0) -> StreamPass:
+  """A pass no other pass of a stack's loads and stores uses (see :func:`_load_layer`)."""
+  if direction not in (-1, 0, 1):
+    raise ValueError(f"direction: expected 1 (up), -1 (down) or 0, got {direction!r}")
+  return StreamPass(next(_PASSES), direction)
 
 
 def _load_layer(
-  stack: StreamedStack, i: Any, stream_pass: int | None, consume: bool = False, after: Any = ()
+  stack: StreamedStack,
+  i: Any,
+  stream_pass: StreamPass | None,
+  consume: bool = False,
+  after: Any = (),
 ) -> Any:
   """Layer ``i``'s tree (``i`` an int or a traced scalar); ``stream_pass``: the pass the load
   belongs to (:func:`new_pass`; None: the loads read their handles); ``consume``: the loads are
@@ -298,7 +316,8 @@ def _load_layer(
 
   The loads are streamed (``exact="stream"``): a pass loads a stack's layers one after the
   other in one direction (0 up, or down), so the engine predicts each leaf's next entry from
-  the pass's last two loads of it instead of reading the handle (a sync each). A pass's loads
+  the pass's last two loads of it (or, where both passes give their direction, the last one)
+  instead of reading the handle (a sync each). A pass's loads
   must run in that order: loads outside a scan wait for the ones before them (``after``), or
   XLA may move them."""
   lay = stack.layout
@@ -316,7 +335,11 @@ def _load_layer(
     aval = jax.core.ShapedArray(shape, dtype)
     name = f"layer_stream.{lay.kind}{path}"
     extra = {"consume": True} if consume else {}
-    extra |= {"exact": "stream", "stream_pass": stream_pass} if stream_pass else {"exact": True}
+    if stream_pass:
+      extra |= dict(exact="stream", stream_pass=stream_pass.number)
+      extra |= dict(stream_dir=stream_pass.direction)
+    else:
+      extra |= {"exact": True}
     x = load_p.bind(row, aval=aval, site=site, tier=lay.tier, name=name, **extra)
     before = [x.reshape(-1)[:1]] if x.size else []
     out.append(x)
@@ -343,7 +366,7 @@ def _after(i: Any, *tokens: Any) -> Any:
   return opaque_copy(i, *tokens, effect=False)
 
 
-def _store_layer(lay: _Layout, layer: Any, stream_pass: int) -> list[Any]:
+def _store_layer(lay: _Layout, layer: Any, stream_pass: StreamPass) -> list[Any]:
   """One layer's entries: per leaf a handle uint32[2] (on the device: the leaf, copied).
   ``stream_pass``: the pass that stores this version of the stack (:func:`new_pass`): a later
   pass's streamed loads follow one version's entries (a program may store two versions of a
@@ -365,7 +388,13 @@ def _store_layer(lay: _Layout, layer: Any, stream_pass: int) -> list[Any]:
       # the engine makes the host copy at once (LATER_IN_ORDER)
       out.append(
         store_p.bind(
-          x, site=site, tier=lay.tier, name=name, uses=COUNTED_OR_LATER, stream_pass=stream_pass
+          x,
+          site=site,
+          tier=lay.tier,
+          name=name,
+          uses=COUNTED_OR_LATER,
+          stream_pass=stream_pass.number,
+          stream_dir=stream_pass.direction,
         )[1]
       )
   return out
@@ -380,7 +409,7 @@ def _stacked(lay: _Layout, per_layer: list[list[Any]]) -> StreamedStack:
 def _scan_layers(lay: _Layout, fn: Callable[[Any], Any]) -> StreamedStack:
   """A stack whose layer ``i`` is ``fn(i)`` (a layer's tree), made and stored one layer per
   scan iteration (the device holds one layer at a time)."""
-  store_pass = new_pass()
+  store_pass = new_pass(1)
 
   def body(token, i):
     handles = _store_layer(lay, fn(_after(i, token)), store_pass)
@@ -513,7 +542,7 @@ def map_stack(
 
 @jax.jit(static_argnums=(0, 1, 2))
 def _map_jit(fn, lay, in_place, stacks):
-  ps = new_pass()
+  ps = new_pass(1)
   return _scan_layers(lay, lambda i: fn(*[_load_layer(s, i, ps, consume=in_place) for s in stacks]))
 
 
@@ -621,7 +650,8 @@ def value_and_grad_streamed(
 
     x0, embed_vjp = jax.vjp(lambda ep: embed_fn(ep, batch), embed_params)
     # Forward: layer i computes while layer i + 1's parameters load (the carry holds both).
-    fwd_pass, bwd_pass, sum_pass, store_pass = new_pass(), new_pass(), new_pass(), new_pass()
+    # the sums' loads and stores go down the layers with the backward pass
+    fwd_pass, bwd_pass, sum_pass, store_pass = new_pass(1), new_pass(-1), new_pass(-1), new_pass(-1)
     p = _load_layer(stack, 0, fwd_pass)
     saved = None
     x = x0
@@ -951,7 +981,7 @@ def _opt_init_jit(tx, spec, stack):
   one = jax.eval_shape(tx.init, _opt_params(lay, spec.master))
   per_lay = _opt_layout(spec, lay, one)
 
-  init_pass = new_pass()
+  init_pass = new_pass(1)
 
   def layer_state(i):
     p = _load_layer(stack, i, init_pass)
@@ -999,7 +1029,7 @@ def _check_scalar(value: Any, what: str) -> Any:
 def _sum_of_squares(stack_sum: StreamedStack, scale: Any) -> Any:
   """The sum over all layers and leaves of ``(x * scale)**2`` in float32: a scan of loads and
   reductions (one layer on the device)."""
-  norm_pass = new_pass()
+  norm_pass = new_pass(1)
 
   def body(carry, i):
     acc, token = carry
@@ -1121,7 +1151,7 @@ def _update_jit(tx, in_place, stack, stack_sum, state, scale, max_norm, norm):
   def last_of(tree):
     return _token(jax.tree.leaves(tree)) if _chain_loads() else None
 
-  update_pass, store_pass = new_pass(), new_pass()
+  update_pass, store_pass = new_pass(1), new_pass(1)
 
   def load(i):
     # sum, state (and master copy), parameters: chained (one read order); all after the norm's

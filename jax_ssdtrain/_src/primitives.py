@@ -76,13 +76,26 @@ store_p.multiple_results = True
 # loaded by later executions in store order; lifetimes.COUNTED_OR_LATER: counted, or
 # LATER_IN_ORDER where the program's count is not definite), stream_pass (optional, default 0:
 # a layer stack's store, the pass that stores one version of the stack, which streamed loads
-# follow), recomputed (optional, default False:
-# True where a differentiation encloses the checkpoint and the backward takes the loaded value's
-# tangent from a recomputation of the tagged value (reload_p): forward-mode passes it through).
+# follow), stream_dir (optional, default 0: with stream_pass, the pass's layer order, 1 up or
+# -1 down, which with a streamed load's says the loads' direction in store order), recomputed
+# (optional, default False: True where a differentiation encloses the checkpoint and the backward
+# takes the loaded value's tangent from a recomputation of the tagged value (reload_p):
+# forward-mode passes it through).
 
 
-def _store_abstract_eval(x, *, site, tier, name, uses, recomputed=False, stream_pass=0):
-  del site, tier, name, uses, recomputed, stream_pass
+def _check_stream_dir(what, name, stream_pass, stream_dir):
+  if stream_dir not in (-1, 0, 1) or (stream_dir and not stream_pass):
+    raise ValueError(
+      f"{what} of {name!r}: stream_dir: expected 1 (layers up) or -1 (down) with a stream_pass, "
+      f"else 0; got stream_dir={stream_dir!r} with stream_pass={stream_pass!r}"
+    )
+
+
+def _store_abstract_eval(
+  x, *, site, tier, name, uses, recomputed=False, stream_pass=0, stream_dir=0
+):
+  del site, tier, uses, recomputed
+  _check_stream_dir("store", name, stream_pass, stream_dir)
   return [x, HANDLE_AVAL]
 
 
@@ -105,7 +118,9 @@ def _round_to_dtype(x):
   return jax.lax.reduce_precision(x, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
 
 
-def _store_lowering(ctx, x, *, site, tier, name, uses, recomputed=False, stream_pass=0):
+def _store_lowering(
+  ctx, x, *, site, tier, name, uses, recomputed=False, stream_pass=0, stream_dir=0
+):
   del recomputed  # a differentiation matter only
   _lowering_uses_store(ctx)
   if uses is None or uses == lifetimes.COUNTED_OR_LATER:
@@ -136,6 +151,7 @@ def _store_lowering(ctx, x, *, site, tier, name, uses, recomputed=False, stream_
     name=name,
     uses=np.int64(uses),
     stream_pass=np.int64(stream_pass),
+    stream_dir=np.int32(stream_dir),
   )
   # The first result is the operand itself: no copy, and XLA keeps x alive until the call.
   return [x, handle]
@@ -208,7 +224,9 @@ load_p = ji.Primitive("ssd_load")
 # as for activations); "stream" (a layer stack's loads, with stream_pass, a number the
 # program's other passes do not use) that the pass's loads of each site step through the
 # entries one execution stored there, one at a time in one direction of store order (the
-# pass's first two loads of the site read their handles and show it); consume (optional,
+# pass's first load of the site reads its handle; with stream_dir, the pass's layer order,
+# and the store pass's, the engine knows the direction and predicts the second; without, the
+# second reads its handle too and shows it); consume (optional,
 # default False): this load is the entry's last, the engine releases it once its bytes are
 # copied (optimizer state updated in place: the new version takes the old one's room).
 
@@ -218,7 +236,7 @@ _LOAD_ORDERS = {False: 0, True: 1, "ordered": 2, "stream": 3}
 
 
 def _load_abstract_eval(
-  handle, *, aval, site, tier, name, exact=False, consume=False, stream_pass=0
+  handle, *, aval, site, tier, name, exact=False, consume=False, stream_pass=0, stream_dir=0
 ):
   del handle, site, tier, consume
   if exact not in _LOAD_ORDERS:
@@ -229,6 +247,7 @@ def _load_abstract_eval(
     raise ValueError(
       f"load of {name!r}: stream_pass={stream_pass!r} goes with exact='stream' alone"
     )
+  _check_stream_dir("load", name, stream_pass, stream_dir)
   return aval
 
 
@@ -237,7 +256,7 @@ load_p.def_impl(lambda h, **params: ji.apply_primitive(load_p, h, **params))
 
 
 def _load_lowering(
-  ctx, handle, *, aval, site, tier, name, exact=False, consume=False, stream_pass=0
+  ctx, handle, *, aval, site, tier, name, exact=False, consume=False, stream_pass=0, stream_dir=0
 ):
   _lowering_uses_store(ctx)
   if sharded.needs_partitioning(ctx):  # each device loads its own shard
@@ -262,6 +281,7 @@ def _load_lowering(
     exact=np.int32(_LOAD_ORDERS[exact]),
     consume=np.int32(consume),
     stream_pass=np.int64(stream_pass),
+    stream_dir=np.int32(stream_dir),
   )
 
 
@@ -269,14 +289,16 @@ ji.register_lowering(load_p, _load_lowering)
 ji.prim_requires_devices_during_lowering.add(load_p)
 
 
-def _load_batch(args, dims, *, aval, site, tier, name, exact=False, consume=False, stream_pass=0):
+def _load_batch(
+  args, dims, *, aval, site, tier, name, exact=False, consume=False, stream_pass=0, stream_dir=0
+):
   (handle,), (d,) = args, dims
   # handle: [B, 2], every row equal (see _store_batch); the stored tensor is the batched one.
   size = handle.shape[d]
   handle = jax.lax.index_in_dim(handle, 0, axis=d, keepdims=False)
   batched = aval.update(shape=(size,) + tuple(aval.shape))
   extra = ({"exact": exact} if exact else {}) | ({"consume": True} if consume else {})
-  extra |= {"stream_pass": stream_pass} if stream_pass else {}
+  extra |= {"stream_pass": stream_pass, "stream_dir": stream_dir} if stream_pass else {}
   return load_p.bind(handle, aval=batched, site=site, tier=tier, name=name, **extra), 0
 
 

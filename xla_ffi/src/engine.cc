@@ -70,7 +70,8 @@ Status Engine::TakePendingError() {
 }
 
 Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_view name,
-                          EntryPtr* out, int device, int64_t uses, int64_t run_id, int64_t pass) {
+                          EntryPtr* out, int device, int64_t uses, int64_t run_id, int64_t pass,
+                          int pass_dir) {
   if (tier != Tier::kNvme && tier != Tier::kHost && tier != Tier::kHostThenNvme)
     return Status(EINVAL, "store of tag '" + std::string(name) + "': invalid tier " +
                               std::to_string(static_cast<int32_t>(tier)) +
@@ -90,6 +91,7 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
   e->device_ = device;
   e->run_id_ = run_id;
   e->pass_ = pass;
+  e->pass_dir_ = pass_dir;
   e->tier_ = tier;
   e->nbytes_ = nbytes;
   e->padded_ = RoundUp(nbytes, kAlign);
@@ -272,14 +274,15 @@ void Engine::AbortStore(const EntryPtr& e) {
 
 Status Engine::StoreFromHost(const void* src, uint64_t nbytes, int64_t site, Tier tier,
                              std::string_view name, uint32_t handle[2], int device, int64_t uses,
-                             int64_t run_id, int64_t pass) {
+                             int64_t run_id, int64_t pass, int pass_dir) {
   if (uses == 0) {
     CountUnusedStore(nbytes, device);
     MakeNullHandle(handle);
     return Status::Ok();
   }
   EntryPtr e;
-  SSD_RETURN_IF_ERROR(BeginStore(site, tier, nbytes, name, &e, device, uses, run_id, pass));
+  SSD_RETURN_IF_ERROR(
+      BeginStore(site, tier, nbytes, name, &e, device, uses, run_id, pass, pass_dir));
   MakeHandle(*e, handle);
   if (nbytes == 0 || e->host_ptr_) {
     if (nbytes) {
@@ -405,7 +408,7 @@ void Engine::ReleaseHost(Lock& lk, HostRef* ref) {
 
 Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
                           std::string_view name, int device, bool consume, LoadOrder order,
-                          int64_t run_id, int64_t pass) {
+                          int64_t run_id, int64_t pass, int pass_dir) {
   Lock lk(mu_);
   SSD_RETURN_IF_ERROR(TakePendingError());
   const bool stream = order == LoadOrder::kStream;
@@ -424,7 +427,7 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
       stats_.handle_mismatches++;
   }
   if (stream)
-    NoteStreamLoad(run_id, device, pass, *e);
+    NoteStreamLoad(run_id, device, pass, pass_dir, *e);
   else if (order != LoadOrder::kActivation)
     NoteExactLoad(run_id, device, *e);
   e->loading_++;

@@ -119,7 +119,7 @@ class Engine {
   // Entry::kManual, Entry::kLaterInOrder).
   Status StoreFromHost(const void* src, uint64_t nbytes, int64_t site, Tier tier,
                        std::string_view name, uint32_t handle[2], int device = 0, int64_t uses = -1,
-                       int64_t run_id = -1, int64_t pass = 0);
+                       int64_t run_id = -1, int64_t pass = 0, int pass_dir = 0);
   // `consume`: this load is the entry's last (optimizer state updated in place): the entry is
   // released once its bytes are copied out, whatever its count. `exact`: the entry was stored
   // by an earlier execution that stored the next loads after it (optimizer state): the
@@ -129,17 +129,19 @@ class Engine {
   // it (speculative_loads, handle_mismatches count them; nothing else depends on it).
   Status LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, int64_t site,
                     std::string_view name, int device = 0, bool consume = false,
-                    LoadOrder order = LoadOrder::kActivation, int64_t run_id = -1,
-                    int64_t pass = 0);
+                    LoadOrder order = LoadOrder::kActivation, int64_t run_id = -1, int64_t pass = 0,
+                    int pass_dir = 0);
 
   // ---- building blocks (device module) -----------------------------------
   // Registers a new entry that `uses` loads will consume (-1: until a sweep) and reserves its
   // host buffer and file slot. e->host_ptr == nullptr means "no host buffer": use
   // WriteThrough. A store nobody loads (uses == 0) keeps nothing: the caller writes the
   // null handle (MakeNullHandle) instead. `run_id`: the XLA execution storing it (-1: none);
-  // `pass`: the store's stream_pass (a layer stack's: one version of the stack per pass).
+  // `pass`: the store's stream_pass (a layer stack's: one version of the stack per pass) and
+  // `pass_dir` its layer order (stream_dir: +1 up, -1 down, 0 not given).
   Status BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_view name, EntryPtr* out,
-                    int device = 0, int64_t uses = -1, int64_t run_id = -1, int64_t pass = 0);
+                    int device = 0, int64_t uses = -1, int64_t run_id = -1, int64_t pass = 0,
+                    int pass_dir = 0);
   static void MakeNullHandle(uint32_t h[2]) { h[0] = h[1] = 0; }
   // Counts a store nobody loads (uses == 0).
   void CountUnusedStore(uint64_t nbytes, int device);
@@ -198,7 +200,7 @@ class Engine {
   // Lock held. The handle of a streamed load (a layer stack's, LoadOrder::kStream) of pass
   // `pass` of execution `run_id` on `device`: a pass's loads of a site step through the entries
   // one store pass of one execution stored there (a version of the stack), one at a time in
-  // one direction of store order, which the pass's
+  // one direction of store order, which the passes' layer orders give, or else the pass's
   // first two loads of the site show (they read their handles; NoteStreamLoad). Predicted: the
   // next entry of that execution, site and size past the pass's last load of the site, in that
   // direction; whether an entry was loaded before does not matter. `*left`: entries still ahead
@@ -207,8 +209,10 @@ class Engine {
   bool PredictStreamLoad(int64_t site, int64_t pass, int64_t run_id, int device, uint64_t nbytes,
                          uint32_t h[2], uint64_t* left) const;
   // Lock held. A streamed load of pass `pass` of execution `run_id` on `device` loaded `e`: the
-  // (site, pass) cursor (and, from its second load on, its direction).
-  void NoteStreamLoad(int64_t run_id, int device, int64_t pass, const Entry& e);
+  // (site, pass) cursor and its direction in store order: at the pass's first load of the
+  // site, the product of the two passes' layer orders (`pass_dir`, e's pass_dir_) where both
+  // are given, else none until the second load shows it.
+  void NoteStreamLoad(int64_t run_id, int device, int64_t pass, int pass_dir, const Entry& e);
 
   // Validates the handle and marks the entry loaded. Lock held. `consume`: this load is the
   // entry's last (its CountLoad releases it, after the load's copy on the GPU).

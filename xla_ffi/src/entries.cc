@@ -218,14 +218,15 @@ bool Engine::PredictStreamLoad(int64_t site, int64_t pass, int64_t run_id, int d
   return true;
 }
 
-void Engine::NoteStreamLoad(int64_t run_id, int device, int64_t pass, const Entry& e) {
+void Engine::NoteStreamLoad(int64_t run_id, int device, int64_t pass, int pass_dir,
+                            const Entry& e) {
   StreamSource& src = stream_sources_[device];
   if (src.run_id != run_id) src = StreamSource{run_id, {}};
   StreamCursor& c = src.sites[{e.site_, pass}];
   const bool same_source =
       c.stored_by == e.run_id_ && c.store_pass == e.pass_ && c.nbytes == e.nbytes_ && c.seq != 0;
-  if (!same_source)
-    c.dir = 0;  // the pass's first load of the site (or another execution's entry)
+  if (!same_source)  // the pass's first load of the site (or another execution's entry): the
+    c.dir = pass_dir * e.pass_dir_;  // layer orders say the direction in store order, or not (0)
   else if (e.seq_ != c.seq)
     c.dir = e.seq_ > c.seq ? 1 : -1;
   c.stored_by = e.run_id_;

@@ -43,6 +43,14 @@ inline Status CheckLoadOrder(int32_t exact, std::string_view name) {
                             std::to_string(exact) + " names no load order (0 to 3)");
 }
 
+// A layer order attribute (stream_dir): 1 up, -1 down, 0 not given.
+inline Status CheckStreamDir(int32_t dir, std::string_view what, std::string_view name) {
+  if (dir >= -1 && dir <= 1) return Status::Ok();
+  return Status(EINVAL, std::string(what) + " of tag '" + std::string(name) +
+                            "': attribute stream_dir=" + std::to_string(dir) +
+                            " names no layer order (1 up, -1 down, 0 not given)");
+}
+
 // Runs f() -> Status, converting exceptions so nothing propagates into XLA.
 template <typename F>
 xla::ffi::Error Guarded(F&& f) {

@@ -11,32 +11,37 @@ namespace {
 
 ffi::Error StoreCpuImpl(int32_t device, ffi::RunId run, ffi::AnyBuffer x,
                         ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
-                        std::string_view name, int64_t uses, int64_t stream_pass) {
+                        std::string_view name, int64_t uses, int64_t stream_pass,
+                        int32_t stream_dir) {
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
+    SSD_RETURN_IF_ERROR(CheckStreamDir(stream_dir, "store", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
     return engine->StoreFromHost(x.untyped_data(), x.size_bytes(), site, TierFromAttr(tier), name,
-                                 handle->typed_data(), device, uses, run.run_id, stream_pass);
+                                 handle->typed_data(), device, uses, run.run_id, stream_pass,
+                                 stream_dir);
   });
 }
 
 ffi::Error LoadCpuImpl(int32_t device, ffi::RunId run, ffi::Buffer<ffi::U32> handle,
                        ffi::Result<ffi::AnyBuffer> out, int64_t site, int32_t tier,
-                       std::string_view name, int32_t exact, int32_t consume, int64_t stream_pass) {
+                       std::string_view name, int32_t exact, int32_t consume, int64_t stream_pass,
+                       int32_t stream_dir) {
   // The host reads every handle: nothing depends on a prediction on the CPU (an ordered or
   // streamed load's is made and checked, for the counters). `exact` (state an earlier execution
   // stored) orders the read-ahead of the files.
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
     SSD_RETURN_IF_ERROR(CheckLoadOrder(exact, name));
+    SSD_RETURN_IF_ERROR(CheckStreamDir(stream_dir, "load", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
     return engine->LoadToHost(handle.typed_data(), out->untyped_data(), out->size_bytes(), site,
                               name, device, consume != 0, LoadOrderFromAttr(exact), run.run_id,
-                              stream_pass);
+                              stream_pass, stream_dir);
   });
 }
 
@@ -79,7 +84,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("tier")           // 0 = nvme via host cache, 1 = host tier
         .Attr<std::string_view>("name")  // tag name, for messages only
         .Attr<int64_t>("uses")           // loads per entry in this execution, < 0: Entry::k*
-        .Attr<int64_t>("stream_pass"));  // a layer stack's store: the program's pass, else 0
+        .Attr<int64_t>("stream_pass")    // a layer stack's store: the program's pass, else 0
+        .Attr<int32_t>("stream_dir"));   // and its layer order: 1 up, -1 down, 0 not given
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCpu, ssdtrain::LoadCpuImpl,
@@ -93,4 +99,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<std::string_view>("name")  // tag name, for messages only
         .Attr<int32_t>("exact")          // LoadOrder (entry.h)
         .Attr<int32_t>("consume")        // 1: the entry's last load (released after it)
-        .Attr<int64_t>("stream_pass"));  // exact == 3: the program's pass of the load
+        .Attr<int64_t>("stream_pass")    // exact == 3: the program's pass of the load
+        .Attr<int32_t>("stream_dir"));   // and its layer order: 1 up, -1 down, 0 not given

@@ -17,9 +17,11 @@ namespace {
 
 ffi::Error StoreCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run, ffi::AnyBuffer x,
                          ffi::Result<ffi::Buffer<ffi::U32>> handle, int64_t site, int32_t tier,
-                         std::string_view name, int64_t uses, int64_t stream_pass) {
+                         std::string_view name, int64_t uses, int64_t stream_pass,
+                         int32_t stream_dir) {
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
+    SSD_RETURN_IF_ERROR(CheckStreamDir(stream_dir, "store", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
@@ -35,6 +37,7 @@ ffi::Error StoreCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run, ff
     store.name = name;
     store.uses = uses;
     store.stream_pass = stream_pass;
+    store.stream_dir = stream_dir;
     return StoreFromDevice(*engine, store);
   });
 }
@@ -42,16 +45,18 @@ ffi::Error StoreCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run, ff
 ffi::Error LoadCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run,
                         ffi::Buffer<ffi::U32> handle, ffi::Result<ffi::AnyBuffer> out, int64_t site,
                         int32_t tier, std::string_view name, int32_t exact, int32_t consume,
-                        int64_t stream_pass) {
+                        int64_t stream_pass, int32_t stream_dir) {
   return Guarded([&]() -> Status {
     SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
     SSD_RETURN_IF_ERROR(CheckLoadOrder(exact, name));
+    SSD_RETURN_IF_ERROR(CheckStreamDir(stream_dir, "load", name));
     DeviceLoad load;
     load.order = LoadOrderFromAttr(exact);
     load.stream_pass = stream_pass;
+    load.stream_dir = stream_dir;
     load.consume = consume != 0;
     load.device = device;
     load.stream = stream;
@@ -130,8 +135,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("site")                     // tag site id (shared by store and load)
         .Attr<int32_t>("tier")                     // 0 = nvme via host cache, 1 = host tier
         .Attr<std::string_view>("name")            // tag name, for messages only
-        .Attr<int64_t>("uses")           // loads per entry in this execution, < 0: Entry::k*
-        .Attr<int64_t>("stream_pass"));  // a layer stack's store: the program's pass, else 0
+        .Attr<int64_t>("uses")          // loads per entry in this execution, < 0: Entry::k*
+        .Attr<int64_t>("stream_pass")   // a layer stack's store: the program's pass, else 0
+        .Attr<int32_t>("stream_dir"));  // and its layer order: 1 up, -1 down, 0 not given
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCuda, ssdtrain::LoadCudaImpl,
@@ -145,5 +151,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("tier")                     // tier of the matching store
         .Attr<std::string_view>("name")            // tag name, for messages only
         .Attr<int32_t>("exact")                    // LoadOrder (entry.h)
-        .Attr<int32_t>("consume")        // 1: the entry's last load (state updated in place)
-        .Attr<int64_t>("stream_pass"));  // exact == 3: the program's pass of the load
+        .Attr<int32_t>("consume")       // 1: the entry's last load (state updated in place)
+        .Attr<int64_t>("stream_pass")   // exact == 3: the program's pass of the load
+        .Attr<int32_t>("stream_dir"));  // and its layer order: 1 up, -1 down, 0 not given

@@ -207,7 +207,7 @@ Status LoadToDevice(Engine& eng, const DeviceLoad& load) {
   SSD_RETURN_IF_ERROR(eng.LookupForLoad(lk, handle.h, load.nbytes, load.site, load.name, &e,
                                         load.device, load.consume));
   if (load.order == LoadOrder::kStream)
-    eng.NoteStreamLoad(load.run_id, load.device, load.stream_pass, *e);
+    eng.NoteStreamLoad(load.run_id, load.device, load.stream_pass, load.stream_dir, *e);
   else if (load.exact())
     eng.NoteExactLoad(load.run_id, load.device, *e);
   // The entry counts as being loaded until this function returns, although the lock is dropped

@@ -142,7 +142,8 @@ Status StoreFromDevice(Engine& eng, const DeviceStore& store) {
   if (store.uses == 0) return StoreNothing(eng, store);
   EntryPtr e;
   SSD_RETURN_IF_ERROR(eng.BeginStore(store.site, store.tier, store.nbytes, store.name, &e,
-                                     store.device, store.uses, -1, store.stream_pass));
+                                     store.device, store.uses, -1, store.stream_pass,
+                                     store.stream_dir));
   uint32_t h[2];
   eng.MakeHandle(*e, h);
   bool write_through = false;

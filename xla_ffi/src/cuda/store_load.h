@@ -24,6 +24,7 @@ struct DeviceStore {
   std::string_view name;    // tag name, for messages only
   int64_t uses = -1;        // loads per entry in this execution; 0: nobody loads it, < 0: Entry::k*
   int64_t stream_pass = 0;  // a layer stack's store: its pass (Engine::BeginStore)
+  int stream_dir = 0;       // and the pass's layer order: +1 up, -1 down, 0 not given
 };
 
 // Stores `store.src`: copies it out (device staging, then pinned host memory and, for the nvme
@@ -41,10 +42,12 @@ struct DeviceLoad {
   std::string_view name;  // tag name, for messages only
   // How the handle is found (entry.h): kRead: an earlier execution's entry, the handle is read;
   // kStoreOrder: the same, predicted after the execution's first such load
-  // (Engine::PredictOrderedLoad); kStream: a layer stack's, predicted from a pass's third load
-  // of a site on (Engine::PredictStreamLoad); predictions are checked on the device.
+  // (Engine::PredictOrderedLoad); kStream: a layer stack's, predicted from a pass's second load
+  // of a site on where the layer orders are given, else from its third (Engine::NoteStreamLoad,
+  // PredictStreamLoad); predictions are checked on the device.
   LoadOrder order = LoadOrder::kActivation;
   int64_t stream_pass = 0;  // kStream: the program's pass the load belongs to
+  int stream_dir = 0;       // and its layer order: +1 up, -1 down, 0 not given
   bool exact() const { return order != LoadOrder::kActivation; }  // an earlier execution's entry
   bool consume = false;  // the entry's last load: released once copied (state updated in place)
 };

@@ -182,6 +182,7 @@ class Entry {
   int64_t uses_left_ = kUncounted;
   int64_t run_id_ = -1;
   int64_t pass_ = 0;  // the stream_pass of the store (a layer stack's entries), else 0
+  int pass_dir_ = 0;  // that pass's layer order (stream_dir): +1 up, -1 down, 0 not given
   // Host copy (the cache for the nvme tier, the host-tier arena for the host tier).
   Arena host_arena_ = Arena::kNone;
   uint64_t host_off_ = 0;

@@ -143,7 +143,9 @@ from jax_ssdtrain._src.primitives import HigherOrderOffloadError
 
 _remat.install()
 # lifetimes.py sits below the primitives it counts: it is handed them here.
-_lifetimes.install_lowering_hook(store_p=_primitives.store_p, load_ps=_primitives.LOAD_PRIMITIVES)
+_lifetimes.install_lowering_hook(
+  store_p=_primitives.store_p, load_ps=_primitives.LOAD_PRIMITIVES, copy_p=_primitives.copy_p
+)
 _config.install_dispatch_hook()  # a program that uses the store opens it when it first runs
 
 __version__ = "0.1.0"

@@ -17,7 +17,9 @@ from jax_ssdtrain._src.lifetimes import UNCOUNTED
 
 def analyze(jaxpr):
   """lifetimes.analyze with the primitives it counts (the package's lowering hook passes them)."""
-  return lifetimes.analyze(jaxpr, store_p=primitives.store_p, load_ps=primitives.LOAD_PRIMITIVES)
+  return lifetimes.analyze(
+    jaxpr, store_p=primitives.store_p, load_ps=primitives.LOAD_PRIMITIVES, copy_p=primitives.copy_p
+  )
 
 
 POLICY = ssd.offload_policy(["h"], min_bytes=0)

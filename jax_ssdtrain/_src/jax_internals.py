@@ -245,15 +245,6 @@ def sub_jaxprs(eqn: Any) -> tuple[Any, ...]:
   return tuple(_core.jaxprs_in_params(eqn.params))
 
 
-def ffi_call_target(eqn: Any) -> str | None:
-  """The target name of a ``jax.ffi.ffi_call`` equation (its primitive's name and ``target_name``
-  param are JAX's, not public), or None for any other equation: the lifetime analysis reads
-  through the store's ordering copies (``primitives.opaque_copy``)."""
-  if eqn.primitive.name != "ffi_call":
-    return None
-  return eqn.params.get("target_name")
-
-
 def remat3_policy(policy_or_trace: Any) -> Any:
   """The policy of a remat3 ``remat`` call (jax 0.10 passes it, later releases the trace)."""
   return getattr(policy_or_trace, "policy", policy_or_trace)

@@ -79,10 +79,10 @@ class _Site:
     return self.load_runs // stores
 
 
-def analyze(jaxpr: Any, *, store_p: Any, load_ps: tuple[Any, ...]) -> dict[int, int]:
+def analyze(jaxpr: Any, *, store_p: Any, load_ps: tuple[Any, ...], copy_p: Any) -> dict[int, int]:
   """``{site: uses}`` for every store site in a top-level program (see the module doc).
   ``store_p``: the store primitive; ``load_ps``: the primitives that load its entries (their
-  first operand is the handle)."""
+  first operand is the handle); ``copy_p``: the ordering copy (its first operand's value)."""
   sites: dict[int, _Site] = collections.defaultdict(_Site)
   empty: frozenset = frozenset()
 
@@ -109,7 +109,7 @@ def analyze(jaxpr: Any, *, store_p: Any, load_ps: tuple[Any, ...]) -> dict[int, 
             sites[site].load_runs += runs
             sites[site].uncertain |= uncertain
         out_t = [empty]
-      elif ji.ffi_call_target(eqn) == native.COPY_TARGET:
+      elif eqn.primitive is copy_p:
         out_t = in_t[:1]  # an ordering copy (opaque_copy): x's value; the others are not read
       else:
         out_t = _higher_order(eqn, in_t, runs, uncertain, record, walk)
@@ -213,7 +213,7 @@ def current_uses(site: int) -> int:
   return stack[-1].get(site, UNCOUNTED)
 
 
-def install_lowering_hook(*, store_p: Any, load_ps: tuple[Any, ...]) -> None:
+def install_lowering_hook(*, store_p: Any, load_ps: tuple[Any, ...], copy_p: Any) -> None:
   """Wraps ``mlir.lower_jaxpr_to_module`` (JAX internal, named in jax_internals) once, counting
   the entries of ``store_p`` loaded by ``load_ps`` (see :func:`analyze`)."""
   module = ji.MLIR_MODULE
@@ -225,7 +225,8 @@ def install_lowering_hook(*, store_p: Any, load_ps: tuple[Any, ...]) -> None:
   def lower_jaxpr_to_module(module_name, jaxpr, *args, **kwargs):
     stack = _local.__dict__.setdefault("stack", [])
     has_store = _contains(jaxpr, store_p)
-    stack.append(analyze(jaxpr, store_p=store_p, load_ps=load_ps) if has_store else {})
+    counted = analyze(jaxpr, store_p=store_p, load_ps=load_ps, copy_p=copy_p) if has_store else {}
+    stack.append(counted)
     try:
       return original(module_name, jaxpr, *args, **kwargs)
     finally:

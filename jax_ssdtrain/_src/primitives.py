@@ -55,12 +55,36 @@ def opaque_copy(x, *after, effect: bool = True):
   side-effecting (``effect``), as the store and the load are: XLA neither hoists, merges nor
   drops it (pure copies of the values read were hoisted unlike the store's program on JAX 0.12).
   A handle passes a pure one (``effect=False``) to order its load after another. (An
-  optimization barrier does neither: XLA:CPU removes it before fusing and scheduling.)"""
+  optimization barrier does neither: XLA:CPU removes it before fusing and scheduling.)
+
+  The side effect is XLA's alone, as the store's and the load's: JAX sees no effect, so a failed
+  call's error is raised through its results and nowhere else (``jax.ffi.ffi_call`` with
+  ``has_side_effect`` would give JAX an effect whose runtime token keeps the error until the
+  next ``jax.effects_barrier()``, or raises it at interpreter exit)."""
   native.register_targets()
   if jnp.issubdtype(x.dtype, jnp.floating):  # as a store's lowering rounds what it stores
     x = _round_to_dtype(x)
-  out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-  return jax.ffi.ffi_call(COPY_TARGET, out, has_side_effect=effect)(x, *after)
+  return copy_p.bind(x, *after, effect=bool(effect))
+
+
+copy_p = ji.Primitive("ssd_opaque_copy")
+
+
+def _copy_abstract_eval(x, *after, effect):
+  del after, effect
+  return x
+
+
+copy_p.def_abstract_eval(_copy_abstract_eval)
+copy_p.def_impl(lambda *args, **params: ji.apply_primitive(copy_p, *args, **params))
+
+
+def _copy_lowering(ctx, x, *after, effect):
+  native.register_targets()
+  return jax.ffi.ffi_lowering(COPY_TARGET, has_side_effect=effect)(ctx, x, *after)
+
+
+ji.register_lowering(copy_p, _copy_lowering)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -284,6 +284,8 @@ def test_cli_stream_layers_equals_the_device_and_streams(tmp_path):
   assert want["losses"][1] < want["losses"][0]
 
 
+@pytest.mark.slow  # ~21 s: the layer stream's resume stays in the README's command through
+# test_layer_stream_checkpoint.py's resume_equals_never_stopping
 def test_cli_stream_layers_resume_equals_never_stopping(tmp_path):
   # Checkpoints of the streamed stack, its optimizer state and the side's (every 2 steps, Orbax
   # through jax_ssdtrain.checkpointing): resumed from step 2, steps 3 and 4 are those of the run

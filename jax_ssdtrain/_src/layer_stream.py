@@ -66,9 +66,10 @@ stored by an earlier execution; their loads are streamed (``exact="stream"``, se
 :func:`_load_layer`): each pass gives its layer order (:class:`StreamPass`), and so did the
 pass that stored the version it loads, so the engine predicts every load of a leaf after the
 pass's first (which reads its handle) and reads the next ones ahead (files to host memory,
-host memory to device staging) in the pass's direction, with store order or against it (the backward pass's parameter loads, an update's
-loads of a sum). Each scan iteration's loads and stores wait for the iteration before
-(:func:`_after`): the predictions follow the order of the loads and of the stores.
+host memory to device staging) in the pass's direction, with store order or against it (the
+backward pass's parameter loads, an update's loads of a sum). Each scan iteration's loads and
+stores wait for the iteration before (:func:`_after`): the predictions follow the order of the
+loads and of the stores.
 
 Lifetimes. Every entry made here escapes its execution (its handle is returned): the sweeps
 release it once no live array holds its handle (lifetimes.py). A step that replaces the sums or
@@ -296,9 +297,8 @@ class StreamPass:
 
 
 def new_pass(direction: int = 0) -> StreamPass:
-  """A pass no other pass of a stack's loads and stores uses (see :func:`_load_layer`)."""
-  if direction not in (-1, 0, 1):
-    raise ValueError(f"direction: expected 1 (up), -1 (down) or 0, got {direction!r}")
+  """A pass no other pass of a stack's loads and stores uses (see :func:`_load_layer`); the
+  store and load primitives check ``direction``."""
   return StreamPass(next(_PASSES), direction)
 
 
@@ -317,9 +317,8 @@ def _load_layer(
   The loads are streamed (``exact="stream"``): a pass loads a stack's layers one after the
   other in one direction (0 up, or down), so the engine predicts each leaf's next entry from
   the pass's last two loads of it (or, where both passes give their direction, the last one)
-  instead of reading the handle (a sync each). A pass's loads
-  must run in that order: loads outside a scan wait for the ones before them (``after``), or
-  XLA may move them."""
+  instead of reading the handle (a sync each). A pass's loads must run in that order: loads
+  outside a scan wait for the ones before them (``after``), or XLA may move them."""
   lay = stack.layout
   leaves = jax.tree.leaves(stack.handles)
   given = [a for a in after if a is not None]
@@ -336,8 +335,9 @@ def _load_layer(
     name = f"layer_stream.{lay.kind}{path}"
     extra = {"consume": True} if consume else {}
     if stream_pass:
-      extra |= dict(exact="stream", stream_pass=stream_pass.number)
-      extra |= dict(stream_dir=stream_pass.direction)
+      extra |= dict(
+        exact="stream", stream_pass=stream_pass.number, stream_dir=stream_pass.direction
+      )
     else:
       extra |= {"exact": True}
     x = load_p.bind(row, aval=aval, site=site, tier=lay.tier, name=name, **extra)

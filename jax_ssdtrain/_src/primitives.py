@@ -61,7 +61,6 @@ def opaque_copy(x, *after, effect: bool = True):
   call's error is raised through its results and nowhere else (``jax.ffi.ffi_call`` with
   ``has_side_effect`` would give JAX an effect whose runtime token keeps the error until the
   next ``jax.effects_barrier()``, or raises it at interpreter exit)."""
-  native.register_targets()
   if jnp.issubdtype(x.dtype, jnp.floating):  # as a store's lowering rounds what it stores
     x = _round_to_dtype(x)
   return copy_p.bind(x, *after, effect=bool(effect))
@@ -250,9 +249,9 @@ load_p = ji.Primitive("ssd_load")
 # entries one execution stored there, one at a time in one direction of store order (the
 # pass's first load of the site reads its handle; with stream_dir, the pass's layer order,
 # and the store pass's, the engine knows the direction and predicts the second; without, the
-# second reads its handle too and shows it); consume (optional,
-# default False): this load is the entry's last, the engine releases it once its bytes are
-# copied (optimizer state updated in place: the new version takes the old one's room).
+# second reads its handle too and shows it); consume (optional, default False): this load is
+# the entry's last, the engine releases it once its bytes are copied (optimizer state updated
+# in place: the new version takes the old one's room).
 
 
 # The handlers' "exact" attribute (LoadOrder in xla_ffi/src/detail/entry.h).

@@ -125,15 +125,32 @@ def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.
   return tx, schedule
 
 
-def create_train_state(run: RunConfig, policy=None):
-  """Returns (state, model, schedule). ``policy`` defaults to the run's locations."""
+def create_train_state(run: RunConfig, policy=None, *, parallelism=None, mesh=None):
+  """Returns (state, model, schedule). ``policy`` defaults to the run's locations.
+
+  With ``parallelism`` and ``mesh`` (see models.parallel) the state is made sharded on the
+  mesh: the parameters by one program whose ``out_shardings`` place each device's slice (no
+  device ever holds the whole model: what lets a model larger than one GPU start), the
+  optimizer state from them (state in the store, ``offload_optimizer``, streamed per device).
+  Its values are those of the state made on one device and placed by
+  :func:`shard_train_state` (JAX's partitionable random bits); the shardings too."""
+  if (parallelism is None) != (mesh is None):
+    raise ValueError("create_train_state: pass parallelism and mesh together")
   cfg = run.model_config()
   if policy is None:
     policy = run.remat_policy_object()
   model = build_model(run.model, cfg, policy)
   tokens = jnp.zeros((run.batch, run.example_length(cfg)), jnp.int32)
   init_rng, loss_rng = jax.random.split(jax.random.key(run.seed))
-  params = jax.jit(lambda r: model.init(r, tokens, loss_rng, method="loss")["params"])(init_rng)
+
+  def init_params(r):
+    return model.init(r, tokens, loss_rng, method="loss")["params"]
+
+  if mesh is None:
+    params = jax.jit(init_params)(init_rng)
+  else:
+    shardings = parallelism.shardings(jax.eval_shape(init_params, init_rng), mesh)
+    params = jax.jit(init_params, out_shardings=shardings)(init_rng)
   tx, schedule = make_optimizer(run)
   state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
   if run.master_weights:  # the copy was made from the float32 values; the model trains on bf16
@@ -141,8 +158,31 @@ def create_train_state(run: RunConfig, policy=None):
     state = state.replace(params=jax.tree.map(low, state.params))
     del params
   # Array step and committed arrays, like a restored state: one compilation for both.
-  state = jax.device_put(state.replace(step=jnp.zeros((), jnp.int32)), jax.local_devices()[0])
-  return state, model, schedule
+  state = state.replace(step=jnp.zeros((), jnp.int32))
+  if mesh is None:
+    return jax.device_put(state, jax.local_devices()[0]), model, schedule
+  return _placed_as(state, parallelism, mesh), model, schedule
+
+
+def _placed_as(state: TrainState, parallelism, mesh) -> TrainState:
+  """``state`` (parameters already on ``mesh``) with each leaf on the device as
+  :func:`shard_train_state` places it: the step replicated, optimizer state on the device by
+  ``parallelism``'s spec (optax's init made it like the parameters; a device copy where not)
+  and kept leaves of state in the store as their parameters (``offload_optimizer``'s own)."""
+  store_free = state.replace(
+    opt_state=jax.tree.map(
+      lambda x: () if _is_offloaded(x) else x, state.opt_state, is_leaf=_is_offloaded
+    )
+  )
+  shardings = parallelism.shardings(store_free, mesh)
+  placed = jax.tree.map(_moved_to, store_free, shardings)
+  opt_state = jax.tree.map(
+    lambda x, p: x if _is_offloaded(x) else p,
+    state.opt_state,
+    placed.opt_state,
+    is_leaf=_is_offloaded,
+  )
+  return placed.replace(opt_state=opt_state)
 
 
 def train_step(state: TrainState, tokens: jax.Array, rng: jax.Array):
@@ -174,6 +214,13 @@ def jit_train_step(state_shardings=None):
       return train_step(state, tokens, rng)
 
   return jax.jit(sharded_step, donate_argnums=0, out_shardings=(state_shardings, None))
+
+
+def _moved_to(x, sharding):
+  """``x`` on ``sharding`` (unchanged where it lies so already)."""
+  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+    return x
+  return jax.device_put(x, sharding)
 
 
 def shard_train_state(state: TrainState, parallelism, mesh):

@@ -10,6 +10,8 @@ sequences of the preset's length, bfloat16 compute, float32 parameters and AdamW
 
 * ``jax_keep``: JAX alone, no rematerialization, the optimizer state on the device;
 * ``jax_remat``: JAX alone, each layer recomputed from its input (JAX's least memory);
+* ``jax_master_remat``: ``jax_remat`` with bfloat16 parameters and their float32 copy on the
+  device (the arithmetic of the ways with master weights, everything on the device);
 * ``ours``: the four tags of every layer in the store's host tier, the optimizer state in the
   host tier (``--optimizer-location host``: ``offload_optimizer`` and ``apply_gradients``, 8 bytes
   per parameter on the device);
@@ -22,6 +24,11 @@ sequences of the preset's length, bfloat16 compute, float32 parameters and AdamW
 * ``ours_master_inplace_keep`` and ``ours_master_inplace_remat``: the same with the four tags
   saved on the device, or each layer recomputed from its input, instead of the tags in the host
   tier (the host tier all the optimizer state's).
+
+``--mesh`` (``scripts/train.py``'s, e.g. ``dp=4,fsdp``) trains every run, the ideal's too, on
+that mesh of the first GPUs (the state made sharded: no device holds the whole model); the
+batch is then global (``--batch`` sequences split over ``dp``) and MFU counts every device of
+the mesh.
 
 ``--accum K`` trains ``K`` micro-batches of ``--batch`` sequences per optimizer step
 (``accumulate_gradients``: a float32 mean of the gradients on the device, 4 bytes per parameter;
@@ -60,6 +67,7 @@ _MASTER_INPLACE = ["--optimizer-location", "host,nvme", "--master-weights", "--o
 WAYS = {
   "jax_keep": ["--remat-policy", "keep"],
   "jax_remat": ["--remat-policy", "remat"],
+  "jax_master_remat": ["--remat-policy", "remat", "--master-weights"],
   "ours": ["--locations", TAGS, "--optimizer-location", "host"],
   "ours_spill": ["--locations", TAGS, "--optimizer-location", "host,nvme"],
   "ours_master": ["--locations", TAGS, "--optimizer-location", "host,nvme", "--master-weights"],
@@ -101,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     "and JAX's stay float32)",
   )
   p.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
+  p.add_argument(
+    "--mesh", default=None, help="scripts/train.py's --mesh for every run (e.g. dp=4,fsdp)"
+  )
   p.add_argument("--peak-tflops", type=float, default=None, help="default: by device kind")
   p.add_argument("--timeout", type=float, default=900, help="seconds per run")
   p.add_argument("--store-dir", default=None, help="store directory (default: a private temp)")
@@ -137,6 +148,7 @@ def _train(args, preset: str, way_args: list[str], env: dict, layers: int | None
       "--summary-json",
       str(summary),
       *(["--seq-len", str(args.seq_len)] if args.seq_len else []),
+      *(["--mesh", args.mesh] if args.mesh else []),
       *(["--layers", str(layers)] if layers else []),
       *(["--store-dir", args.store_dir] if args.store_dir else []),
       *way_args,
@@ -194,6 +206,18 @@ def _ideal(args, preset: str, env: dict, master: bool) -> dict | None:
   return ideal
 
 
+def _mesh_size(spec: str | None) -> int:
+  """The devices of ``--mesh`` (1 without one)."""
+  if not spec:
+    return 1
+  from models import parallel
+
+  try:
+    return parallel.parse_mesh(spec).size
+  except ValueError as e:
+    raise SystemExit(f"--mesh {spec!r}: {e}") from None
+
+
 def extend_to_depth(layer_counts, step_times, layers: int) -> dict:
   """The ideal's step at ``layers`` layers from steps measured at ``layer_counts`` layers (the
   same width, everything on the device): a least squares line through the step times, its time
@@ -216,7 +240,7 @@ def run(args) -> dict:
 
   kind = jax.devices()[0].device_kind
   peak = peak_tflops(kind, args.peak_tflops)
-  peak_flops = peak * 1e12 if peak else None
+  peak_flops = peak * 1e12 * _mesh_size(args.mesh) if peak else None
   env = dict(os.environ)
   for item in args.ssd:
     key, sep, value = item.partition("=")
@@ -262,13 +286,17 @@ def run(args) -> dict:
     args,
     device_kind=kind,
     peak_tflops=peak,
+    mesh=args.mesh,
+    devices=_mesh_size(args.mesh),
     rows=rows,
   )
 
 
 def table(doc: dict) -> str:
   lines = [
-    f"{doc['device_kind']}, sequences of the preset's length (2048)",
+    f"{doc['device_kind']}"
+    + (f" x {doc['devices']}, mesh {doc['mesh']}" if doc.get("mesh") else "")
+    + ", sequences of the preset's length (2048)",
     "",
     "| model | way | batch x accum | fits | tokens/s | micro-batch s | MFU | x ideal | device GB "
     "| host GB |",

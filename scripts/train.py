@@ -491,7 +491,9 @@ def main(argv=None) -> dict:
   except data_lib.DataError as e:
     parser.error(str(e))
 
-  state, _, schedule = training.create_train_state(run)
+  mesh = args.mesh.mesh(mesh_devices) if args.mesh else None
+  # under a mesh the state is made sharded: no device holds the whole model
+  state, _, schedule = training.create_train_state(run, parallelism=args.mesh, mesh=mesh)
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   manager = (
     training.checkpoint_manager(os.path.join(args.workdir, "checkpoints")) if args.workdir else None
@@ -517,11 +519,8 @@ def main(argv=None) -> dict:
     flush=True,
   )
 
-  mesh = None
-  if args.mesh:
-    mesh = args.mesh.mesh(mesh_devices)
-    state, shardings = training.shard_train_state(state, args.mesh, mesh)
-    step_fn = training.jit_train_step(shardings)
+  if mesh is not None:
+    step_fn = training.jit_train_step(jax.tree.map(lambda x: x.sharding, state))
   else:
     step_fn = training.jit_train_step()
   rng = jax.random.key(run.seed + 1)

@@ -113,6 +113,21 @@ def rel(a, b) -> float:
   )
 
 
+def same_state(a, b) -> bool:
+  """Two train states of the same structure: every value bit for bit, every leaf placed alike."""
+  from models import training
+
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  placed = all(
+    x.sharding.is_equivalent_to(y.sharding, x.ndim)
+    for x, y in zip(la, lb)
+    if isinstance(x, jax.Array)
+  )
+  va = jax.tree.leaves(training._state_on_host(a))
+  vb = jax.tree.leaves(training._state_on_host(b))
+  return placed and len(va) == len(vb) and all(np.array_equal(x, y) for x, y in zip(va, vb))
+
+
 def block_bytes(layout) -> int:
   """Bytes one device stores for one version of the state: its block of each stored leaf."""
   return sum(leaf.block_nbytes for leaf in layout.leaves if leaf.stored)
@@ -127,7 +142,7 @@ def train_case() -> dict:
 
   par = parallel.Parallelism(data=N, fsdp=True)
   mesh = par.mesh()  # the first N devices, as scripts/train.py's
-  out, collectives, kept_specs = {}, {}, {}
+  out, collectives, kept_specs, made_same = {}, {}, {}, {}
   for case, loc, min_bytes in (
     ("None", None, 0),
     ("device", "device", 0),
@@ -144,6 +159,9 @@ def train_case() -> dict:
     )
     state, _, _ = training.create_train_state(run)
     state, shardings = training.shard_train_state(state, par, mesh)
+    # made on the mesh (scripts/train.py's --mesh): no device holds the whole model
+    made, _, _ = training.create_train_state(run, parallelism=par, mesh=mesh)
+    made_same[case] = same_state(made, state)
     step = training.jit_train_step(shardings)
     tokens = training.shard_batch(
       np.random.default_rng(0).integers(0, 256, (8, 17), dtype=np.int32), par, mesh
@@ -162,6 +180,7 @@ def train_case() -> dict:
   stored = out["host"][2].opt_state
   return {
     "collectives": collectives,
+    "made_on_mesh_same": made_same,
     "kept_specs": kept_specs,
     "kept_stored_leaves": len(out["kept"][2].opt_state.handles),
     "kept_eq_host": all(np.array_equal(a, b) for a, b in zip(out["kept"][0], out["host"][0])),

@@ -719,9 +719,9 @@ def test_host_nvme_spills_activations_to_the_files(tmp_path):
     assert s["spilled_bytes"] == spilled * MiB and s["disk_tensors_written"] <= spilled
 
 
-def _tiny_bench(tmp_path, module, prefix, *args) -> dict:
-  """``python -m scripts.<module> --tiny ARGS`` on CPU: the JSON it wrote,
-  ``<prefix>_cpu_*.json``."""
+def _tiny_bench(tmp_path, module, prefix, *args, cpu_devices=1) -> dict:
+  """``python -m scripts.<module> --tiny ARGS`` on ``cpu_devices`` CPU devices: the JSON it
+  wrote, ``<prefix>_cpu_*.json``."""
   import json
   import os
   import subprocess
@@ -731,6 +731,8 @@ def _tiny_bench(tmp_path, module, prefix, *args) -> dict:
   root = Path(__file__).resolve().parents[1]
   cmd = [sys.executable, "-m", f"scripts.{module}", "--tiny", "--out", str(tmp_path), *args]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if cpu_devices > 1:
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cpu_devices}"
   proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   (path,) = tmp_path.glob(f"{prefix}_cpu_*.json")
@@ -778,6 +780,22 @@ def test_bench_fit_tiny(tmp_path):
   assert rows["ours"]["x_ideal"] == pytest.approx(
     rows["ours"]["tokens_per_s"] / ideal["tokens_per_s"]
   )
+
+
+@pytest.mark.slow
+def test_bench_fit_tiny_on_a_mesh(tmp_path):
+  # FSDP over 2 CPU devices (the node's form of the benchmark): every run, the ideal's too,
+  # on the mesh; JAX alone with master weights against ours
+  ways = "jax_master_remat,ours_master_inplace"
+  doc = _tiny_bench(
+    tmp_path, "bench_fit", "fit", "--ways", ways, "--mesh", "dp=2,fsdp", cpu_devices=2
+  )
+  assert doc["mesh"] == "dp=2,fsdp" and doc["devices"] == 2
+  rows = {r["way"]: r for r in doc["rows"]}
+  assert set(rows) == set(ways.split(",")) and all(r["fits"] for r in rows.values())
+  assert rows["jax_master_remat"]["store_gb_written_per_step"] == 0
+  assert rows["ours_master_inplace"]["store_gb_written_per_step"] > 0
+  assert all(r["ideal"]["master"] for r in rows.values())
 
 
 def _train_state_steps(tx, state, n):
@@ -931,6 +949,8 @@ def _check_sharded(r: dict, devices: int) -> None:
   t = r["train"]
   assert t["stored_leaves"] > 0 and t["handle_rows"] == [devices], t
   assert t["host_eq_device"] and t["vs_tx"] < 1e-5, t
+  # the state made on the mesh (no device holds the whole model) is the one placed after
+  assert t["made_on_mesh_same"] == dict.fromkeys(("None", "device", "host", "kept"), True), t
   # no collective added by the offload: the leaves kept on the device (under min_bytes) lie as
   # their parameters, as optax's own state (they were replicated: XLA gathered them every step)
   c = t["collectives"]

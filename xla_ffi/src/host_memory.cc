@@ -4,7 +4,10 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <thread>
+#include <vector>
 
 #include "engine.h"
 
@@ -75,6 +78,26 @@ Status HostArena::Init(uint64_t bytes, const char* what) {
                     __LINE__);
   base = static_cast<char*>(p);
   return Status::Ok();
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14's value, for C libraries that predate it
+#endif
+
+bool HostArena::Populate(unsigned threads) const {
+  if (!base || !size) return true;
+  threads = std::max(1u, threads);
+  const uint64_t slice = RoundUp((size + threads - 1) / threads, uint64_t{2} << 20);
+  std::atomic<bool> ok{true};
+  std::vector<std::thread> pool;
+  for (uint64_t off = 0; off < size; off += slice) {
+    const uint64_t len = std::min(slice, size - off);
+    pool.emplace_back([this, off, len, &ok] {
+      if (madvise(base + off, len, MADV_POPULATE_WRITE) != 0) ok = false;
+    });
+  }
+  for (std::thread& t : pool) t.join();
+  return ok;
 }
 
 void HostArena::Destroy() {

@@ -3,8 +3,10 @@
 // each entry, the DeviceHooks the engine calls, and teardown.
 #include "device_module.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 namespace ssdtrain {
@@ -64,6 +66,9 @@ Status CudaModule::Device(int dev, DeviceState** out) {
     for (Arena which : {Arena::kCache, Arena::kHostTier}) {
       const HostArena* a = &eng_->arena(which);
       if (!a->base || !a->size) continue;
+      // cudaHostRegister faults in the pages not yet present from one thread: about 1.4 GB/s
+      // on a 4 x H200 host, five minutes for a 420 GiB tier. Present pages it only pins.
+      a->Populate(std::min(16u, std::max(1u, std::thread::hardware_concurrency())));
       cudaError_t err = cudaHostRegister(a->base, a->size, cudaHostRegisterPortable);
       if (err != cudaSuccess) {
         cudaGetLastError();

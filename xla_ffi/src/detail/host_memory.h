@@ -36,6 +36,10 @@ struct HostArena {
   uint64_t size = 0;
   RangeAllocator alloc;
   Status Init(uint64_t bytes, const char* what);
+  // Faults every page in from `threads` threads at once (MADV_POPULATE_WRITE: contents kept).
+  // False where the kernel cannot (before Linux 5.14, or no memory): nothing is lost, the
+  // pages then fault in at their first touch (or cudaHostRegister's, from one thread).
+  bool Populate(unsigned threads) const;
   void Destroy();
 };
 

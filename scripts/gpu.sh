@@ -51,8 +51,9 @@
 #                the host tier (in place, 10 steps), against the ideal of 2 and 4 layers; LS_ARGS:
 #                more arguments (e.g. --micro-batches 8), LS13_TIER: its host tier (300GiB)
 #                                                                               [layer_stream]
-#   layerstream30  the same for gpt-30b (a call of its own): the host tier (LS30_TIER, 440GiB:
-#                a 503 GiB machine) spilling to the files, a bfloat16 sum, 3 steps [layer_stream]
+#   layerstream30  the same for gpt-30b (a call of its own): the host tier (LS30_TIER, 455GiB
+#                of a 503 GiB machine: 450 GiB in place) spilling to the files, a bfloat16 sum,
+#                3 steps                                                         [layer_stream]
 #   maxtextfsdp  bench_maxtext --fsdp 2: MaxText's policies and ours over 2 GPUs
 #                (needs 2 GPUs; carry .whl/ as for maxtext)                          [maxtext_fsdp]
 #   maxtextfsdpqkv  the same for the query/key/value projections (their nvme variant moves a
@@ -308,7 +309,7 @@ for stage in "${STAGES[@]}"; do
       # shellcheck disable=SC2086  # LS_ARGS splits on purpose
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run layerstream30 $((LIMIT_S - SECONDS)) \
         $PY -m scripts.bench_layer_stream --preset gpt-30b --location host,nvme --in-place \
-        --sum-dtype bfloat16 --steps 3 --ssd "SSDTRAIN_HOST_TIER=${LS30_TIER:-440GiB}" \
+        --sum-dtype bfloat16 --steps 3 --ssd "SSDTRAIN_HOST_TIER=${LS30_TIER:-455GiB}" \
         --store-dir /var/tmp/ls30 --timeout $((LIMIT_S - SECONDS - 90)) \
         --out "$OUT/layerstream30" ${LS_ARGS:-} ;;
     maxtextfsdp)  # FSDP over both GPUs: MaxText's policies and ours

@@ -645,10 +645,34 @@ def test_update_refuses_what_needs_more_than_one_layer(store):
 
 @pytest.mark.slow  # the step's in_place test stays in the README's command
 def test_update_in_place(store):
-  # in_place: the update's loads of the old sum and state (and, without master weights, the
-  # parameters) are their entries' last; the results are the device reference's, bit for bit.
+  # in_place: the update's loads of the old sum, state and parameters are their entries' last;
+  # the results are the device reference's, bit for bit.
   got = _train("host", "adam", in_place=True, steps=1)
   _assert_bitwise(got, _train("device", "adam", steps=1))
+
+
+def test_update_in_place_with_master_weights_replaces_the_parameters(store):
+  # bfloat16 parameters with their float32 master copy: in place, the update's loads of the old
+  # parameters are their entries' last (read for that alone), so that the new parameters take
+  # their room instead of adding a version to the peak (check_streamed_room: 16 B a parameter
+  # with a bfloat16 sum, not 18); the results are the device reference's bit for bit.
+  tx = _TXS.setdefault("adam", _tx("adam"))
+  init = lambda k: _init_layer(k, jnp.bfloat16)  # noqa: E731
+  stack = ssd.init_streamed(init, jax.random.key(0), 4, location="host")
+  state = ssd.init_streamed_optimizer(tx, stack)
+  assert "master" in ssd.stack_to_tree(state.per_layer)
+  ep, hp = _side(jnp.bfloat16)
+  _, sums = _micro_step(False)(ep, stack, hp, _batches(1)[0], None)
+  jax.block_until_ready(sums)
+  before = ssd.stats()["live_entries"]  # parameters, master copy, state and sum
+  new, _ = ssd.apply_streamed_update(tx, stack, sums[1], state, in_place=True)
+  jax.block_until_ready(new)
+  # the sum's 4 x 3 entries consumed; the old parameters' too, the new ones in their place
+  assert ssd.stats()["live_entries"] == before - 4 * 3
+  with pytest.raises(Exception, match="ssdtrain"):
+    jax.block_until_ready(ssd.stack_to_tree(stack))
+  got = _train("host", "adam", dtype=jnp.bfloat16, in_place=True, steps=2)
+  _assert_bitwise(got, _train("device", "adam", dtype=jnp.bfloat16, steps=2))
 
 
 def _update_memory(location, layers):
@@ -711,7 +735,9 @@ def test_room_arithmetic_per_parameter(tmp_path):
     small = ssd.check_streamed_room(shape, optax.adamw(1e-3), sum_dtype=jnp.bfloat16, in_place=True)
     assert small["bytes_per_parameter"]["grad_sum"] == 2
     resident = held(2) + held(4) + 2 * held(4) + held(2)
-    assert small["update_peak_bytes"] == resident + held(2)  # + the new parameters
+    # in place: the update's loads release each old version (the parameters too) before the
+    # new one is written
+    assert small["update_peak_bytes"] == resident
     assert small["micro_step_peak_bytes"] == resident
     plain = ssd.check_streamed_room(_shape(8, "host", jnp.float32))  # no optimizer, no master
     assert plain["bytes_per_parameter"] == dict(params=4, master=0, optimizer_state=0, grad_sum=4)

@@ -79,7 +79,8 @@ in the store are counted (one load each) and released at their load. Because eve
 is written beside the old one, a step or an update whose write fails (a full tier, a disk
 error) raises, and the sums and parameters it was given are still whole: the last consistent
 state (the store then holds two versions at a step). ``in_place=True`` (of the step and of
-:func:`map_stack`) holds one instead: each old entry's load is its last (``consume``), as the
+:func:`map_stack`, and of :func:`apply_streamed_update`, whose loads then read the old
+parameters too) holds one instead: each old entry's load is its last (``consume``), as the
 optimizer's ``in_place``; a failure then leaves no consistent state.
 """
 
@@ -1105,11 +1106,12 @@ def apply_streamed_update(
   given (:func:`streamed_global_norm` of the stack's sum and the embedding's and head's: the
   whole model's), else the stack's own, computed first in a pass of loads and reductions.
 
-  ``in_place``: the loads of the old sum, state and master copy (without master weights, of the
-  parameters) are their entries' last, so that the store holds one version of each; an update
-  that fails part way then leaves no consistent state (see :func:`map_stack`). With master
-  weights the old parameters are not read: sweeps release them once no array holds their
-  handles (donate the stack). The results equal the same update with ``location="device"`` bit
+  ``in_place``: the loads of the old sum, state, master copy and parameters are their entries'
+  last, so that the store holds one version of each (with master weights the old parameters
+  are read for that alone: 2 bytes a parameter over the link, so that the new ones take their
+  room instead of adding theirs to the peak); an update that fails part way then leaves no
+  consistent state (see :func:`map_stack`). Otherwise, with master weights, the old parameters
+  are not read: sweeps release them once no array holds their handles (donate the stack). The results equal the same update with ``location="device"`` bit
   for bit, and ``tx`` applied to the whole stacked tree within XLA's reassociation.
   """
   _check_tx(tx)
@@ -1159,7 +1161,7 @@ def _update_jit(tx, in_place, stack, stack_sum, state, scale, max_norm, norm):
     s = _load_layer(stack_sum, i, update_pass, consume=in_place, after=[norm])
     st = _load_layer(per, i, update_pass, consume=in_place, after=[last_of(s)])
     p = None
-    if not spec.master:
+    if not spec.master or in_place:  # in place with master weights: read to release their room
       p = _load_layer(stack, i, update_pass, consume=in_place, after=[last_of(st)])
     return s, st, p
 
@@ -1286,10 +1288,9 @@ def check_streamed_room(
 
   Per parameter, the store holds the parameters (bfloat16: 2 B), the master copy (4 B), the
   optimizer state's per-parameter leaves (Adam's moments: 8 B) and the gradients' running sum
-  (``sum_dtype``: 4 or 2 B). At its peak the update writes the new parameters beside the old
-  ones (with master weights the old are not read: they stay until swept) and, unless
-  ``in_place``, the new master copy and state beside theirs; a micro-step writes the new sum
-  beside the old one unless ``in_place``. The peak (each entry, a layer's leaf, rounded up to
+  (``sum_dtype``: 4 or 2 B). Unless ``in_place``, the update writes the new parameters, master
+  copy and state beside the old ones at its peak (with master weights the old parameters are
+  not read: they stay until swept), and a micro-step the new sum beside the old one. The peak (each entry, a layer's leaf, rounded up to
   the store's 4 KiB alignment; plus one layer of each class: the entries in flight; old versions
   released as soon as no array holds them: ``ssd.collect()`` after each call) must fit the location's room: ``host_tier_bytes`` (``"host"``), ``capacity_bytes``
   (``"nvme"``; where it is not configured, 90% of the store directories' free space, as the
@@ -1340,7 +1341,7 @@ def check_streamed_room(
   (state, state_held), (grad_sum, sum_held) = state, grad_sum
   resident = params_held + master_held + state_held + sum_held
   micro_peak = resident + (0 if in_place else sum_held)
-  update_peak = resident + params_held + (0 if in_place else master_held + state_held)
+  update_peak = resident + (0 if in_place else params_held + master_held + state_held)
   peak = max(micro_peak, update_peak) + resident // L  # one layer in flight
   per = lambda b: b / count  # noqa: E731 - bytes per parameter
   out = dict(
@@ -1383,16 +1384,17 @@ def check_streamed_room(
     f"optimizer state {p['optimizer_state']:g} B ({state_what})",
     f"gradient sum {p['grad_sum']:g} B ({sum_dtype.name})",
   ]
-  if update_peak >= micro_peak:
-    beside = "the new parameters" + ("" if in_place else ", master copy and state")
-    when = f"the update writes {beside} beside the old"
+  if in_place:
+    when = "each new version takes its old one's room (in place)"
+  elif update_peak >= micro_peak:
+    when = "the update writes the new parameters, master copy and state beside the old"
   else:
     when = "a micro-step writes the new gradient sum beside the old one"
   hints = ["configure more room (ssd.configure(host_tier_bytes=..., capacity_bytes=...))"]
   if lay.location is not Location.HOST_NVME:
     hints.append("use location='host,nvme' (the host tier spilling to the files)")
   if not in_place:
-    hints.append("in_place=True (one version of the sum, state and master copy)")
+    hints.append("in_place=True (one version of the sum, state, master copy and parameters)")
   if sum_dtype.itemsize > 2:
     hints.append("sum_dtype=bfloat16 (2 B per parameter)")
   hints.append("or fewer or narrower layers")

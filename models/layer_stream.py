@@ -108,13 +108,38 @@ class StreamedTraining:
   def _init_stack(self, key):
     return ssd.init_streamed(self.pieces.init_layer, key, self.num_layers, location=self.location)
 
+  def stack_shape(self, key):
+    """The stack's structure where it lives (``jax.eval_shape`` of its init: nothing made)."""
+    return jax.eval_shape(self._init_stack, key)
+
   def check_room(self, key, name: str) -> dict:
     """``ssd.check_streamed_room`` of the run (nothing stored yet): raises
     ``StreamedRoomError`` with the arithmetic where the model does not fit the store."""
-    shape = jax.eval_shape(self._init_stack, key)
+    shape = self.stack_shape(key)
     return ssd.check_streamed_room(
       shape, self.tx, sum_dtype=jnp.dtype(self.sum_dtype), in_place=self.in_place, name=name
     )
+
+  def device_bytes(self, key, side_key, batch) -> int:
+    """The device memory of this run with the stack on the device (``location="device"``),
+    from XLA's memory analysis of its compiled programs (nothing run or stored): the state and
+    the sums resident beside a micro-step's temporaries, or the update's whole program,
+    whichever is larger."""
+    dev = dataclasses.replace(self, location="device")
+    state = jax.eval_shape(dev.init, key, side_key, batch)
+    stack, opt, side, side_state = state
+    sums = jax.eval_shape(dev._micro, side[0], stack, side[1], batch, None)[1]
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state, sums)))
+    micro = dev._micro.lower(side[0], stack, side[1], batch, sums).compile().memory_analysis()
+    update = dev._update.lower(stack, sums, opt, side, side_state).compile().memory_analysis()
+    micro_need = nbytes + micro.temp_size_in_bytes
+    update_need = (
+      update.argument_size_in_bytes
+      + update.output_size_in_bytes
+      + update.temp_size_in_bytes
+      - update.alias_size_in_bytes
+    )
+    return int(max(micro_need, update_need))
 
   def init(self, key, side_key, batch) -> tuple:
     """The training state ``(stack, opt, side, side_state)``: the stack initialised layer by

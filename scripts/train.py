@@ -149,7 +149,8 @@ class Config:
     None,
     "with --policy auto: device memory cap (e.g. 20GB); picks the batch "
     "(powers of two up to --batch) and plan with the most tokens/s; with --optimizer-location "
-    "auto: the cap the step must fit with the state on the device (default: the device's memory)",
+    "auto: the cap the step must fit with the state on the device (default: the device's "
+    "memory); with --stream-layers auto: the cap the step must fit with the stack on the device",
     type=_size("--memory-budget"),
   )
   bandwidth: tuple | None = _flag(
@@ -205,8 +206,11 @@ class Config:
     "GPT only: the layer stack's bfloat16 parameters, their gradients' running sum (in "
     "--accum-dtype), the float32 master copy and AdamW's state live here, streamed layer by "
     "layer (jax_ssdtrain's layer stream; docs/layer_stream.md); the embedding and head stay on "
-    "the device; device: the same programs with everything on the device (the reference)",
-    choices=["host", "nvme", "host,nvme", "device"],
+    "the device; device: the same programs with everything on the device (the reference); "
+    "auto: the device where the step fits there (--memory-budget, default the device's memory), "
+    "else the fastest tier of the store that holds the stack (ssd.choose_stack_location; the "
+    "choice is printed)",
+    choices=["host", "nvme", "host,nvme", "device", "auto"],
   )
   restore: bool = _flag(
     False, "resume from the latest checkpoint in --workdir", action="store_true"
@@ -417,8 +421,10 @@ def parse_config(argv=None, parser: argparse.ArgumentParser | None = None) -> Co
   model = run.model_config()
   if model.positions == "learned" and (cfg.seq_len or 0) > model.max_len:
     parser.error(f"--seq-len {cfg.seq_len} exceeds the preset's max_len {model.max_len}")
-  if cfg.memory_budget and cfg.policy != "auto" and cfg.optimizer_location != "auto":
-    parser.error("--memory-budget needs --policy auto or --optimizer-location auto")
+  if cfg.memory_budget and "auto" not in (cfg.policy, cfg.optimizer_location, cfg.stream_layers):
+    parser.error(
+      "--memory-budget needs --policy auto, --optimizer-location auto or --stream-layers auto"
+    )
   if cfg.max_slowdown < 0:
     parser.error(f"--max-slowdown must be >= 0, got {cfg.max_slowdown}")
   missing = sorted(t for t in (cfg.locations or {}) if t not in models.MODEL_TAGS[cfg.model])
@@ -658,20 +664,38 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
     pieces,
     tx,
     num_layers,
-    location=args.stream_layers,
+    location="device" if args.stream_layers == "auto" else args.stream_layers,
     micro_batches=args.accum,
     sum_dtype=args.accum_dtype,
     in_place=args.optimizer_in_place,
     clip=args.clip_norm,
   )
   seq = run.example_length(cfg)
+  key, side_key = jax.random.split(jax.random.key(run.seed))
+  if args.stream_layers == "auto":  # the device, else the store's fastest tier that holds it
+    batch = jax.ShapeDtypeStruct((run.batch, seq), jax.numpy.int32)
+    shape = training_.stack_shape(key)  # on the device: nothing made
+    try:
+      where = ssd.choose_stack_location(
+        shape,
+        tx,
+        lambda: training_.device_bytes(key, side_key, batch),
+        args.memory_budget,
+        sum_dtype=jax.numpy.dtype(args.accum_dtype),
+        in_place=args.optimizer_in_place,
+        name=args.preset,
+      )
+    except ssd.StreamedRoomError as e:
+      parser.exit(2, f"{parser.prog}: error: {e}\n")
+    print(where, flush=True)
+    training_ = dataclasses.replace(training_, location=where.location)
+    args = dataclasses.replace(args, stream_layers=where.location)
   try:
     batches = data_lib.make_batches(
       args.data, args.loader, run.batch, seq, cfg.vocab_size, run.seed
     )
   except data_lib.DataError as e:
     parser.error(str(e))
-  key, side_key = jax.random.split(jax.random.key(run.seed))
   if args.stream_layers != "device":  # refused before anything is stored, with the arithmetic
     try:
       room = training_.check_room(key, args.preset)

@@ -744,6 +744,44 @@ def test_room_arithmetic_per_parameter(tmp_path):
     assert ssd.check_streamed_room(_shape(8, "device"), optax.adam(1e-3))["room_bytes"] is None
 
 
+def test_choose_stack_location(tmp_path):
+  import optax
+
+  tx = optax.adamw(1e-3)
+  shape = _shape(8, "device")
+
+  def no_plan():
+    raise ValueError("no plan fits")
+
+  with ssd.configured(tmp_path / "a", capacity_bytes=256 * MiB, host_tier_bytes=64 * MiB):
+    peak = ssd.check_streamed_room(shape, tx)["peak_bytes"]  # about 5 MB
+    where = ssd.choose_stack_location(shape, tx, 10 * MiB, 20 * MiB)
+    assert where.location == "device" and where.step_bytes == 10 * MiB
+    assert (
+      str(where)
+      == "layer stack: device (the step takes 10.0 MiB of 20.0 MiB with it on the device)"
+    )
+    where = ssd.choose_stack_location(shape, tx, 30 * MiB, 20 * MiB)
+    assert (where.location, where.peak_bytes, where.room_bytes) == ("host", peak, 64 * MiB)
+    assert "30.0 MiB with it on the device, budget 20.0 MiB" in where.reason
+    assert "no plan fits" in ssd.choose_stack_location(shape, tx, no_plan, 20 * MiB).reason
+    assert ssd.choose_stack_location(shape, tx).location == "host"  # no step to weigh
+    with pytest.raises(ValueError, match="expected the stack's structure on the device"):
+      ssd.choose_stack_location(_shape(8, "host"), tx)
+  # the host tier too small: spilling to the files; no host tier: the files
+  with ssd.configured(tmp_path / "b", capacity_bytes=256 * MiB, host_tier_bytes=MiB):
+    where = ssd.choose_stack_location(shape, tx, 30 * MiB, 20 * MiB)
+    assert where.location == "host,nvme" and where.room_bytes == 257 * MiB
+  with ssd.configured(tmp_path / "c", capacity_bytes=256 * MiB, host_tier_bytes=0):
+    assert ssd.choose_stack_location(shape, tx).location == "nvme"
+  # nowhere: refused with the arithmetic and the ways out
+  with ssd.configured(tmp_path / "d", capacity_bytes=MiB, host_tier_bytes=MiB):
+    with pytest.raises(ssd.StreamedRoomError, match="fits neither the device") as info:
+      ssd.choose_stack_location(shape, tx, 30 * MiB, 20 * MiB, name="gpt")
+    assert f"its peak is {peak} bytes" in str(info.value)
+    assert "in_place=True; sum_dtype=bfloat16" in str(info.value)
+
+
 def test_room_refused_with_the_arithmetic(tmp_path):
   import optax
 

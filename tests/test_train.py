@@ -238,7 +238,7 @@ def test_cli_memmap_data(tmp_path, shards, capsys):
     (["--optimizer-in-place"], "optimizer_in_place needs optimizer_location"),
     (
       ["--memory-budget", "1GB"],
-      "--memory-budget needs --policy auto or --optimizer-location auto",
+      "--memory-budget needs --policy auto, --optimizer-location auto or --stream-layers auto",
     ),
     (["--accum-dtype", "bfloat16"], "--accum-dtype needs --accum K > 1"),
     (["--accum", "0"], "must be > 0"),
@@ -282,6 +282,21 @@ def test_cli_stream_layers_equals_the_device_and_streams(tmp_path):
     assert got["losses"] == want["losses"]
     assert got["gb_written"] > 0 and got["gb_read"] > 0  # it went through the store
   assert want["losses"][1] < want["losses"][0]
+
+
+@pytest.mark.slow  # two training runs of the CLI (~20 s on 2 cores)
+def test_cli_stream_layers_auto_chooses_and_says_so(tmp_path, capsys):
+  # --stream-layers auto: the device where the step fits --memory-budget with the stack there,
+  # else the host tier (which holds it); the choice printed; the same losses bit for bit.
+  base = ["--preset", "tiny", "--layers", "3", "--batch", "2", "--seq-len", "16", "--steps", "2"]
+  base += ["--stream-layers", "auto", "--store-dir", str(tmp_path)]
+  fits = train_script.main(base + ["--memory-budget", "1GB"])
+  assert "layer stack: device (the step takes" in capsys.readouterr().out
+  tight = train_script.main(base + ["--memory-budget", "1MB"])
+  out = capsys.readouterr().out
+  assert "layer stack: host (the step takes" in out and "fits host_tier_bytes" in out, out
+  assert fits["gb_written"] == 0 and tight["gb_written"] > 0
+  assert tight["losses"] == fits["losses"]
 
 
 @pytest.mark.slow  # ~21 s: the layer stream's resume stays in the README's command through

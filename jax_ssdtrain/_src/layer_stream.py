@@ -1268,6 +1268,26 @@ def _dtype_name(d: np.dtype) -> str:
   return np.dtype(d).name
 
 
+def store_room(location: Location) -> tuple[int, list[str]]:
+  """The room ``location`` gives a streamed stack: ``host_tier_bytes`` (``"host"``),
+  ``capacity_bytes`` (``"nvme"``; unset: 90% of the store directories' free space, as the store
+  takes it when it opens) or both (``"host,nvme"``); with the parts named for messages."""
+  cfg = ensure_configured()
+  parts, room = [], 0
+  if location in (Location.HOST, Location.HOST_NVME):
+    parts.append(f"host_tier_bytes {cfg.host_tier_bytes}")
+    room += cfg.host_tier_bytes
+  if location in (Location.NVME, Location.HOST_NVME):
+    files = cfg.capacity_bytes
+    if files is None:
+      files = int(0.9 * free_bytes_total(store_directories()))
+      parts.append(f"capacity_bytes {files} (90% of the store directories' free space)")
+    else:
+      parts.append(f"capacity_bytes {files}")
+    room += files
+  return room, parts
+
+
 def check_streamed_room(
   stack: Any,
   tx: Any = None,
@@ -1360,19 +1380,7 @@ def check_streamed_room(
   )
   if lay.on_device:
     return out
-  cfg = ensure_configured()
-  parts, room = [], 0
-  if lay.location in (Location.HOST, Location.HOST_NVME):
-    parts.append(f"host_tier_bytes {cfg.host_tier_bytes}")
-    room += cfg.host_tier_bytes
-  if lay.location in (Location.NVME, Location.HOST_NVME):
-    files = cfg.capacity_bytes
-    if files is None:
-      files = int(0.9 * free_bytes_total(store_directories()))
-      parts.append(f"capacity_bytes {files} (90% of the store directories' free space)")
-    else:
-      parts.append(f"capacity_bytes {files}")
-    room += files
+  room, parts = store_room(lay.location)
   out["room_bytes"] = room
   if peak <= room:
     return out

@@ -542,6 +542,110 @@ def choose_optimizer_location(
   return OptimizerPlacement(False, reason, need, budget_bytes)
 
 
+@dataclasses.dataclass(frozen=True)
+class StackPlacement:
+  """Where :func:`choose_stack_location` puts a streamed layer stack (its parameters, their
+  gradients' running sum, the master copy and the optimizer state), and why; ``str()`` is one
+  line naming both."""
+
+  location: str  # "device", "host", "host,nvme" or "nvme": init_streamed's location
+  reason: str
+  step_bytes: int | None = None  # the step's device memory with the stack on the device
+  budget_bytes: int | None = None
+  peak_bytes: int | None = None  # check_streamed_room's peak of the stack in the store
+  room_bytes: int | None = None  # the chosen tier's room
+
+  def __str__(self) -> str:
+    return f"layer stack: {self.location} ({self.reason})"
+
+
+def choose_stack_location(
+  stack: Any,
+  tx: Any = None,
+  step_bytes: int | Callable[[], int] | None = None,
+  budget_bytes: int | None = None,
+  *,
+  sum_dtype: Any = jnp.float32,
+  master_weights: bool | None = None,
+  in_place: bool = False,
+  device: Any = None,
+  name: str = "model",
+) -> StackPlacement:
+  """The device, the host tier or the files for a streamed layer stack: the device when the
+  whole training step fits there with the stack on it (nothing streams), else the fastest tier
+  of the store whose room holds the stack's peak (``check_streamed_room``'s arithmetic): the
+  host tier, then the host tier spilling to the files, then the files.
+
+  Args:
+    stack: the stack's structure on the device (``jax.eval_shape`` of ``init_streamed(...,
+      location="device")``: nothing made).
+    tx, sum_dtype, master_weights, in_place: as :func:`check_streamed_room`'s.
+    step_bytes: the device memory of the training step with the stack on the device (XLA's
+      memory analysis), or a function returning it, called only when there is a budget to
+      weigh it against; a ValueError it raises says why the stack cannot be on the device.
+      None: the stack goes to the store.
+    budget_bytes, device: as :func:`choose_optimizer_location`'s.
+
+  Raises:
+    StreamedRoomError: the stack's peak exceeds the host tier and the files together, with
+      the arithmetic.
+  """
+  from jax_ssdtrain._src.layer_stream import StreamedRoomError, check_streamed_room, store_room
+
+  arithmetic = check_streamed_room(
+    stack, tx, sum_dtype=sum_dtype, master_weights=master_weights, in_place=in_place, name=name
+  )
+  if arithmetic["room_bytes"] is not None:
+    raise ValueError("stack: expected the stack's structure on the device (location='device')")
+  peak = arithmetic["peak_bytes"]
+  why_not_device = "no step to weigh"
+  if step_bytes is not None:
+    if budget_bytes is None:
+      device = jax.local_devices()[0] if device is None else device
+      budget_bytes = (device.memory_stats() or {}).get("bytes_limit")
+    if budget_bytes is None:
+      why_not_device = "no device memory limit to weigh the step against"
+    else:
+      _check_int("budget_bytes", budget_bytes, low=1)
+      budget = _gib(budget_bytes)
+      try:
+        need = int(step_bytes() if callable(step_bytes) else step_bytes)
+      except ValueError as e:
+        need, why_not_device = None, f"{e}, budget {budget}"
+      if need is not None and need <= budget_bytes:
+        why = f"the step takes {_gib(need)} of {budget} with it on the device"
+        return StackPlacement("device", why, need, budget_bytes, peak)
+      if need is not None:
+        why_not_device = f"the step takes {_gib(need)} with it on the device, budget {budget}"
+  tried = []
+  host_tier = store_room(Location.HOST)[0]
+  for where in (Location.HOST, Location.HOST_NVME, Location.NVME):
+    if where is Location.HOST_NVME and not host_tier:  # the files alone: "nvme"
+      continue
+    room, parts = store_room(where)
+    if room and peak <= room:
+      why = f"{why_not_device}; its peak in the store, {_gib(peak)}, fits {' + '.join(parts)}"
+      return StackPlacement(
+        where.value, why, budget_bytes=budget_bytes, peak_bytes=peak, room_bytes=room
+      )
+    tried.append(f"{where.value}: {_gib(room)}")
+  raise StreamedRoomError(
+    f"{name}: its streamed stack of {arithmetic['num_layers']} layers, "
+    f"{arithmetic['parameters']} parameters, fits neither the device ({why_not_device}) nor the "
+    f"store: its peak is {peak} bytes ({_gib(peak)}), more than any location's "
+    "room "
+    f"({'; '.join(tried)}). Ways out: configure more room (ssd.configure(host_tier_bytes=..., "
+    "capacity_bytes=...))"
+    + ("; in_place=True" if not in_place else "")
+    + ("; sum_dtype=bfloat16" if np.dtype(sum_dtype).itemsize > 2 else "")
+    + "; or fewer or narrower layers"
+  )
+
+
+def _gib(n: int) -> str:
+  return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
 def profile(
   layer_fn: Callable,
   params: Any,

@@ -22,6 +22,8 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -168,23 +170,64 @@ def run_json_child(
   """Runs ``cmd`` (environment: ``child_env(env)``); returns the last JSON object it printed on
   stdout, else ``{"error": ...}``. With ``partial``, a child that times out gives the last JSON
   object it printed before (a child that prints its results so far after each part keeps
-  them), with the error."""
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(env))
-  except subprocess.TimeoutExpired as e:
-    text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-    row = (partial and _last_json(text(e.stdout))) or {}
-    return row | {"error": f"timed out after {timeout:.0f} s", "stderr_tail": tail(text(e.stderr))}
-  row = _last_json(proc.stdout)
+  them), with the error. A child of several GPUs that ran out of device memory on one while
+  the others wait for it in a collective's rendezvous (XLA logs "may be stuck") is stopped
+  ``STUCK_AFTER_OOM_S`` seconds later instead of at ``timeout``: it does not fit."""
+  proc = subprocess.Popen(
+    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(env)
+  )
+  out, err, stuck = [], [], threading.Event()
+
+  def drain(stream, lines, watch):
+    oom = False
+    for line in stream:
+      lines.append(line)
+      if watch:
+        oom = oom or "ran out of memory trying to allocate" in line
+        if oom and "may be stuck" in line:
+          stuck.set()
+
+  readers = [
+    threading.Thread(target=drain, args=(proc.stdout, out, False), daemon=True),
+    threading.Thread(target=drain, args=(proc.stderr, err, True), daemon=True),
+  ]
+  for r in readers:
+    r.start()
+  deadline, stuck_at = time.monotonic() + timeout, None
+  while proc.poll() is None:
+    now = time.monotonic()
+    if stuck.is_set() and stuck_at is None:
+      stuck_at = now
+    if now >= deadline or (stuck_at is not None and now - stuck_at >= STUCK_AFTER_OOM_S):
+      proc.kill()
+      proc.wait()
+      for r in readers:
+        r.join()
+      why = (
+        f"out of device memory on one GPU, the others stuck in a collective (stopped after "
+        f"{STUCK_AFTER_OOM_S:.0f} s)"
+        if stuck_at is not None
+        else f"timed out after {timeout:.0f} s"
+      )
+      row = (partial and _last_json("".join(out))) or {}
+      return row | {"error": why, "stderr_tail": tail("".join(err))}
+    time.sleep(0.5)
+  for r in readers:
+    r.join()
+  stdout, stderr = "".join(out), "".join(err)
+  row = _last_json(stdout)
   if row is not None:
     if proc.returncode:
       row.setdefault("error", f"exit status {proc.returncode}")
-      row["stderr_tail"] = tail(proc.stderr)
+      row["stderr_tail"] = tail(stderr)
     return row
   return {
     "error": f"exit status {proc.returncode}, no JSON line printed",
-    "stderr_tail": tail(proc.stderr) or tail(proc.stdout),
+    "stderr_tail": tail(stderr) or tail(stdout),
   }
+
+
+STUCK_AFTER_OOM_S = 60.0
 
 
 def _last_json(stdout: str) -> dict | None:

@@ -161,6 +161,7 @@ def _train(args, preset: str, way_args: list[str], env: dict, layers: int | None
   row["oom"] = bool(full) and "ssdtrain" not in full[-1]  # the device's memory, not the store's
   if full and not row["oom"]:
     row["error"] = full[-1].split("RESOURCE_EXHAUSTED: ")[-1][:300]
+  row["oom"] = row["oom"] or row.get("error", "").startswith("out of device memory")
   return row
 
 

@@ -47,6 +47,12 @@
 #                the checkpoint directory's raw write and read rates (one GPU)       [checkpoint]
 #   accumulate   bench_accumulate, gpt-1.3b, accumulation 1/4/16 (one GPU)          [accumulate]
 #   fit          bench_fit: the largest GPT JAX alone trains against ours (FIT_ARGS)  [fit]
+#   fitnode      bench_fit --mesh dp=4,fsdp: gpt-34b, master weights and AdamW in the host tier
+#                (420 GiB), the 4 tags of 8 sequences kept on the devices, 16 micro-batches a step,
+#                against its ideal of 2 and 4 layers; XLA may take 92% of each GPU (needs 4 GPUs;
+#                ~8 minutes)                                                         [fit_node]
+#   fitnodejax   the same arithmetic by JAX alone (the state on the devices, each layer
+#                recomputed): gpt-30b, then gpt-20b (needs 4 GPUs)                   [fit_node]
 #   layerstream  bench_layer_stream on one GPU: gpt-13b, parameters and gradients streamed from
 #                the host tier (in place, 10 steps), against the ideal of 2 and 4 layers; LS_ARGS:
 #                more arguments (e.g. --micro-batches 8), LS13_TIER: its host tier (300GiB)
@@ -80,8 +86,8 @@ if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
 KNOWN=(tests tests4 reliability jaxlayer lifetimes rok rok8192 hostrows hosttier link planner planner32k
   planner8192 plannernvme cap emulated train maxtext multigpu multigpu4 multigpu124 multihost optimizer
-  optimizerbench optimizer2 optimizer4 checkpoint accumulate fit layerstream layerstream30 maxtextfsdp
-  maxtextfsdpqkv)
+  optimizerbench optimizer2 optimizer4 checkpoint accumulate fit fitnode fitnodejax layerstream
+  layerstream30 maxtextfsdp maxtextfsdpqkv)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
   exit 2
@@ -299,6 +305,18 @@ for stage in "${STAGES[@]}"; do
     fit)  # FIT_ARGS: bench_fit's arguments (presets, ways, store sizes): one call's worth each
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run fit $((LIMIT_S - SECONDS)) \
         $PY -m scripts.bench_fit --store-dir /var/tmp/fit --out "$OUT/fit" ${FIT_ARGS:-} ;;
+    fitnode)
+      gpus 4 fitnode || continue
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 run fitnode $((LIMIT_S - SECONDS)) $PY -m scripts.bench_fit \
+        --mesh dp=4,fsdp --batch 8 --accum 16 --accum-dtype bfloat16 --steps 4 --presets gpt-34b \
+        --ways ours_master_inplace_keep --ideal --ideal-layers 2,4 --timeout $((LIMIT_S - SECONDS - 30)) \
+        --store-dir /var/tmp/fitnode --ssd SSDTRAIN_HOST_TIER=420GiB --out "$OUT/fitnode" ;;
+    fitnodejax)
+      gpus 4 fitnodejax || continue
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 run fitnodejax $((LIMIT_S - SECONDS)) $PY -m scripts.bench_fit \
+        --mesh dp=4,fsdp --batch 8 --accum 16 --accum-dtype bfloat16 --steps 4 \
+        --presets gpt-30b,gpt-20b --ways jax_master_remat --timeout $((LIMIT_S - SECONDS - 30)) \
+        --out "$OUT/fitnodejax" ;;
     layerstream)  # LS_ARGS: more bench_layer_stream arguments; the store on the local disk
       # shellcheck disable=SC2086  # LS_ARGS splits on purpose
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run layerstream $((LIMIT_S - SECONDS)) \

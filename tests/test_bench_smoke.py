@@ -228,3 +228,33 @@ def test_bench_multigpu_cpu_smoke_1_2_4(tmp_path):
     assert 0 < a["remat_efficiency_no_overlap"] <= 1 and a["offload_efficiency_no_overlap"] > 0
   assert [c["no_added_collective"] for c in doc["summary"]["checks"]] == [True, True]
   assert "points vs no offload" in proc.stdout and "Collectives' arithmetic" in proc.stdout
+
+
+def _child(code: str) -> list[str]:
+  return [sys.executable, "-c", code]
+
+
+def test_run_json_child_results_timeouts_and_a_gpu_stuck_after_another_ran_out(monkeypatch):
+  # bench_common.run_json_child: the child's last JSON line (and its exit status); a child past
+  # its time; a child whose GPUs wait in a collective for one that ran out of device memory
+  # (XLA's log lines) is stopped soon after, not at its timeout.
+  from scripts import bench_common as bc
+
+  row = bc.run_json_child(_child("print('x'); print('{\"a\": 1}'); print('{\"a\": 2}')"), 60)
+  assert row == {"a": 2}
+  row = bc.run_json_child(_child("import sys; print('{\"a\": 1}'); sys.exit(3)"), 60)
+  assert row["a"] == 1 and row["error"] == "exit status 3"
+  row = bc.run_json_child(_child("import time; time.sleep(60)"), 1)
+  assert row["error"] == "timed out after 1 s"
+  monkeypatch.setattr(bc, "STUCK_AFTER_OOM_S", 1.0)
+  stuck = (
+    "import sys, time\n"
+    "print('W bfc_allocator.cc:598] Allocator (GPU_0_bfc) ran out of memory trying to allocate "
+    "73.82GiB', file=sys.stderr, flush=True)\n"
+    "print('E rendezvous.cc:116] [id=1] This thread has been waiting for 10 seconds and may be "
+    "stuck.', file=sys.stderr, flush=True)\n"
+    "time.sleep(60)\n"
+  )
+  row = bc.run_json_child(_child(stuck), 50)
+  assert row["error"].startswith("out of device memory on one GPU, the others stuck"), row
+  assert "ran out of memory" in row["stderr_tail"]

@@ -64,6 +64,9 @@
 #                (needs 2 GPUs; carry .whl/ as for maxtext)                          [maxtext_fsdp]
 #   maxtextfsdpqkv  the same for the query/key/value projections (their nvme variant moves a
 #                third of the bytes of minimal's, which do not fit one call on one disk) [maxtext_fsdp]
+#   maxtextfsdp4  bench_maxtext --fsdp 4: MaxText's trainer with FSDP over the 4 GPUs of a node,
+#                its remat policies and its pinned-host offload against our host tier
+#                (needs 4 GPUs; carry .whl/ as for maxtext)                        [maxtext_fsdp]
 #
 # What must be carried to the GPU machine besides the checkout (git-ignored, e.g. in .whl/):
 #   .whl/*.whl            optional: libkvikio-cu13, kvikio-cu13, rapids-logger wheels: the build
@@ -87,7 +90,7 @@ STAGES=("$@")
 KNOWN=(tests tests4 reliability jaxlayer lifetimes rok rok8192 hostrows hosttier link planner planner32k
   planner8192 plannernvme cap emulated train maxtext multigpu multigpu4 multigpu124 multihost optimizer
   optimizerbench optimizer2 optimizer4 checkpoint accumulate fit fitnode fitnodejax layerstream
-  layerstream30 maxtextfsdp maxtextfsdpqkv)
+  layerstream30 maxtextfsdp maxtextfsdpqkv maxtextfsdp4)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
   exit 2
@@ -145,13 +148,13 @@ planner() {  # planner NAME STAGING bench_planner args...: predicted vs measured
     --out "$OUT/$name" "$@"
 }
 
-# maxtext_fsdp NAME VARIANTS: bench_maxtext --fsdp 2 over both GPUs, within LIMIT_S
+# maxtext_fsdp NAME VARIANTS [N]: bench_maxtext --fsdp N (default 2) over N GPUs, within LIMIT_S
 maxtext_fsdp() {
   maxtext_venv || return 0
   PYTHONPATH="$PYTHONPATH:/tmp/mx-pylib" \
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune_mx" \
     run "$1" $((LIMIT_S - SECONDS)) /tmp/mx-venv/bin/python -m scripts.bench_maxtext \
-    --fsdp 2 --out "$OUT/$1" --store-dir /var/tmp/bench_maxtext_fsdp \
+    --fsdp "${3:-2}" --out "$OUT/$1" --store-dir /var/tmp/bench_maxtext_fsdp \
     --budget-s $((LIMIT_S - SECONDS - 20)) --ssd staging_bytes=4GiB --ssd host_tier_bytes=24GiB \
     --variants "$2"
 }
@@ -336,6 +339,9 @@ for stage in "${STAGES[@]}"; do
     maxtextfsdpqkv)
       maxtext_fsdp maxtextfsdpqkv \
         "save_qkv_proj,qkv_proj_offloaded@nvme,qkv_proj_offloaded@host,qkv_proj_offloaded" ;;
+    maxtextfsdp4)
+      gpus 4 maxtextfsdp4 || continue
+      maxtext_fsdp maxtextfsdp4 "minimal,minimal_offloaded,minimal_offloaded@host,full" 4 ;;
   esac
 done
 log "total $SECONDS s; results under $OUT"

@@ -763,6 +763,7 @@ def test_choose_stack_location(tmp_path):
     )
     where = ssd.choose_stack_location(shape, tx, 30 * MiB, 20 * MiB)
     assert (where.location, where.peak_bytes, where.room_bytes) == ("host", peak, 64 * MiB)
+    assert (where.step_bytes, where.budget_bytes) == (30 * MiB, 20 * MiB)
     assert "30.0 MiB with it on the device, budget 20.0 MiB" in where.reason
     assert "no plan fits" in ssd.choose_stack_location(shape, tx, no_plan, 20 * MiB).reason
     assert ssd.choose_stack_location(shape, tx).location == "host"  # no step to weigh

@@ -598,7 +598,7 @@ def choose_stack_location(
   if arithmetic["room_bytes"] is not None:
     raise ValueError("stack: expected the stack's structure on the device (location='device')")
   peak = arithmetic["peak_bytes"]
-  why_not_device = "no step to weigh"
+  why_not_device, need = "no step to weigh", None
   if step_bytes is not None:
     if budget_bytes is None:
       device = jax.local_devices()[0] if device is None else device
@@ -625,15 +625,12 @@ def choose_stack_location(
     room, parts = store_room(where)
     if room and peak <= room:
       why = f"{why_not_device}; its peak in the store, {_gib(peak)}, fits {' + '.join(parts)}"
-      return StackPlacement(
-        where.value, why, budget_bytes=budget_bytes, peak_bytes=peak, room_bytes=room
-      )
+      return StackPlacement(where.value, why, need, budget_bytes, peak, room)
     tried.append(f"{where.value}: {_gib(room)}")
   raise StreamedRoomError(
     f"{name}: its streamed stack of {arithmetic['num_layers']} layers, "
     f"{arithmetic['parameters']} parameters, fits neither the device ({why_not_device}) nor the "
-    f"store: its peak is {peak} bytes ({_gib(peak)}), more than any location's "
-    "room "
+    f"store: its peak is {peak} bytes ({_gib(peak)}), more than any location's room "
     f"({'; '.join(tried)}). Ways out: configure more room (ssd.configure(host_tier_bytes=..., "
     "capacity_bytes=...))"
     + ("; in_place=True" if not in_place else "")

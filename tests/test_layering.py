@@ -20,7 +20,7 @@ LAYERS = [
   ["_src.sharded"],  # handed the primitives it partitions
   ["_src.primitives"],
   ["_src.policies", "_src.remat", "_src.measure"],
-  ["_src.planner", "_src.optimizer", "_src.layer_stream"],
+  ["_src.layer_stream", "_src.planner", "_src.optimizer"],  # the planner places streamed stacks
   ["_src.accumulate", "_src.master_weights"],
   ["__init__"],
   ["checkpointing", "probe", "maxtext"],

@@ -72,6 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ssdtrain._src import config, jax_internals, options
+from jax_ssdtrain._src.layer_stream import StreamedRoomError, check_streamed_room, store_room
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.measure import link as link_probe
 from jax_ssdtrain._src.measure.disk import measured_bandwidth
@@ -590,8 +591,6 @@ def choose_stack_location(
     StreamedRoomError: the stack's peak exceeds the host tier and the files together, with
       the arithmetic.
   """
-  from jax_ssdtrain._src.layer_stream import StreamedRoomError, check_streamed_room, store_room
-
   arithmetic = check_streamed_room(
     stack, tx, sum_dtype=sum_dtype, master_weights=master_weights, in_place=in_place, name=name
   )

@@ -241,7 +241,8 @@ def run(args) -> dict:
 
   kind = jax.devices()[0].device_kind
   peak = peak_tflops(kind, args.peak_tflops)
-  peak_flops = peak * 1e12 * _mesh_size(args.mesh) if peak else None
+  devices = _mesh_size(args.mesh)
+  peak_flops = peak * 1e12 * devices if peak else None
   env = dict(os.environ)
   for item in args.ssd:
     key, sep, value = item.partition("=")
@@ -288,7 +289,7 @@ def run(args) -> dict:
     device_kind=kind,
     peak_tflops=peak,
     mesh=args.mesh,
-    devices=_mesh_size(args.mesh),
+    devices=devices,
     rows=rows,
   )
 

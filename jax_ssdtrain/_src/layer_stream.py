@@ -1111,8 +1111,9 @@ def apply_streamed_update(
   are read for that alone: 2 bytes a parameter over the link, so that the new ones take their
   room instead of adding theirs to the peak); an update that fails part way then leaves no
   consistent state (see :func:`map_stack`). Otherwise, with master weights, the old parameters
-  are not read: sweeps release them once no array holds their handles (donate the stack). The results equal the same update with ``location="device"`` bit
-  for bit, and ``tx`` applied to the whole stacked tree within XLA's reassociation.
+  are not read: sweeps release them once no array holds their handles (donate the stack). The
+  results equal the same update with ``location="device"`` bit for bit, and ``tx`` applied to
+  the whole stacked tree within XLA's reassociation.
   """
   _check_tx(tx)
   _check_bool(in_place, "in_place")
@@ -1310,11 +1311,13 @@ def check_streamed_room(
   optimizer state's per-parameter leaves (Adam's moments: 8 B) and the gradients' running sum
   (``sum_dtype``: 4 or 2 B). Unless ``in_place``, the update writes the new parameters, master
   copy and state beside the old ones at its peak (with master weights the old parameters are
-  not read: they stay until swept), and a micro-step the new sum beside the old one. The peak (each entry, a layer's leaf, rounded up to
-  the store's 4 KiB alignment; plus one layer of each class: the entries in flight; old versions
-  released as soon as no array holds them: ``ssd.collect()`` after each call) must fit the location's room: ``host_tier_bytes`` (``"host"``), ``capacity_bytes``
-  (``"nvme"``; where it is not configured, 90% of the store directories' free space, as the
-  store takes it when it opens) or both (``"host,nvme"``). Where it does not, raises
+  not read: they stay until swept), and a micro-step the new sum beside the old one. The peak
+  (each entry, a layer's leaf, rounded up to the store's 4 KiB alignment; plus one layer of
+  each class: the entries in flight; old versions released as soon as no array holds them:
+  ``ssd.collect()`` after each call) must fit the location's room (``store_room``):
+  ``host_tier_bytes`` (``"host"``), ``capacity_bytes`` (``"nvme"``; where it is not configured,
+  90% of the store directories' free space, as the store takes it when it opens) or both
+  (``"host,nvme"``). Where it does not, raises
   :class:`StreamedRoomError` with the arithmetic. Returns the arithmetic (a dict: bytes per
   parameter per class, the peak and the room) where it fits; a stack on the device takes no
   room in the store (``room_bytes`` ``None``). The activations saved in the store

@@ -524,17 +524,12 @@ def choose_optimizer_location(
         print(where)
         tx = optax.adamw(1e-3) if where.on_device else ssd.offload_optimizer(optax.adamw(1e-3))
   """
+  budget_bytes, need, refused = _weigh_step(step_bytes, budget_bytes, device)
   if budget_bytes is None:
-    device = jax.local_devices()[0] if device is None else device
-    budget_bytes = (device.memory_stats() or {}).get("bytes_limit")
-    if budget_bytes is None:
-      return OptimizerPlacement(False, "no device memory limit to weigh it against")
-  _check_int("budget_bytes", budget_bytes, low=1)
+    return OptimizerPlacement(False, "no device memory limit to weigh it against")
   budget = f"{budget_bytes / 1e9:.2f} GB"
-  try:
-    need = int(step_bytes() if callable(step_bytes) else step_bytes)
-  except ValueError as e:
-    return OptimizerPlacement(False, f"{e}, budget {budget}", None, budget_bytes)
+  if refused is not None:
+    return OptimizerPlacement(False, f"{refused}, budget {budget}", None, budget_bytes)
   if need <= budget_bytes:
     return OptimizerPlacement(
       True, f"the step takes {need / 1e9:.2f} GB of {budget}", need, budget_bytes
@@ -599,23 +594,18 @@ def choose_stack_location(
   peak = arithmetic["peak_bytes"]
   why_not_device, need = "no step to weigh", None
   if step_bytes is not None:
-    if budget_bytes is None:
-      device = jax.local_devices()[0] if device is None else device
-      budget_bytes = (device.memory_stats() or {}).get("bytes_limit")
+    budget_bytes, need, refused = _weigh_step(step_bytes, budget_bytes, device)
     if budget_bytes is None:
       why_not_device = "no device memory limit to weigh the step against"
+    elif refused is not None:
+      why_not_device = f"{refused}, budget {_gib(budget_bytes)}"
+    elif need <= budget_bytes:
+      why = f"the step takes {_gib(need)} of {_gib(budget_bytes)} with it on the device"
+      return StackPlacement("device", why, need, budget_bytes, peak)
     else:
-      _check_int("budget_bytes", budget_bytes, low=1)
-      budget = _gib(budget_bytes)
-      try:
-        need = int(step_bytes() if callable(step_bytes) else step_bytes)
-      except ValueError as e:
-        need, why_not_device = None, f"{e}, budget {budget}"
-      if need is not None and need <= budget_bytes:
-        why = f"the step takes {_gib(need)} of {budget} with it on the device"
-        return StackPlacement("device", why, need, budget_bytes, peak)
-      if need is not None:
-        why_not_device = f"the step takes {_gib(need)} with it on the device, budget {budget}"
+      why_not_device = (
+        f"the step takes {_gib(need)} with it on the device, budget {_gib(budget_bytes)}"
+      )
   tried = []
   host_tier = store_room(Location.HOST)[0]
   for where in (Location.HOST, Location.HOST_NVME, Location.NVME):
@@ -636,6 +626,23 @@ def choose_stack_location(
     + ("; sum_dtype=bfloat16" if np.dtype(sum_dtype).itemsize > 2 else "")
     + "; or fewer or narrower layers"
   )
+
+
+def _weigh_step(step_bytes, budget_bytes, device) -> tuple[int | None, int | None, str | None]:
+  """``(budget_bytes, need, refused)`` for :func:`choose_optimizer_location` and
+  :func:`choose_stack_location`: the budget (default: ``device``'s limit, else the first local
+  device's; None where it reports none: then nothing is weighed), the step's device memory
+  (``step_bytes``, called if a function) and, where that raised a ValueError, its message."""
+  if budget_bytes is None:
+    device = jax.local_devices()[0] if device is None else device
+    budget_bytes = (device.memory_stats() or {}).get("bytes_limit")
+    if budget_bytes is None:
+      return None, None, None
+  _check_int("budget_bytes", budget_bytes, low=1)
+  try:
+    return budget_bytes, int(step_bytes() if callable(step_bytes) else step_bytes), None
+  except ValueError as e:
+    return budget_bytes, None, str(e)
 
 
 def _gib(n: int) -> str:

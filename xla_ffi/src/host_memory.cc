@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <thread>
 #include <vector>
@@ -84,20 +85,22 @@ Status HostArena::Init(uint64_t bytes, const char* what) {
 #define MADV_POPULATE_WRITE 23  // Linux 5.14's value, for C libraries that predate it
 #endif
 
-bool HostArena::Populate(unsigned threads) const {
-  if (!base || !size) return true;
+int HostArena::Populate(unsigned threads) const {
+  if (!base || !size) return 0;
   threads = std::max(1u, threads);
   const uint64_t slice = RoundUp((size + threads - 1) / threads, uint64_t{2} << 20);
-  std::atomic<bool> ok{true};
+  std::atomic<int> failed{0};  // errno is each thread's own: the first failure's, kept here
   std::vector<std::thread> pool;
   for (uint64_t off = 0; off < size; off += slice) {
     const uint64_t len = std::min(slice, size - off);
-    pool.emplace_back([this, off, len, &ok] {
-      if (madvise(base + off, len, MADV_POPULATE_WRITE) != 0) ok = false;
+    pool.emplace_back([this, off, len, &failed] {
+      int none = 0;
+      if (madvise(base + off, len, MADV_POPULATE_WRITE) != 0)
+        failed.compare_exchange_strong(none, errno);
     });
   }
   for (std::thread& t : pool) t.join();
-  return ok;
+  return failed;
 }
 
 void HostArena::Destroy() {

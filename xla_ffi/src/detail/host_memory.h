@@ -37,9 +37,10 @@ struct HostArena {
   RangeAllocator alloc;
   Status Init(uint64_t bytes, const char* what);
   // Faults every page in from `threads` threads at once (MADV_POPULATE_WRITE: contents kept).
-  // False where the kernel cannot (before Linux 5.14, or no memory): nothing is lost, the
-  // pages then fault in at their first touch (or cudaHostRegister's, from one thread).
-  bool Populate(unsigned threads) const;
+  // Returns 0, or a failed madvise's errno where the kernel cannot (before Linux 5.14, or no
+  // memory): nothing is lost, the pages then fault in at their first touch (or
+  // cudaHostRegister's, from one thread).
+  int Populate(unsigned threads) const;
   void Destroy();
 };
 

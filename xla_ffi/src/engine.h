@@ -298,14 +298,15 @@ class Engine {
   // ---- host memory (host_memory.cc) ---------------------------------------
   bool AllocHost(Arena arena, uint64_t padded, uint64_t* off);
   void FreeHostBuffer(Entry& e);
-  // Evicts one clean cached entry. For read-ahead (`prefetch_seq` != 0) only
-  // entries already loaded or older than prefetch_seq are considered.
-  bool EvictOne(const Entry* exclude, uint64_t prefetch_seq);
-  // Queues the write that forwarding skipped for the oldest loaded entry still holding the
-  // only copy in the cache, so that it becomes evictable (a later load reads the file).
-  // True when one was queued or will be eligible once its cancelled pieces drain (the
-  // caller waits), false when there is none.
-  bool WriteBackOne(const Entry* exclude);
+  // Evicts one clean cached entry, loaded ones first, then the oldest; `evicted_unloaded`
+  // (if given) says whether it was one no load has read yet. For read-ahead
+  // (`prefetch_seq` != 0) only entries already loaded or older than prefetch_seq are considered.
+  bool EvictOne(const Entry* exclude, uint64_t prefetch_seq, bool* evicted_unloaded = nullptr);
+  // Queues the writes that forwarding skipped for loaded entries still holding their only copy
+  // in the cache (`all`), or for the oldest of them, so that they become evictable (a later
+  // load reads the file). True when one was queued or will be eligible once its cancelled
+  // pieces drain (the caller waits), false when there is none.
+  bool WriteBackForwarded(const Entry* exclude, bool all);
   Status AcquireCacheBuffer(Lock& lk, Entry& e, bool may_block);
   // ---- I/O scheduling (io.cc) ---------------------------------------------
   void EnqueueWrite(const EntryPtr& e);

@@ -130,7 +130,7 @@ void Engine::FreeHostBuffer(Entry& e) {
   e.host_ = HostCopy::kNone;
 }
 
-bool Engine::EvictOne(const Entry* exclude, uint64_t prefetch_seq) {
+bool Engine::EvictOne(const Entry* exclude, uint64_t prefetch_seq, bool* evicted_unloaded) {
   Entry* best = nullptr;
   auto better = [](const Entry* a, const Entry* b) {
     // Loaded entries first (they are rarely needed again), then oldest.
@@ -150,12 +150,13 @@ bool Engine::EvictOne(const Entry* exclude, uint64_t prefetch_seq) {
     if (better(e, best)) best = e;
   }
   if (!best) return false;
+  if (evicted_unloaded) *evicted_unloaded = best->loads_ == 0;
   FreeHostBuffer(*best);
   return true;
 }
 
-bool Engine::WriteBackOne(const Entry* exclude) {
-  EntryPtr best;
+bool Engine::WriteBackForwarded(const Entry* exclude, bool all) {
+  std::vector<EntryPtr> eligible;
   bool draining = false;
   for (auto& [id, ep] : entries_) {
     const Entry* e = ep.get();
@@ -169,13 +170,18 @@ bool Engine::WriteBackOne(const Entry* exclude) {
       draining = true;
       continue;
     }
-    if (!best || e->seq_ < best->seq_) best = ep;
+    eligible.push_back(ep);
   }
-  if (!best) return draining;
-  // Written after all (saturating: the skip may predate a reset_stats()).
-  stats_.write_skipped_bytes -= std::min<uint64_t>(stats_.write_skipped_bytes, best->nbytes_);
-  if (stats_.write_skipped_tensors) stats_.write_skipped_tensors--;
-  EnqueueWrite(best);
+  if (eligible.empty()) return draining;
+  std::sort(eligible.begin(), eligible.end(),
+            [](const EntryPtr& a, const EntryPtr& b) { return a->seq_ < b->seq_; });
+  if (!all) eligible.resize(1);  // the oldest
+  for (const EntryPtr& e : eligible) {
+    // Written after all (saturating: the skip may predate a reset_stats()).
+    stats_.write_skipped_bytes -= std::min<uint64_t>(stats_.write_skipped_bytes, e->nbytes_);
+    if (stats_.write_skipped_tensors) stats_.write_skipped_tensors--;
+    EnqueueWrite(e);
+  }
   return true;
 }
 
@@ -192,10 +198,18 @@ Status Engine::AcquireCacheBuffer(Lock& lk, Entry& e, bool may_block) {
       e.host_ptr_ = cache_.base + off;
       break;
     }
-    if (EvictOne(&e, 0)) continue;
     // Loaded entries whose write forwarding skipped are only evictable once written: without
-    // this, the entries of a program that does not run again hold the cache for good.
-    const bool write_back = may_block && WriteBackOne(&e);
+    // the write-backs below, the entries of a program that does not run again hold the cache
+    // for good. Room taken from an entry no load has read yet costs that load a read of the
+    // file: then every such loaded entry is written, so that they go first next time (without
+    // this, whether they were ever written depended on how fast the stores came).
+    bool evicted_unloaded = false;
+    if (EvictOne(&e, 0, &evicted_unloaded)) {
+      if (evicted_unloaded && may_block) WriteBackForwarded(&e, /*all=*/true);
+      continue;
+    }
+    // Nothing evictable: write the oldest such entry and wait for some write to finish.
+    const bool write_back = may_block && WriteBackForwarded(&e, /*all=*/false);
     if (may_block && (write_back || writes_inflight_ > 0 || reads_inflight_ > 0)) {
       stalled = true;
       cv_.wait(lk);

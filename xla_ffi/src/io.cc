@@ -26,7 +26,7 @@ void Engine::WritePiece(const EntryPtr& e, const FileSpace::Piece& p) {
   {
     Lock lk(mu_);
     if (e->w_ == WState::kCancelled) {
-      if (--e->w_pending_ == 0) cv_.notify_all();  // WriteBackOne may wait for this
+      if (--e->w_pending_ == 0) cv_.notify_all();  // WriteBackForwarded may wait for this
       return;
     }
     if (e->w_ == WState::kQueued) e->w_ = WState::kRunning;

@@ -86,9 +86,10 @@ def gpt_pieces(preset: str, num_layers: int | None = None, **overrides: Any) -> 
 @dataclasses.dataclass(frozen=True)
 class StreamedTraining:
   """One optimizer step of a streamed GPT (see the module doc). ``location``: where the stack's
-  parameters, their gradients' running sum, the master copy and the optimizer's state live
-  (``"host"``, ``"nvme"``, ``"host,nvme"``, or ``"device"``: the reference); ``sum_dtype``: the
-  running sum's; ``in_place``: one version of the sum, state and master copy in the store;
+  parameters live (``"host"``, ``"nvme"``, ``"host,nvme"``, or ``"device"``: the reference), and
+  by default their gradients' running sum, the master copy and the optimizer's state too;
+  ``sum_location``, ``state_location``: those classes' own (``ssd.choose_stack_location``'s
+  placement); ``sum_dtype``: the running sum's; ``in_place``: one version of the sum, state and master copy in the store;
   ``save_inputs``: where each layer's input waits for the backward pass; ``clip``: global-norm
   clipping of the mean gradient (None: none); ``collect``: ``ssd.collect()`` after each
   micro-step and update (old versions leave the store at once, as ``check_streamed_room``'s
@@ -99,6 +100,8 @@ class StreamedTraining:
   num_layers: int
   location: str = "host"
   micro_batches: int = 1
+  sum_location: str | None = None  # None: location
+  state_location: str | None = None  # None: location
   sum_dtype: str = "float32"
   in_place: bool = False
   save_inputs: str = "device"
@@ -117,21 +120,36 @@ class StreamedTraining:
     ``StreamedRoomError`` with the arithmetic where the model does not fit the store."""
     shape = self.stack_shape(key)
     return ssd.check_streamed_room(
-      shape, self.tx, sum_dtype=jnp.dtype(self.sum_dtype), in_place=self.in_place, name=name
+      shape,
+      self.tx,
+      sum_dtype=jnp.dtype(self.sum_dtype),
+      in_place=self.in_place,
+      sum_location=self.sum_location,
+      state_location=self.state_location,
+      name=name,
+    )
+
+  def placed(self, locations: dict) -> StreamedTraining:
+    """This run with each class where ``locations`` says (``ssd.StackPlacement.locations``:
+    ``params``, ``grad_sum``, ``optimizer_state``)."""
+    return dataclasses.replace(
+      self,
+      location=locations["params"],
+      sum_location=locations["grad_sum"],
+      state_location=locations["optimizer_state"],
     )
 
   def device_bytes(self, key, side_key, batch) -> int:
-    """The device memory of this run with the stack on the device (``location="device"``),
-    from XLA's memory analysis of its compiled programs (nothing run or stored): the state and
-    the sums resident beside a micro-step's temporaries, or the update's whole program,
-    whichever is larger."""
-    dev = dataclasses.replace(self, location="device")
-    state = jax.eval_shape(dev.init, key, side_key, batch)
+    """The device memory of this run (its classes where it places them: ``placed({...all
+    "device"})`` for everything on the device), from XLA's memory analysis of its compiled
+    programs (nothing run or stored): the state and the sums resident beside a micro-step's
+    temporaries, or the update's whole program, whichever is larger."""
+    state = jax.eval_shape(self.init, key, side_key, batch)
     stack, opt, side, side_state = state
-    sums = jax.eval_shape(dev._micro, side[0], stack, side[1], batch, None)[1]
+    sums = jax.eval_shape(self._micro, side[0], stack, side[1], batch, None)[1]
     nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state, sums)))
-    micro = dev._micro.lower(side[0], stack, side[1], batch, sums).compile().memory_analysis()
-    update = dev._update.lower(stack, sums, opt, side, side_state).compile().memory_analysis()
+    micro = self._micro.lower(side[0], stack, side[1], batch, sums).compile().memory_analysis()
+    update = self._update.lower(stack, sums, opt, side, side_state).compile().memory_analysis()
     micro_need = nbytes + micro.temp_size_in_bytes
     update_need = (
       update.argument_size_in_bytes
@@ -146,7 +164,7 @@ class StreamedTraining:
     layer straight where it lives, its optimizer state (the float32 master copy and the
     moments), the embedding's and head's parameters and their optimizer state."""
     stack = self._init_stack(key)
-    opt = ssd.init_streamed_optimizer(self.tx, stack)
+    opt = ssd.init_streamed_optimizer(self.tx, stack, location=self.state_location)
     side = jax.jit(self.pieces.init_side)(side_key, batch)
     return stack, opt, side, self.tx.init(side)
 
@@ -159,6 +177,7 @@ class StreamedTraining:
       p.head,
       save_inputs=self.save_inputs,
       sum_dtype=jnp.dtype(self.sum_dtype),
+      sum_location=self.sum_location,
       in_place=self.in_place,
     )
     return jax.jit(fn, donate_argnums=4)

@@ -207,10 +207,23 @@ class Config:
     "--accum-dtype), the float32 master copy and AdamW's state live here, streamed layer by "
     "layer (jax_ssdtrain's layer stream; docs/layer_stream.md); the embedding and head stay on "
     "the device; device: the same programs with everything on the device (the reference); "
-    "auto: the device where the step fits there (--memory-budget, default the device's memory), "
-    "else the fastest tier of the store that holds the stack (ssd.choose_stack_location; the "
-    "choice is printed)",
+    "auto: each class (the parameters, the sum, the state with the master copy) on the device "
+    "as far as the step fits there (--memory-budget, default the device's memory), the rest in "
+    "the fastest tiers of the store that hold it (ssd.choose_stack_location; the choice is "
+    "printed)",
     choices=["host", "nvme", "host,nvme", "device", "auto"],
+  )
+  stream_sum: str | None = _flag(
+    None,
+    "--stream-layers: where the gradients' running sum lives instead (default: with the "
+    "parameters)",
+    choices=["host", "nvme", "host,nvme", "device"],
+  )
+  stream_state: str | None = _flag(
+    None,
+    "--stream-layers: where the float32 master copy and AdamW's state live instead (default: "
+    "with the parameters)",
+    choices=["host", "nvme", "host,nvme", "device"],
   )
   restore: bool = _flag(
     False, "resume from the latest checkpoint in --workdir", action="store_true"
@@ -387,6 +400,14 @@ def parse_config(argv=None, parser: argparse.ArgumentParser | None = None) -> Co
     parser.error("--checkpoint-every needs --workdir")
   if cfg.accum_dtype != "float32" and cfg.accum == 1 and not cfg.stream_layers:
     parser.error("--accum-dtype needs --accum K > 1 (or --stream-layers: the sum's dtype)")
+  apart = [
+    f for f, v in (("--stream-sum", cfg.stream_sum), ("--stream-state", cfg.stream_state)) if v
+  ]
+  if apart and cfg.stream_layers in (None, "auto"):
+    parser.error(
+      f"{' and '.join(apart)} place a class of --stream-layers' stack: they need --stream-layers "
+      "host, nvme, host,nvme or device (auto chooses every class)"
+    )
   if cfg.stream_layers:
     if cfg.model != "gpt":
       parser.error(f"--stream-layers: streams the GPT's layer stack, not --model {cfg.model}")
@@ -665,6 +686,8 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
     tx,
     num_layers,
     location="device" if args.stream_layers == "auto" else args.stream_layers,
+    sum_location=args.stream_sum,
+    state_location=args.stream_state,
     micro_batches=args.accum,
     sum_dtype=args.accum_dtype,
     in_place=args.optimizer_in_place,
@@ -672,14 +695,14 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
   )
   seq = run.example_length(cfg)
   key, side_key = jax.random.split(jax.random.key(run.seed))
-  if args.stream_layers == "auto":  # the device, else the store's fastest tier that holds it
+  if args.stream_layers == "auto":  # each class on the device where the step fits, else stored
     batch = jax.ShapeDtypeStruct((run.batch, seq), jax.numpy.int32)
     shape = training_.stack_shape(key)  # on the device: nothing made
     try:
       where = ssd.choose_stack_location(
         shape,
         tx,
-        lambda: training_.device_bytes(key, side_key, batch),
+        lambda locations: training_.placed(locations).device_bytes(key, side_key, batch),
         args.memory_budget,
         sum_dtype=jax.numpy.dtype(args.accum_dtype),
         in_place=args.optimizer_in_place,
@@ -688,21 +711,30 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
     except ssd.StreamedRoomError as e:
       parser.exit(2, f"{parser.prog}: error: {e}\n")
     print(where, flush=True)
-    training_ = dataclasses.replace(training_, location=where.location)
-    args = dataclasses.replace(args, stream_layers=where.location)
+    training_ = training_.placed(where.locations)
+    args = dataclasses.replace(
+      args,
+      stream_layers=where.location,
+      stream_sum=where.sum_location,
+      stream_state=where.state_location,
+    )
   try:
     batches = data_lib.make_batches(
       args.data, args.loader, run.batch, seq, cfg.vocab_size, run.seed
     )
   except data_lib.DataError as e:
     parser.error(str(e))
-  if args.stream_layers != "device":  # refused before anything is stored, with the arithmetic
+  if any(
+    v not in (None, "device") for v in (args.stream_layers, args.stream_sum, args.stream_state)
+  ):
+    # refused before anything is stored, with the arithmetic
     try:
       room = training_.check_room(key, args.preset)
     except ssd.StreamedRoomError as e:
       parser.exit(2, f"{parser.prog}: error: {e}\n")
+    where = ", ".join(f"{c} {loc}" for c, loc in room["locations"].items())
     print(
-      f"layer stream: {num_layers} layers in {args.stream_layers}, "
+      f"layer stream: {num_layers} layers ({where}), "
       f"{room['peak_bytes'] / 1e9:.2f} GB of the store at most "
       f"({room['room_bytes'] / 1e9:.2f} GB of room)",
       flush=True,
@@ -799,6 +831,8 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
     tokens_per_step=tokens_per_step,
     steps=args.steps,
     stream_layers=args.stream_layers,
+    stream_sum=args.stream_sum or args.stream_layers,
+    stream_state=args.stream_state or args.stream_layers,
   )
   print(
     f"done: steps {args.steps}  final loss {loss:.4f}  tokens/s {summary['tokens_per_s']:,.0f}  "

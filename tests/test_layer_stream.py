@@ -450,19 +450,34 @@ def _tx(name):
 
 _TXS = {}  # one tx per name: the update compiles once per (tx, layout)
 _TRAINS = {}
+_PLACED = {}  # per _train key: where the last step's parameters, sums and state were
 
 
 @functools.cache
-def _micro_step(in_place):
-  return jax.jit(ssd.value_and_grad_streamed(_embed, _block, _head, in_place=in_place))
+def _micro_step(in_place, sum_location=None):
+  return jax.jit(
+    ssd.value_and_grad_streamed(_embed, _block, _head, in_place=in_place, sum_location=sum_location)
+  )
 
 
-def _train(location, name, dtype=jnp.float32, layers=3, steps=2, micro=2, in_place=False):
+def _train(
+  location,
+  name,
+  dtype=jnp.float32,
+  layers=3,
+  steps=2,
+  micro=2,
+  in_place=False,
+  sum_location=None,
+  state_location=None,
+):
   """A whole training loop: ``steps`` updates of ``micro`` micro-batches each, the stack's
-  parameters, gradient sums and optimizer state (master copy included) in the store, the
-  embedding and head updated on the device with the same tx (one global norm where clipped).
-  Returns per step the sums the update consumed and the parameters after it (NumPy)."""
+  parameters, gradient sums and optimizer state (master copy included) in the store (the sums
+  at ``sum_location``, the state at ``state_location`` where given), the embedding and head
+  updated on the device with the same tx (one global norm where clipped). Returns per step the
+  sums the update consumed and the parameters after it (NumPy)."""
   key = (location, name, jnp.dtype(dtype).name, layers, steps, micro, in_place)
+  key += (sum_location, state_location) if sum_location or state_location else ()
   if key in _TRAINS:
     return _TRAINS[key]
   tx = _TXS.setdefault(name, _tx(name))
@@ -470,10 +485,10 @@ def _train(location, name, dtype=jnp.float32, layers=3, steps=2, micro=2, in_pla
   stack = ssd.init_streamed(
     lambda k: _init_layer(k, dtype), jax.random.key(0), layers, location=location
   )
-  tx_state = ssd.init_streamed_optimizer(tx, stack)
+  tx_state = ssd.init_streamed_optimizer(tx, stack, location=state_location)
   ep, hp = _side(dtype)
   side_state = tx.init((ep, hp))
-  micro_step = _micro_step(in_place)
+  micro_step = _micro_step(in_place, sum_location)
 
   @jax.jit
   def update(stack, sums, tx_state, side, side_state):
@@ -514,6 +529,7 @@ def _train(location, name, dtype=jnp.float32, layers=3, steps=2, micro=2, in_pla
     per = ssd.stack_to_tree(tx_state.per_layer)
     out["master"].append(per.get("master"))
     out["side"].append((ep, hp))
+  _PLACED[key] = (stack.location.value, sums[1].location.value, tx_state.per_layer.location.value)
   out["shared"] = tx_state.shared
   out["side_shared"] = [x for x in jax.tree.leaves(side_state) if np.ndim(x) == 0]
   _TRAINS[key] = jax.tree.map(np.asarray, out)
@@ -568,6 +584,24 @@ def test_update_store_equals_device_bit_for_bit(store, location):
   _assert_bitwise(got, _train("device", "clip_adamw", jnp.bfloat16))
   assert got["params"][-1]["scale"].dtype == jnp.bfloat16
   assert got["master"][-1]["scale"].dtype == np.float32
+
+
+@pytest.mark.parametrize(
+  "params, grad_sum, state",
+  [("host", "device", "nvme"), pytest.param("device", "host", "host", marks=pytest.mark.slow)],
+)
+def test_classes_apart_equal_device_bit_for_bit(store, params, grad_sum, state):
+  # Each class where the planner may put it (the parameters, the gradients' sum, the state and
+  # master copy each on the device or in a tier of its own): the same training as with every
+  # class on the device, bit for bit.
+  got = _train(params, "clip_adamw", jnp.bfloat16, sum_location=grad_sum, state_location=state)
+  _assert_bitwise(got, _train("device", "clip_adamw", jnp.bfloat16))
+  placed = [k for k in _PLACED if k[0] == params and k[-2:] == (grad_sum, state)]
+  assert _PLACED[placed[0]] == (params, grad_sum, state)
+  room = ssd.check_streamed_room(
+    _shape(3, params), _TXS["clip_adamw"], sum_location=grad_sum, state_location=state
+  )
+  assert room["locations"] == dict(params=params, grad_sum=grad_sum, optimizer_state=state)
 
 
 @pytest.mark.parametrize(
@@ -750,29 +784,38 @@ def test_choose_stack_location(tmp_path):
   tx = optax.adamw(1e-3)
   shape = _shape(8, "device")
 
-  def no_plan():
+  def no_plan(locations):
     raise ValueError("no plan fits")
 
   with ssd.configured(tmp_path / "a", capacity_bytes=256 * MiB, host_tier_bytes=64 * MiB):
-    peak = ssd.check_streamed_room(shape, tx)["peak_bytes"]  # about 5 MB
+    peak = ssd.check_streamed_room(_shape(8, "host"), tx)["peak_bytes"]  # about 5 MB
+    assert ssd.check_streamed_room(shape, tx)["peak_bytes"] == 0  # all on the device
     where = ssd.choose_stack_location(shape, tx, 10 * MiB, 20 * MiB)
     assert where.location == "device" and where.step_bytes == 10 * MiB
+    assert where.locations == dict.fromkeys(["params", "grad_sum", "optimizer_state"], "device")
     assert (
       str(where)
       == "layer stack: device (the step takes 10.0 MiB of 20.0 MiB with it on the device)"
     )
+    # a number weighs every class on the device, and nothing between
     where = ssd.choose_stack_location(shape, tx, 30 * MiB, 20 * MiB)
     assert (where.location, where.peak_bytes, where.room_bytes) == ("host", peak, 64 * MiB)
+    assert where.locations == dict.fromkeys(["params", "grad_sum", "optimizer_state"], "host")
     assert (where.step_bytes, where.budget_bytes) == (30 * MiB, 20 * MiB)
     assert "30.0 MiB with it on the device, budget 20.0 MiB" in where.reason
     assert "no plan fits" in ssd.choose_stack_location(shape, tx, no_plan, 20 * MiB).reason
     assert ssd.choose_stack_location(shape, tx).location == "host"  # no step to weigh
     with pytest.raises(ValueError, match="expected the stack's structure on the device"):
       ssd.choose_stack_location(_shape(8, "host"), tx)
-  # the host tier too small: spilling to the files; no host tier: the files
+  # the host tier too small for the whole stack: the parameters there (the hottest), the sum
+  # and the state in the files; no host tier: the files
   with ssd.configured(tmp_path / "b", capacity_bytes=256 * MiB, host_tier_bytes=MiB):
     where = ssd.choose_stack_location(shape, tx, 30 * MiB, 20 * MiB)
-    assert where.location == "host,nvme" and where.room_bytes == 257 * MiB
+    assert where.locations == dict(params="host", grad_sum="nvme", optimizer_state="nvme")
+    assert where.room_bytes == 257 * MiB
+    assert str(where).startswith(
+      "layer stack: parameters host, gradient sum nvme, optimizer state nvme (the step takes"
+    )
   with ssd.configured(tmp_path / "c", capacity_bytes=256 * MiB, host_tier_bytes=0):
     assert ssd.choose_stack_location(shape, tx).location == "nvme"
   # nowhere: refused with the arithmetic and the ways out
@@ -781,6 +824,98 @@ def test_choose_stack_location(tmp_path):
       ssd.choose_stack_location(shape, tx, 30 * MiB, 20 * MiB, name="gpt")
     assert f"its peak is {peak} bytes" in str(info.value)
     assert "in_place=True; sum_dtype=bfloat16" in str(info.value)
+
+
+def test_choose_stack_location_per_class(tmp_path):
+  # The device keeps the classes in the order that saves the most link traffic per byte: every
+  # class, then the parameters and the sum, then the parameters; the function of the locations
+  # is asked for each placement in that order, until one fits the budget.
+  import optax
+
+  tx = optax.adamw(1e-3)
+  shape = _shape(8, "device")
+  cost = dict(params=1, grad_sum=2, optimizer_state=6)  # MiB on the device, per class kept there
+  asked = []
+
+  def step_bytes(locations):
+    asked.append(dict(locations))
+    return (4 + sum(cost[c] for c, loc in locations.items() if loc == "device")) * MiB
+
+  with ssd.configured(tmp_path / "a", capacity_bytes=256 * MiB, host_tier_bytes=64 * MiB):
+    where = ssd.choose_stack_location(shape, tx, step_bytes, 8 * MiB)
+    assert where.locations == dict(params="device", grad_sum="device", optimizer_state="host")
+    assert [sorted(c for c, v in a.items() if v == "device") for a in asked] == [
+      ["grad_sum", "optimizer_state", "params"],
+      ["grad_sum", "params"],
+    ]
+    assert asked[1] == where.locations  # weighed as placed
+    assert where.step_bytes == 7 * MiB and where.budget_bytes == 8 * MiB
+    state_only = ssd.check_streamed_room(_shape(8, "host"), tx, sum_location="device")
+    assert where.peak_bytes < state_only["peak_bytes"]  # the parameters are not in the store
+    assert str(where) == (
+      "layer stack: parameters device, gradient sum device, optimizer state host (the step "
+      "takes 7.0 MiB of 8.0 MiB with its parameters and gradient sum on the device; its peak "
+      f"in the store, {where.peak_bytes / MiB:.1f} MiB, fits host_tier_bytes 67108864)"
+    )
+    asked.clear()
+    where = ssd.choose_stack_location(shape, tx, step_bytes, 5 * MiB)
+    assert where.locations == dict(params="device", grad_sum="host", optimizer_state="host")
+    assert len(asked) == 3
+    where = ssd.choose_stack_location(shape, tx, step_bytes, 4 * MiB)
+    assert where.locations == dict.fromkeys(["params", "grad_sum", "optimizer_state"], "host")
+    assert where.reason.startswith(
+      "the step takes 13.0 MiB with it on the device, 7.0 MiB with its parameters and gradient "
+      "sum on the device, 5.0 MiB with its parameters on the device, budget 4.0 MiB; its peak"
+    )
+  # what the device leaves must fit the store: 1 MiB of host tier holds neither the sum nor the
+  # state (the float32 sum and its new version: 1.1 MiB), so both spill from it to the files
+  with ssd.configured(tmp_path / "b", capacity_bytes=256 * MiB, host_tier_bytes=MiB):
+    where = ssd.choose_stack_location(shape, tx, step_bytes, 5 * MiB)
+    assert where.locations == dict(
+      params="device", grad_sum="host,nvme", optimizer_state="host,nvme"
+    )
+    # a bfloat16 sum in place fits the host tier, the state goes to the files
+    where = ssd.choose_stack_location(
+      shape, tx, step_bytes, 5 * MiB, sum_dtype=jnp.bfloat16, in_place=True
+    )
+    assert where.locations == dict(params="device", grad_sum="host", optimizer_state="nvme")
+
+
+def test_room_per_class(tmp_path):
+  # Each class counts against the room of its own location; a class on the device takes none.
+  import optax
+
+  tx = optax.adamw(1e-3)
+  pad = lambda b: -(-b // 4096) * 4096  # noqa: E731
+  held = lambda b: 8 * (2 * pad(64 * 128 * b) + pad(64 * b))  # noqa: E731 - b B a parameter
+  with ssd.configured(tmp_path / "s", capacity_bytes=256 * MiB, host_tier_bytes=MiB):
+    host = _shape(8, "host")
+    room = ssd.check_streamed_room(host, tx, sum_location="nvme", state_location="nvme")
+    assert room["locations"] == dict(params="host", grad_sum="nvme", optimizer_state="nvme")
+    assert room["resident_bytes"] == held(2) + held(4) + 2 * held(4) + held(4)
+    assert room["room_bytes"] == 257 * MiB
+    # the sum on the device: neither its bytes nor its second version in the store
+    dev_sum = ssd.check_streamed_room(host, tx, sum_location="device", state_location="nvme")
+    assert dev_sum["resident_bytes"] == held(2) + held(4) + 2 * held(4)
+    assert dev_sum["micro_step_peak_bytes"] == dev_sum["resident_bytes"]
+    # everything in the 1 MiB host tier does not fit; the message names each class's location
+    with pytest.raises(ssd.StreamedRoomError) as info:
+      ssd.check_streamed_room(host, tx, sum_location="host", state_location="nvme", name="gpt")
+    msg = str(info.value)
+    assert "does not fit its classes' locations (params 'host', grad_sum 'host', " in msg
+    assert (
+      "parameters 2 B (bfloat16) at 'host'" in msg and "gradient sum 4 B (float32) at 'host'" in msg
+    )
+    assert "by location 'host' " in msg and "host_tier_bytes 1048576 + capacity_bytes" in msg
+    # the parameters on the device, the rest in the store
+    dev = ssd.check_streamed_room(
+      _shape(8, "device"), tx, sum_location="nvme", state_location="nvme"
+    )
+    assert dev["resident_bytes"] == held(4) + 2 * held(4) + held(4)
+    with pytest.raises(
+      ValueError, match="sum_location: expected 'host', 'nvme', 'host,nvme' or 'device'"
+    ):
+      ssd.check_streamed_room(host, tx, sum_location="disk")
 
 
 def test_room_refused_with_the_arithmetic(tmp_path):

@@ -297,6 +297,17 @@ def test_cli_stream_layers_auto_chooses_and_says_so(tmp_path, capsys):
   assert "layer stack: host (the step takes" in out and "fits host_tier_bytes" in out, out
   assert fits["gb_written"] == 0 and tight["gb_written"] > 0
   assert tight["losses"] == fits["losses"]
+  # each class placed by hand: the parameters on the device, the sum in the host tier, the
+  # state in the files (--stream-sum, --stream-state); the same losses
+  apart = base[: base.index("--stream-layers")] + ["--store-dir", str(tmp_path)]
+  apart += ["--stream-layers", "device", "--stream-sum", "host", "--stream-state", "nvme"]
+  split = train_script.main(apart)
+  out = capsys.readouterr().out
+  assert "(params device, grad_sum host, optimizer_state nvme)" in out, out
+  assert split["losses"] == fits["losses"] and split["gb_written"] > 0
+  assert (split["stream_sum"], split["stream_state"]) == ("host", "nvme")
+  with pytest.raises(SystemExit):  # auto places every class itself
+    train_script.main(base + ["--stream-sum", "host"])
 
 
 @pytest.mark.slow  # ~21 s: the layer stream's resume stays in the README's command through

@@ -1,7 +1,11 @@
 """A scanned layer stack whose parameters live in the store and whose gradients leave per layer.
 
-Issue 35's core (a preview, not yet wired into the optimizer, the planner or ``scripts/train.py``):
-the device holds a window of layers, never the whole stack's parameters or gradients.
+Issue 35's core (a preview: ``scripts/train.py --stream-layers`` and the planner's
+:func:`~jax_ssdtrain.choose_stack_location` use it; ``offload_optimizer`` does not yet): the
+device holds a window of layers, never the whole stack's parameters or gradients. Each class of
+tensor has its own location: the parameters where the stack lives, the gradients' running sum
+(``sum_location``) and the optimizer state with the master copy (``init_streamed_optimizer``'s
+``location``) there too by default, or each on the device or in another tier.
 
 * :class:`StreamedStack`: a pytree of per-layer tensors with a leading layer axis ``L`` (the
   parameters of a scanned stack, or their gradients' running sum) kept in the store as one
@@ -30,7 +34,7 @@ the device holds a window of layers, never the whole stack's parameters or gradi
   consumption until it streams them itself).
 * :func:`init_streamed_optimizer` and :func:`apply_streamed_update`: an optax transformation's
   update of the stack, layer by layer (a ``lax.scan`` read ahead one layer), with the state's
-  per-parameter leaves and the float32 master copy stored per layer where the stack lives and
+  per-parameter leaves and the float32 master copy stored per layer at the state's location and
   its shared scalars (the step count) once on the device; :func:`streamed_global_norm` (a pass
   of loads and reductions) for global-norm clipping, which ``tx`` itself cannot do per layer
   (refused, by tracing ``tx.update`` of one layer for reductions); :func:`apply_device_update`
@@ -197,10 +201,10 @@ def _site_of(kind: str, index: int, path: str, shape, dtype, num_layers: int) ->
   return -2 - (int.from_bytes(digest, "little") >> 2)
 
 
-def _parse_location(location: Any) -> Location:
-  expected = f"location: expected 'host', 'nvme', 'host,nvme' or 'device', got {location!r}"
+def _parse_location(location: Any, what: str = "location") -> Location:
+  expected = f"{what}: expected 'host', 'nvme', 'host,nvme' or 'device', got {location!r}"
   try:
-    loc = Location.parse(location, what="location")
+    loc = Location.parse(location, what=what)
   except ValueError:
     raise ValueError(expected) from None
   if not (loc.in_store or loc is Location.DEVICE):
@@ -505,8 +509,8 @@ def _to_tree_jit(stack):
 def map_stack(
   fn: Callable[..., Any], *stacks: StreamedStack, kind: str | None = None, in_place: bool = False
 ):
-  """``fn`` layer by layer over stacks of equal depth and location; its results stored as a new
-  stack there. ``fn(*layers) -> layer``: one layer of each stack in, one layer's tree out. The
+  """``fn`` layer by layer over stacks of equal depth; its results stored as a new stack where
+  the first lives. ``fn(*layers) -> layer``: one layer of each stack in, one layer's tree out. The
   update path: ``params = map_stack(lambda p, g: (p - lr * g).astype(p.dtype), params, grads)``
   reads each layer's bfloat16 parameters and float32 gradient sum and writes the new bfloat16
   copy straight back to the store (the device holds one layer). A result shaped like the first
@@ -523,10 +527,10 @@ def map_stack(
   lays = [_check_stack(s, f"stacks[{k}]") for k, s in enumerate(stacks)]
   first = lays[0]
   for k, lay in enumerate(lays[1:], 1):
-    if lay.num_layers != first.num_layers or lay.location is not first.location:
+    if lay.num_layers != first.num_layers:
       raise ValueError(
-        f"map_stack: stacks[{k}] has {lay.num_layers} layers at {lay.location.value!r}, "
-        f"stacks[0] {first.num_layers} at {first.location.value!r}: they must agree"
+        f"map_stack: stacks[{k}] has {lay.num_layers} layers, stacks[0] {first.num_layers}: "
+        "they must agree"
       )
   layer = jax.eval_shape(fn, *[lay.layer_struct() for lay in lays])
   out_kind = kind or first.kind
@@ -563,6 +567,7 @@ def value_and_grad_streamed(
   *,
   save_inputs: Any = "device",
   sum_dtype: Any = jnp.float32,
+  sum_location: Any = None,
   in_place: bool = False,
 ):
   """A micro-step over a model ``head(block_{L-1}(... block_0(embed(batch))))`` whose stack of
@@ -574,7 +579,9 @@ def value_and_grad_streamed(
   ``jax.jit`` (donate ``sums``): ``stack`` is the blocks' parameters (a :class:`StreamedStack`),
   ``sums`` the running sums of the gradients ``(embed, stack, head)`` (``None`` at the first
   micro-batch of a step: the returned sums are then its gradients). The embedding and head sums
-  stay on the device; the stack's is a :class:`StreamedStack` where ``stack`` lives.
+  stay on the device; the stack's is a :class:`StreamedStack` at ``sum_location``: ``None``
+  (default) where ``stack`` lives, else ``"device"`` or a store location (the planner's choice
+  per class: :func:`jax_ssdtrain.choose_stack_location`).
 
   ``sum_dtype``: of the sums, float32 (default) or bfloat16 (2 B per parameter instead of 4; each
   micro-batch's sum rounds to it). ``save_inputs``: where each block's input waits for the
@@ -596,6 +603,7 @@ def value_and_grad_streamed(
   sum_dtype = np.dtype(sum_dtype)
   if not jnp.issubdtype(sum_dtype, jnp.floating):
     raise ValueError(f"sum_dtype: expected a floating dtype, got {sum_dtype}")
+  sum_loc = None if sum_location is None else _parse_location(sum_location, "sum_location")
   save_loc = Location.parse(save_inputs, what="save_inputs")
   if not (save_loc.in_store or save_loc is Location.DEVICE):
     raise ValueError(
@@ -606,7 +614,7 @@ def value_and_grad_streamed(
 
   def step(embed_params, stack, head_params, batch, sums=None):
     lay = _check_stack(stack, "stack")
-    sum_lay = _sum_layout(lay, sum_dtype)
+    sum_lay = _sum_layout(lay, sum_dtype, lay.location if sum_loc is None else sum_loc)
     if sums is not None:
       embed_sum, stack_sum, head_sum = _check_sums(sums, sum_lay, embed_params, head_params)
     num_layers = lay.num_layers
@@ -717,10 +725,11 @@ def value_and_grad_streamed(
   return step
 
 
-def _sum_layout(lay: _Layout, sum_dtype: np.dtype) -> _Layout:
-  """The layout of a gradient sum of the stack ``lay`` (its leaves in ``sum_dtype``)."""
+def _sum_layout(lay: _Layout, sum_dtype: np.dtype, location: Location) -> _Layout:
+  """The layout of a gradient sum of the stack ``lay`` (its leaves in ``sum_dtype``) at
+  ``location``."""
   layer = jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct(s, sum_dtype) for s in lay.shapes])
-  return _make_layout(layer, lay.num_layers, lay.location, "grad_sum", "stack")
+  return _make_layout(layer, lay.num_layers, location, "grad_sum", "stack")
 
 
 def _check_sums(sums: Any, sum_lay: _Layout, embed_params: Any, head_params: Any):
@@ -796,7 +805,7 @@ def _params_key(lay: _Layout) -> tuple:
 class StreamedOptState:
   """An optax state of a :class:`StreamedStack`, made by :func:`init_streamed_optimizer`.
 
-  ``per_layer``: a :class:`StreamedStack` (where the parameters live) of each layer's
+  ``per_layer``: a :class:`StreamedStack` (at the state's location) of each layer's
   per-parameter state leaves (Adam's moments, momentum, ...) and, with master weights, the
   layer's float32 master copy (``per_layer`` layer tree ``{"master": ..., "state": [...]}``).
   ``shared``: the state's small leaves, one for the whole stack, on the device (a step count,
@@ -930,18 +939,19 @@ def _make_opt_spec(tx: Any, lay: _Layout, master: bool) -> _OptSpec:
   return _OptSpec(treedef, tuple(per_layer), master, _params_key(lay))
 
 
-def _opt_layout(spec: _OptSpec, lay: _Layout, one_state: Any) -> _Layout:
+def _opt_layout(spec: _OptSpec, lay: _Layout, one_state: Any, location: Location) -> _Layout:
   leaves = jax.tree.leaves(one_state)
   layer = {"state": [x for x, p in zip(leaves, spec.per_layer) if p]}
   if spec.master:
     layer["master"] = _opt_params(lay, True)
-  return _make_layout(layer, lay.num_layers, lay.location, "opt_state", "tx's state")
+  return _make_layout(layer, lay.num_layers, location, "opt_state", "tx's state")
 
 
 def init_streamed_optimizer(
-  tx: Any, stack: StreamedStack, *, master_weights: bool | None = None
+  tx: Any, stack: StreamedStack, *, master_weights: bool | None = None, location: Any = None
 ) -> StreamedOptState:
-  """The optax state of ``tx`` for a streamed stack, made layer by layer where it lives.
+  """The optax state of ``tx`` for a streamed stack, made layer by layer at ``location``
+  (``None``, the default: where the stack lives; else ``"device"`` or a store location).
 
   Each layer's state is ``tx.init`` of that layer's parameters (with ``master_weights``, of
   their float32 master copy, which is stored per layer with the state); its per-parameter
@@ -959,28 +969,36 @@ def init_streamed_optimizer(
   with the cause (global-norm clipping: ``apply_streamed_update(clip_global_norm=...)``).
   Pure: ``jax.eval_shape`` of it gives the state's structure.
 
-  A stack whose parameters, master copy, state and gradients' sum cannot fit the store even
-  updated in place with a bfloat16 sum (the least room: :func:`check_streamed_room`) is refused
-  here, before anything is stored, with :class:`StreamedRoomError`'s arithmetic; call
-  :func:`check_streamed_room` with the training's own settings for the exact peak.
+  A stack whose parameters, master copy, state and gradients' sum (where the stack lives) cannot
+  fit the store even updated in place with a bfloat16 sum (the least room:
+  :func:`check_streamed_room`) is refused here, before anything is stored, with
+  :class:`StreamedRoomError`'s arithmetic; call :func:`check_streamed_room` with the training's
+  own settings for the exact peak.
   """
   _check_tx(tx)
   lay = _check_stack(stack, "stack")
+  loc = lay.location if location is None else _parse_location(location)
   if master_weights is None:
     master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
   _check_bool(master_weights, "master_weights")
   check_streamed_room(
-    stack, tx, sum_dtype=jnp.bfloat16, master_weights=master_weights, in_place=True, name="stack"
+    stack,
+    tx,
+    sum_dtype=jnp.bfloat16,
+    master_weights=master_weights,
+    in_place=True,
+    state_location=loc,
+    name="stack",
   )
   spec = _opt_spec(tx, lay, master_weights)
-  return _opt_init_jit(tx, spec, stack)
+  return _opt_init_jit(tx, spec, loc, stack)
 
 
-@jax.jit(static_argnums=(0, 1))
-def _opt_init_jit(tx, spec, stack):
+@jax.jit(static_argnums=(0, 1, 2))
+def _opt_init_jit(tx, spec, location, stack):
   lay = stack.layout
   one = jax.eval_shape(tx.init, _opt_params(lay, spec.master))
-  per_lay = _opt_layout(spec, lay, one)
+  per_lay = _opt_layout(spec, lay, one, location)
 
   init_pass = new_pass(1)
 
@@ -1097,7 +1115,8 @@ def apply_streamed_update(
   micro-batches) is cast to the parameters' dtype (as ``optax.MultiSteps`` and
   :func:`jax_ssdtrain.accumulate_gradients` do), ``tx.update`` and ``optax.apply_updates`` run on
   that layer, and the new state, master copy and parameters (the master copy in the
-  parameters' dtype) are stored where the stack lives. The device holds two layers. The shared
+  parameters' dtype) are stored where they were (the parameters where the stack lives, the
+  state and master copy at the state's location). The device holds two layers. The shared
   leaves of the state (the step count) advance once for the whole stack. Call it under
   ``jax.jit`` or not; donate the old stack, sum and state.
 
@@ -1124,16 +1143,14 @@ def apply_streamed_update(
       "tx: its state differs from tx_state's (init_streamed_optimizer of another tx)"
     )
   sum_lay = _check_stack(stack_sum, "stack_sum")
-  if (sum_lay.treedef, sum_lay.shapes, sum_lay.num_layers, sum_lay.location) != (
+  if (sum_lay.treedef, sum_lay.shapes, sum_lay.num_layers) != (
     lay.treedef,
     lay.shapes,
     lay.num_layers,
-    lay.location,
   ):
     raise ValueError(
-      f"stack_sum: a sum of {sum_lay.num_layers} layers at {sum_lay.location.value!r} whose "
-      f"leaves or shapes differ from the stack's ({lay.num_layers} layers at "
-      f"{lay.location.value!r})"
+      f"stack_sum: a sum of {sum_lay.num_layers} layers whose leaves or shapes differ from the "
+      f"stack's ({lay.num_layers} layers)"
     )
   scale = _check_scalar(scale, "scale")
   max_norm = _check_scalar(clip_global_norm, "clip_global_norm")
@@ -1289,6 +1306,24 @@ def store_room(location: Location) -> tuple[int, list[str]]:
   return room, parts
 
 
+STACK_CLASSES = (
+  "params",
+  "grad_sum",
+  "optimizer_state",
+)  # the classes of a streamed stack's tensors
+# the class each of the message's four parts (parameters, master copy, state, sum) belongs to
+_STORED = ("params", "optimizer_state", "optimizer_state", "grad_sum")
+
+
+def _fits(need: dict, rooms: dict) -> bool:
+  """Whether bytes per store location (``need``) fit the rooms (``rooms``: the host tier's and
+  the files'): each tier its own classes, and the classes that spill (``host,nvme``) the rest."""
+  host, files = need.get(Location.HOST, 0), need.get(Location.NVME, 0)
+  spill = need.get(Location.HOST_NVME, 0)
+  h, f = rooms.get(Location.HOST, 0), rooms.get(Location.NVME, 0)
+  return host <= h and files <= f and host + files + spill <= h + f
+
+
 def check_streamed_room(
   stack: Any,
   tx: Any = None,
@@ -1296,6 +1331,8 @@ def check_streamed_room(
   sum_dtype: Any = jnp.float32,
   master_weights: bool | None = None,
   in_place: bool = False,
+  sum_location: Any = None,
+  state_location: Any = None,
   name: str = "model",
 ) -> dict:
   """Refuses a streamed stack that does not fit the store, before anything is stored or run.
@@ -1305,22 +1342,25 @@ def check_streamed_room(
   :func:`apply_streamed_update` will run (``None``: no optimizer state); ``master_weights`` as
   :func:`init_streamed_optimizer`'s (``None``: a float32 copy where the parameters are
   narrower); ``sum_dtype`` and ``in_place`` as :func:`value_and_grad_streamed`'s and
-  :func:`apply_streamed_update`'s.
+  :func:`apply_streamed_update`'s; ``sum_location`` (the gradients' sum) and ``state_location``
+  (the optimizer state and master copy): each class's location where it is not the stack's
+  (``None``: the stack's).
 
   Per parameter, the store holds the parameters (bfloat16: 2 B), the master copy (4 B), the
   optimizer state's per-parameter leaves (Adam's moments: 8 B) and the gradients' running sum
-  (``sum_dtype``: 4 or 2 B). Unless ``in_place``, the update writes the new parameters, master
-  copy and state beside the old ones at its peak (with master weights the old parameters are
-  not read: they stay until swept), and a micro-step the new sum beside the old one. The peak
-  (each entry, a layer's leaf, rounded up to the store's 4 KiB alignment; plus one layer of
-  each class: the entries in flight; old versions released as soon as no array holds them:
-  ``ssd.collect()`` after each call) must fit the location's room (``store_room``):
-  ``host_tier_bytes`` (``"host"``), ``capacity_bytes`` (``"nvme"``; where it is not configured,
-  90% of the store directories' free space, as the store takes it when it opens) or both
-  (``"host,nvme"``). Where it does not, raises
-  :class:`StreamedRoomError` with the arithmetic. Returns the arithmetic (a dict: bytes per
-  parameter per class, the peak and the room) where it fits; a stack on the device takes no
-  room in the store (``room_bytes`` ``None``). The activations saved in the store
+  (``sum_dtype``: 4 or 2 B), each class where it lives (a class on the device takes no room in
+  the store). Unless ``in_place``, the update writes the new parameters, master copy and state
+  beside the old ones at its peak (with master weights the old parameters are not read: they
+  stay until swept), and a micro-step the new sum beside the old one. The peak (each entry, a
+  layer's leaf, rounded up to the store's 4 KiB alignment; plus one layer of each class: the
+  entries in flight; old versions released as soon as no array holds them: ``ssd.collect()``
+  after each call) must fit the rooms (``store_room``) at both moments: ``host_tier_bytes``
+  (``"host"``), ``capacity_bytes`` (``"nvme"``; where it is not configured, 90% of the store
+  directories' free space, as the store takes it when it opens), both for the classes at
+  ``"host,nvme"`` (what the others leave). Where it does not, raises :class:`StreamedRoomError`
+  with the arithmetic. Returns the arithmetic (a dict: bytes per parameter per class, each
+  class's location, the peak and the room) where it fits; with every class on the device the
+  store holds nothing (``room_bytes`` ``None``). The activations saved in the store
   (``save_inputs``, policies) come on top of it."""
   lay = _check_stack(stack, "stack")
   _check_bool(in_place, "in_place")
@@ -1330,6 +1370,34 @@ def check_streamed_room(
   if master_weights is None:
     master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
   _check_bool(master_weights, "master_weights")
+  where = dict(
+    params=lay.location,
+    grad_sum=lay.location
+    if sum_location is None
+    else _parse_location(sum_location, "sum_location"),
+    optimizer_state=lay.location
+    if state_location is None
+    else _parse_location(state_location, "state_location"),
+  )
+  if tx is not None:
+    _check_tx(tx)
+  return room_arithmetic(lay, tx, sum_dtype, master_weights, in_place, where, name)
+
+
+def room_arithmetic(
+  lay: _Layout,
+  tx: Any,
+  sum_dtype: np.dtype,
+  master_weights: bool,
+  in_place: bool,
+  where: dict,
+  name: str,
+  refuse: bool = True,
+) -> dict:
+  """:func:`check_streamed_room`'s arithmetic for a stack's layout (its location aside) with
+  each class at ``where[class]`` (a :class:`Location` per name of ``STACK_CLASSES``): the planner
+  weighs placements of a stack not yet made with it. ``refuse=False``: returns the arithmetic
+  with ``fits`` instead of raising where it does not fit."""
   count = sum(int(np.prod(s)) for s in lay.shapes) * lay.num_layers  # parameters
   L = lay.num_layers
 
@@ -1348,7 +1416,6 @@ def check_streamed_room(
     )
   state, state_what = (0, 0), "none"
   if tx is not None:
-    _check_tx(tx)
     spec = _opt_spec(tx, lay, master_weights)
     one = jax.eval_shape(tx.init, _opt_params(lay, master_weights))
     state = entries(
@@ -1362,15 +1429,31 @@ def check_streamed_room(
   grad_sum = entries([(n, sum_dtype.itemsize) for n in sizes])
   (params, params_held), (master, master_held) = params, master
   (state, state_held), (grad_sum, sum_held) = state, grad_sum
-  resident = params_held + master_held + state_held + sum_held
-  micro_peak = resident + (0 if in_place else sum_held)
-  update_peak = resident + (0 if in_place else params_held + master_held + state_held)
+  # bytes each class holds in the store: resident, at a micro-step's peak, at the update's
+  twice = 1 if in_place else 2
+  held = dict(params=params_held, grad_sum=sum_held, optimizer_state=master_held + state_held)
+  moments = dict(
+    micro=dict(held, grad_sum=sum_held * twice),
+    update=dict(held, params=params_held * twice, optimizer_state=held["optimizer_state"] * twice),
+  )
+
+  def by_location(per_class: dict) -> dict:
+    out: dict = {}
+    for c, b in per_class.items():
+      if where[c].in_store:
+        out[where[c]] = out.get(where[c], 0) + b + held[c] // L  # one layer in flight
+    return out
+
+  stored = lambda per_class: sum(b for c, b in per_class.items() if where[c].in_store)  # noqa: E731
+  resident = stored(held)
+  micro_peak, update_peak = stored(moments["micro"]), stored(moments["update"])
   peak = max(micro_peak, update_peak) + resident // L  # one layer in flight
   per = lambda b: b / count  # noqa: E731 - bytes per parameter
   out = dict(
     parameters=count,
     num_layers=lay.num_layers,
     location=lay.location.value,
+    locations={c: where[c].value for c in STACK_CLASSES},
     bytes_per_parameter=dict(
       params=per(params), master=per(master), optimizer_state=per(state), grad_sum=per(grad_sum)
     ),
@@ -1381,19 +1464,36 @@ def check_streamed_room(
     room_bytes=None,
     in_place=in_place,
   )
-  if lay.on_device:
+  used = {where[c] for c in STACK_CLASSES if where[c].in_store}
+  out["fits"], out["room_parts"] = True, []
+  if not used:
     return out
-  room, parts = store_room(lay.location)
-  out["room_bytes"] = room
-  if peak <= room:
+  tiers = set()
+  for loc in used:
+    tiers |= {Location.HOST, Location.NVME} if loc is Location.HOST_NVME else {loc}
+  rooms, parts = {}, []
+  for tier in (Location.HOST, Location.NVME):
+    if tier in tiers:
+      rooms[tier], named = store_room(tier)
+      parts += named
+  room = sum(rooms.values())
+  out["room_bytes"], out["room_parts"] = room, parts
+  need = {m: by_location(moments[m]) for m in moments}
+  out["fits"] = all(_fits(n, rooms) for n in need.values())
+  if out["fits"] or not refuse:
     return out
   GB = 1e9
   p = out["bytes_per_parameter"]
+  apart = len({where[c] for c in STACK_CLASSES}) > 1
+  at = lambda c: f" at {where[c].value!r}" if apart else ""  # noqa: E731
   classes = [
-    f"parameters {p['params']:g} B ({'/'.join(sorted({_dtype_name(d) for d in lay.dtypes}))})",
-    f"master copy {p['master']:g} B" + ("" if master_weights else " (none)"),
-    f"optimizer state {p['optimizer_state']:g} B ({state_what})",
-    f"gradient sum {p['grad_sum']:g} B ({sum_dtype.name})",
+    f"parameters {p['params']:g} B ({'/'.join(sorted({_dtype_name(d) for d in lay.dtypes}))})"
+    + at("params"),
+    f"master copy {p['master']:g} B"
+    + ("" if master_weights else " (none)")
+    + at("optimizer_state"),
+    f"optimizer state {p['optimizer_state']:g} B ({state_what})" + at("optimizer_state"),
+    f"gradient sum {p['grad_sum']:g} B ({sum_dtype.name})" + at("grad_sum"),
   ]
   if in_place:
     when = "each new version takes its old one's room (in place)"
@@ -1401,8 +1501,20 @@ def check_streamed_room(
     when = "the update writes the new parameters, master copy and state beside the old"
   else:
     when = "a micro-step writes the new gradient sum beside the old one"
+  worst = need["update"] if update_peak >= micro_peak else need["micro"]
+  over = [
+    f"{loc.value!r} {b} bytes ({b / GB:.3g} GB)"
+    for loc, b in sorted(worst.items(), key=lambda kv: kv[0].value)
+  ]
+  placed = (
+    f"location={lay.location.value!r}"
+    if not apart
+    else "its classes' locations ("
+    + ", ".join(f"{c} {where[c].value!r}" for c in STACK_CLASSES)
+    + ")"
+  )
   hints = ["configure more room (ssd.configure(host_tier_bytes=..., capacity_bytes=...))"]
-  if lay.location is not Location.HOST_NVME:
+  if used != {Location.HOST_NVME}:
     hints.append("use location='host,nvme' (the host tier spilling to the files)")
   if not in_place:
     hints.append("in_place=True (one version of the sum, state, master copy and parameters)")
@@ -1411,10 +1523,13 @@ def check_streamed_room(
   hints.append("or fewer or narrower layers")
   raise StreamedRoomError(
     f"{name}: its streamed stack of {lay.num_layers} layers, {count} parameters "
-    f"({count / 1e9:.3g}B), does not fit location={lay.location.value!r}. Per parameter the "
-    f"store holds {', '.join(classes)} = {per(params + master + state + grad_sum):g} B "
-    f"({resident / GB:.3g} GB with each entry's alignment); at its "
+    f"({count / 1e9:.3g}B), does not fit {placed}. Per parameter the "
+    f"store holds {', '.join(c for c, k in zip(classes, _STORED) if where[k].in_store)} = "
+    f"{per(sum(b for b, k in zip((params, master, state, grad_sum), _STORED) if where[k].in_store)):g}"
+    f" B ({resident / GB:.3g} GB with each entry's alignment); at its "
     f"peak {when}: {per(peak):.4g} B per parameter with one layer in flight, {peak} bytes "
-    f"({peak / GB:.3g} GB), more than {' + '.join(parts)} = {room} bytes ({room / GB:.3g} GB). "
+    f"({peak / GB:.3g} GB)"
+    + (f", by location {', '.join(over)}" if len(worst) > 1 else "")
+    + f", more than {' + '.join(parts)} = {room} bytes ({room / GB:.3g} GB). "
     f"Ways out: {'; '.join(hints)}"
   )

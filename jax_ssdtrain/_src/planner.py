@@ -72,7 +72,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ssdtrain._src import config, jax_internals, options
-from jax_ssdtrain._src.layer_stream import StreamedRoomError, check_streamed_room, store_room
+from jax_ssdtrain._src.layer_stream import (
+  STACK_CLASSES,
+  StreamedRoomError,
+  check_streamed_room,
+  room_arithmetic,
+  store_room,
+)
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.measure import link as link_probe
 from jax_ssdtrain._src.measure.disk import measured_bandwidth
@@ -540,25 +546,71 @@ def choose_optimizer_location(
 
 @dataclasses.dataclass(frozen=True)
 class StackPlacement:
-  """Where :func:`choose_stack_location` puts a streamed layer stack (its parameters, their
-  gradients' running sum, the master copy and the optimizer state), and why; ``str()`` is one
-  line naming both."""
+  """Where :func:`choose_stack_location` puts each class of a streamed layer stack's tensors
+  (its parameters, their gradients' running sum, the optimizer state with the master copy),
+  and why; ``str()`` is one line naming both."""
 
-  location: str  # "device", "host", "host,nvme" or "nvme": init_streamed's location
+  location: str  # the parameters': init_streamed's location ("device", "host", ...)
   reason: str
-  step_bytes: int | None = None  # the step's device memory with the stack on the device
+  # the step's device memory with the chosen classes on the device (every class in the store:
+  # with every class on the device, as weighed first)
+  step_bytes: int | None = None
   budget_bytes: int | None = None
-  peak_bytes: int | None = None  # check_streamed_room's peak of the stack in the store
-  room_bytes: int | None = None  # the chosen tier's room
+  peak_bytes: int | None = None  # check_streamed_room's peak of what lies in the store
+  room_bytes: int | None = None  # the room of the tiers it uses
+  sum_location: str | None = None  # value_and_grad_streamed's sum_location (None: location)
+  state_location: str | None = None  # init_streamed_optimizer's location (None: location)
+
+  @property
+  def locations(self) -> dict[str, str]:
+    """Each class's location: ``{"params", "grad_sum", "optimizer_state"}`` to
+    ``"device"``, ``"host"``, ``"nvme"`` or ``"host,nvme"``."""
+    return dict(
+      params=self.location,
+      grad_sum=self.sum_location or self.location,
+      optimizer_state=self.state_location or self.location,
+    )
 
   def __str__(self) -> str:
-    return f"layer stack: {self.location} ({self.reason})"
+    where = self.locations
+    if len(set(where.values())) == 1:
+      return f"layer stack: {self.location} ({self.reason})"
+    named = ", ".join(f"{_CLASS_NAMES[c]} {where[c]}" for c in STACK_CLASSES)
+    return f"layer stack: {named} ({self.reason})"
+
+
+_CLASS_NAMES = dict(params="parameters", grad_sum="gradient sum", optimizer_state="optimizer state")
+# The classes the device keeps, most first: each left on the device saves the most link traffic
+# per byte of device memory first. The parameters load twice per micro-batch (forward, and the
+# backward pass's recomputation: 4 B in per bfloat16 parameter for 2 B of device memory); the
+# sum is read and written once per micro-batch (4 B in, 4 B out at float32: the link's inbound
+# side binds); the optimizer state and master copy once per optimizer step.
+_ON_DEVICE = (
+  ("params", "grad_sum", "optimizer_state"),
+  ("params", "grad_sum"),
+  ("params",),
+  (),
+)
+
+
+def _store_choices(classes: tuple[str, ...], host_tier: bool):
+  """Ways to place ``classes`` (hottest first) in the store, fastest first: all in the host
+  tier; the hottest there and the rest in the files; all in the host tier spilling to the files
+  (first come, first placed); all in the files."""
+  if not classes:
+    yield {}
+    return
+  if host_tier:
+    for k in range(len(classes), 0, -1):
+      yield {c: Location.HOST if i < k else Location.NVME for i, c in enumerate(classes)}
+    yield dict.fromkeys(classes, Location.HOST_NVME)
+  yield dict.fromkeys(classes, Location.NVME)
 
 
 def choose_stack_location(
   stack: Any,
   tx: Any = None,
-  step_bytes: int | Callable[[], int] | None = None,
+  step_bytes: int | Callable[[dict[str, str]], int] | None = None,
   budget_bytes: int | None = None,
   *,
   sum_dtype: Any = jnp.float32,
@@ -567,65 +619,134 @@ def choose_stack_location(
   device: Any = None,
   name: str = "model",
 ) -> StackPlacement:
-  """The device, the host tier or the files for a streamed layer stack: the device when the
-  whole training step fits there with the stack on it (nothing streams), else the fastest tier
-  of the store whose room holds the stack's peak (``check_streamed_room``'s arithmetic): the
-  host tier, then the host tier spilling to the files, then the files.
+  """Where each class of a streamed layer stack's tensors lives: the parameters, their
+  gradients' running sum, and the optimizer state with the master copy, each on the device, in
+  the host tier or in the files.
+
+  The device keeps as many classes as the compiled step fits the budget with, in the order that
+  saves the most link traffic per byte (all three; the parameters and the sum; the parameters;
+  none); the classes left go to the store, the hottest to the host tier: all of them there, else
+  the hottest there and the rest in the files, else all in the host tier spilling to the files,
+  else all in the files, the first whose peak (``check_streamed_room``'s arithmetic) fits the
+  rooms.
 
   Args:
     stack: the stack's structure on the device (``jax.eval_shape`` of ``init_streamed(...,
       location="device")``: nothing made).
     tx, sum_dtype, master_weights, in_place: as :func:`check_streamed_room`'s.
-    step_bytes: the device memory of the training step with the stack on the device (XLA's
-      memory analysis), or a function returning it, called only when there is a budget to
-      weigh it against; a ValueError it raises says why the stack cannot be on the device.
-      None: the stack goes to the store.
+    step_bytes: the device memory of the training step (XLA's memory analysis): a number, that
+      with every class on the device (then only that placement is weighed), or a function of
+      the classes' locations (``{"params", "grad_sum", "optimizer_state"}`` to ``"device"`` or
+      a store location) returning it, called only where there is a budget to weigh it against;
+      a ValueError it raises says why that placement cannot be. None: every class goes to the
+      store.
     budget_bytes, device: as :func:`choose_optimizer_location`'s.
 
   Raises:
-    StreamedRoomError: the stack's peak exceeds the host tier and the files together, with
-      the arithmetic.
+    StreamedRoomError: the stack's peak in the store exceeds the host tier and the files
+      together, with the arithmetic.
   """
-  arithmetic = check_streamed_room(
+  # the arithmetic's own checks (the stack, dtype, flags, tx)
+  check_streamed_room(
     stack, tx, sum_dtype=sum_dtype, master_weights=master_weights, in_place=in_place, name=name
   )
-  if arithmetic["room_bytes"] is not None:
+  lay = stack.layout
+  if not lay.on_device:
     raise ValueError("stack: expected the stack's structure on the device (location='device')")
-  peak = arithmetic["peak_bytes"]
-  why_not_device, need = "no step to weigh", None
-  if step_bytes is not None:
-    budget_bytes, need, refused = _weigh_step(step_bytes, budget_bytes, device)
-    if budget_bytes is None:
-      why_not_device = "no device memory limit to weigh the step against"
-    elif refused is not None:
-      why_not_device = f"{refused}, budget {_gib(budget_bytes)}"
-    elif need <= budget_bytes:
-      why = f"the step takes {_gib(need)} of {_gib(budget_bytes)} with it on the device"
-      return StackPlacement("device", why, need, budget_bytes, peak)
-    else:
-      why_not_device = (
-        f"the step takes {_gib(need)} with it on the device, budget {_gib(budget_bytes)}"
-      )
-  tried = []
-  host_tier = store_room(Location.HOST)[0]
-  for where in (Location.HOST, Location.HOST_NVME, Location.NVME):
-    if where is Location.HOST_NVME and not host_tier:  # the files alone: "nvme"
+  if master_weights is None:
+    master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
+  sum_dtype = np.dtype(sum_dtype)
+  host_tier = store_room(Location.HOST)[0] > 0
+
+  def in_store(where: dict) -> dict:
+    """The arithmetic of ``where``'s store classes against their rooms (``fits``)."""
+    return room_arithmetic(lay, tx, sum_dtype, master_weights, in_place, where, name, refuse=False)
+
+  weighed = []  # per placement weighed: how it went
+  budget = None
+  for on_device in _ON_DEVICE:
+    stored = tuple(c for c in STACK_CLASSES if c not in on_device)
+    found = None
+    for choice in _store_choices(stored, host_tier):
+      where = {c: choice.get(c, Location.DEVICE) for c in STACK_CLASSES}
+      arithmetic = in_store(where)
+      if arithmetic["fits"]:
+        found = where, arithmetic
+        break
+    if found is None:
+      continue  # the store cannot hold what this placement leaves it
+    where, arithmetic = found
+    locations = {c: where[c].value for c in STACK_CLASSES}
+    stored_part = (
+      f"its peak in the store, {_gib(arithmetic['peak_bytes'])}, fits "
+      + " + ".join(arithmetic["room_parts"])
+      if stored
+      else ""
+    )
+    placement = dict(
+      location=locations["params"],
+      sum_location=locations["grad_sum"],
+      state_location=locations["optimizer_state"],
+      peak_bytes=arithmetic["peak_bytes"] if stored else None,
+      room_bytes=arithmetic["room_bytes"],
+    )
+    if not on_device:
+      why = "; ".join(w for w in (_not_on_device(weighed, budget, step_bytes), stored_part) if w)
+      need = weighed[0][1] if weighed else None  # every class on the device
+      return StackPlacement(reason=why, step_bytes=need, budget_bytes=budget, **placement)
+    if step_bytes is None or (not callable(step_bytes) and len(on_device) < len(STACK_CLASSES)):
+      continue  # nothing to weigh this placement with
+    weigh = (lambda locs=locations: step_bytes(locs)) if callable(step_bytes) else step_bytes
+    budget, need, refused = _weigh_step(weigh, budget_bytes, device)
+    if budget is None:
+      weighed.append((on_device, None, "no device memory limit to weigh the step against"))
       continue
-    room, parts = store_room(where)
-    if room and peak <= room:
-      why = f"{why_not_device}; its peak in the store, {_gib(peak)}, fits {' + '.join(parts)}"
-      return StackPlacement(where.value, why, need, budget_bytes, peak, room)
-    tried.append(f"{where.value}: {_gib(room)}")
+    if refused is None and need <= budget:
+      on = _with_on_device(on_device)
+      why = f"the step takes {_gib(need)} of {_gib(budget)} with {on} on the device"
+      why = "; ".join(w for w in (why, stored_part) if w)
+      return StackPlacement(reason=why, step_bytes=need, budget_bytes=budget, **placement)
+    weighed.append((on_device, need, refused))
+  whole = in_store(dict.fromkeys(STACK_CLASSES, Location.HOST_NVME))
   raise StreamedRoomError(
-    f"{name}: its streamed stack of {arithmetic['num_layers']} layers, "
-    f"{arithmetic['parameters']} parameters, fits neither the device ({why_not_device}) nor the "
-    f"store: its peak is {peak} bytes ({_gib(peak)}), more than any location's room "
-    f"({'; '.join(tried)}). Ways out: configure more room (ssd.configure(host_tier_bytes=..., "
+    f"{name}: its streamed stack of {whole['num_layers']} layers, "
+    f"{whole['parameters']} parameters, fits neither the device "
+    f"({_not_on_device(weighed, budget, step_bytes) or 'not weighed'}) nor the store: its peak is "
+    f"{whole['peak_bytes']} bytes ({_gib(whole['peak_bytes'])}) with every class there, more "
+    f"than {' + '.join(whole['room_parts'])} = {whole['room_bytes']} bytes. Ways out: configure more room (ssd.configure(host_tier_bytes=..., "
     "capacity_bytes=...))"
     + ("; in_place=True" if not in_place else "")
-    + ("; sum_dtype=bfloat16" if np.dtype(sum_dtype).itemsize > 2 else "")
+    + ("; sum_dtype=bfloat16" if sum_dtype.itemsize > 2 else "")
     + "; or fewer or narrower layers"
   )
+
+
+def _with_on_device(on_device: tuple[str, ...]) -> str:
+  """For a placement's reason: every class ("it"), or the classes named."""
+  if len(on_device) == len(STACK_CLASSES):
+    return "it"
+  return "its " + " and ".join(_CLASS_NAMES[c] for c in on_device)
+
+
+def _not_on_device(weighed: list, budget: int | None, step_bytes: Any) -> str:
+  """Why no class stays on the device: each placement weighed and what it took."""
+  if step_bytes is None:
+    return "no step to weigh"
+  if not weighed:
+    return ""
+  if all(
+    need is None and refused and "no device memory limit" in refused for _, need, refused in weighed
+  ):
+    return "no device memory limit to weigh the step against"
+  parts: list[str] = []
+  for on_device, need, refused in weighed:
+    if need is None:
+      if refused not in parts:  # one function's refusal, once
+        parts.append(refused)
+      continue
+    takes = "" if any("takes" in p for p in parts) else "the step takes "
+    parts.append(f"{takes}{_gib(need)} with {_with_on_device(on_device)} on the device")
+  return ", ".join(parts) + (f", budget {_gib(budget)}" if budget is not None else "")
 
 
 def _weigh_step(step_bytes, budget_bytes, device) -> tuple[int | None, int | None, str | None]:

@@ -1,8 +1,8 @@
 """A GPT larger than the GPU, its parameters and gradients streamed layer by layer (issue 35).
 
     python -m scripts.bench_layer_stream [--preset gpt-13b] [--layers L] [--micro-batches 4]
-        [--batch 4] [--seq 2048] [--location host|nvme|host,nvme] [--sum-dtype float32|bfloat16]
-        [--in-place] [--save-inputs device|host|nvme] [--clip 1.0] [--steps 10] [--warmup 1]
+        [--batch 4] [--seq 2048] [--location host|nvme|host,nvme|device] [--sum-location L]
+        [--state-location L] [--sum-dtype float32|bfloat16] [--in-place] [--save-inputs device|host|nvme] [--clip 1.0] [--steps 10] [--warmup 1]
         [--ideal-layers 2,4 | --no-ideal] [--ideal-gpu N] [--ssd SSDTRAIN_HOST_TIER=300GiB]
         [--out DIR]
     python -m scripts.bench_layer_stream --cpu-smoke          (the tiny preset on the CPU)
@@ -61,7 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--micro-batches", type=int, default=4, help="per optimizer step (default 4)")
   p.add_argument("--batch", type=int, default=4, help="sequences per micro-batch (default 4)")
   p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
-  p.add_argument("--location", default="host", choices=["host", "nvme", "host,nvme"])
+  p.add_argument(
+    "--location",
+    default="host",
+    choices=["host", "nvme", "host,nvme", "device"],
+    help="the stack's parameters (and, by default, its sum and state); device: on the device",
+  )
+  for cls, what in (
+    ("sum", "the gradients' running sum"),
+    ("state", "AdamW's state and master copy"),
+  ):
+    p.add_argument(
+      f"--{cls}-location",
+      default=None,
+      choices=["host", "nvme", "host,nvme", "device"],
+      help=f"where {what} lives (default: --location)",
+    )
   p.add_argument("--sum-dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument(
     "--save-inputs",
@@ -166,6 +181,8 @@ def _run_child(spec: dict) -> dict:
       tx,
       L,
       location=spec["location"],
+      sum_location=spec.get("sum_location"),
+      state_location=spec.get("state_location"),
       micro_batches=k,
       sum_dtype=spec["sum_dtype"],
       in_place=spec["in_place"],
@@ -280,6 +297,8 @@ def _spec(args, way: str, layers: int) -> dict:
     batch=args.batch,
     seq=args.seq,
     location=args.location,
+    sum_location=args.sum_location,
+    state_location=args.state_location,
     sum_dtype=args.sum_dtype,
     save_inputs=args.save_inputs,
     in_place=args.in_place,
@@ -367,6 +386,8 @@ def run(args) -> dict:
     batch=args.batch,
     micro_batches=args.micro_batches,
     location=args.location,
+    sum_location=args.sum_location or args.location,
+    state_location=args.state_location or args.location,
     sum_dtype=args.sum_dtype,
     in_place=args.in_place,
     save_inputs=args.save_inputs,
@@ -394,7 +415,14 @@ def table(doc: dict) -> str:
   head = (
     f"{doc['device_kind']}: {doc['preset']} ({doc['layers']} layers), "
     f"{doc['batch']} x {doc['seq']} tokens x {doc['micro_batches']} micro-batches per step, "
-    f"location {doc['location']}, {doc['sum_dtype']} sum"
+    + (
+      f"location {doc['location']}"
+      if doc.get("sum_location", doc["location"])
+      == doc.get("state_location", doc["location"])
+      == doc["location"]
+      else f"parameters {doc['location']}, sum {doc['sum_location']}, state {doc['state_location']}"
+    )
+    + f", {doc['sum_dtype']} sum"
     + (", in place" if doc["in_place"] else "")
     + f"; median of {doc['steps']} steps"
     + (" (fewer than the 10 asked for)" if doc.get("steps_note") else "")

@@ -131,13 +131,22 @@ class StreamedTraining:
 
   def placed(self, locations: dict) -> StreamedTraining:
     """This run with each class where ``locations`` says (``ssd.StackPlacement.locations``:
-    ``params``, ``grad_sum``, ``optimizer_state``)."""
+    ``params``, ``grad_sum``, ``optimizer_state`` and, where given, ``activations``: the saved
+    layer inputs)."""
     return dataclasses.replace(
       self,
       location=locations["params"],
       sum_location=locations["grad_sum"],
       state_location=locations["optimizer_state"],
+      save_inputs=locations.get("activations", self.save_inputs),
     )
+
+  def activation_bytes(self, side_key, batch) -> int:
+    """The bytes of the layer inputs one micro-step saves for the backward pass (``save_inputs``):
+    the embedding's output for every layer but the last (nothing made)."""
+    side = jax.eval_shape(self.pieces.init_side, side_key, batch)
+    x = jax.eval_shape(self.pieces.embed, side[0], batch)
+    return (self.num_layers - 1) * x.size * x.dtype.itemsize
 
   def device_bytes(self, key, side_key, batch) -> int:
     """The device memory of this run (its classes where it places them: ``placed({...all

@@ -207,10 +207,10 @@ class Config:
     "--accum-dtype), the float32 master copy and AdamW's state live here, streamed layer by "
     "layer (jax_ssdtrain's layer stream; docs/layer_stream.md); the embedding and head stay on "
     "the device; device: the same programs with everything on the device (the reference); "
-    "auto: each class (the parameters, the sum, the state with the master copy) on the device "
-    "as far as the step fits there (--memory-budget, default the device's memory), the rest in "
-    "the fastest tiers of the store that hold it (ssd.choose_stack_location; the choice is "
-    "printed)",
+    "auto: each class (the parameters, the sum, the state with the master copy, the saved "
+    "layer inputs) on the device as far as the step fits there (--memory-budget, default the "
+    "device's memory), the rest in the fastest tiers of the store that hold it "
+    "(ssd.choose_stack_location; the choice is printed)",
     choices=["host", "nvme", "host,nvme", "device", "auto"],
   )
   stream_sum: str | None = _flag(
@@ -706,6 +706,7 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
         args.memory_budget,
         sum_dtype=jax.numpy.dtype(args.accum_dtype),
         in_place=args.optimizer_in_place,
+        activation_bytes=training_.activation_bytes(side_key, batch),
         name=args.preset,
       )
     except ssd.StreamedRoomError as e:

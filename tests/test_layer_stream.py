@@ -881,6 +881,57 @@ def test_choose_stack_location_per_class(tmp_path):
     assert where.locations == dict(params="device", grad_sum="host", optimizer_state="nvme")
 
 
+def test_choose_stack_location_places_the_layer_inputs(tmp_path):
+  # With activation_bytes the saved layer inputs are a class too: kept on the device after the
+  # parameters and before the sum (as many bytes in and out per byte as the sum, far fewer of
+  # them), and, streamed, counted in the store during a micro-step.
+  import optax
+
+  tx = optax.adamw(1e-3)
+  shape = _shape(8, "device")
+  cost = dict(params=1, activations=1, grad_sum=2, optimizer_state=6)  # MiB on the device
+  asked = []
+
+  def step_bytes(locations):
+    asked.append(dict(locations))
+    return (4 + sum(cost[c] for c, loc in locations.items() if loc == "device")) * MiB
+
+  with ssd.configured(tmp_path / "a", capacity_bytes=256 * MiB, host_tier_bytes=64 * MiB):
+    where = ssd.choose_stack_location(shape, tx, step_bytes, 6 * MiB, activation_bytes=MiB)
+    assert where.locations == dict(
+      params="device", grad_sum="host", optimizer_state="host", activations="device"
+    )
+    assert where.save_inputs == "device"
+    on_device = [sorted(c for c, v in a.items() if v == "device") for a in asked]
+    assert on_device == [
+      ["activations", "grad_sum", "optimizer_state", "params"],
+      ["activations", "grad_sum", "params"],
+      ["activations", "params"],
+    ]
+    assert "with its parameters and layer inputs on the device" in where.reason
+    # no room for the parameters: the inputs alone stay, then nothing
+    asked.clear()
+    where = ssd.choose_stack_location(shape, tx, step_bytes, int(4.5 * MiB), activation_bytes=MiB)
+    assert where.locations["params"] == "host" and where.save_inputs == "host"
+    on_device = [sorted(c for c, v in a.items() if v == "device") for a in asked]
+    assert on_device[-2:] == [["params"], ["activations"]]
+    # streamed, the inputs count in the store during a micro-step
+    placed = ssd.choose_stack_location(shape, tx, activation_bytes=10 * MiB)
+    bare = ssd.choose_stack_location(shape, tx)
+    assert placed.save_inputs == "host" and bare.save_inputs is None
+    assert placed.peak_bytes >= bare.peak_bytes
+    assert "layer inputs" not in str(bare)
+  # a tier too small for the inputs beside the rest: they go to the files, and the colder sum
+  # and state, which still fit beside the parameters, stay in the host tier
+  with ssd.configured(tmp_path / "b", capacity_bytes=256 * MiB, host_tier_bytes=12 * MiB):
+    where = ssd.choose_stack_location(shape, tx, activation_bytes=16 * MiB)
+    assert where.locations == dict(
+      params="host", grad_sum="host", optimizer_state="host", activations="nvme"
+    )
+  with pytest.raises(ValueError, match="activation_bytes"):
+    ssd.choose_stack_location(shape, tx, activation_bytes=-1)
+
+
 def test_room_per_class(tmp_path):
   # Each class counts against the room of its own location; a class on the device takes none.
   import optax

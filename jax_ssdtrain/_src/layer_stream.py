@@ -1393,11 +1393,13 @@ def room_arithmetic(
   where: dict,
   name: str,
   refuse: bool = True,
+  activation_bytes: int = 0,
 ) -> dict:
   """:func:`check_streamed_room`'s arithmetic for a stack's layout (its location aside) with
   each class at ``where[class]`` (a :class:`Location` per name of ``STACK_CLASSES``): the planner
   weighs placements of a stack not yet made with it. ``refuse=False``: returns the arithmetic
-  with ``fits`` instead of raising where it does not fit."""
+  with ``fits`` instead of raising where it does not fit. ``activation_bytes``: the layer inputs
+  a micro-step saves (``save_inputs``), at ``where["activations"]`` during a micro-step."""
   count = sum(int(np.prod(s)) for s in lay.shapes) * lay.num_layers  # parameters
   L = lay.num_layers
 
@@ -1436,12 +1438,14 @@ def room_arithmetic(
     micro=dict(held, grad_sum=sum_held * twice),
     update=dict(held, params=params_held * twice, optimizer_state=held["optimizer_state"] * twice),
   )
+  if activation_bytes:
+    moments["micro"]["activations"] = activation_bytes  # released at their loads
 
   def by_location(per_class: dict) -> dict:
     out: dict = {}
     for c, b in per_class.items():
       if where[c].in_store:
-        out[where[c]] = out.get(where[c], 0) + b + held[c] // L  # one layer in flight
+        out[where[c]] = out.get(where[c], 0) + b + held.get(c, 0) // L  # one layer in flight
     return out
 
   stored = lambda per_class: sum(b for c, b in per_class.items() if where[c].in_store)  # noqa: E731
@@ -1453,7 +1457,7 @@ def room_arithmetic(
     parameters=count,
     num_layers=lay.num_layers,
     location=lay.location.value,
-    locations={c: where[c].value for c in STACK_CLASSES},
+    locations={c: loc.value for c, loc in where.items()},
     bytes_per_parameter=dict(
       params=per(params), master=per(master), optimizer_state=per(state), grad_sum=per(grad_sum)
     ),
@@ -1464,7 +1468,7 @@ def room_arithmetic(
     room_bytes=None,
     in_place=in_place,
   )
-  used = {where[c] for c in STACK_CLASSES if where[c].in_store}
+  used = {where[c] for c in moments["micro"] if where[c].in_store}
   out["fits"], out["room_parts"] = True, []
   if not used:
     return out

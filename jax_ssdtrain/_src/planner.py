@@ -560,51 +560,74 @@ class StackPlacement:
   room_bytes: int | None = None  # the room of the tiers it uses
   sum_location: str | None = None  # value_and_grad_streamed's sum_location (None: location)
   state_location: str | None = None  # init_streamed_optimizer's location (None: location)
+  save_inputs: str | None = None  # value_and_grad_streamed's save_inputs (None: not placed)
 
   @property
   def locations(self) -> dict[str, str]:
-    """Each class's location: ``{"params", "grad_sum", "optimizer_state"}`` to
-    ``"device"``, ``"host"``, ``"nvme"`` or ``"host,nvme"``."""
-    return dict(
+    """Each class's location: ``"params"``, ``"grad_sum"``, ``"optimizer_state"`` (and
+    ``"activations"``, the saved layer inputs, where placed) to ``"device"``, ``"host"``,
+    ``"nvme"`` or ``"host,nvme"``."""
+    where = dict(
       params=self.location,
       grad_sum=self.sum_location or self.location,
       optimizer_state=self.state_location or self.location,
     )
+    return where | ({"activations": self.save_inputs} if self.save_inputs else {})
 
   def __str__(self) -> str:
     where = self.locations
     if len(set(where.values())) == 1:
       return f"layer stack: {self.location} ({self.reason})"
-    named = ", ".join(f"{_CLASS_NAMES[c]} {where[c]}" for c in STACK_CLASSES)
+    named = ", ".join(f"{_CLASS_NAMES[c]} {loc}" for c, loc in where.items())
     return f"layer stack: {named} ({self.reason})"
 
 
-_CLASS_NAMES = dict(params="parameters", grad_sum="gradient sum", optimizer_state="optimizer state")
+_CLASS_NAMES = dict(
+  params="parameters",
+  grad_sum="gradient sum",
+  optimizer_state="optimizer state",
+  activations="layer inputs",
+)
 # The classes the device keeps, most first: each left on the device saves the most link traffic
 # per byte of device memory first. The parameters load twice per micro-batch (forward, and the
 # backward pass's recomputation: 4 B in per bfloat16 parameter for 2 B of device memory); the
-# sum is read and written once per micro-batch (4 B in, 4 B out at float32: the link's inbound
-# side binds); the optimizer state and master copy once per optimizer step.
+# saved layer inputs and the sum are each written and read once per micro-batch (1 B in and 1 B
+# out per byte; the inputs first: far fewer bytes); the optimizer state and master copy once per
+# optimizer step. Without activations to place, the placements that differ only in them merge.
 _ON_DEVICE = (
-  ("params", "grad_sum", "optimizer_state"),
-  ("params", "grad_sum"),
+  ("params", "activations", "grad_sum", "optimizer_state"),
+  ("params", "activations", "grad_sum"),
+  ("params", "activations"),
   ("params",),
+  ("activations",),
   (),
 )
+_HOTTEST_FIRST = ("params", "activations", "grad_sum", "optimizer_state")
 
 
-def _store_choices(classes: tuple[str, ...], host_tier: bool):
-  """Ways to place ``classes`` (hottest first) in the store, fastest first: all in the host
-  tier; the hottest there and the rest in the files; all in the host tier spilling to the files
-  (first come, first placed); all in the files."""
+def _place_in_store(classes: tuple[str, ...], host_tier: bool, fits: Callable[[dict], bool]):
+  """``classes`` (hottest first) placed in the store, fastest first, or None where nothing fits:
+  all in the host tier; else each class in the host tier where it still fits beside the hotter
+  ones placed there, the others in the files; else all in the host tier spilling to the files
+  (first come, first placed); else all in the files. ``fits(placement)``: whether the store
+  holds it."""
   if not classes:
-    yield {}
-    return
+    return {}
   if host_tier:
-    for k in range(len(classes), 0, -1):
-      yield {c: Location.HOST if i < k else Location.NVME for i, c in enumerate(classes)}
-    yield dict.fromkeys(classes, Location.HOST_NVME)
-  yield dict.fromkeys(classes, Location.NVME)
+    every = dict.fromkeys(classes, Location.HOST)
+    if fits(every):
+      return every
+    placed = dict.fromkeys(classes, Location.NVME)
+    for c in classes:
+      if fits(placed | {c: Location.HOST}):
+        placed[c] = Location.HOST
+    if Location.HOST in placed.values():
+      return placed
+    spill = dict.fromkeys(classes, Location.HOST_NVME)
+    if fits(spill):
+      return spill
+  files = dict.fromkeys(classes, Location.NVME)
+  return files if fits(files) else None
 
 
 def choose_stack_location(
@@ -616,19 +639,22 @@ def choose_stack_location(
   sum_dtype: Any = jnp.float32,
   master_weights: bool | None = None,
   in_place: bool = False,
+  activation_bytes: int | None = None,
   device: Any = None,
   name: str = "model",
 ) -> StackPlacement:
   """Where each class of a streamed layer stack's tensors lives: the parameters, their
-  gradients' running sum, and the optimizer state with the master copy, each on the device, in
-  the host tier or in the files.
+  gradients' running sum, the optimizer state with the master copy and (``activation_bytes``)
+  the layer inputs a micro-step saves for the backward pass, each on the device, in the host
+  tier or in the files.
 
   The device keeps as many classes as the compiled step fits the budget with, in the order that
-  saves the most link traffic per byte (all three; the parameters and the sum; the parameters;
-  none); the classes left go to the store, the hottest to the host tier: all of them there, else
-  the hottest there and the rest in the files, else all in the host tier spilling to the files,
-  else all in the files, the first whose peak (``check_streamed_room``'s arithmetic) fits the
-  rooms.
+  saves the most link traffic per byte (all; the parameters, the layer inputs and the sum; the
+  parameters and the inputs; the parameters; the inputs; none); the classes left go to the
+  store, the hottest to the host tier: all of them there, else each there where it still fits
+  beside the hotter ones and the rest in the files, else all in the host tier spilling to the
+  files, else all in the files, the first whose peak (``check_streamed_room``'s arithmetic)
+  fits the rooms.
 
   Args:
     stack: the stack's structure on the device (``jax.eval_shape`` of ``init_streamed(...,
@@ -640,6 +666,10 @@ def choose_stack_location(
       a store location) returning it, called only where there is a budget to weigh it against;
       a ValueError it raises says why that placement cannot be. None: every class goes to the
       store.
+    activation_bytes: the bytes of the layer inputs one micro-step saves
+      (:func:`value_and_grad_streamed`'s ``save_inputs``): given, they are placed too
+      (``StackPlacement.save_inputs``, ``locations["activations"]``); None: not placed (the
+      step's own ``save_inputs``, outside the arithmetic).
     budget_bytes, device: as :func:`choose_optimizer_location`'s.
 
   Raises:
@@ -657,26 +687,36 @@ def choose_stack_location(
     master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
   sum_dtype = np.dtype(sum_dtype)
   host_tier = store_room(Location.HOST)[0] > 0
+  if activation_bytes is not None:
+    _check_int("activation_bytes", activation_bytes, low=0)
+  classes = STACK_CLASSES + (("activations",) if activation_bytes is not None else ())
+  placements = list(dict.fromkeys(tuple(c for c in p if c in classes) for p in _ON_DEVICE))
 
   def in_store(where: dict) -> dict:
     """The arithmetic of ``where``'s store classes against their rooms (``fits``)."""
-    return room_arithmetic(lay, tx, sum_dtype, master_weights, in_place, where, name, refuse=False)
+    return room_arithmetic(
+      lay,
+      tx,
+      sum_dtype,
+      master_weights,
+      in_place,
+      where,
+      name,
+      refuse=False,
+      activation_bytes=activation_bytes or 0,
+    )
 
   weighed = []  # per placement weighed: how it went
   budget = None
-  for on_device in _ON_DEVICE:
-    stored = tuple(c for c in STACK_CLASSES if c not in on_device)
-    found = None
-    for choice in _store_choices(stored, host_tier):
-      where = {c: choice.get(c, Location.DEVICE) for c in STACK_CLASSES}
-      arithmetic = in_store(where)
-      if arithmetic["fits"]:
-        found = where, arithmetic
-        break
-    if found is None:
+  for on_device in placements:
+    stored = tuple(c for c in _HOTTEST_FIRST if c in classes and c not in on_device)
+    kept = dict.fromkeys(on_device, Location.DEVICE)
+    choice = _place_in_store(stored, host_tier, lambda p: in_store(kept | p)["fits"])
+    if choice is None:
       continue  # the store cannot hold what this placement leaves it
-    where, arithmetic = found
-    locations = {c: where[c].value for c in STACK_CLASSES}
+    where = {c: (kept | choice)[c] for c in classes}
+    arithmetic = in_store(where)
+    locations = {c: where[c].value for c in classes}
     stored_part = (
       f"its peak in the store, {_gib(arithmetic['peak_bytes'])}, fits "
       + " + ".join(arithmetic["room_parts"])
@@ -687,14 +727,17 @@ def choose_stack_location(
       location=locations["params"],
       sum_location=locations["grad_sum"],
       state_location=locations["optimizer_state"],
+      save_inputs=locations.get("activations"),
       peak_bytes=arithmetic["peak_bytes"] if stored else None,
       room_bytes=arithmetic["room_bytes"],
     )
     if not on_device:
-      why = "; ".join(w for w in (_not_on_device(weighed, budget, step_bytes), stored_part) if w)
+      why = "; ".join(
+        w for w in (_not_on_device(weighed, budget, step_bytes, classes), stored_part) if w
+      )
       need = weighed[0][1] if weighed else None  # every class on the device
       return StackPlacement(reason=why, step_bytes=need, budget_bytes=budget, **placement)
-    if step_bytes is None or (not callable(step_bytes) and len(on_device) < len(STACK_CLASSES)):
+    if step_bytes is None or (not callable(step_bytes) and len(on_device) < len(classes)):
       continue  # nothing to weigh this placement with
     weigh = (lambda locs=locations: step_bytes(locs)) if callable(step_bytes) else step_bytes
     budget, need, refused = _weigh_step(weigh, budget_bytes, device)
@@ -702,16 +745,16 @@ def choose_stack_location(
       weighed.append((on_device, None, "no device memory limit to weigh the step against"))
       continue
     if refused is None and need <= budget:
-      on = _with_on_device(on_device)
+      on = _with_on_device(on_device, classes)
       why = f"the step takes {_gib(need)} of {_gib(budget)} with {on} on the device"
       why = "; ".join(w for w in (why, stored_part) if w)
       return StackPlacement(reason=why, step_bytes=need, budget_bytes=budget, **placement)
     weighed.append((on_device, need, refused))
-  whole = in_store(dict.fromkeys(STACK_CLASSES, Location.HOST_NVME))
+  whole = in_store(dict.fromkeys(classes, Location.HOST_NVME))
   raise StreamedRoomError(
     f"{name}: its streamed stack of {whole['num_layers']} layers, "
     f"{whole['parameters']} parameters, fits neither the device "
-    f"({_not_on_device(weighed, budget, step_bytes) or 'not weighed'}) nor the store: its peak is "
+    f"({_not_on_device(weighed, budget, step_bytes, classes) or 'not weighed'}) nor the store: its peak is "
     f"{whole['peak_bytes']} bytes ({_gib(whole['peak_bytes'])}) with every class there, more "
     f"than {' + '.join(whole['room_parts'])} = {whole['room_bytes']} bytes. Ways out: configure more room (ssd.configure(host_tier_bytes=..., "
     "capacity_bytes=...))"
@@ -721,14 +764,15 @@ def choose_stack_location(
   )
 
 
-def _with_on_device(on_device: tuple[str, ...]) -> str:
+def _with_on_device(on_device: tuple[str, ...], classes: tuple[str, ...]) -> str:
   """For a placement's reason: every class ("it"), or the classes named."""
-  if len(on_device) == len(STACK_CLASSES):
+  if len(on_device) == len(classes):
     return "it"
-  return "its " + " and ".join(_CLASS_NAMES[c] for c in on_device)
+  names = [_CLASS_NAMES[c] for c in on_device]
+  return "its " + (", ".join(names[:-1]) + " and " if len(names) > 1 else "") + names[-1]
 
 
-def _not_on_device(weighed: list, budget: int | None, step_bytes: Any) -> str:
+def _not_on_device(weighed: list, budget: int | None, step_bytes: Any, classes: tuple) -> str:
   """Why no class stays on the device: each placement weighed and what it took."""
   if step_bytes is None:
     return "no step to weigh"
@@ -745,7 +789,7 @@ def _not_on_device(weighed: list, budget: int | None, step_bytes: Any) -> str:
         parts.append(refused)
       continue
     takes = "" if any("takes" in p for p in parts) else "the step takes "
-    parts.append(f"{takes}{_gib(need)} with {_with_on_device(on_device)} on the device")
+    parts.append(f"{takes}{_gib(need)} with {_with_on_device(on_device, classes)} on the device")
   return ", ".join(parts) + (f", budget {_gib(budget)}" if budget is not None else "")
 
 

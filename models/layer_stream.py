@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -83,6 +84,11 @@ def gpt_pieces(preset: str, num_layers: int | None = None, **overrides: Any) -> 
   return GPTPieces(cfg, init_layer, block, init_side, embed, head)
 
 
+# The store options the layer stream sizes from its layers (ssd.read_ahead_sizes), and the
+# variables that set them instead
+READ_AHEAD_OPTIONS = {"prefetch_bytes": "SSDTRAIN_PREFETCH", "staging_bytes": "SSDTRAIN_STAGING"}
+
+
 @dataclasses.dataclass(frozen=True)
 class StreamedTraining:
   """One optimizer step of a streamed GPT (see the module doc). ``location``: where the stack's
@@ -128,6 +134,31 @@ class StreamedTraining:
       state_location=self.state_location,
       name=name,
     )
+
+  def read_ahead(self, key) -> dict:
+    """``ssd.read_ahead_sizes`` of the run: the store's read-ahead budget and staging arena
+    that read its passes whole layers ahead (nothing made)."""
+    return ssd.read_ahead_sizes(
+      self.stack_shape(key),
+      self.tx,
+      sum_dtype=jnp.dtype(self.sum_dtype),
+      in_place=self.in_place,
+      sum_location=self.sum_location,
+      state_location=self.state_location,
+    )
+
+  def configure_read_ahead(self, key) -> dict:
+    """Configures the store with :meth:`read_ahead`'s sizes where the environment does not set
+    them (``SSDTRAIN_PREFETCH``, ``SSDTRAIN_STAGING``); call it before anything is stored
+    (reconfiguring drops the store's entries). Returns the sizes it set."""
+    sizes = {
+      option: v
+      for option, v in self.read_ahead(key).items()
+      if v and READ_AHEAD_OPTIONS[option] not in os.environ
+    }
+    if sizes:
+      ssd.configure(**sizes)
+    return sizes
 
   def placed(self, locations: dict) -> StreamedTraining:
     """This run with each class where ``locations`` says (``ssd.StackPlacement.locations``:

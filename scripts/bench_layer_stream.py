@@ -192,6 +192,10 @@ def _run_child(spec: dict) -> dict:
     )
     # refused here, before anything is stored, where the model does not fit
     out["store_room"] = training.check_room(key, spec["preset"])
+    # the read-ahead and staging sized from the layer where --ssd / the environment do not
+    training.configure_read_ahead(key)
+    cfg_now = ssd.current_config()
+    out["store_sizes"] = {o: getattr(cfg_now, o) for o in ("prefetch_bytes", "staging_bytes")}
     del side
     state = training.init(key, jax.random.key(1), batches[0])
     jax.block_until_ready(state)

@@ -673,7 +673,7 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
   import optax
 
   import jax_ssdtrain as ssd
-  from models.layer_stream import StreamedTraining, gpt_pieces
+  from models.layer_stream import READ_AHEAD_OPTIONS, StreamedTraining, gpt_pieces
 
   extra = {"dtype": args.dtype} if args.dtype else {}
   pieces = gpt_pieces(args.preset, args.layers, attention=args.attention, **extra)
@@ -695,14 +695,25 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
   )
   seq = run.example_length(cfg)
   key, side_key = jax.random.split(jax.random.key(run.seed))
+  on_gpu = jax.default_backend() == "gpu"  # where the staging arena takes device memory
+  # The read-ahead and staging sized from the layer, where the environment does not set them
+  sized = [o for o, env in READ_AHEAD_OPTIONS.items() if env not in os.environ]
   if args.stream_layers == "auto":  # each class on the device where the step fits, else stored
     batch = jax.ShapeDtypeStruct((run.batch, seq), jax.numpy.int32)
     shape = training_.stack_shape(key)  # on the device: nothing made
+
+    def step_bytes(placed):  # XLA's, plus the staging arena the placement reads ahead with
+      if "staging_bytes" in sized:
+        staging = placed.read_ahead(key)["staging_bytes"]
+      else:
+        staging = ssd.current_config().staging_bytes
+      return placed.device_bytes(key, side_key, batch) + (staging if on_gpu else 0)
+
     try:
       where = ssd.choose_stack_location(
         shape,
         tx,
-        lambda locations: training_.placed(locations).device_bytes(key, side_key, batch),
+        lambda locations: step_bytes(training_.placed(locations)),
         args.memory_budget,
         sum_dtype=jax.numpy.dtype(args.accum_dtype),
         in_place=args.optimizer_in_place,
@@ -718,6 +729,14 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
       stream_layers=where.location,
       stream_sum=where.sum_location,
       stream_state=where.state_location,
+    )
+  sizes = training_.configure_read_ahead(key)  # nothing is stored yet
+  if sizes:
+    print(
+      "layer stream: read-ahead "
+      + ", ".join(f"{o} {v / (1 << 30):.2f} GiB" for o, v in sizes.items())
+      + f" (whole layers ahead; {', '.join(READ_AHEAD_OPTIONS[o] for o in sizes)} to override)",
+      flush=True,
     )
   try:
     batches = data_lib.make_batches(

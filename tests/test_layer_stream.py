@@ -932,6 +932,37 @@ def test_choose_stack_location_places_the_layer_inputs(tmp_path):
     ssd.choose_stack_location(shape, tx, activation_bytes=-1)
 
 
+def test_read_ahead_sizes(tmp_path):
+  # Per layer 512 x 1024 x 2 + 512 = 1,049,088 bfloat16 parameters: 2 B each of parameters, 4
+  # of float32 sum, 12 of master copy and moments. The forward and backward passes two layers
+  # ahead, the update one; staging twice the read-ahead, in MiB.
+  import optax
+
+  tx = optax.adamw(1e-3)
+  n = 1_049_088
+  p, s, m = 2 * n, 4 * n, 12 * n
+  mib = lambda b: -(-b // MiB) * MiB  # noqa: E731
+
+  def sizes(location, **kw):
+    return ssd.read_ahead_sizes(_shape(4, location, width=512), tx, **kw)
+
+  with ssd.configured(tmp_path / "s"):
+    every = sizes("host")
+    assert every == dict(prefetch_bytes=mib(max(2 * (p + s), s + m)), staging_bytes=2 * mib(s + m))
+    assert every["prefetch_bytes"] == 17 * MiB  # the update's loads bind
+    assert sizes("host", in_place=True)["prefetch_bytes"] == mib(s + m + p)  # reads the params
+    assert sizes("device", sum_location="host", state_location="host")["prefetch_bytes"] == mib(
+      s + m
+    )
+    assert sizes("host", sum_location="device")["prefetch_bytes"] == mib(max(2 * p, m))
+    bf16 = sizes("host", sum_dtype=jnp.bfloat16, state_location="device")
+    assert bf16["prefetch_bytes"] == mib(2 * (p + s // 2))  # the passes bind: two layers ahead
+    assert sizes("device") == dict(prefetch_bytes=0, staging_bytes=0)
+    assert sizes("host", layers_ahead=4)["prefetch_bytes"] == mib(4 * (p + s))
+    with pytest.raises(ValueError, match="layers_ahead"):
+      sizes("host", layers_ahead=0)
+
+
 def test_room_per_class(tmp_path):
   # Each class counts against the room of its own location; a class on the device takes none.
   import optax

@@ -304,6 +304,7 @@ def test_cli_stream_layers_auto_chooses_and_says_so(tmp_path, capsys):
   split = train_script.main(apart)
   out = capsys.readouterr().out
   assert "(params device, grad_sum host, optimizer_state nvme)" in out, out
+  assert "layer stream: read-ahead prefetch_bytes " in out  # sized from the layer
   assert split["losses"] == fits["losses"] and split["gb_written"] > 0
   assert (split["stream_sum"], split["stream_state"]) == ("host", "nvme")
   with pytest.raises(SystemExit):  # auto places every class itself

@@ -1324,6 +1324,76 @@ def _fits(need: dict, rooms: dict) -> bool:
   return host <= h and files <= f and host + files + spill <= h + f
 
 
+def read_ahead_sizes(
+  stack: Any,
+  tx: Any = None,
+  *,
+  sum_dtype: Any = jnp.float32,
+  master_weights: bool | None = None,
+  in_place: bool = False,
+  sum_location: Any = None,
+  state_location: Any = None,
+  layers_ahead: int = 2,
+) -> dict:
+  """The store's read-ahead budget and each GPU's staging arena that let a streamed stack's
+  passes read whole layers ahead: ``{"prefetch_bytes", "staging_bytes"}``, for
+  ``ssd.configure`` (the defaults, 1 GiB each, hold a fraction of a large model's layer).
+
+  Per layer, each pass loads from the store what of it lives there: the forward pass the
+  parameters, the backward pass the parameters and the old gradient sum, the update the sum,
+  the optimizer state and master copy (and the parameters where it reads them: no master copy,
+  or ``in_place``). The forward and backward passes read ``layers_ahead`` layers ahead (their
+  compute hides the loads); the update one (the link binds it: it computes little). The
+  read-ahead into staging takes at most half the arena (the stores of the same step, a layer
+  of new sums or of new parameters and state, keep the other half): the arena is twice the
+  read-ahead, each rounded up to a MiB. Arguments as :func:`check_streamed_room`'s; a stack
+  wholly on the device needs none (zeros)."""
+  lay = _check_stack(stack, "stack")
+  if isinstance(layers_ahead, bool) or not isinstance(layers_ahead, int) or layers_ahead < 1:
+    raise ValueError(f"layers_ahead: expected an integer >= 1, got {layers_ahead!r}")
+  _check_bool(in_place, "in_place")
+  sum_dtype = np.dtype(sum_dtype)
+  if not jnp.issubdtype(sum_dtype, jnp.floating):
+    raise ValueError(f"sum_dtype: expected a floating dtype, got {sum_dtype}")
+  if master_weights is None:
+    master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
+  _check_bool(master_weights, "master_weights")
+  where = dict(
+    params=lay.location,
+    grad_sum=lay.location
+    if sum_location is None
+    else _parse_location(sum_location, "sum_location"),
+    optimizer_state=lay.location
+    if state_location is None
+    else _parse_location(state_location, "state_location"),
+  )
+  sizes = [int(np.prod(s)) for s in lay.shapes]
+  params = sum(n * d.itemsize for n, d in zip(sizes, lay.dtypes))
+  grad_sum = sum(sizes) * sum_dtype.itemsize
+  state = 0
+  if tx is not None:
+    _check_tx(tx)
+    spec = _opt_spec(tx, lay, master_weights)
+    one = jax.eval_shape(tx.init, _opt_params(lay, master_weights))
+    state = sum(
+      int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+      for x, k in zip(jax.tree.leaves(one), spec.per_layer)
+      if k
+    )
+  if master_weights:
+    state += sum(
+      n * (4 if jnp.issubdtype(d, jnp.floating) else d.itemsize) for n, d in zip(sizes, lay.dtypes)
+    )
+  p = params if where["params"].in_store else 0
+  s = grad_sum if where["grad_sum"].in_store else 0
+  m = state if where["optimizer_state"].in_store else 0
+  forward, backward = p, p + s
+  update = s + m + (p if (not master_weights or in_place) else 0)
+  ahead = max(layers_ahead * max(forward, backward), update)
+  mib = lambda b: -(-b // (1 << 20)) * (1 << 20)  # noqa: E731
+  return dict(prefetch_bytes=mib(ahead), staging_bytes=2 * mib(ahead))
+
+
 def check_streamed_room(
   stack: Any,
   tx: Any = None,

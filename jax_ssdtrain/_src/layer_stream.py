@@ -242,6 +242,26 @@ def _make_layout(layer: Any, num_layers: int, location: Location, kind: str, wha
   )
 
 
+def master_weights_of(lay: _Layout, master_weights: bool | None) -> bool:
+  """``master_weights`` checked, or where None its default: a float32 master copy where the
+  stack has floating-point leaves narrower than float32."""
+  if master_weights is None:
+    master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
+  _check_bool(master_weights, "master_weights")
+  return master_weights
+
+
+def _class_locations(lay: _Layout, sum_location: Any, state_location: Any) -> dict:
+  """Each class's :class:`Location` (``STACK_CLASSES``): the parameters where the stack lives,
+  the sum and the state there too unless given."""
+  parse = lambda loc, what: lay.location if loc is None else _parse_location(loc, what)  # noqa: E731
+  return dict(
+    params=lay.location,
+    grad_sum=parse(sum_location, "sum_location"),
+    optimizer_state=parse(state_location, "state_location"),
+  )
+
+
 def _check_num_layers(num_layers: Any) -> int:
   if (
     isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 1
@@ -978,9 +998,7 @@ def init_streamed_optimizer(
   _check_tx(tx)
   lay = _check_stack(stack, "stack")
   loc = lay.location if location is None else _parse_location(location)
-  if master_weights is None:
-    master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
-  _check_bool(master_weights, "master_weights")
+  master_weights = master_weights_of(lay, master_weights)
   check_streamed_room(
     stack,
     tx,
@@ -1348,45 +1366,16 @@ def read_ahead_sizes(
   of new sums or of new parameters and state, keep the other half): the arena is twice the
   read-ahead, each rounded up to a MiB. Arguments as :func:`check_streamed_room`'s; a stack
   wholly on the device needs none (zeros)."""
-  lay = _check_stack(stack, "stack")
   if isinstance(layers_ahead, bool) or not isinstance(layers_ahead, int) or layers_ahead < 1:
     raise ValueError(f"layers_ahead: expected an integer >= 1, got {layers_ahead!r}")
-  _check_bool(in_place, "in_place")
-  sum_dtype = np.dtype(sum_dtype)
-  if not jnp.issubdtype(sum_dtype, jnp.floating):
-    raise ValueError(f"sum_dtype: expected a floating dtype, got {sum_dtype}")
-  if master_weights is None:
-    master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
-  _check_bool(master_weights, "master_weights")
-  where = dict(
-    params=lay.location,
-    grad_sum=lay.location
-    if sum_location is None
-    else _parse_location(sum_location, "sum_location"),
-    optimizer_state=lay.location
-    if state_location is None
-    else _parse_location(state_location, "state_location"),
+  lay, sum_dtype, master_weights, where = _room_args(
+    stack, tx, sum_dtype, master_weights, in_place, sum_location, state_location
   )
-  sizes = [int(np.prod(s)) for s in lay.shapes]
-  params = sum(n * d.itemsize for n, d in zip(sizes, lay.dtypes))
-  grad_sum = sum(sizes) * sum_dtype.itemsize
-  state = 0
-  if tx is not None:
-    _check_tx(tx)
-    spec = _opt_spec(tx, lay, master_weights)
-    one = jax.eval_shape(tx.init, _opt_params(lay, master_weights))
-    state = sum(
-      int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-      for x, k in zip(jax.tree.leaves(one), spec.per_layer)
-      if k
-    )
-  if master_weights:
-    state += sum(
-      n * (4 if jnp.issubdtype(d, jnp.floating) else d.itemsize) for n, d in zip(sizes, lay.dtypes)
-    )
-  p = params if where["params"].in_store else 0
-  s = grad_sum if where["grad_sum"].in_store else 0
-  m = state if where["optimizer_state"].in_store else 0
+  arithmetic = room_arithmetic(
+    lay, tx, sum_dtype, master_weights, in_place, where, "stack", refuse=False
+  )
+  per_layer = {c: b if where[c].in_store else 0 for c, b in arithmetic["layer_bytes"].items()}
+  p, s, m = (per_layer[c] for c in STACK_CLASSES)
   forward, backward = p, p + s
   update = s + m + (p if (not master_weights or in_place) else 0)
   ahead = max(layers_ahead * max(forward, backward), update)
@@ -1432,26 +1421,24 @@ def check_streamed_room(
   class's location, the peak and the room) where it fits; with every class on the device the
   store holds nothing (``room_bytes`` ``None``). The activations saved in the store
   (``save_inputs``, policies) come on top of it."""
+  lay, sum_dtype, master_weights, where = _room_args(
+    stack, tx, sum_dtype, master_weights, in_place, sum_location, state_location
+  )
+  return room_arithmetic(lay, tx, sum_dtype, master_weights, in_place, where, name)
+
+
+def _room_args(stack, tx, sum_dtype, master_weights, in_place, sum_location, state_location):
+  """:func:`check_streamed_room`'s arguments checked: ``(layout, sum dtype, master weights,
+  each class's location)``."""
   lay = _check_stack(stack, "stack")
   _check_bool(in_place, "in_place")
   sum_dtype = np.dtype(sum_dtype)
   if not jnp.issubdtype(sum_dtype, jnp.floating):
     raise ValueError(f"sum_dtype: expected a floating dtype, got {sum_dtype}")
-  if master_weights is None:
-    master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
-  _check_bool(master_weights, "master_weights")
-  where = dict(
-    params=lay.location,
-    grad_sum=lay.location
-    if sum_location is None
-    else _parse_location(sum_location, "sum_location"),
-    optimizer_state=lay.location
-    if state_location is None
-    else _parse_location(state_location, "state_location"),
-  )
   if tx is not None:
     _check_tx(tx)
-  return room_arithmetic(lay, tx, sum_dtype, master_weights, in_place, where, name)
+  master_weights = master_weights_of(lay, master_weights)
+  return lay, sum_dtype, master_weights, _class_locations(lay, sum_location, state_location)
 
 
 def room_arithmetic(
@@ -1530,6 +1517,10 @@ def room_arithmetic(
     locations={c: loc.value for c, loc in where.items()},
     bytes_per_parameter=dict(
       params=per(params), master=per(master), optimizer_state=per(state), grad_sum=per(grad_sum)
+    ),
+    # one layer's bytes per class (the optimizer state's with the master copy), unaligned
+    layer_bytes=dict(
+      params=params // L, grad_sum=grad_sum // L, optimizer_state=(master + state) // L
     ),
     resident_bytes=resident,
     micro_step_peak_bytes=micro_peak,

@@ -76,6 +76,7 @@ from jax_ssdtrain._src.layer_stream import (
   STACK_CLASSES,
   StreamedRoomError,
   check_streamed_room,
+  master_weights_of,
   room_arithmetic,
   store_room,
 )
@@ -683,8 +684,7 @@ def choose_stack_location(
   lay = stack.layout
   if not lay.on_device:
     raise ValueError("stack: expected the stack's structure on the device (location='device')")
-  if master_weights is None:
-    master_weights = any(jnp.issubdtype(d, jnp.floating) and d.itemsize < 4 for d in lay.dtypes)
+  master_weights = master_weights_of(lay, master_weights)
   sum_dtype = np.dtype(sum_dtype)
   host_tier = store_room(Location.HOST)[0] > 0
   if activation_bytes is not None:

@@ -95,11 +95,11 @@ class StreamedTraining:
   parameters live (``"host"``, ``"nvme"``, ``"host,nvme"``, or ``"device"``: the reference), and
   by default their gradients' running sum, the master copy and the optimizer's state too;
   ``sum_location``, ``state_location``: those classes' own (``ssd.choose_stack_location``'s
-  placement); ``sum_dtype``: the running sum's; ``in_place``: one version of the sum, state and master copy in the store;
-  ``save_inputs``: where each layer's input waits for the backward pass; ``clip``: global-norm
-  clipping of the mean gradient (None: none); ``collect``: ``ssd.collect()`` after each
-  micro-step and update (old versions leave the store at once, as ``check_streamed_room``'s
-  arithmetic assumes)."""
+  placement); ``sum_dtype``: the running sum's; ``in_place``: one version of the sum, state and
+  master copy in the store; ``save_inputs``: where each layer's input waits for the backward
+  pass; ``clip``: global-norm clipping of the mean gradient (None: none); ``collect``:
+  ``ssd.collect()`` after each micro-step and update (old versions leave the store at once, as
+  ``check_streamed_room``'s arithmetic assumes)."""
 
   pieces: GPTPieces
   tx: Any  # an optax transformation (the stack's and the side's)

@@ -254,7 +254,10 @@ def master_weights_of(lay: _Layout, master_weights: bool | None) -> bool:
 def _class_locations(lay: _Layout, sum_location: Any, state_location: Any) -> dict:
   """Each class's :class:`Location` (``STACK_CLASSES``): the parameters where the stack lives,
   the sum and the state there too unless given."""
-  parse = lambda loc, what: lay.location if loc is None else _parse_location(loc, what)  # noqa: E731
+
+  def parse(loc, what):
+    return lay.location if loc is None else _parse_location(loc, what)
+
   return dict(
     params=lay.location,
     grad_sum=parse(sum_location, "sum_location"),
@@ -1586,11 +1589,14 @@ def room_arithmetic(
   if sum_dtype.itemsize > 2:
     hints.append("sum_dtype=bfloat16 (2 B per parameter)")
   hints.append("or fewer or narrower layers")
+  in_store = [c for c, k in zip(classes, _STORED) if where[k].in_store]  # the parts stored
+  stored_bytes = sum(
+    b for b, k in zip((params, master, state, grad_sum), _STORED) if where[k].in_store
+  )
   raise StreamedRoomError(
     f"{name}: its streamed stack of {lay.num_layers} layers, {count} parameters "
     f"({count / 1e9:.3g}B), does not fit {placed}. Per parameter the "
-    f"store holds {', '.join(c for c, k in zip(classes, _STORED) if where[k].in_store)} = "
-    f"{per(sum(b for b, k in zip((params, master, state, grad_sum), _STORED) if where[k].in_store)):g}"
+    f"store holds {', '.join(in_store)} = {per(stored_bytes):g}"
     f" B ({resident / GB:.3g} GB with each entry's alignment); at its "
     f"peak {when}: {per(peak):.4g} B per parameter with one layer in flight, {peak} bytes "
     f"({peak / GB:.3g} GB)"

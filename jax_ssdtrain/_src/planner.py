@@ -751,13 +751,13 @@ def choose_stack_location(
       return StackPlacement(reason=why, step_bytes=need, budget_bytes=budget, **placement)
     weighed.append((on_device, need, refused))
   whole = in_store(dict.fromkeys(classes, Location.HOST_NVME))
+  why_not = _not_on_device(weighed, budget, step_bytes, classes) or "not weighed"
   raise StreamedRoomError(
     f"{name}: its streamed stack of {whole['num_layers']} layers, "
-    f"{whole['parameters']} parameters, fits neither the device "
-    f"({_not_on_device(weighed, budget, step_bytes, classes) or 'not weighed'}) nor the store: its peak is "
-    f"{whole['peak_bytes']} bytes ({_gib(whole['peak_bytes'])}) with every class there, more "
-    f"than {' + '.join(whole['room_parts'])} = {whole['room_bytes']} bytes. Ways out: configure more room (ssd.configure(host_tier_bytes=..., "
-    "capacity_bytes=...))"
+    f"{whole['parameters']} parameters, fits neither the device ({why_not}) nor the store: its "
+    f"peak is {whole['peak_bytes']} bytes ({_gib(whole['peak_bytes'])}) with every class there, "
+    f"more than {' + '.join(whole['room_parts'])} = {whole['room_bytes']} bytes. Ways out: "
+    "configure more room (ssd.configure(host_tier_bytes=..., capacity_bytes=...))"
     + ("; in_place=True" if not in_place else "")
     + ("; sum_dtype=bfloat16" if sum_dtype.itemsize > 2 else "")
     + "; or fewer or narrower layers"

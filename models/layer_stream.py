@@ -89,6 +89,11 @@ def gpt_pieces(preset: str, num_layers: int | None = None, **overrides: Any) -> 
 READ_AHEAD_OPTIONS = {"prefetch_bytes": "SSDTRAIN_PREFETCH", "staging_bytes": "SSDTRAIN_STAGING"}
 
 
+def sized_read_ahead_options() -> list[str]:
+  """The read-ahead options the layer stream sizes: those the environment does not set."""
+  return [option for option, env in READ_AHEAD_OPTIONS.items() if env not in os.environ]
+
+
 @dataclasses.dataclass(frozen=True)
 class StreamedTraining:
   """One optimizer step of a streamed GPT (see the module doc). ``location``: where the stack's
@@ -151,11 +156,8 @@ class StreamedTraining:
     """Configures the store with :meth:`read_ahead`'s sizes where the environment does not set
     them (``SSDTRAIN_PREFETCH``, ``SSDTRAIN_STAGING``); call it before anything is stored
     (reconfiguring drops the store's entries). Returns the sizes it set."""
-    sizes = {
-      option: v
-      for option, v in self.read_ahead(key).items()
-      if v and READ_AHEAD_OPTIONS[option] not in os.environ
-    }
+    sized = sized_read_ahead_options()
+    sizes = {option: v for option, v in self.read_ahead(key).items() if v and option in sized}
     if sizes:
       ssd.configure(**sizes)
     return sizes

@@ -2,7 +2,8 @@
 
     python -m scripts.bench_layer_stream [--preset gpt-13b] [--layers L] [--micro-batches 4]
         [--batch 4] [--seq 2048] [--location host|nvme|host,nvme|device] [--sum-location L]
-        [--state-location L] [--sum-dtype float32|bfloat16] [--in-place] [--save-inputs device|host|nvme] [--clip 1.0] [--steps 10] [--warmup 1]
+        [--state-location L] [--sum-dtype float32|bfloat16] [--in-place]
+        [--save-inputs device|host|nvme] [--clip 1.0] [--steps 10] [--warmup 1]
         [--ideal-layers 2,4 | --no-ideal] [--ideal-gpu N] [--ssd SSDTRAIN_HOST_TIER=300GiB]
         [--out DIR]
     python -m scripts.bench_layer_stream --cpu-smoke          (the tiny preset on the CPU)

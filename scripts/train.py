@@ -673,7 +673,12 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
   import optax
 
   import jax_ssdtrain as ssd
-  from models.layer_stream import READ_AHEAD_OPTIONS, StreamedTraining, gpt_pieces
+  from models.layer_stream import (
+    READ_AHEAD_OPTIONS,
+    StreamedTraining,
+    gpt_pieces,
+    sized_read_ahead_options,
+  )
 
   extra = {"dtype": args.dtype} if args.dtype else {}
   pieces = gpt_pieces(args.preset, args.layers, attention=args.attention, **extra)
@@ -697,7 +702,7 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
   key, side_key = jax.random.split(jax.random.key(run.seed))
   on_gpu = jax.default_backend() == "gpu"  # where the staging arena takes device memory
   # The read-ahead and staging sized from the layer, where the environment does not set them
-  sized = [o for o, env in READ_AHEAD_OPTIONS.items() if env not in os.environ]
+  sized = sized_read_ahead_options()
   if args.stream_layers == "auto":  # each class on the device where the step fits, else stored
     batch = jax.ShapeDtypeStruct((run.batch, seq), jax.numpy.int32)
     shape = training_.stack_shape(key)  # on the device: nothing made

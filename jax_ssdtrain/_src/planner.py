@@ -606,29 +606,38 @@ _ON_DEVICE = (
 _HOTTEST_FIRST = ("params", "activations", "grad_sum", "optimizer_state")
 
 
-def _place_in_store(classes: tuple[str, ...], host_tier: bool, fits: Callable[[dict], bool]):
-  """``classes`` (hottest first) placed in the store, fastest first, or None where nothing fits:
-  all in the host tier; else each class in the host tier where it still fits beside the hotter
-  ones placed there, the others in the files; else all in the host tier spilling to the files
-  (first come, first placed); else all in the files. ``fits(placement)``: whether the store
-  holds it."""
-  if not classes:
-    return {}
+def _place_in_store(
+  classes: tuple[str, ...], host_tier: bool, arithmetic_of: Callable[[dict], dict]
+) -> tuple[dict, dict] | None:
+  """``classes`` (hottest first) placed in the store, fastest first: all in the host tier; else
+  each class in the host tier where it still fits beside the hotter ones placed there, the
+  others in the files; else all in the host tier spilling to the files (first come, first
+  placed); else all in the files. ``arithmetic_of(placement)``: the room arithmetic of a
+  placement (``fits``). Returns the first placement that fits and its arithmetic, or None."""
+  tried: dict = {}
+
+  def fits(placement: dict) -> bool:
+    tried[tuple(placement.items())] = arithmetic = arithmetic_of(placement)
+    return arithmetic["fits"]
+
+  def chosen(placement: dict) -> tuple[dict, dict]:
+    return placement, tried[tuple(placement.items())]
+
   if host_tier:
     every = dict.fromkeys(classes, Location.HOST)
     if fits(every):
-      return every
+      return chosen(every)
     placed = dict.fromkeys(classes, Location.NVME)
     for c in classes:
       if fits(placed | {c: Location.HOST}):
         placed[c] = Location.HOST
     if Location.HOST in placed.values():
-      return placed
+      return chosen(placed)
     spill = dict.fromkeys(classes, Location.HOST_NVME)
     if fits(spill):
-      return spill
+      return chosen(spill)
   files = dict.fromkeys(classes, Location.NVME)
-  return files if fits(files) else None
+  return chosen(files) if fits(files) else None
 
 
 def choose_stack_location(
@@ -707,16 +716,15 @@ def choose_stack_location(
     )
 
   weighed = []  # per placement weighed: how it went
-  budget = None
+  budget, no_limit = None, False  # no_limit: the device reports no memory limit to weigh with
   for on_device in placements:
     stored = tuple(c for c in _HOTTEST_FIRST if c in classes and c not in on_device)
     kept = dict.fromkeys(on_device, Location.DEVICE)
-    choice = _place_in_store(stored, host_tier, lambda p: in_store(kept | p)["fits"])
-    if choice is None:
+    found = _place_in_store(stored, host_tier, lambda p: in_store(kept | p))
+    if found is None:
       continue  # the store cannot hold what this placement leaves it
-    where = {c: (kept | choice)[c] for c in classes}
-    arithmetic = in_store(where)
-    locations = {c: where[c].value for c in classes}
+    choice, arithmetic = found
+    locations = {c: (kept | choice)[c].value for c in classes}
     stored_part = (
       f"its peak in the store, {_gib(arithmetic['peak_bytes'])}, fits "
       + " + ".join(arithmetic["room_parts"])
@@ -732,17 +740,18 @@ def choose_stack_location(
       room_bytes=arithmetic["room_bytes"],
     )
     if not on_device:
-      why = "; ".join(
-        w for w in (_not_on_device(weighed, budget, step_bytes, classes), stored_part) if w
-      )
+      why_not = _not_on_device(weighed, budget, step_bytes, classes, no_limit)
+      why = "; ".join(w for w in (why_not, stored_part) if w)
       need = weighed[0][1] if weighed else None  # every class on the device
       return StackPlacement(reason=why, step_bytes=need, budget_bytes=budget, **placement)
-    if step_bytes is None or (not callable(step_bytes) and len(on_device) < len(classes)):
-      continue  # nothing to weigh this placement with
+    if no_limit or step_bytes is None:
+      continue  # nothing to weigh this placement with, or against
+    if not callable(step_bytes) and len(on_device) < len(classes):
+      continue  # a number weighs every class on the device only
     weigh = (lambda locs=locations: step_bytes(locs)) if callable(step_bytes) else step_bytes
     budget, need, refused = _weigh_step(weigh, budget_bytes, device)
     if budget is None:
-      weighed.append((on_device, None, "no device memory limit to weigh the step against"))
+      no_limit = True
       continue
     if refused is None and need <= budget:
       on = _with_on_device(on_device, classes)
@@ -751,7 +760,7 @@ def choose_stack_location(
       return StackPlacement(reason=why, step_bytes=need, budget_bytes=budget, **placement)
     weighed.append((on_device, need, refused))
   whole = in_store(dict.fromkeys(classes, Location.HOST_NVME))
-  why_not = _not_on_device(weighed, budget, step_bytes, classes) or "not weighed"
+  why_not = _not_on_device(weighed, budget, step_bytes, classes, no_limit) or "not weighed"
   raise StreamedRoomError(
     f"{name}: its streamed stack of {whole['num_layers']} layers, "
     f"{whole['parameters']} parameters, fits neither the device ({why_not}) nor the store: its "
@@ -772,24 +781,25 @@ def _with_on_device(on_device: tuple[str, ...], classes: tuple[str, ...]) -> str
   return "its " + (", ".join(names[:-1]) + " and " if len(names) > 1 else "") + names[-1]
 
 
-def _not_on_device(weighed: list, budget: int | None, step_bytes: Any, classes: tuple) -> str:
+def _not_on_device(
+  weighed: list, budget: int | None, step_bytes: Any, classes: tuple, no_limit: bool
+) -> str:
   """Why no class stays on the device: each placement weighed and what it took."""
   if step_bytes is None:
     return "no step to weigh"
+  if no_limit:
+    return "no device memory limit to weigh the step against"
   if not weighed:
     return ""
-  if all(
-    need is None and refused and "no device memory limit" in refused for _, need, refused in weighed
-  ):
-    return "no device memory limit to weigh the step against"
   parts: list[str] = []
+  takes = "the step takes "  # said once, before the first size
   for on_device, need, refused in weighed:
     if need is None:
       if refused not in parts:  # one function's refusal, once
         parts.append(refused)
       continue
-    takes = "" if any("takes" in p for p in parts) else "the step takes "
     parts.append(f"{takes}{_gib(need)} with {_with_on_device(on_device, classes)} on the device")
+    takes = ""
   return ", ".join(parts) + (f", budget {_gib(budget)}" if budget is not None else "")
 
 

@@ -200,9 +200,12 @@ def test_forwarded_entries_written_back_for_another_program(tmp_path, reset, pau
   # cache: those three are written after all, evicted, and A's later loads read the file.
   # B's stores come at once or `pause` seconds apart (longer than a write at the cap: B's own
   # entries are written and evictable by the next store; a loaded machine does this too).
+  # On a GPU, a staging arena smaller than any tensor sends every copy through the host cache
+  # (a larger one keeps A's copies on the device, and its loads never reach the cache or files).
   cfg(
     tmp_path,
     host_cache_bytes=256 * 1024,
+    staging_bytes=4096,
     chunk_bytes=64 * 1024,
     io_threads=1,
     prefetch_bytes=0,

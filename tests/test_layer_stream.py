@@ -698,15 +698,35 @@ def test_update_in_place_with_master_weights_replaces_the_parameters(store):
   ep, hp = _side(jnp.bfloat16)
   _, sums = _micro_step(False)(ep, stack, hp, _batches(1)[0], None)
   jax.block_until_ready(sums)
+  ssd.flush()  # on a GPU, releases wait for their copies' events: collected here
   before = ssd.stats()["live_entries"]  # parameters, master copy, state and sum
   new, _ = ssd.apply_streamed_update(tx, stack, sums[1], state, in_place=True)
   jax.block_until_ready(new)
+  ssd.flush()
   # the sum's 4 x 3 entries consumed; the old parameters' too, the new ones in their place
   assert ssd.stats()["live_entries"] == before - 4 * 3
   with pytest.raises(Exception, match="ssdtrain"):
     jax.block_until_ready(ssd.stack_to_tree(stack))
   got = _train("host", "adam", dtype=jnp.bfloat16, in_place=True, steps=2)
   _assert_bitwise(got, _train("device", "adam", dtype=jnp.bfloat16, steps=2))
+
+
+def test_in_place_releases_what_fn_does_not_read(store):
+  # A load in place is its entry's last: it runs though fn never reads its value (as the update
+  # in place with master weights reads the old parameters only to release them). JAX drops
+  # loads whose values nobody reads; a GPU, which does not chain a layer's loads, dropped these.
+  params = ssd.init_streamed(_init_layer, jax.random.key(0), 3, location="host")
+  other = ssd.init_streamed(_init_layer, jax.random.key(1), 3, location="host")
+  want = jax.tree.map(np.asarray, ssd.stack_to_tree(params))
+  ssd.flush()
+  assert ssd.stats()["live_entries"] == 2 * 3 * 3
+  kept = ssd.map_stack(lambda p, o: p, params, other, in_place=True)
+  ssd.flush()
+  assert ssd.stats()["live_entries"] == 3 * 3  # the new stack's alone
+  _assert_bitwise(jax.tree.map(np.asarray, ssd.stack_to_tree(kept)), want)
+  for gone in (params, other):
+    with pytest.raises(Exception, match="ssdtrain"):
+      jax.block_until_ready(ssd.stack_to_tree(gone))
 
 
 def _update_memory(location, layers):

@@ -90,8 +90,9 @@ _get(_pe, PARTIAL_EVAL_CUSTOM_CACHED, "the remat partial-eval hook")
 partial_eval_jaxpr_custom_rules = _get(
   _pe, "partial_eval_jaxpr_custom_rules", "the tag primitive's partial-eval rule"
 )
-# A store whose handle nobody loads turns back into a plain tag (DCE rule).
-dce_rules = _get(_pe, "dce_rules", "the store's dead-code rule")
+# A store whose handle nobody loads turns back into a plain tag; a consuming load runs though
+# nothing reads its value (its entry's release) (DCE rules).
+dce_rules = _get(_pe, "dce_rules", "the store's and the consuming load's dead-code rules")
 # The partial-eval cache keys on (jaxpr, ..., policy); our wrapper caches the same way.
 weakref_lru_cache = _get(_util, "weakref_lru_cache", "caching the tag rewrite per jaxpr")
 

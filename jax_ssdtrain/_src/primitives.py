@@ -326,6 +326,19 @@ def _load_batch(
 
 
 ji.primitive_batchers[load_p] = _load_batch
+
+
+@ji.dce_rule
+def _load_dce(used_outputs, eqn):
+  # A consuming load is its entry's last: it runs where nothing reads its value too (an update
+  # in place reads the old parameters only to release them), or the entry stays until a sweep.
+  # JAX sees no effect on a load (see opaque_copy), so without this rule it drops such a load.
+  if used_outputs[0] or eqn.params.get("consume", False):
+    return [True], eqn
+  return [False], None
+
+
+ji.dce_rules[load_p] = _load_dce
 # The handle is integer-valued: its tangent is always a symbolic zero, so no JVP rule is
 # consulted; forward-mode through a store is refused at the store (see _store_jvp).
 

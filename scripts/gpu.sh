@@ -16,6 +16,7 @@
 #   reliability  tests/test_reliability.py through the CUDA handlers               [Tests]
 #   jaxlayer     tests/test_jax_layer.py and tests/test_lifetimes.py on the GPU     [Tests]
 #   lifetimes    tests/test_lifetimes.py alone (sweeps on the GPU: a quick check)   [Tests]
+#   streamtests  the layer stream's and the engine's tests, slow ones included     [Tests]
 #   rok          bench_rok, 4096,2048,4,8, every policy                             [rok]
 #   rok8192      bench_rok, 8192,2048,2,4, JAX's policies and the host tier         [rok]
 #   hostrows     bench_rok, 4096 and 8192 stacks: selective vs the 4 tags in the host tier
@@ -87,7 +88,7 @@ OUT=${OUT:-/tmp/jax_ssdtrain-gpu}
 LIMIT_S=${LIMIT_S:-570}
 if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
-KNOWN=(tests tests4 reliability jaxlayer lifetimes rok rok8192 hostrows hosttier link planner planner32k
+KNOWN=(tests tests4 reliability jaxlayer lifetimes streamtests rok rok8192 hostrows hosttier link planner planner32k
   planner8192 plannernvme cap emulated train maxtext multigpu multigpu4 multigpu124 multihost optimizer
   optimizerbench optimizer2 optimizer4 checkpoint accumulate fit fitnode fitnodejax layerstream
   layerstream30 maxtextfsdp maxtextfsdpqkv maxtextfsdp4)
@@ -200,6 +201,9 @@ for stage in "${STAGES[@]}"; do
     jaxlayer)
       run jaxlayer 400 $PY -m pytest -q -ra -p no:cacheprovider tests/test_jax_layer.py \
         tests/test_lifetimes.py ;;
+    streamtests)
+      run streamtests 400 $PY -m pytest -q -ra -p no:cacheprovider -m "slow or not slow" \
+        tests/test_layer_stream.py tests/test_layer_stream_checkpoint.py tests/test_engine.py ;;
     lifetimes)
       run lifetimes 300 $PY -m pytest -q -ra -p no:cacheprovider tests/test_lifetimes.py ;;
     rok)

@@ -570,8 +570,12 @@ def map_stack(
 
 @jax.jit(static_argnums=(0, 1, 2))
 def _map_jit(fn, lay, in_place, stacks):
-  ps = new_pass(1)
-  return _scan_layers(lay, lambda i: fn(*[_load_layer(s, i, ps, consume=in_place) for s in stacks]))
+  # a pass per stack: the engine follows a pass's loads per site, and stacks of one kind and
+  # structure (two parameter stacks) share their sites
+  passes = [new_pass(1) for _ in stacks]
+  return _scan_layers(
+    lay, lambda i: fn(*[_load_layer(s, i, p, consume=in_place) for s, p in zip(stacks, passes)])
+  )
 
 
 def _check_bool(value: Any, what: str) -> None:

@@ -914,6 +914,34 @@ def test_choose_stack_location_per_class(tmp_path):
     assert where.locations == dict(params="device", grad_sum="host", optimizer_state="nvme")
 
 
+def test_choose_stack_location_compiles_no_placement_that_cannot_fit(tmp_path):
+  # A placement whose classes alone hold more than the budget is refused by arithmetic: its
+  # step is not compiled (XLA's scheduler logs errors for such programs), whatever it reports.
+  import optax
+
+  tx = optax.adamw(1e-3)
+  shape = _shape(8, "device")
+  asked = []
+
+  def step_bytes(locations):
+    asked.append(dict(locations))
+    return MiB  # fits any budget: only the arithmetic refuses
+
+  with ssd.configured(tmp_path / "a", capacity_bytes=256 * MiB, host_tier_bytes=64 * MiB):
+    room = ssd.check_streamed_room(_shape(8, "host"), tx)
+    layers, per_layer = room["num_layers"], room["layer_bytes"]
+    every = layers * sum(per_layer.values())
+    where = ssd.choose_stack_location(shape, tx, step_bytes, every - 1)
+    assert where.locations == dict(params="device", grad_sum="device", optimizer_state="host")
+    assert asked == [where.locations]
+    asked.clear()
+    floor = layers * per_layer["params"]
+    where = ssd.choose_stack_location(shape, tx, step_bytes, floor - 1)
+    assert where.locations == dict.fromkeys(["params", "grad_sum", "optimizer_state"], "host")
+    assert asked == []
+    assert where.reason.startswith(f"at least {every / MiB:.1f} MiB with it on the device, ")
+
+
 def test_choose_stack_location_places_the_layer_inputs(tmp_path):
   # With activation_bytes the saved layer inputs are a class too: kept on the device after the
   # parameters and before the sum (as many bytes in and out per byte as the sum, far fewer of

@@ -715,6 +715,10 @@ def choose_stack_location(
       activation_bytes=activation_bytes or 0,
     )
 
+  whole = in_store(dict.fromkeys(classes, Location.HOST_NVME))
+  held = {c: b * whole["num_layers"] for c, b in whole["layer_bytes"].items()}
+  held["activations"] = activation_bytes or 0
+
   weighed = []  # per placement weighed: how it went
   budget, no_limit = None, False  # no_limit: the device reports no memory limit to weigh with
   for on_device in placements:
@@ -749,17 +753,20 @@ def choose_stack_location(
     if not callable(step_bytes) and len(on_device) < len(classes):
       continue  # a number weighs every class on the device only
     weigh = (lambda locs=locations: step_bytes(locs)) if callable(step_bytes) else step_bytes
-    budget, need, refused = _weigh_step(weigh, budget_bytes, device)
+    # the classes' own bytes: a placement that cannot fit is not compiled to weigh it
+    floor = sum(held[c] for c in on_device)
+    on = _with_on_device(on_device, classes)
+    budget, need, refused = _weigh_step(
+      weigh, budget_bytes, device, floor, f"at least {_gib(floor)} with {on} on the device"
+    )
     if budget is None:
       no_limit = True
       continue
     if refused is None and need <= budget:
-      on = _with_on_device(on_device, classes)
       why = f"the step takes {_gib(need)} of {_gib(budget)} with {on} on the device"
       why = "; ".join(w for w in (why, stored_part) if w)
       return StackPlacement(reason=why, step_bytes=need, budget_bytes=budget, **placement)
     weighed.append((on_device, need, refused))
-  whole = in_store(dict.fromkeys(classes, Location.HOST_NVME))
   why_not = _not_on_device(weighed, budget, step_bytes, classes, no_limit) or "not weighed"
   raise StreamedRoomError(
     f"{name}: its streamed stack of {whole['num_layers']} layers, "
@@ -803,17 +810,23 @@ def _not_on_device(
   return ", ".join(parts) + (f", budget {_gib(budget)}" if budget is not None else "")
 
 
-def _weigh_step(step_bytes, budget_bytes, device) -> tuple[int | None, int | None, str | None]:
+def _weigh_step(
+  step_bytes, budget_bytes, device, floor: int = 0, over_floor: str = ""
+) -> tuple[int | None, int | None, str | None]:
   """``(budget_bytes, need, refused)`` for :func:`choose_optimizer_location` and
   :func:`choose_stack_location`: the budget (default: ``device``'s limit, else the first local
   device's; None where it reports none: then nothing is weighed), the step's device memory
-  (``step_bytes``, called if a function) and, where that raised a ValueError, its message."""
+  (``step_bytes``, called if a function) and, where that raised a ValueError, its message; or,
+  where ``floor`` (bytes the step holds whatever XLA does) exceeds the budget, ``over_floor``
+  as the refusal without calling ``step_bytes`` (a compilation)."""
   if budget_bytes is None:
     device = jax.local_devices()[0] if device is None else device
     budget_bytes = (device.memory_stats() or {}).get("bytes_limit")
     if budget_bytes is None:
       return None, None, None
   _check_int("budget_bytes", budget_bytes, low=1)
+  if floor > budget_bytes:
+    return budget_bytes, None, over_floor
   try:
     return budget_bytes, int(step_bytes() if callable(step_bytes) else step_bytes), None
   except ValueError as e:

@@ -201,11 +201,11 @@ for stage in "${STAGES[@]}"; do
     jaxlayer)
       run jaxlayer 400 $PY -m pytest -q -ra -p no:cacheprovider tests/test_jax_layer.py \
         tests/test_lifetimes.py ;;
+    lifetimes)
+      run lifetimes 300 $PY -m pytest -q -ra -p no:cacheprovider tests/test_lifetimes.py ;;
     streamtests)
       run streamtests 400 $PY -m pytest -q -ra -p no:cacheprovider -m "slow or not slow" \
         tests/test_layer_stream.py tests/test_layer_stream_checkpoint.py tests/test_engine.py ;;
-    lifetimes)
-      run lifetimes 300 $PY -m pytest -q -ra -p no:cacheprovider tests/test_lifetimes.py ;;
     rok)
       run rok 900 $PY -m scripts.bench_rok --shape 4096,2048,4,8 "${ROK[@]}" \
         --policies 'keep,recompute,selective,jax_host_layer_in,jax_host_named,ssd_host_named,ssd_nvme_layer_in,ssd_nvme_sweep_*' \

@@ -50,7 +50,7 @@ def shown(doc: dict, bench: str) -> list[str]:
     return [ms(r[k]) for r in doc["rows"] for k in ("step_ms_1", "step_ms_n")]
   if bench == "checkpoint":
     return [f"{r[k]:.2f}" for r in doc["rows"] for k in ("save_s", "restore_s")]
-  if bench == "layerstream":  # the streamed run and its ideal
+  if bench in ("layerstream", "layerstream_h200"):  # the streamed run and its ideal
     return [f"{doc[k]['step_s']:.2f}" for k in ("streamed", "ideal")]
   if bench in ("fit", "fit_node"):  # rows that do not fit show why; the node's its ideal too
     fits = [f"{r['tokens_per_s']:,.0f}" for r in doc["rows"] if r["fits"]]

@@ -742,6 +742,30 @@ def test_in_place_releases_what_fn_does_not_read(store):
       jax.block_until_ready(ssd.stack_to_tree(gone))
 
 
+def test_stacks_sharing_their_sites_in_one_program(store):
+  # Stacks of one kind and structure (two parameter stacks; a sum map_stack made from the
+  # parameters) share their sites, and the engine follows each pass's loads per site: each
+  # stack a program reads has a pass of its own, so no load is mispredicted (the CPU reads every
+  # handle and counts the wrong predictions; on a GPU a wrong one fails the step).
+  import optax
+
+  tx = optax.adam(0.1)
+
+  def run(location):
+    params = ssd.init_streamed(_init_layer, jax.random.key(0), 3, location=location)
+    other = ssd.init_streamed(_init_layer, jax.random.key(1), 3, location=location)
+    summed = ssd.map_stack(lambda p, o: jax.tree.map(jnp.add, p, o), params, other)
+    half = ssd.map_stack(lambda p: jax.tree.map(lambda a: a * 0.5, p), summed)
+    new, _ = ssd.apply_streamed_update(tx, params, half, ssd.init_streamed_optimizer(tx, params))
+    return jax.tree.map(np.asarray, ssd.stack_to_tree(new))
+
+  ssd.reset_stats()
+  got = run("host")
+  s = ssd.stats()
+  assert s["speculative_loads"] > 0 and s["handle_mismatches"] == 0, s
+  _assert_bitwise(got, run("device"))
+
+
 def _update_memory(location, layers):
   stack = jax.eval_shape(
     lambda k: ssd.init_streamed(_wide_layer, k, layers, location=location), jax.random.key(0)

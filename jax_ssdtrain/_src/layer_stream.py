@@ -1196,16 +1196,17 @@ def _update_jit(tx, in_place, stack, stack_sum, state, scale, max_norm, norm):
   def last_of(tree):
     return _token(jax.tree.leaves(tree)) if _chain_loads() else None
 
-  update_pass, store_pass = new_pass(1), new_pass(1)
+  # a pass per stack read (a sum made by map_stack from the parameters shares their sites)
+  sum_pass, state_pass, params_pass, store_pass = (new_pass(1) for _ in range(4))
 
   def load(i):
     # sum, state (and master copy), parameters: chained (one read order); all after the norm's
     # loads (in_place consumes the sum)
-    s = _load_layer(stack_sum, i, update_pass, consume=in_place, after=[norm])
-    st = _load_layer(per, i, update_pass, consume=in_place, after=[last_of(s)])
+    s = _load_layer(stack_sum, i, sum_pass, consume=in_place, after=[norm])
+    st = _load_layer(per, i, state_pass, consume=in_place, after=[last_of(s)])
     p = None
     if not spec.master or in_place:  # in place with master weights: read to release their room
-      p = _load_layer(stack, i, update_pass, consume=in_place, after=[last_of(st)])
+      p = _load_layer(stack, i, params_pass, consume=in_place, after=[last_of(st)])
     return s, st, p
 
   dtypes = jax.tree.unflatten(lay.treedef, list(lay.dtypes))

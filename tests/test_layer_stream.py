@@ -766,6 +766,30 @@ def test_stacks_sharing_their_sites_in_one_program(store):
   _assert_bitwise(got, run("device"))
 
 
+def test_apply_gradients_takes_a_streamed_stack(store):
+  # ssd.apply_gradients with a stack's state (init_streamed_optimizer) is the stack's streamed
+  # update, its options apply_streamed_update's; tx.update's extra arguments and a tx of
+  # offload_optimizer are refused, naming why.
+  import optax
+
+  tx = optax.adam(1e-2)
+  stack = ssd.init_streamed(_init_layer, jax.random.key(0), 3, location="host")
+  state = ssd.init_streamed_optimizer(tx, stack)
+  ep, hp = _side()
+  _, sums = _micro_step(False)(ep, stack, hp, _batches(1)[0], None)
+  options = dict(scale=0.5, clip_global_norm=1.0)
+  got = ssd.apply_gradients(tx, sums[1], state, stack, **options)
+  want = ssd.apply_streamed_update(tx, stack, sums[1], state, **options)
+  trees = lambda r: jax.tree.map(  # noqa: E731
+    np.asarray, (ssd.stack_to_tree(r[0]), ssd.stack_to_tree(r[1].per_layer), r[1].shared)
+  )
+  _assert_bitwise(trees(got), trees(want))
+  with pytest.raises(TypeError, match="not lr_scale"):
+    ssd.apply_gradients(tx, sums[1], state, stack, lr_scale=2.0)
+  with pytest.raises(TypeError, match="pass the optax transformation itself"):
+    ssd.apply_gradients(ssd.offload_optimizer(tx), sums[1], state, stack)
+
+
 def _update_memory(location, layers):
   stack = jax.eval_shape(
     lambda k: ssd.init_streamed(_wide_layer, k, layers, location=location), jax.random.key(0)

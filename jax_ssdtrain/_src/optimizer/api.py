@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ssdtrain._src.layer_stream import StreamedOptState, apply_streamed_update
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.optimizer.base import OffloadedState, OptimizerOffloadError, check_state
 from jax_ssdtrain._src.optimizer.layout import (
@@ -174,14 +175,45 @@ def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_ar
   ``apply_updates`` to float32 rounding (XLA fuses the two programs differently: an ulp).
   ``accumulate_gradients(offload_optimizer(tx), k)`` does the same at its k-th micro-step. Any
   other transformation runs as ``update`` + ``apply_updates``.
+
+  With the state of a streamed layer stack (:func:`init_streamed_optimizer`), ``params`` the
+  :class:`StreamedStack` and ``grads`` its gradients' running sum (or mean) from
+  :func:`value_and_grad_streamed`, it is :func:`apply_streamed_update`: the sum, the state and
+  the master copy stream from the store layer by layer with ``tx`` (any optax transformation,
+  not one of :func:`offload_optimizer`'s), and the keyword arguments are that function's
+  (``scale=1 / k`` after ``k`` micro-batches, ``clip_global_norm``, ``global_norm``,
+  ``in_place``).
   """
   import optax  # an optional dependency (the demo extra)
 
+  if isinstance(opt_state, StreamedOptState):
+    return _apply_to_stack(tx, grads, opt_state, params, extra_args)
   streamed = getattr(getattr(tx, "update", None), "apply_gradients", None)
   if streamed is not None:
     return streamed(grads, opt_state, params, **extra_args)
   updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
   return optax.apply_updates(params, updates), opt_state
+
+
+_STACK_UPDATE_OPTIONS = ("scale", "clip_global_norm", "global_norm", "in_place")
+
+
+def _apply_to_stack(tx: Any, grads: Any, opt_state: StreamedOptState, params: Any, options: dict):
+  """:func:`apply_gradients` of a streamed stack: :func:`apply_streamed_update`'s arguments."""
+  unknown = sorted(set(options) - set(_STACK_UPDATE_OPTIONS))
+  if unknown:
+    raise TypeError(
+      f"apply_gradients: with a streamed stack's state (StreamedOptState) it takes "
+      f"apply_streamed_update's options {', '.join(_STACK_UPDATE_OPTIONS)}, not "
+      f"{', '.join(unknown)} (tx.update's extra arguments do not reach a stack's update)"
+    )
+  if getattr(getattr(tx, "update", None), "apply_gradients", None) is not None:
+    raise TypeError(
+      "apply_gradients: tx comes from offload_optimizer, whose state is an OffloadedState; a "
+      "streamed stack's state (init_streamed_optimizer) is in the store already: pass the optax "
+      "transformation itself"
+    )
+  return apply_streamed_update(tx, params, grads, opt_state, **options)
 
 
 def optimizer_state(state: OffloadedState) -> Any:

@@ -327,6 +327,9 @@ def _load_batch(
 
 ji.primitive_batchers[load_p] = _load_batch
 
+# The handle is integer-valued: its tangent is always a symbolic zero, so no JVP rule is
+# consulted; forward-mode through a store is refused at the store (see _store_jvp).
+
 
 @ji.dce_rule
 def _load_dce(used_outputs, eqn):
@@ -339,8 +342,6 @@ def _load_dce(used_outputs, eqn):
 
 
 ji.dce_rules[load_p] = _load_dce
-# The handle is integer-valued: its tangent is always a symbolic zero, so no JVP rule is
-# consulted; forward-mode through a store is refused at the store (see _store_jvp).
 
 
 # ---------------------------------------------------------------------------------------------

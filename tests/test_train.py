@@ -294,7 +294,9 @@ def test_cli_stream_layers_auto_chooses_and_says_so(tmp_path, capsys):
   assert "layer stack: device (the step takes" in capsys.readouterr().out
   tight = train_script.main(base + ["--memory-budget", "1MB"])
   out = capsys.readouterr().out
-  assert "layer stack: host (the step takes" in out and "fits host_tier_bytes" in out, out
+  # every class on the device is refused by its bytes alone (2.6 MiB), not compiled
+  assert "layer stack: host (at least " in out and "the step takes " in out, out
+  assert "fits host_tier_bytes" in out, out
   assert fits["gb_written"] == 0 and tight["gb_written"] > 0
   assert tight["losses"] == fits["losses"]
   # each class placed by hand: the parameters on the device, the sum in the host tier, the

@@ -89,8 +89,8 @@ LIMIT_S=${LIMIT_S:-570}
 if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
 KNOWN=(tests tests4 reliability jaxlayer lifetimes streamtests rok rok8192 hostrows hosttier link
-  planner planner32k planner8192 plannernvme cap emulated train maxtext multigpu multigpu4 multigpu124 multihost optimizer
-  optimizerbench optimizer2 optimizer4 checkpoint accumulate fit fitnode fitnodejax layerstream
+  planner planner32k planner8192 plannernvme cap emulated train maxtext multigpu multigpu4 multigpu124
+  multihost optimizer optimizerbench optimizer2 optimizer4 checkpoint accumulate fit fitnode fitnodejax layerstream
   layerstream30 maxtextfsdp maxtextfsdpqkv maxtextfsdp4)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'

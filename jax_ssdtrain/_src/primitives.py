@@ -326,7 +326,6 @@ def _load_batch(
 
 
 ji.primitive_batchers[load_p] = _load_batch
-
 # The handle is integer-valued: its tangent is always a symbolic zero, so no JVP rule is
 # consulted; forward-mode through a store is refused at the store (see _store_jvp).
 

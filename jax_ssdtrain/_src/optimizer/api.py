@@ -186,9 +186,9 @@ def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_ar
   """
   import optax  # an optional dependency (the demo extra)
 
-  if isinstance(opt_state, StreamedOptState):
-    return _apply_to_stack(tx, grads, opt_state, params, extra_args)
   streamed = getattr(getattr(tx, "update", None), "apply_gradients", None)
+  if isinstance(opt_state, StreamedOptState):
+    return _apply_to_stack(tx, grads, opt_state, params, extra_args, streamed is not None)
   if streamed is not None:
     return streamed(grads, opt_state, params, **extra_args)
   updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
@@ -198,8 +198,11 @@ def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_ar
 _STACK_UPDATE_OPTIONS = ("scale", "clip_global_norm", "global_norm", "in_place")
 
 
-def _apply_to_stack(tx: Any, grads: Any, opt_state: StreamedOptState, params: Any, options: dict):
-  """:func:`apply_gradients` of a streamed stack: :func:`apply_streamed_update`'s arguments."""
+def _apply_to_stack(
+  tx: Any, grads: Any, opt_state: StreamedOptState, params: Any, options: dict, offloaded: bool
+):
+  """:func:`apply_gradients` of a streamed stack: :func:`apply_streamed_update`'s arguments
+  (``offloaded``: ``tx`` comes from :func:`offload_optimizer`)."""
   unknown = sorted(set(options) - set(_STACK_UPDATE_OPTIONS))
   if unknown:
     raise TypeError(
@@ -207,7 +210,7 @@ def _apply_to_stack(tx: Any, grads: Any, opt_state: StreamedOptState, params: An
       f"apply_streamed_update's options {', '.join(_STACK_UPDATE_OPTIONS)}, not "
       f"{', '.join(unknown)} (tx.update's extra arguments do not reach a stack's update)"
     )
-  if getattr(getattr(tx, "update", None), "apply_gradients", None) is not None:
+  if offloaded:
     raise TypeError(
       "apply_gradients: tx comes from offload_optimizer, whose state is an OffloadedState; a "
       "streamed stack's state (init_streamed_optimizer) is in the store already: pass the optax "

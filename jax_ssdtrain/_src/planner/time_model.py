@@ -10,16 +10,17 @@ as SSDTrain does, because their backward comes first and leaves no time to read 
   from the last, then ``update_s`` (the optimizer); each layer's backward is ``B`` plus the
   time of every tag it recomputes (``recompute_s`` of the tag: the measured cost of recomputing
   the whole layer times the FLOP share of the ops between the previous tag and this one).
-- nvme: one disk queue, FIFO, ``write_gbps`` for writes and ``read_gbps`` for reads. The
-  tensors of layer ``i`` are ready at the end of its forward and every one is written (the
-  engine cancels a write that has not started when the host thread issues its load, but how
-  many that is depends on host-side timing and on the host cache's free room, which entries
-  of other programs can hold: on the H100 such plans wrote from 12% to 100% of their bytes;
-  the planner takes no credit). Writes wait in the host cache (``host_cache_bytes``); when the
-  unwritten backlog exceeds it, the forward stalls. The cache keeps the last ``host_cache_bytes`` stored, so those
-  are not read back. Disk reads run after the writes, last layer first; layer ``i``'s reads
-  must finish before its backward starts, else the backward stalls. In steady state the disk's
-  writes and reads of one step must also fit in the step, else the step waits for them.
+- nvme: one disk queue, FIFO, ``write_gbps`` for writes and ``read_gbps`` for reads. The tensors
+  of layer ``i`` are ready at the end of its forward and every one is written (the engine
+  cancels a write that has not started when the host thread issues its load, but how many that
+  is depends on host-side timing and on the host cache's free room, which entries of other
+  programs can hold: measured on an H100, such plans wrote from 12% to 100% of their bytes; the
+  planner takes no credit). Writes wait in the host cache (``host_cache_bytes``); when the
+  unwritten backlog exceeds it, the forward stalls. The cache keeps the last
+  ``host_cache_bytes`` stored, so those are not read back. Disk reads run after the writes, last
+  layer first; layer ``i``'s reads must finish before its backward starts, else the backward
+  stalls. In steady state the disk's writes and reads of one step must also fit in the step,
+  else the step waits for them.
 - every tag sent to the store also costs ``offload_s`` per layer (its store and load: host-side
   work and launches, measured by ``profile``), half in the forward and half in the backward.
 - host: the same with the PCIe link (``host_gbps`` each way, full duplex: device-to-host in the

@@ -1,0 +1,115 @@
+"""Offload planner: where each tagged tensor of a scan over L layers lives, from a profile, and
+where each class of training state lives under a device budget.
+
+    prof = ssd.profile(layer_fn, layer_params, x, num_layers=L)  # store bandwidth measured
+    p = ssd.plan(prof)              # p.offload_layers, p.locations, print(p)
+    y = p.scan(layer_fn, stacked_params, x)  # the stack as planned (p.policies() for your own)
+
+The package's modules, one concern each:
+
+- ``types``: ``TagProfile``, ``Profile``, ``Plan``, ``OptimizerPlacement``, ``StackPlacement``
+  and the defaults and location sets they share;
+- ``time_model``: the timing model (its docstring states it), ``simulate`` and a plan's memory;
+- ``search``: ``plan``, ``frontier``, ``plan_for_budget``;
+- ``profiling``: ``profile``, ``measured_bandwidth``, ``measured_link_gbps`` (the programs it
+  compiles on threads, its progress);
+- ``placement``: ``choose_optimizer_location``, ``choose_stack_location`` and the one weighing
+  of a step's device memory against a budget;
+- ``split``: ``split_layers``, ``split_scan``;
+- ``checks``: the argument checks they share.
+
+``split_scan`` is the one split scan (the first ``k`` layers under one policy, the rest under
+another): ``Plan.scan``, the models' ``Stack`` and ``scripts/bench_planner.py`` run it.
+``choose_optimizer_location`` weighs the optimizer state on the device against the store the
+same way ``plan_for_budget`` weighs a plan: the exact device memory of the step with it there,
+against a budget.
+"""
+
+from jax_ssdtrain._src.planner.checks import _check_int, _check_number
+from jax_ssdtrain._src.planner.placement import (
+  _HOTTEST_FIRST,
+  _ON_DEVICE,
+  _gib,
+  _not_on_device,
+  _place_in_store,
+  _stack_room,
+  _weigh_step,
+  _with_on_device,
+  choose_optimizer_location,
+  choose_stack_location,
+)
+from jax_ssdtrain._src.planner.profiling import (
+  MIN_DIFFERENCE_S,
+  _achieved_link_gbps,
+  _compile_all,
+  _flops,
+  _in,
+  _is_jaxpr,
+  _layer_times,
+  _pow2_ceil,
+  _probe_sizes,
+  _Progress,
+  _tagged,
+  _walk,
+  measured_bandwidth,
+  measured_link_gbps,
+  profile,
+)
+from jax_ssdtrain._src.planner.search import (
+  _candidates,
+  _feasible,
+  _rank,
+  frontier,
+  plan,
+  plan_for_budget,
+)
+from jax_ssdtrain._src.planner.split import split_layers, split_scan
+from jax_ssdtrain._src.planner.time_model import (
+  STAGING_TOLERANCE,
+  _device_bytes,
+  _evaluate,
+  _staging_needed,
+  simulate,
+)
+from jax_ssdtrain._src.planner.types import (
+  _CLASS_NAMES,
+  DEFAULT_HOST_CACHE_BYTES,
+  DEFAULT_HOST_GBPS,
+  DEFAULT_HOST_TIER_BYTES,
+  DEFAULT_STAGING_BYTES,
+  OFFLOADED,
+  PLANNED,
+  OptimizerPlacement,
+  Plan,
+  Profile,
+  StackPlacement,
+  TagProfile,
+  _layers,
+)
+
+__all__ = [
+  "DEFAULT_HOST_CACHE_BYTES",
+  "DEFAULT_HOST_GBPS",
+  "DEFAULT_HOST_TIER_BYTES",
+  "DEFAULT_STAGING_BYTES",
+  "MIN_DIFFERENCE_S",
+  "OFFLOADED",
+  "PLANNED",
+  "STAGING_TOLERANCE",
+  "OptimizerPlacement",
+  "Plan",
+  "Profile",
+  "StackPlacement",
+  "TagProfile",
+  "choose_optimizer_location",
+  "choose_stack_location",
+  "frontier",
+  "measured_bandwidth",
+  "measured_link_gbps",
+  "plan",
+  "plan_for_budget",
+  "profile",
+  "simulate",
+  "split_layers",
+  "split_scan",
+]

@@ -23,14 +23,16 @@ TFLOP/s (6 FLOP per parameter and token) the device's way hides behind the compu
 way costs instead: (1) the sum is updated in place, so a micro-step that fails part way leaves
 a sum that is part old, part new (a failed write must leave the last consistent state; keeping
 two versions on the host costs the memory the device's way costs); (2) 16 B of host-memory
-traffic per parameter (the arriving gradient written and read, the sum read and per micro-batch at 30B parameters, 1.6-2.4 s of a server's memory bandwidth, shared with the link's copies and the disk, and a dozen cores or more doing float32 adds at that
-rate; (3) arithmetic in the engine (dtype conversion, an entry that is both read and written,
-its ordering against the loads of the sum), which today only moves bytes; with the sum in the
-files both ways read and write it on the disk. So the device adds here: consistent under
-failure, no host-memory or core budget, the addition is XLA's and bit for bit the device
-reference's, in any tier, and the first micro-batch of a step reads nothing back (k micro-batches
-read the sum k - 1 times). The host's add pays where the link binds at the micro-batch sizes
-that fit (docs/layer_stream.md has the arithmetic).
+traffic per parameter (the arriving gradient written and read, the sum read and written): 480 GB
+per micro-batch at 30B parameters, 1.6-2.4 s of a server's memory bandwidth, shared with the
+link's copies and the disk, and a dozen cores or more doing float32 adds at that rate; (3)
+arithmetic in the engine (dtype conversion, an entry that is both read and written, its
+ordering against the loads of the sum), which only moves bytes; with the sum in the files both
+ways read and write it on the disk. So the device adds here: consistent under failure, no
+host-memory or core budget, the addition is XLA's and bit for bit the device reference's, in any
+tier, and the first micro-batch of a step reads nothing back (k micro-batches read the sum k - 1
+times). The host's add pays where the link binds at the micro-batch sizes that fit
+(docs/layer_stream.md has the arithmetic).
 """
 
 from __future__ import annotations

@@ -98,6 +98,12 @@ class StreamedStack:
   stacked leaves themselves (``[L, *shape]``). It is a pytree (the handles are its leaves): pass
   it to ``jax.jit`` and donate it. Made by :func:`init_streamed`, :func:`stack_from_tree`,
   :func:`map_stack` and :func:`value_and_grad_streamed`; read by :func:`stack_to_tree`.
+
+  ``layout.kind`` is its role: ``"params"`` (:func:`init_streamed`, :func:`stack_from_tree`),
+  ``"grad_sum"`` (:func:`value_and_grad_streamed`'s sum), ``"opt_state"`` (a
+  :class:`StreamedOptState`'s ``per_layer``); :func:`map_stack`'s result keeps its first stack's
+  kind, or takes its ``kind``. Where the parameters are expected a gradient sum or a state is
+  refused, and where a gradient sum is expected a state.
   """
 
   def __init__(self, handles: Any, layout: _Layout):

@@ -1208,3 +1208,135 @@ def test_no_load_is_mispredicted(store, how):
     _train("host", "clip_adamw", layers=5, steps=2, micro=3)
   s = ssd.stats()
   assert s["handle_mismatches"] == 0 and s["speculative_loads"] > 0, s
+
+
+# ---------------------------------------------------------------------------------------------
+# Traps: a stack in the wrong role, an offloaded or plain optax state, a carry that is a pytree
+
+
+def _adam_stack_state_sums():
+  import optax
+
+  tx = optax.adam(0.1)  # float32 parameters: a swapped call's state check passes
+  stack = ssd.init_streamed(_init_layer, jax.random.key(0), 2)
+  state = ssd.init_streamed_optimizer(tx, stack)
+  ep, hp = _side()
+  _, sums = _micro_step(False)(ep, stack, hp, _batches(1)[0], None)
+  return tx, stack, state, sums[1]
+
+
+def test_a_stack_in_the_wrong_role_is_refused(store):
+  # The parameters and the gradient sum swapped ran, updating the sum with the parameters as
+  # its gradients; each entry point now names the argument, what it got and the call order.
+  tx, stack, state, stack_sum = _adam_stack_state_sums()
+  swapped = r"look swapped.*apply_gradients\(tx, grads, state, params\)"
+  with pytest.raises(ValueError, match=r"params: a gradient sum \('grad_sum' stack\).*" + swapped):
+    ssd.apply_gradients(tx, stack, state, stack_sum)
+  order = r"apply_streamed_update\(tx, stack, stack_sum, tx_state\)"
+  with pytest.raises(ValueError, match=r"stack: a gradient sum .*look swapped.*" + order):
+    ssd.apply_streamed_update(tx, stack_sum, stack, state)
+  # The optimizer state's per-layer stack where the parameters or the sum are expected.
+  with pytest.raises(ValueError, match=r"grads: an optimizer state's per-layer leaves"):
+    ssd.apply_gradients(tx, state.per_layer, state, stack)
+  with pytest.raises(ValueError, match=r"stack_sum: an optimizer state's per-layer leaves"):
+    ssd.apply_streamed_update(tx, stack, state.per_layer, state)
+  with pytest.raises(ValueError, match=r"stack_sum: an optimizer state's per-layer leaves"):
+    ssd.streamed_global_norm(state.per_layer)
+  # A sum where the parameters are expected: the optimizer's init and the micro-step.
+  with pytest.raises(ValueError, match=r"stack: a gradient sum \('grad_sum' stack\)"):
+    ssd.init_streamed_optimizer(tx, stack_sum)
+  step = _micro_step(False)
+  with pytest.raises(ValueError, match=r"stack: a gradient sum \('grad_sum' stack\)"):
+    step(*_side()[:1], stack_sum, _side()[1], _batches(1)[0], None)
+  with pytest.raises(TypeError, match=r"stacks\[0\]: .*StreamedOptState.*per_layer"):
+    ssd.map_stack(lambda p: p, state)
+
+
+def test_an_offload_optimizer_tx_is_refused_by_name(store):
+  # offload_optimizer's transformation with a stack was blamed on an "Adafactor-style shape
+  # dependence": the stack's state is streamed already; the plain optax tx is wanted.
+  import optax
+
+  stack = ssd.init_streamed(_init_layer, jax.random.key(0), 2)
+  offloaded = ssd.offload_optimizer(optax.adam(0.1))
+  fix = r"tx: .*offload_optimizer.*streamed already.*the plain optax transformation"
+  with pytest.raises(TypeError, match=fix):
+    ssd.init_streamed_optimizer(offloaded, stack)
+  with pytest.raises(TypeError, match=fix):
+    ssd.check_streamed_room(stack, offloaded)
+  wrapped = ssd.offload_optimizer(optax.MultiSteps(optax.adam(0.1), 2))
+  with pytest.raises(TypeError, match=fix):
+    ssd.init_streamed_optimizer(wrapped, stack)
+
+
+def test_a_plain_optax_state_with_a_stack_is_refused(store):
+  # tx.init's state of the stacked tree (or of the stack's handles) with a stack: a raw pytree
+  # error (or an update of the handles) before; now a message naming init_streamed_optimizer.
+  tx, stack, _, stack_sum = _adam_stack_state_sums()
+  for plain in (tx.init(ssd.stack_to_tree(stack)), tx.init(stack)):
+    with pytest.raises(TypeError, match=r"opt_state: .*init_streamed_optimizer\(tx, params\)"):
+      ssd.apply_gradients(tx, stack_sum, plain, stack)
+    with pytest.raises(TypeError, match=r"tx_state: .*init_streamed_optimizer\(tx, stack\)"):
+      ssd.apply_streamed_update(tx, stack, stack_sum, plain)
+
+
+def test_a_carry_that_is_a_pytree_is_refused_with_what_it_got(store):
+  # An embedding and block that carry (hidden state, mask): the shape error's own message
+  # raised an AttributeError formatting the tuple's dtype.
+  stack = ssd.init_streamed(_init_layer, jax.random.key(0), 2)
+  ep, hp = _side()
+  (batch,) = _batches(1)
+
+  def embed(ep, batch):
+    x = _embed(ep, batch)
+    return x, jnp.ones(x.shape[:1], bool)
+
+  def block(p, carry):
+    x, mask = carry
+    return _block(p, x), mask
+
+  step = jax.jit(ssd.value_and_grad_streamed(embed, block, lambda hp, y, b: _head(hp, y[0], b)))
+  got = r"got tuple of 2 arrays \(float32\[4, 16\], bool\[4\]\)"
+  with pytest.raises(ValueError, match=r"embed_fn must return one array.*" + got):
+    step(ep, stack, hp, batch)
+  pair = jax.jit(ssd.value_and_grad_streamed(_embed, lambda p, x: (_block(p, x), x), _head))
+  with pytest.raises(
+    ValueError, match=r"block_fn must return an array shaped like its input x \(float32\[4, 16\]\)"
+  ):
+    pair(ep, stack, hp, batch)
+
+
+def test_the_layer_stream_is_a_package_of_files_under_700_lines():
+  # One concern per file, each with a header docstring saying what it owns; every name the
+  # single module had stays importable from jax_ssdtrain._src.layer_stream.
+  import ast
+  import importlib
+  from pathlib import Path
+
+  package = Path(ssd.__file__).parent / "_src" / "layer_stream"
+  assert package.is_dir(), "jax_ssdtrain/_src/layer_stream/ is not a package"
+  for path in sorted(package.glob("*.py")):
+    text = path.read_text()
+    assert len(text.splitlines()) <= 700, f"{path.name}: {len(text.splitlines())} lines"
+    assert ast.get_docstring(ast.parse(text)), f"{path.name}: no header docstring"
+  module = importlib.import_module("jax_ssdtrain._src.layer_stream")
+  missing = [name for name in _LAYER_STREAM_NAMES if not hasattr(module, name)]
+  assert not missing, missing
+
+
+# Every name the single module defined or imported (other modules and helpers import them from
+# jax_ssdtrain._src.layer_stream).
+_LAYER_STREAM_NAMES = """
+HANDLE_DTYPE _Layout StreamedStack _site_of _parse_location _make_layout master_weights_of
+_class_locations _check_num_layers _check_stack _chain_loads _PASSES StreamPass new_pass
+_load_layer _token _token32 _after _store_layer _stacked _scan_layers init_streamed _init_jit
+stack_from_tree _from_tree_jit stack_to_tree _to_tree_jit map_stack _map_jit _check_bool
+value_and_grad_streamed _sum_layout _check_sums _MIXING _PROBE_LAYERS _OptSpec _params_key
+StreamedOptState _check_tx _opt_params _mixing_eqns _SPECS _opt_spec _make_opt_spec _opt_layout
+init_streamed_optimizer _opt_init_jit _zeros _check_opt_state _check_scalar _sum_of_squares
+streamed_global_norm _global_norm_jit _mean_grad _clip apply_streamed_update _update_jit
+apply_device_update _ENTRY_ALIGN StreamedRoomError _dtype_name store_room STACK_CLASSES _STORED
+_fits read_ahead_sizes check_streamed_room _room_args room_arithmetic
+ensure_configured store_directories COUNTED_OR_LATER TIER_CODES Location free_bytes_total load_p
+opaque_copy store_p new_site_id
+""".split()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 import os
 import sys
@@ -39,8 +40,18 @@ _site_lock = threading.Lock()
 
 
 def new_site_id() -> int:
+  """A new site for a program's activations: positive, counted up from 1."""
   with _site_lock:
     return next(_site_ids)
+
+
+def derived_site(key: tuple) -> int:
+  """The store site of entries that later programs load (a streamed stack's leaves, an
+  offloaded optimizer state's chunks), derived from ``key`` (what they hold: a tuple whose
+  ``repr`` is stable), never from a counter, so that two inits of one model make equal layouts.
+  Negative: never one of :func:`new_site_id`'s."""
+  digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+  return -2 - (int.from_bytes(digest, "little") >> 2)
 
 
 def install() -> None:

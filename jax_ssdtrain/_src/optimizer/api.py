@@ -19,7 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ssdtrain._src.layer_stream import StreamedOptState, apply_streamed_update
+from jax_ssdtrain._src.layer_stream import (
+  StreamedOptState,
+  StreamedStack,
+  _check_role,
+  _check_stack,
+  apply_streamed_update,
+)
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.optimizer.base import OffloadedState, OptimizerOffloadError, check_state
 from jax_ssdtrain._src.optimizer.layout import (
@@ -187,7 +193,9 @@ def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_ar
   import optax  # an optional dependency (the demo extra)
 
   streamed = getattr(getattr(tx, "update", None), "apply_gradients", None)
-  if isinstance(opt_state, StreamedOptState):
+  if isinstance(opt_state, StreamedOptState) or any(
+    isinstance(x, StreamedStack) for x in (grads, params)
+  ):
     return _apply_to_stack(tx, grads, opt_state, params, extra_args, streamed is not None)
   if streamed is not None:
     return streamed(grads, opt_state, params, **extra_args)
@@ -216,6 +224,18 @@ def _apply_to_stack(
       "streamed stack's state (init_streamed_optimizer) is in the store already: pass the optax "
       "transformation itself"
     )
+  if not isinstance(opt_state, StreamedOptState):
+    raise TypeError(
+      f"apply_gradients: opt_state: a {type(opt_state).__name__}, not a streamed stack's state "
+      "(a StreamedOptState), with a StreamedStack: make the state with "
+      "init_streamed_optimizer(tx, params) (tx.init's own state, of the stacked tree or of the "
+      "stack's handles, does not stream)"
+    )
+  # The roles, in this function's argument names (apply_streamed_update checks them again).
+  order = "apply_gradients(tx, grads, state, params)"
+  lay, sum_lay = _check_stack(params, "params"), _check_stack(grads, "grads")
+  _check_role(lay, "params", "params", order, other=("grads", sum_lay))
+  _check_role(sum_lay, "grad_sum", "grads", order)
   return apply_streamed_update(tx, params, grads, opt_state, **options)
 
 

@@ -14,13 +14,15 @@ std::string DescribeTag(std::string_view name, int64_t site, uint32_t id) {
          std::to_string(id) + ")";
 }
 
-uint32_t Engine::HandleCheck(uint32_t id) const {
-  // A mixing hash of id and the engine's salt: a bit flipped in either word is detected.
-  uint64_t z = (static_cast<uint64_t>(id) << 32 | salt_) + 0x9E3779B97F4A7C15ull;
+uint32_t HandleCheckWithSalt(uint32_t id, uint32_t salt) {
+  // A mixing hash of id and an engine's salt: a bit flipped in either word is detected.
+  uint64_t z = (static_cast<uint64_t>(id) << 32 | salt) + 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return static_cast<uint32_t>(z ^ (z >> 31));
 }
+
+uint32_t Engine::HandleCheck(uint32_t id) const { return HandleCheckWithSalt(id, salt_); }
 
 void Engine::MakeHandle(const Entry& e, uint32_t h[2]) const {
   h[0] = e.id_;
@@ -29,6 +31,16 @@ void Engine::MakeHandle(const Entry& e, uint32_t h[2]) const {
 
 Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int64_t site,
                              std::string_view name, EntryPtr* out, int device, bool consume) {
+  if (h[0] != 0 && HandleCheck(h[0]) != h[1] && FromReplacedStore(h))
+    return Status(EINVAL, "ssdtrain handle {" + std::to_string(h[0]) + ", " + std::to_string(h[1]) +
+                              "} for tag '" + std::string(name) + "' (site " +
+                              std::to_string(site) +
+                              "): its entry belongs to a store that was replaced since it was "
+                              "stored (jax_ssdtrain.configure(...) or shutdown() drops every "
+                              "stored tensor: activations, a streamed stack, offloaded optimizer "
+                              "state). Make it again after configure() (init_streamed, "
+                              "stack_from_tree, tx.init, ...), or configure the store before "
+                              "making it");
   if (h[0] == 0 || HandleCheck(h[0]) != h[1])
     return Status(EINVAL, "invalid or stale ssdtrain handle {" + std::to_string(h[0]) + ", " +
                               std::to_string(h[1]) + "} for tag '" + std::string(name) +

@@ -32,21 +32,27 @@ void Engine::MakeHandle(const Entry& e, uint32_t h[2]) const {
 Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int64_t site,
                              std::string_view name, EntryPtr* out, int device, bool consume) {
   if (h[0] != 0 && HandleCheck(h[0]) != h[1] && FromReplacedStore(h))
-    return Status(EINVAL, "ssdtrain handle {" + std::to_string(h[0]) + ", " + std::to_string(h[1]) +
-                              "} for tag '" + std::string(name) + "' (site " +
-                              std::to_string(site) +
+    return Status(EINVAL, "stale ssdtrain handle {" + std::to_string(h[0]) + ", " +
+                              std::to_string(h[1]) + "} for tag '" + std::string(name) +
+                              "' (site " + std::to_string(site) +
                               "): its entry belongs to a store that was replaced since it was "
-                              "stored (jax_ssdtrain.configure(...) or shutdown() drops every "
+                              "stored (jax_ssdtrain.configure(...) and shutdown() drop every "
                               "stored tensor: activations, a streamed stack, offloaded optimizer "
                               "state). Make it again after configure() (init_streamed, "
                               "stack_from_tree, tx.init, ...), or configure the store before "
                               "making it");
-  if (h[0] == 0 || HandleCheck(h[0]) != h[1])
+  if (h[0] == 0)
+    return Status(EINVAL, "invalid or stale ssdtrain handle {0, " + std::to_string(h[1]) +
+                              "} for tag '" + std::string(name) + "' (site " +
+                              std::to_string(site) +
+                              "): the null handle, which a store counted to have no load "
+                              "(uses=0) returns, keeping nothing (or zeros made by hand)");
+  if (HandleCheck(h[0]) != h[1])
     return Status(EINVAL, "invalid or stale ssdtrain handle {" + std::to_string(h[0]) + ", " +
                               std::to_string(h[1]) + "} for tag '" + std::string(name) +
                               "' (site " + std::to_string(site) +
-                              "): it does not come from a store of this engine "
-                              "(corrupted, or the engine was reconfigured since)");
+                              "): it comes from no store of this process "
+                              "(corrupted, made by hand or by another process)");
   auto it = entries_.find(h[0]);
   if (it == entries_.end())
     return Status(EINVAL, "activation was already released: " + DescribeTag(name, site, h[0]) +

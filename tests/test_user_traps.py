@@ -173,6 +173,17 @@ def test_apply_gradients_refuses_a_streamed_stack_with_an_offloaded_state(store)
     tx.update(stack, state, stack)
 
 
+def test_apply_gradients_refuses_a_streamed_stack_with_a_plain_optax_state(store):
+  # optax would update the stack's handles as numbers: they would then name no entry.
+  stack = _stack()
+  tx = optax.adam(1e-3)
+  with pytest.raises(TypeError, match=r"params holds a StreamedStack \(at <root>\).*init_streamed"):
+    ssd.apply_gradients(tx, stack, tx.init(stack), stack)
+  params = {"w": jnp.ones((4, 4))}
+  with pytest.raises(TypeError, match=r"grads holds a StreamedStack \(at \['w'\]\)"):
+    ssd.apply_gradients(tx, {"w": stack}, tx.init(params), params)
+
+
 def test_offload_optimizer_nested_in_itself_is_refused():
   tx = ssd.offload_optimizer(optax.adam(1e-3))
   for wrapped in (tx, ssd.accumulate_gradients(tx, 2)):

@@ -203,6 +203,7 @@ def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_ar
     return _apply_to_stack(tx, grads, opt_state, params, extra_args, streamed is not None)
   if streamed is not None:
     return streamed(grads, opt_state, params, **extra_args)
+  _refuse_stacks_without_their_state(params, grads, opt_state)
   updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
   return optax.apply_updates(params, updates), opt_state
 
@@ -303,18 +304,9 @@ def _refuse_stacks(tree: Any, what: str, where: str) -> None:
   """A TypeError where ``tree`` holds a :class:`StreamedStack`: its leaves are the store's
   handles of a layer stack, not parameters (Adam moments of them would be moments of handles).
   A walk of the tree only: pure, as ``init`` must be under ``jax.eval_shape``."""
-  if tree is None:
+  at = _stack_paths(tree)
+  if not at:
     return
-  found = [
-    jax.tree_util.keystr(path) or "<root>"
-    for path, leaf in jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: isinstance(x, StreamedStack)
-    )[0]
-    if isinstance(leaf, StreamedStack)
-  ]
-  if not found:
-    return
-  at = ", ".join(found[:4]) + (f", ... ({len(found)} stacks)" if len(found) > 4 else "")
   raise TypeError(
     f"offload_optimizer(...).{where}: {what} holds a StreamedStack (at {at}): a streamed layer "
     "stack's leaves are its store handles, not parameters, and offload_optimizer does not stream "
@@ -323,6 +315,38 @@ def _refuse_stacks(tree: Any, what: str, where: str) -> None:
     "apply_gradients(tx, grad_sum, stack_state, stack); give offload_optimizer the parameters "
     "that are not in a stack"
   )
+
+
+def _refuse_stacks_without_their_state(params: Any, grads: Any, opt_state: Any) -> None:
+  """A TypeError where the parameters or gradients of a plain optax step hold a
+  :class:`StreamedStack`: optax would update its handles as numbers (they would then name no
+  entry of the store)."""
+  for tree, what in ((params, "params"), (grads, "grads")):
+    found = _stack_paths(tree)
+    if found:
+      raise TypeError(
+        f"apply_gradients: {what} holds a StreamedStack (at {found}) but opt_state is a "
+        f"{type(opt_state).__name__}, not the StreamedOptState of a stack: tx.update would "
+        "update the stack's store handles as numbers. Make the stack's state with "
+        "init_streamed_optimizer(tx, stack) and call apply_gradients(tx, grad_sum, "
+        "stack_state, stack) for the stack, and apply_gradients(tx, grads, state, params) for "
+        "the parameters that are not in a stack"
+      )
+
+
+def _stack_paths(tree: Any) -> str:
+  """Where ``tree`` holds a :class:`StreamedStack` (``"<root>"``, ``"['blocks']"``, ...), or an
+  empty string."""
+  if tree is None:
+    return ""
+  found = [
+    jax.tree_util.keystr(path) or "<root>"
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, StreamedStack)
+    )[0]
+    if isinstance(leaf, StreamedStack)
+  ]
+  return ", ".join(found[:4]) + (f", ... ({len(found)} stacks)" if len(found) > 4 else "")
 
 
 def _multisteps(tx: Any) -> Any:

@@ -39,10 +39,10 @@ def store(tmp_path):
 
 # Each trial makes a stack (its program still running when configure() is called: 32 layers,
 # large enough that the stores are not done by then), replaces the store, then reads the stack
-# back. The one right outcome: refused, naming the replaced store. Before configure() waited,
-# the trials of one run ended three ways: "no store is configured" (the init's stores fell
-# between the old store and the new one), the stack read back (they fell in the new store),
-# or the stale-handle error.
+# back. The one right outcome: refused, naming the replaced store. Were configure() not to
+# wait, a trial could end three other ways: "no store is configured" (the init's stores fall
+# between the old store and the new one), the stack read back (they fall in the new store),
+# or a handle error that does not say why.
 _RACE = """
 import jax
 import jax_ssdtrain as ssd

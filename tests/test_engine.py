@@ -356,9 +356,11 @@ def test_bad_handles(tmp_path):
     jax.block_until_ready(load(h, x, site=10, name="bad"))
   # Still loadable correctly afterwards.
   same(load(h, x, site=9, name="bad"), x)
-  # Reconfiguring makes old handles stale.
+  # Reconfiguring makes old handles stale, and the error says why.
   cfg(tmp_path)
-  with pytest.raises(Exception, match="invalid or stale"):
+  with pytest.raises(
+    Exception, match="stale ssdtrain handle.*belongs to a store that was replaced"
+  ):
     jax.block_until_ready(load(h, x, site=9, name="bad"))
 
 

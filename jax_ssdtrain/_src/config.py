@@ -82,8 +82,14 @@ def configure(
   ``capacity_bytes``: file space in all; None keeps the current one. The other options are the
   fields of :class:`StoreConfig` (the docs' Store options page lists them); sizes may be
   strings such as ``"4GiB"``. Options not given keep their current values (initially the
-  defaults and ``SSDTRAIN_*`` variables). Reconfiguring drops every stored activation; after
-  :func:`shutdown`, it opens the store again.
+  defaults and ``SSDTRAIN_*`` variables). After :func:`shutdown`, it opens the store again.
+
+  Reconfiguring replaces the open store: it first waits for the work already dispatched (every
+  live ``jax.Array`` ready, as :func:`flush` does), so that a program that was still running
+  finishes in the old store, then drops everything stored (activations, streamed stacks,
+  offloaded optimizer state). A program given a handle made before is refused with an error
+  saying its entry belongs to a store that was replaced: make such state again after
+  ``configure()``, or configure the store before making it.
   """
   given = dict(options)
   if directory is not None:
@@ -91,6 +97,7 @@ def configure(
   if capacity_bytes is not None:
     given["capacity_bytes"] = capacity_bytes
   changes = _options.read_changes(given)
+  _wait_for_dispatched()
   with _lock:
     base = _state.config if _state.config is not None else defaults()
     cfg = _options.check(dataclasses.replace(base, **changes))
@@ -122,6 +129,7 @@ def configured(directory=None, capacity_bytes=None, **options) -> Iterator[Store
   try:
     yield configure(directory, capacity_bytes, **options)
   finally:
+    _wait_for_dispatched()
     with _lock:
       if previous is None:
         _shutdown_locked()
@@ -212,7 +220,9 @@ def release_all() -> None:
 def shutdown() -> None:
   """Closes the store and deletes its files (and the private temp dir). Until the next
   :func:`configure`, programs that offload (compiled before or after) and :func:`stats` raise
-  an error saying so, instead of opening a store of their own."""
+  an error saying so, instead of opening a store of their own. Waits first for the work already
+  dispatched (every live ``jax.Array`` ready), so that no running program loses its store."""
+  _wait_for_dispatched()
   with _lock:
     _shutdown_locked()
     _state.shut_down = True
@@ -298,6 +308,15 @@ class _State:
 
 _state = _State()
 _lock = threading.RLock()
+
+
+def _wait_for_dispatched() -> None:
+  """Before the store is replaced or closed: waits for every live ``jax.Array`` (the programs
+  that made them), so that no program dispatched before still runs its stores and loads while
+  the engine changes (they would fail for want of a store, or store into the new one). The
+  store's own reads and writes are waited for by the engine as it drops the old store."""
+  if _state.config is not None:
+    lifetimes.ready_live_arrays()
 
 
 def _apply(cfg: StoreConfig) -> None:

@@ -208,9 +208,11 @@ def decision_rank(decision) -> int:
 
 def as_offloading(policy) -> OffloadPolicy | ComposedPolicy | None:
   """The policy as one whose tags may go to our store, or None when no part of it is ours
-  (then JAX handles it untouched)."""
+  (then JAX handles it untouched). A factory of ours given as the policy itself, uncalled,
+  raises a TypeError saying to call it (JAX would call it with an equation's parameters)."""
   if isinstance(policy, (OffloadPolicy, ComposedPolicy)):
     return policy
+  _refuse_factory(policy)
   parts = ji.save_from_both_parts(policy)
   if parts is None:
     return None
@@ -218,6 +220,27 @@ def as_offloading(policy) -> OffloadPolicy | ComposedPolicy | None:
   if all(r is None for r in resolved):
     return None
   return ComposedPolicy(tuple(r if r is not None else p for r, p in zip(resolved, parts)))
+
+
+def _refuse_factory(policy) -> None:
+  """A TypeError where ``policy`` is :func:`offload_policy` or :func:`location_policy` itself:
+  functions that make a policy, not policies."""
+  if policy is offload_policy:
+    factory = "offload_policy"
+  elif policy is location_policy:
+    factory = "location_policy"
+  else:  # (by identity: a policy need not be hashable)
+    return
+  example = {
+    "offload_policy": "jax_ssdtrain.offload_policy(['qkv', 'mlp_up'])",
+    "location_policy": "jax_ssdtrain.location_policy({'qkv': 'host', 'mlp_up': 'nvme'})",
+  }[factory]
+  raise TypeError(
+    f"policy: got the function jax_ssdtrain.{factory} itself, which makes a remat policy but "
+    f"is not one; call it with the tags it places: policy={example} (the checkpoint_name tags "
+    "of the activations to offload), or use the ready policy jax_ssdtrain.ssd_offload_policy "
+    "(every tagged tensor of at least 1 MiB to the store)"
+  )
 
 
 def nbytes(x) -> int:

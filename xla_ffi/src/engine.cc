@@ -476,7 +476,20 @@ std::shared_ptr<Engine> g_engine;
 // configuration Python sends, never with defaults of its own.
 const char* g_no_engine =
     "no store is configured in this process: call jax_ssdtrain.configure(...) first";
+// The salts of the engines ReplaceEngine replaced (the newest kMaxReplaced): a load of a handle
+// one of them made is told its store was replaced, not that the handle is corrupted.
+// Its own mutex: an engine's loads ask it under their engine's lock.
+constexpr size_t kMaxReplaced = 1024;
+std::mutex g_replaced_mu;
+std::vector<uint32_t> g_replaced_salts;
 }  // namespace
+
+bool FromReplacedStore(const uint32_t h[2]) {
+  std::lock_guard<std::mutex> g(g_replaced_mu);
+  for (uint32_t salt : g_replaced_salts)
+    if (HandleCheckWithSalt(h[0], salt) == h[1]) return true;
+  return false;
+}
 
 std::shared_ptr<Engine> CurrentEngine(Status* st) {
   std::lock_guard<std::mutex> g(g_engine_mu);
@@ -494,6 +507,11 @@ Status ReplaceEngine(const Config* cfg) {
     std::lock_guard<std::mutex> g(g_engine_mu);
     old = std::move(g_engine);
     g_engine.reset();
+    if (old) {
+      std::lock_guard<std::mutex> r(g_replaced_mu);
+      if (g_replaced_salts.size() == kMaxReplaced) g_replaced_salts.erase(g_replaced_salts.begin());
+      g_replaced_salts.push_back(old->salt());
+    }
     if (!cfg)
       g_no_engine =
           "the store was shut down (jax_ssdtrain.shutdown(), or the end of a "

@@ -278,6 +278,7 @@ class Engine {
   void StagingAllocated(uint64_t bytes);
   void StagingFreed(uint64_t bytes) { stats_.staging_in_use -= bytes; }
   void CountStagedLoad(const Entry& e, bool from_store);
+  uint32_t salt() const { return salt_; }  // its handles' check words (HandleCheckWithSalt)
 
  private:
   Engine() = default;
@@ -397,5 +398,10 @@ std::shared_ptr<Engine> CurrentEngine(Status* st);
 std::shared_ptr<Engine> PeekEngine();
 // Replaces the process-wide engine by one configured with `cfg`; nullptr: shuts the store down.
 Status ReplaceEngine(const Config* cfg);
+// The check word of handle id `id` under an engine's `salt`.
+uint32_t HandleCheckWithSalt(uint32_t id, uint32_t salt);
+// Whether handle `h` was made by an engine of this process that ReplaceEngine replaced (its
+// check word matches a replaced engine's salt): a store made before a reconfiguration.
+bool FromReplacedStore(const uint32_t h[2]);
 
 }  // namespace ssdtrain

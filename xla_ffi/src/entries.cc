@@ -14,13 +14,15 @@ std::string DescribeTag(std::string_view name, int64_t site, uint32_t id) {
          std::to_string(id) + ")";
 }
 
-uint32_t Engine::HandleCheck(uint32_t id) const {
-  // A mixing hash of id and the engine's salt: a bit flipped in either word is detected.
-  uint64_t z = (static_cast<uint64_t>(id) << 32 | salt_) + 0x9E3779B97F4A7C15ull;
+uint32_t HandleCheckWithSalt(uint32_t id, uint32_t salt) {
+  // A mixing hash of id and an engine's salt: a bit flipped in either word is detected.
+  uint64_t z = (static_cast<uint64_t>(id) << 32 | salt) + 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return static_cast<uint32_t>(z ^ (z >> 31));
 }
+
+uint32_t Engine::HandleCheck(uint32_t id) const { return HandleCheckWithSalt(id, salt_); }
 
 void Engine::MakeHandle(const Entry& e, uint32_t h[2]) const {
   h[0] = e.id_;
@@ -29,12 +31,28 @@ void Engine::MakeHandle(const Entry& e, uint32_t h[2]) const {
 
 Status Engine::LookupForLoad(Lock& lk, const uint32_t h[2], uint64_t nbytes, int64_t site,
                              std::string_view name, EntryPtr* out, int device, bool consume) {
-  if (h[0] == 0 || HandleCheck(h[0]) != h[1])
+  if (h[0] != 0 && HandleCheck(h[0]) != h[1] && FromReplacedStore(h))
+    return Status(EINVAL, "stale ssdtrain handle {" + std::to_string(h[0]) + ", " +
+                              std::to_string(h[1]) + "} for tag '" + std::string(name) +
+                              "' (site " + std::to_string(site) +
+                              "): its entry belongs to a store that was replaced since it was "
+                              "stored (jax_ssdtrain.configure(...) and shutdown() drop every "
+                              "stored tensor: activations, a streamed stack, offloaded optimizer "
+                              "state). Make it again after configure() (init_streamed, "
+                              "stack_from_tree, tx.init, ...), or configure the store before "
+                              "making it");
+  if (h[0] == 0)
+    return Status(EINVAL, "invalid or stale ssdtrain handle {0, " + std::to_string(h[1]) +
+                              "} for tag '" + std::string(name) + "' (site " +
+                              std::to_string(site) +
+                              "): the null handle, which a store counted to have no load "
+                              "(uses=0) returns, keeping nothing (or zeros made by hand)");
+  if (HandleCheck(h[0]) != h[1])
     return Status(EINVAL, "invalid or stale ssdtrain handle {" + std::to_string(h[0]) + ", " +
                               std::to_string(h[1]) + "} for tag '" + std::string(name) +
                               "' (site " + std::to_string(site) +
-                              "): it does not come from a store of this engine "
-                              "(corrupted, or the engine was reconfigured since)");
+                              "): it comes from no store of this process "
+                              "(corrupted, made by hand or by another process)");
   auto it = entries_.find(h[0]);
   if (it == entries_.end())
     return Status(EINVAL, "activation was already released: " + DescribeTag(name, site, h[0]) +

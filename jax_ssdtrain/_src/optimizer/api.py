@@ -91,6 +91,13 @@ def offload_optimizer(
 
   if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
     raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")
+  if _offloaded(tx):
+    raise TypeError(
+      "tx: the transformation given is one that offload_optimizer made (or accumulate_gradients "
+      "around one): its state is in the store already, and offload_optimizer(offload_optimizer("
+      "tx)) would stream only the inner one's handles (none in the store). Call "
+      "offload_optimizer once, on the optax transformation itself: offload_optimizer(tx)"
+    )
   auto = location == "auto"
   expected = f"location: expected 'host', 'nvme', 'host,nvme', 'auto' or 'device', got {location!r}"
   try:
@@ -127,6 +134,7 @@ def offload_optimizer(
   warned = []
 
   def init_fn(params):
+    _refuse_stacks(params, "params", "init")
     shardings = param_shardings(params) if param_shardings is not None else None
     params = _plain(params)
     shapes = jax.eval_shape(tx.init, params)
@@ -151,6 +159,8 @@ def offload_optimizer(
         f"state: expected the OffloadedState that offload_optimizer(...).init made, got "
         f"{type(state).__name__}"
       )
+    _refuse_stacks(updates, "updates", "update")
+    _refuse_stacks(params, "params", "update")
     _check_made_for(tx, state, params if params is not None else updates, name)
     fn = lambda g, s, p: tx.update(g, s, p, **extra_args) if extra_args else tx.update(g, s, p)
     return stream(fn, (updates, params), state.layout, state, name)
@@ -161,6 +171,8 @@ def offload_optimizer(
         f"opt_state: expected the OffloadedState that offload_optimizer(...).init made, got "
         f"{type(state).__name__}"
       )
+    _refuse_stacks(params, "params", "apply_gradients")
+    _refuse_stacks(updates, "grads", "apply_gradients")
     _check_made_for(tx, state, params, name)
     fn = lambda g, s, p: tx.update(g, s, p, **extra_args) if extra_args else tx.update(g, s, p)
     return stream(fn, (updates, params), state.layout, state, name, apply=True)
@@ -199,6 +211,7 @@ def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_ar
     return _apply_to_stack(tx, grads, opt_state, params, extra_args, streamed is not None)
   if streamed is not None:
     return streamed(grads, opt_state, params, **extra_args)
+  _refuse_stacks_without_their_state(params, grads, opt_state)
   updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
   return optax.apply_updates(params, updates), opt_state
 
@@ -299,6 +312,61 @@ def _plain(params: Any) -> Any:
   if not any(isinstance(x, variable) for x in leaves):
     return params
   return nnx.as_pure(params)
+
+
+def _offloaded(tx: Any) -> bool:
+  """Whether ``tx`` comes from :func:`offload_optimizer` (or ``accumulate_gradients`` around
+  one): its ``update`` carries the streamed ``apply_gradients`` form."""
+  return getattr(getattr(tx, "update", None), "apply_gradients", None) is not None
+
+
+def _refuse_stacks(tree: Any, what: str, where: str) -> None:
+  """A TypeError where ``tree`` holds a :class:`StreamedStack`: its leaves are the store's
+  handles of a layer stack, not parameters (Adam moments of them would be moments of handles).
+  A walk of the tree only: pure, as ``init`` must be under ``jax.eval_shape``."""
+  at = _stack_paths(tree)
+  if not at:
+    return
+  raise TypeError(
+    f"offload_optimizer(...).{where}: {what} holds a StreamedStack (at {at}): a streamed layer "
+    "stack's leaves are its store handles, not parameters, and offload_optimizer does not stream "
+    "them. A stack's optimizer state is made by init_streamed_optimizer(tx, stack) with the "
+    "optax transformation itself (not offload_optimizer's), and applied by "
+    "apply_gradients(tx, grad_sum, stack_state, stack); give offload_optimizer the parameters "
+    "that are not in a stack"
+  )
+
+
+def _refuse_stacks_without_their_state(params: Any, grads: Any, opt_state: Any) -> None:
+  """A TypeError where the parameters or gradients of a plain optax step hold a
+  :class:`StreamedStack`: optax would update its handles as numbers (they would then name no
+  entry of the store)."""
+  for tree, what in ((params, "params"), (grads, "grads")):
+    found = _stack_paths(tree)
+    if found:
+      raise TypeError(
+        f"apply_gradients: {what} holds a StreamedStack (at {found}) but opt_state is a "
+        f"{type(opt_state).__name__}, not the StreamedOptState of a stack: tx.update would "
+        "update the stack's store handles as numbers. Make the stack's state with "
+        "init_streamed_optimizer(tx, stack) and call apply_gradients(tx, grad_sum, "
+        "stack_state, stack) for the stack, and apply_gradients(tx, grads, state, params) for "
+        "the parameters that are not in a stack"
+      )
+
+
+def _stack_paths(tree: Any) -> str:
+  """Where ``tree`` holds a :class:`StreamedStack` (``"<root>"``, ``"['blocks']"``, ...), or an
+  empty string."""
+  if tree is None:
+    return ""
+  found = [
+    jax.tree_util.keystr(path) or "<root>"
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, StreamedStack)
+    )[0]
+    if isinstance(leaf, StreamedStack)
+  ]
+  return ", ".join(found[:4]) + (f", ... ({len(found)} stacks)" if len(found) > 4 else "")
 
 
 def _multisteps(tx: Any) -> Any:

@@ -142,13 +142,44 @@ def _check_int(value, what, low, high, multiple=1, unit="an integer"):
   return value
 
 
+def _check_size(value, what, low, high, multiple):
+  """A size in bytes checked: an int in range (a float or another type is refused, saying
+  that an int number of bytes or a size string is wanted)."""
+  if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+      hint = f": pass {int(value)} or {human_size(int(value))!r}"
+    elif isinstance(value, float):
+      hint = ": a size is a whole number of bytes"
+    else:
+      hint = ""
+    raise ValueError(
+      f"{what}: expected a size in bytes, an int number of bytes or a size string such as "
+      f"'1.5GiB' or '512MiB', got the {type(value).__name__} {value!r}{hint}"
+    )
+  return _check_int(value, what, low, high, multiple, "a size in bytes")
+
+
+def human_size(n: int) -> str:
+  """``n`` bytes as the shortest size string that :func:`parse_size` reads back exactly, with a
+  unit where one divides it to at most three decimals (``"1.5GiB"``, ``"1.5GB"``), else the
+  bytes."""
+  forms = [str(n)]
+  for unit in ("TiB", "GiB", "MiB", "KiB", "TB", "GB", "MB", "KB"):
+    unit_bytes = _UNITS[unit.lower()]
+    if n >= unit_bytes and (n * 1000) % unit_bytes == 0:
+      text = f"{n * 1000 // unit_bytes / 1000:.3f}".rstrip("0").rstrip(".") + unit
+      if parse_size(text) == n:
+        forms.append(text)
+  return min(forms, key=len)
+
+
 def size(low: int = 0, high: int = INT64_MAX, multiple: int = 1) -> Kind:
   """Bytes: an int, or a string with a unit (:func:`parse_size`)."""
   more = f" >= {human_bytes(low)}" if low > 1 else " > 0" if low == 1 else ""
   return Kind(
     annotation="int",
     values=f"size{more}" + (f", multiple of {human_bytes(multiple)}" if multiple > 1 else ""),
-    check=lambda v, what: _check_int(v, what, low, high, multiple, "a size in bytes"),
+    check=lambda v, what: _check_size(v, what, low, high, multiple),
     show=human_bytes,
     encode=int,
     parse=lambda v, what: parse_size(v, what=what) if isinstance(v, str) else v,

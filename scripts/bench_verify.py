@@ -15,21 +15,18 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_ssdtrain as ssd
+from jax_ssdtrain._src import attributes  # the handlers' attribute codes (ssdtrain/attributes.h)
 
 
 def call(target, shape, dtype, *args):
-  # A store's handle leaves this eager call: uses=-1 (released by a sweep once dropped).
+  # A store's handle leaves this eager call: uncounted (released by a sweep once dropped).
+  no_pass = {"stream_pass": np.int64(0), "stream_dir": np.int32(attributes.STREAM_NONE)}
   if target == "ssdtrain_store":
-    extra = {"uses": np.int64(-1), "stream_pass": np.int64(0), "stream_dir": np.int32(0)}
+    extra = {"uses": np.int64(attributes.USES_UNCOUNTED), **no_pass}
   else:
-    extra = {
-      "exact": np.int32(0),
-      "consume": np.int32(0),
-      "stream_pass": np.int64(0),
-      "stream_dir": np.int32(0),
-    }
+    extra = {"exact": np.int32(attributes.LOAD_ACTIVATION), "consume": np.int32(0), **no_pass}
   return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True)(
-    *args, site=np.int64(1), tier=np.int32(0), name="bench", **extra
+    *args, site=np.int64(1), tier=np.int32(attributes.TIER_NVME), name="bench", **extra
   )
 
 

@@ -4,19 +4,23 @@ virtual environment whose jaxlib is older than the newest on the index, stores a
 Slow (downloads jax/jaxlib into a fresh venv and compiles the library): run by `.ci/run` with
 `-m slow`. The mismatch itself (handlers of a newer FFI API than the runtime's) is checked fast
 below without a second jaxlib, and so is the C ABI: native.py binds exactly the functions of
-xla_ffi/include/ssdtrain/c_api.h, with their types.
+xla_ffi/include/ssdtrain/c_api.h and testing.h, with their types; and so are the FFI handlers'
+attribute codes: written once, in xla_ffi/include/ssdtrain/attributes.h, from which the engine
+decodes them and the package reads them.
 """
 
 import ctypes
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from jax_ssdtrain._src import native
+from jax_ssdtrain._src import attributes, native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Older than the newest jaxlib on the index for this Python (3.12+: 0.12.x is the newest);
@@ -27,7 +31,7 @@ STORE_LOAD = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     import jax_ssdtrain as ssd
     from jax.ad_checkpoint import checkpoint_name
-    from jax_ssdtrain._src import native
+    from jax_ssdtrain._src import attributes, native
     def f(w, x):
         return jnp.sum(jnp.tanh(checkpoint_name(jnp.sin(x @ w), "h")) ** 2)
     w = jnp.ones((64, 64)) / 64
@@ -37,8 +41,10 @@ STORE_LOAD = textwrap.dedent("""
         f, policy=jax.checkpoint_policies.save_only_these_names("h"))))(w, x)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
     ssd.flush()
+    from jax_ssdtrain._src import attributes
     print("jax", jax.__version__, "ffi_api", native.build_info()["ffi_api"],
           "stored", ssd.stats()["tensors_written"], "from", native.library_path())
+    print("codes from", attributes.HEADER)
     """)
 
 
@@ -69,6 +75,9 @@ def test_isolated_build_runs_on_an_older_jaxlib(tmp_path):
   assert run.returncode == 0, run.stderr[-4000:]
   assert f"jax {OLDER_JAX} ffi_api 0.3 stored 1" in run.stdout, run.stdout
   assert str(venv) in run.stdout  # the installed copy, not the checkout
+  # The wheel ships the attribute header, and the installed package reads its codes from it.
+  header = str(venv / "lib")
+  assert re.search(rf"codes from {re.escape(header)}\S*/jax_ssdtrain/include/ssdtrain/", run.stdout)
 
 
 def test_newer_ffi_api_than_runtime_refused_with_the_fix(monkeypatch):
@@ -85,9 +94,12 @@ def test_runtime_ffi_api_read_from_the_running_jaxlib():
   assert major == 0 and minor >= 3
 
 
-# ---- the C ABI: xla_ffi/include/ssdtrain/c_api.h and native.py's bindings (_C_API) ----------
+# ---- the C ABI: xla_ffi/include/ssdtrain/{c_api,testing}.h and native.py's bindings (_C_API) --
 
-C_API_HEADER = os.path.join(ROOT, "xla_ffi", "include", "ssdtrain", "c_api.h")
+INCLUDE = os.path.join(ROOT, "xla_ffi", "include", "ssdtrain")
+C_API_HEADER = os.path.join(INCLUDE, "c_api.h")
+TESTING_HEADER = os.path.join(INCLUDE, "testing.h")  # the test hooks, exported beside the C ABI
+ATTRIBUTES_HEADER = os.path.join(INCLUDE, "attributes.h")
 # The ctypes type that mirrors each C type the header uses (return types: int, void).
 C_TYPES = {
   "int": ctypes.c_int,
@@ -130,29 +142,41 @@ def parse_c_api(text):
 
 
 def c_api_mismatches(header, table):
-  """How the bindings `table` (native._C_API's shape) differ from the declarations `header`."""
+  """How the bindings `table` (native._C_API's shape) differ from the declarations `header`
+  (those of c_api.h and testing.h)."""
   problems = []
   for name in sorted(set(header) - set(table)):
-    problems.append(f"{name}: declared in c_api.h, not bound in native.py")
+    problems.append(f"{name}: declared in the headers, not bound in native.py")
   for name in sorted(set(table) - set(header)):
-    problems.append(f"{name}: bound in native.py, not declared in c_api.h")
+    problems.append(f"{name}: bound in native.py, not declared in the headers")
   for name in sorted(set(header) & set(table)):
     (ret, params), (restype, argtypes) = header[name], table[name]
     if len(params) != len(argtypes):
-      problems.append(f"{name}: {len(params)} parameters in c_api.h, {len(argtypes)} in native.py")
+      problems.append(
+        f"{name}: {len(params)} parameters in its header, {len(argtypes)} in native.py"
+      )
       continue
     want_ret = {"int": ctypes.c_int, "void": None}.get(ret, KeyError)
     if want_ret is KeyError or restype is not want_ret:
-      problems.append(f"{name}: returns {ret} in c_api.h, restype {restype} in native.py")
+      problems.append(f"{name}: returns {ret} in its header, restype {restype} in native.py")
     for i, (c, py) in enumerate(zip(params, argtypes)):
       if C_TYPES.get(c, KeyError) is not py:
-        problems.append(f"{name}: parameter {i} is {c} in c_api.h, {py} in native.py")
+        problems.append(f"{name}: parameter {i} is {c} in its header, {py} in native.py")
   return problems
 
 
+def read_c_api(c_api_text=None, testing_text=None):
+  """The declarations of c_api.h and testing.h together (each function in one of them)."""
+  c_api = parse_c_api(c_api_text if c_api_text is not None else Path(C_API_HEADER).read_text())
+  testing = parse_c_api(
+    testing_text if testing_text is not None else Path(TESTING_HEADER).read_text()
+  )
+  assert not set(c_api) & set(testing), set(c_api) & set(testing)
+  return c_api | testing
+
+
 def test_native_binds_exactly_the_c_api():
-  with open(C_API_HEADER) as f:
-    header = parse_c_api(f.read())
+  header = read_c_api()
   assert len(header) >= 17, sorted(header)
   assert c_api_mismatches(header, native._C_API) == []
   # Every ssdtrain_* function native.py calls is one it binds.
@@ -161,24 +185,30 @@ def test_native_binds_exactly_the_c_api():
   assert called <= set(native._C_API), called - set(native._C_API)
 
 
+def test_the_test_hooks_are_in_the_testing_header_alone():
+  # c_api.h is what a program calls; the hooks that damage the store are testing.h's.
+  c_api, testing = (parse_c_api(Path(h).read_text()) for h in (C_API_HEADER, TESTING_HEADER))
+  assert set(testing) == {"ssdtrain_debug_truncate", "ssdtrain_debug_corrupt"}, sorted(testing)
+  assert not [name for name in c_api if "debug" in name], sorted(c_api)
+
+
 def test_c_api_check_fails_on_a_mismatch():
-  with open(C_API_HEADER) as f:
-    text = f.read()
-  header = parse_c_api(text)
+  c_api, testing = Path(C_API_HEADER).read_text(), Path(TESTING_HEADER).read_text()
+  header = read_c_api()
   # One parameter fewer, a parameter of another type, a function only one side has.
-  fewer = parse_c_api(text.replace("uint64_t size, char* err", "char* err"))
+  fewer = read_c_api(testing_text=testing.replace("uint64_t size, char* err", "char* err"))
   assert c_api_mismatches(fewer, native._C_API) == [
-    "ssdtrain_debug_truncate: 2 parameters in c_api.h, 3 in native.py"
+    "ssdtrain_debug_truncate: 2 parameters in its header, 3 in native.py"
   ]
-  other = parse_c_api(text.replace("int64_t site, int64_t uses", "int64_t site, int uses"))
+  other = read_c_api(c_api.replace("int64_t site, int64_t uses", "int64_t site, int uses"))
   assert len(c_api_mismatches(other, native._C_API)) == 1
   more = dict(native._C_API, ssdtrain_extra=(ctypes.c_int, []))
   assert c_api_mismatches(header, more) == [
-    "ssdtrain_extra: bound in native.py, not declared in c_api.h"
+    "ssdtrain_extra: bound in native.py, not declared in the headers"
   ]
   fewer_bound = {k: v for k, v in native._C_API.items() if k != "ssdtrain_flush"}
   assert c_api_mismatches(header, fewer_bound) == [
-    "ssdtrain_flush: declared in c_api.h, not bound in native.py"
+    "ssdtrain_flush: declared in the headers, not bound in native.py"
   ]
   restype = dict(native._C_API, ssdtrain_reset_stats=(ctypes.c_int, []))
   assert len(c_api_mismatches(header, restype)) == 1
@@ -188,7 +218,7 @@ def test_the_library_exports_the_c_api_and_the_handlers():
   so = native.lib()
   with open(C_API_HEADER) as f:
     text = f.read()
-  for name in parse_c_api(text):
+  for name in read_c_api():  # the test hooks too
     assert hasattr(so, name), name
   # The handlers the header names: the CPU ones in every build, the CUDA ones in CUDA builds.
   handlers = set(re.findall(r"\bSsdtrain\w+(?:Cpu|Cuda)\b", text))
@@ -198,21 +228,121 @@ def test_the_library_exports_the_c_api_and_the_handlers():
     assert hasattr(so, name) == (cuda or name.endswith("Cpu")), name
 
 
-def test_the_engine_tiers_are_the_locations_tier_codes():
-  # One Location (jax_ssdtrain/_src/location.py) maps the store's locations to the handlers'
-  # `tier` attribute; the engine decodes it with enum class Tier (xla_ffi/src/detail/entry.h).
-  import re
-  from pathlib import Path
+# ---- the FFI attribute codes: xla_ffi/include/ssdtrain/attributes.h, read by attributes.py ----
 
+
+def test_every_attribute_code_is_the_public_headers():
+  # The package's codes are the header's, each under its name (SSDTRAIN_ dropped), and the
+  # header has no code the package does not read.
+  from jax_ssdtrain._src import lifetimes, primitives
   from jax_ssdtrain._src.location import TIER_CODES, Location
 
-  header = (Path(__file__).resolve().parents[1] / "xla_ffi/src/detail/entry.h").read_text()
-  body = re.search(r"enum class Tier : int32_t \{(.*?)\};", header, re.S).group(1)
-  tiers = {name: int(code) for name, code in re.findall(r"(k\w+) = (\d+)", body)}
-  names = {"kNvme": Location.NVME, "kHost": Location.HOST, "kHostThenNvme": Location.HOST_NVME}
-  assert {names[n]: c for n, c in tiers.items()} == TIER_CODES
+  assert attributes.HEADER == Path(ATTRIBUTES_HEADER)  # a checkout reads its own header
+  enums = attributes.parse(Path(ATTRIBUTES_HEADER).read_text())
+  assert set(enums) == {
+    "ssdtrain_tier",
+    "ssdtrain_uses",
+    "ssdtrain_load_order",
+    "ssdtrain_stream_dir",
+  }, sorted(enums)
+  header = {name.removeprefix("SSDTRAIN_"): v for e in enums.values() for name, v in e.items()}
+  python = {k: v for k, v in vars(attributes).items() if re.fullmatch(r"[A-Z]+_[A-Z_]+", k)}
+  assert python == header
+  # Where the package uses them: each is the header's code of its name.
+  tiers = enums["ssdtrain_tier"]
+  assert TIER_CODES == {
+    Location.NVME: tiers["SSDTRAIN_TIER_NVME"],
+    Location.HOST: tiers["SSDTRAIN_TIER_HOST"],
+    Location.HOST_NVME: tiers["SSDTRAIN_TIER_HOST_THEN_NVME"],
+  }
   assert all(Location.from_tier(c) is loc and loc.tier == c for loc, c in TIER_CODES.items())
   assert set(TIER_CODES) == {loc for loc in Location if loc.in_store}
+  uses = enums["ssdtrain_uses"]
+  assert lifetimes.UNCOUNTED == uses["SSDTRAIN_USES_UNCOUNTED"]
+  assert lifetimes.LATER_IN_ORDER == uses["SSDTRAIN_USES_LATER_IN_ORDER"]
+  assert native.MANUAL == uses["SSDTRAIN_USES_MANUAL"]
+  assert sorted(primitives._LOAD_ORDERS.values()) == sorted(enums["ssdtrain_load_order"].values())
+
+
+def test_the_engine_decodes_the_codes_by_their_header_names():
+  # The engine's enums and constants of these attributes are the header's names, not numbers.
+  src = Path(ROOT, "xla_ffi", "src")
+  entry = (src / "detail" / "entry.h").read_text()
+  for enum in ("Tier", "LoadOrder"):
+    body = re.search(rf"enum class {enum} : int32_t \{{(.*?)\}};", entry, re.S).group(1)
+    values = re.findall(r"\bk\w+ = (\w+)", body)
+    assert values and all(v.startswith("SSDTRAIN_") for v in values), (enum, values)
+  uses = re.search(r"static constexpr int64_t (kUncounted.*?);", entry, re.S).group(1)
+  assert re.findall(r"= (-?\w+)", uses) == [
+    "SSDTRAIN_USES_UNCOUNTED",
+    "SSDTRAIN_USES_MANUAL",
+    "SSDTRAIN_USES_LATER_IN_ORDER",
+  ]
+  assert '#include "ssdtrain/attributes.h"' in entry
+
+
+def test_the_package_reads_its_codes_from_the_header_it_ships(tmp_path):
+  # The package as a wheel lays it out (no checkout beside it: the header at
+  # jax_ssdtrain/include/ssdtrain/attributes.h, no native library), with every code moved:
+  # the package imports, and each code it uses is the moved one. A code copied into a Python
+  # file would keep its old value.
+  shutil.copytree(
+    Path(ROOT, "jax_ssdtrain"),
+    tmp_path / "jax_ssdtrain",
+    ignore=shutil.ignore_patterns("__pycache__", "*.so", "include"),
+  )
+
+  def away(m):  # each code 100 further from zero
+    v = int(m.group(2))
+    return f"{m.group(1)}{v + 100 if v >= 0 else v - 100}"
+
+  moved = re.sub(r"(SSDTRAIN_\w+ = )(-?\d+)", away, Path(ATTRIBUTES_HEADER).read_text())
+  (tmp_path / "jax_ssdtrain" / "include" / "ssdtrain").mkdir(parents=True)
+  (tmp_path / "jax_ssdtrain" / "include" / "ssdtrain" / "attributes.h").write_text(moved)
+  script = textwrap.dedent("""
+    import json
+    import jax_ssdtrain
+    from jax_ssdtrain._src import attributes, lifetimes, location, native, primitives
+    print(json.dumps(dict(
+      header=str(attributes.HEADER),
+      tiers=sorted(location.TIER_CODES.values()),
+      uses=[lifetimes.UNCOUNTED, native.MANUAL, lifetimes.LATER_IN_ORDER],
+      orders=sorted(primitives._LOAD_ORDERS.values()),
+      dirs=sorted(primitives._STREAM_DIRS),
+      available=native.available(),
+    )))
+    """)
+  env = dict(
+    os.environ,
+    PYTHONPATH=str(tmp_path),
+    SSDTRAIN_LIB="/nonexistent/libssdtrain.so",
+    JAX_PLATFORMS="cpu",
+  )
+  run = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  import json
+
+  got = json.loads(run.stdout.strip().splitlines()[-1])
+  assert got["header"] == str(tmp_path / "jax_ssdtrain" / "include" / "ssdtrain" / "attributes.h")
+  assert got["tiers"] == [100, 101, 102]
+  assert got["uses"] == [-101, -102, -103]
+  assert got["orders"] == [100, 101, 102, 103]
+  assert got["dirs"] == [-101, 100, 101]
+  assert got["available"] is False
+
+
+def test_the_header_parser_refuses_what_it_cannot_read():
+  assert attributes.parse("enum ssdtrain_x { SSDTRAIN_A = -1, /* c */ SSDTRAIN_B = 2, };") == {
+    "ssdtrain_x": {"SSDTRAIN_A": -1, "SSDTRAIN_B": 2}
+  }
+  with pytest.raises(ValueError, match="cannot read 'SSDTRAIN_B'"):
+    attributes.parse("enum ssdtrain_x { SSDTRAIN_A = 0, SSDTRAIN_B };")  # a value implied
+  with pytest.raises(ValueError, match="SSDTRAIN_A is defined twice"):
+    attributes.parse("enum ssdtrain_x { SSDTRAIN_A = 0 }; enum ssdtrain_y { SSDTRAIN_A = 1 };")
+  with pytest.raises(ImportError, match="defines no SSDTRAIN_TIER_TAPE in enum ssdtrain_tier"):
+    attributes.code("tier", "SSDTRAIN_TIER_TAPE")
 
 
 def test_models_locations_are_the_locations():

@@ -1,4 +1,5 @@
-"""The package's import graph (issue 34): module-level imports form layers without a cycle, and
+"""The package's import graph: module-level imports form layers, and no import of any kind
+(module-level, for annotations under ``TYPE_CHECKING``, inside a function) closes a circle;
 imports inside functions are only of optional dependencies, each with a comment saying why; no
 module is missing from the layers. Read from the source with ``ast``: importing any module
 imports the package's ``__init__`` (nearly all of it) first, which would hide an upward import."""
@@ -13,7 +14,13 @@ PACKAGE = ROOT / "jax_ssdtrain"
 # and from layers below it. (A package's modules count as one entry.)
 LAYERS = [
   # leaves: JAX's internals, the tier enum, the option table
-  ["_src.jax_internals", "_src.location", "_src.options", "_src.options.__main__"],
+  [
+    "_src.jax_internals",
+    "_src.attributes",
+    "_src.location",
+    "_src.options",
+    "_src.options.__main__",
+  ],
   ["_src.native"],  # the engine's C ABI and FFI handlers
   ["_src.lifetimes"],  # handed the primitives it counts (install_lowering_hook)
   ["_src.config"],  # the process-wide store: opened when a program that uses it first runs
@@ -78,8 +85,9 @@ def _resolve(node, module: str, modules) -> list[str]:
   return found
 
 
-def _imports():
-  """``{module: [(imported module, line, inside a function, the import node)]}``."""
+def _imports(annotations: bool = False):
+  """``{module: [(the import node, inside a function)]}``; with ``annotations``, the imports
+  under ``if TYPE_CHECKING:`` too (never run, so no import order: counted as module-level)."""
   modules = _modules()
   found = {}
   for name, path in modules.items():
@@ -88,7 +96,7 @@ def _imports():
 
     def visit(node, local, name=name, rows=rows):
       for child in ast.iter_child_nodes(node):
-        if _type_checking(child):  # annotations only: never run, no import order
+        if _type_checking(child) and not annotations:
           continue
         inner = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         if isinstance(child, (ast.Import, ast.ImportFrom)):
@@ -135,28 +143,57 @@ def _index(entry: str) -> int:
   raise KeyError(entry)
 
 
-def test_module_level_import_graph_has_no_cycle():
-  # Independent of LAYERS: a depth-first search over the module-level imports.
-  modules, found = _imports()
-  graph = {
-    name: {t for node, local in rows if not local for t in _resolve(node, name, modules)} - {name}
-    for name, rows in found.items()
-  }
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """A circle of ``graph`` (``{module: the modules it imports}``) as ``[a, b, ..., a]``, or None:
+  a depth-first search."""
   state: dict[str, int] = {}  # 1: on the stack, 2: done
 
   def visit(name, stack):
     state[name] = 1
-    for target in sorted(graph[name]):
+    for target in sorted(graph.get(name, ())):
       if state.get(target) == 1:
-        cycle = stack[stack.index(target) :] + [target]
-        raise AssertionError("import cycle: " + " -> ".join(cycle))
+        return stack[stack.index(target) :] + [target]
       if target not in state:
-        visit(target, stack + [target])
+        found = visit(target, stack + [target])
+        if found:
+          return found
     state[name] = 2
+    return None
 
   for name in sorted(graph):
     if name not in state:
-      visit(name, [name])
+      found = visit(name, [name])
+      if found:
+        return found
+  return None
+
+
+def _graph(*, annotations: bool, local: bool) -> dict[str, set[str]]:
+  modules, found = _imports(annotations=annotations)
+  return {
+    name: {t for node, inner in rows if local or not inner for t in _resolve(node, name, modules)}
+    - {name}
+    for name, rows in found.items()
+  }
+
+
+def test_module_level_import_graph_has_no_cycle():
+  # Independent of LAYERS: the imports that run when a module is imported.
+  cycle = _cycle(_graph(annotations=False, local=False))
+  assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_of_any_kind_closes_a_circle():
+  # The dependency graph a reader follows: every import, those for annotations only
+  # (TYPE_CHECKING) and those inside functions included. A circle there (two modules each
+  # needing the other's types) is a tangle even where no import order breaks.
+  cycle = _cycle(_graph(annotations=True, local=True))
+  assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_circle_search_finds_a_circle():
+  assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c", "b"]
+  assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
 def test_function_level_imports_are_optional_dependencies_with_a_reason():

@@ -44,14 +44,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_ssdtrain._src import attributes, native
 from jax_ssdtrain._src import jax_internals as ji
-from jax_ssdtrain._src import native
 
-UNCOUNTED = -1
+# A store's ``uses`` not counted: released by sweeps (the header's SSDTRAIN_USES_UNCOUNTED).
+UNCOUNTED = attributes.USES_UNCOUNTED
 # A store's ``uses`` given, not counted: only later executions load its entries, in store order
 # (an optimizer's state). Swept as UNCOUNTED; the engine makes its host copy at once (its
 # oldest entries are loaded first: keeping the newest in device staging would serve no load).
-LATER_IN_ORDER = -3
+LATER_IN_ORDER = attributes.USES_LATER_IN_ORDER
 # A store's ``uses`` to count where the program loads every entry it stores, and LATER_IN_ORDER
 # where the handle leaves it (a layer stack's entries: later programs load them layer by layer).
 COUNTED_OR_LATER = "counted_or_later"

@@ -2,13 +2,15 @@
 
 Every layer spells locations with this enum (policies, the primitives, the planner, the
 optimizer, ``models/``, the MaxText integration); the store's locations map to the engine's tier
-codes here, the attribute ``tier`` of the FFI handlers, which ``xla_ffi/src/detail/entry.h``'s
-``enum class Tier`` decodes (``tests/test_build.py`` checks the two agree).
+codes here, the attribute ``tier`` of the FFI handlers (``enum ssdtrain_tier`` of the engine's
+header ``ssdtrain/attributes.h``, whose values ``attributes.py`` reads).
 """
 
 from __future__ import annotations
 
 import enum
+
+from jax_ssdtrain._src import attributes
 
 
 class Location(enum.Enum):
@@ -50,7 +52,11 @@ class Location(enum.Enum):
 
 STORE_LOCATIONS = frozenset({Location.HOST, Location.NVME, Location.HOST_NVME})
 
-# Engine tier codes, shared with xla_ffi (Tier::kNvme = 0, kHost = 1, kHostThenNvme = 2).
-TIER_CODES = {Location.NVME: 0, Location.HOST: 1, Location.HOST_NVME: 2}
+# The engine's tier code of each store location (the header's enum ssdtrain_tier).
+TIER_CODES = {
+  Location.NVME: attributes.TIER_NVME,
+  Location.HOST: attributes.TIER_HOST,
+  Location.HOST_NVME: attributes.TIER_HOST_THEN_NVME,
+}
 TIER_LOCATIONS = {code: loc for loc, code in TIER_CODES.items()}
 TIER_NAMES = {code: loc.value for loc, code in TIER_CODES.items()}

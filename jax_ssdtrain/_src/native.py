@@ -27,6 +27,8 @@ import jax
 import jax.ffi
 import numpy as np
 
+from jax_ssdtrain._src import attributes
+
 __all__ = [
   "STORE_TARGET",
   "LOAD_TARGET",
@@ -57,9 +59,10 @@ __all__ = [
 # ssdtrain_probe_link's on_ready: ssdtrain_ready_fn, void (*)(void), nullable.
 _READY_FN = ctypes.CFUNCTYPE(None)
 
-# The C ABI, function by function as xla_ffi/include/ssdtrain/c_api.h declares it (which says
-# what each does): name -> (restype, argtypes). lib() binds exactly these; tests/test_build.py
-# checks them against the header.
+# The C ABI, function by function as xla_ffi/include/ssdtrain/c_api.h declares it, and the test
+# hooks of xla_ffi/include/ssdtrain/testing.h (the headers say what each does): name ->
+# (restype, argtypes). lib() binds exactly these; tests/test_build.py checks them against the
+# two headers.
 _c_char_p, _c_size_t, _c_int = ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
 _c_int64, _c_uint64, _c_void_p = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
 _P = ctypes.POINTER
@@ -95,7 +98,7 @@ _C_API: dict[str, tuple[Any, list[Any]]] = {
     [_P(ctypes.c_uint32), _c_uint64, _c_uint64, _c_int, _P(_c_uint64), _c_char_p, _c_size_t],
   ),
   "ssdtrain_sweep_requested": (_c_int, []),
-  # test hooks
+  # test hooks (testing.h)
   "ssdtrain_debug_truncate": (_c_int, [_c_uint64, _c_char_p, _c_size_t]),
   "ssdtrain_debug_corrupt": (_c_int, [_c_uint64, _c_char_p, _c_size_t]),
 }
@@ -371,7 +374,8 @@ def debug_corrupt(offset: int) -> None:
   _call_err(lib().ssdtrain_debug_corrupt, int(offset))
 
 
-MANUAL = -2  # an entry released by release_all() only (never counted, never swept)
+# An entry released by release_all() only, never counted, never swept (SSDTRAIN_USES_MANUAL).
+MANUAL = attributes.USES_MANUAL
 
 
 def store_host(address: int, nbytes: int, site: int, uses: int = MANUAL) -> tuple[int, int]:

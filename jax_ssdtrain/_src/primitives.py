@@ -21,17 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ssdtrain._src import config, lifetimes, native, sharded
+from jax_ssdtrain._src import attributes, config, lifetimes, native, sharded
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.location import TIER_CODES, TIER_NAMES  # noqa: F401 (re-exported)
+from jax_ssdtrain._src.native import COPY_TARGET, LOAD_TARGET, STORE_TARGET
 
 HANDLE_AVAL = jax.core.ShapedArray((2,), np.dtype(np.uint32))
 name_p = ji.name_p  # JAX's checkpoint_name tag
-
-
-STORE_TARGET = "ssdtrain_store"
-LOAD_TARGET = "ssdtrain_load"
-COPY_TARGET = "ssdtrain_copy"
 
 
 class HigherOrderOffloadError(NotImplementedError):
@@ -93,24 +89,32 @@ store_p = ji.Primitive("ssd_store")
 store_p.multiple_results = True
 
 
-# Params: site (the tag site, shared with its loads), tier (TIER_CODES), name (the tag, for
-# messages), uses (loads per stored entry in one execution; None: counted when the program is
-# lowered, see lifetimes.py; -1: released by sweeps only; lifetimes.LATER_IN_ORDER: by sweeps,
-# loaded by later executions in store order; lifetimes.COUNTED_OR_LATER: counted, or
+# Params (their codes are the engine header's, ssdtrain/attributes.h, read by attributes.py):
+# site (the tag site, shared with its loads), tier (TIER_CODES), name (the tag, for messages),
+# uses (loads per stored entry in one execution; None: counted when the program is lowered, see
+# lifetimes.py; lifetimes.UNCOUNTED: released by sweeps only; lifetimes.LATER_IN_ORDER: by
+# sweeps, loaded by later executions in store order; lifetimes.COUNTED_OR_LATER: counted, or
 # LATER_IN_ORDER where the program's count is not definite), stream_pass (optional, default 0:
 # a layer stack's store, the pass that stores one version of the stack, which streamed loads
-# follow), stream_dir (optional, default 0: with stream_pass, the pass's layer order, 1 up or
-# -1 down, which with a streamed load's says the loads' direction in store order), recomputed
+# follow), stream_dir (optional, default STREAM_NONE: with stream_pass, the pass's layer order,
+# STREAM_UP or STREAM_DOWN, which with a streamed load's says the loads' direction in store
+# order), recomputed
 # (optional, default False: True where a differentiation encloses the checkpoint and the backward
 # takes the loaded value's tangent from a recomputation of the tagged value (reload_p):
 # forward-mode passes it through).
 
 
+# A pass's layer order (the handlers' "stream_dir": enum ssdtrain_stream_dir).
+_STREAM_DIRS = (attributes.STREAM_UP, attributes.STREAM_DOWN, attributes.STREAM_NONE)
+
+
 def _check_stream_dir(what, name, stream_pass, stream_dir):
-  if stream_dir not in (-1, 0, 1) or (stream_dir and not stream_pass):
+  given = stream_dir != attributes.STREAM_NONE
+  if stream_dir not in _STREAM_DIRS or (given and not stream_pass):
     raise ValueError(
-      f"{what} of {name!r}: stream_dir: expected 1 (layers up) or -1 (down) with a stream_pass, "
-      f"else 0; got stream_dir={stream_dir!r} with stream_pass={stream_pass!r}"
+      f"{what} of {name!r}: stream_dir: expected {attributes.STREAM_UP} (layers up) or "
+      f"{attributes.STREAM_DOWN} (down) with a stream_pass, else {attributes.STREAM_NONE}; got "
+      f"stream_dir={stream_dir!r} with stream_pass={stream_pass!r}"
     )
 
 
@@ -254,8 +258,13 @@ load_p = ji.Primitive("ssd_load")
 # in place: the new version takes the old one's room).
 
 
-# The handlers' "exact" attribute (LoadOrder in xla_ffi/src/detail/entry.h).
-_LOAD_ORDERS = {False: 0, True: 1, "ordered": 2, "stream": 3}
+# The handlers' "exact" attribute (enum ssdtrain_load_order), by load_p's `exact`.
+_LOAD_ORDERS = {
+  False: attributes.LOAD_ACTIVATION,
+  True: attributes.LOAD_READ,
+  "ordered": attributes.LOAD_STORE_ORDER,
+  "stream": attributes.LOAD_STREAM,
+}
 
 
 def _load_abstract_eval(

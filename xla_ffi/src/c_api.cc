@@ -1,7 +1,8 @@
-// The C ABI (ssdtrain/c_api.h, which documents each function) used by
-// jax_ssdtrain/_src/native.py through ctypes. Nothing throws across it: every failure is an
-// errno-like code plus a message.
+// The C ABI (ssdtrain/c_api.h, which documents each function, and the test hooks of
+// ssdtrain/testing.h) used by jax_ssdtrain/_src/native.py through ctypes. Nothing throws across
+// it: every failure is an errno-like code plus a message.
 #include "ssdtrain/c_api.h"
+#include "ssdtrain/testing.h"
 
 #include <cstdio>
 #include <cstring>

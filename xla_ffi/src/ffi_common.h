@@ -4,6 +4,7 @@
 #include <string_view>
 
 #include "engine.h"
+#include "ssdtrain/attributes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ssdtrain {
@@ -36,19 +37,36 @@ inline Status CheckHandleShape(size_t element_count, std::string_view op, std::s
                             std::to_string(element_count));
 }
 
-// The load's "exact" attribute names a LoadOrder (entry.h).
+// The load's "exact" attribute names a LoadOrder (enum ssdtrain_load_order, attributes.h).
 inline Status CheckLoadOrder(int32_t exact, std::string_view name) {
-  if (exact >= 0 && exact <= static_cast<int32_t>(LoadOrder::kStream)) return Status::Ok();
-  return Status(EINVAL, "load of tag '" + std::string(name) + "': attribute exact=" +
-                            std::to_string(exact) + " names no load order (0 to 3)");
+  switch (exact) {
+    case SSDTRAIN_LOAD_ACTIVATION:
+    case SSDTRAIN_LOAD_READ:
+    case SSDTRAIN_LOAD_STORE_ORDER:
+    case SSDTRAIN_LOAD_STREAM:
+      return Status::Ok();
+    default:
+      return Status(EINVAL, "load of tag '" + std::string(name) +
+                                "': attribute exact=" + std::to_string(exact) +
+                                " names no load order (enum ssdtrain_load_order, "
+                                "ssdtrain/attributes.h)");
+  }
 }
 
-// A layer order attribute (stream_dir): 1 up, -1 down, 0 not given.
+// A layer order attribute (stream_dir, enum ssdtrain_stream_dir): up, down, or not given.
 inline Status CheckStreamDir(int32_t dir, std::string_view what, std::string_view name) {
-  if (dir >= -1 && dir <= 1) return Status::Ok();
-  return Status(EINVAL, std::string(what) + " of tag '" + std::string(name) +
-                            "': attribute stream_dir=" + std::to_string(dir) +
-                            " names no layer order (1 up, -1 down, 0 not given)");
+  switch (dir) {
+    case SSDTRAIN_STREAM_UP:
+    case SSDTRAIN_STREAM_DOWN:
+    case SSDTRAIN_STREAM_NONE:
+      return Status::Ok();
+    default:
+      return Status(EINVAL, std::string(what) + " of tag '" + std::string(name) +
+                                "': attribute stream_dir=" + std::to_string(dir) + " names no " +
+                                "layer order (" + std::to_string(SSDTRAIN_STREAM_UP) + " up, " +
+                                std::to_string(SSDTRAIN_STREAM_DOWN) + " down, " +
+                                std::to_string(SSDTRAIN_STREAM_NONE) + " not given)");
+  }
 }
 
 // Runs f() -> Status, converting exceptions so nothing propagates into XLA.

@@ -73,6 +73,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdtrainCopyCpu, ssdtrain::CopyCpuImpl,
                                   .RemainingArgs()          // after: ordering only, not read
                                   .Ret<ffi::AnyBuffer>());  // out: x's bytes
 
+// The store's and the load's attributes: ssdtrain/attributes.h (their codes and meaning).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainStoreCpu, ssdtrain::StoreCpuImpl,
     ffi::Ffi::Bind()
@@ -81,11 +82,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()           // x: the activation to store
         .Ret<ffi::Buffer<ffi::U32>>()    // handle: uint32[2] = {id, check word}
         .Attr<int64_t>("site")           // tag site id (shared by store and load)
-        .Attr<int32_t>("tier")           // 0 = nvme via host cache, 1 = host tier
+        .Attr<int32_t>("tier")           // enum ssdtrain_tier
         .Attr<std::string_view>("name")  // tag name, for messages only
-        .Attr<int64_t>("uses")           // loads per entry in this execution, < 0: Entry::k*
+        .Attr<int64_t>("uses")           // loads per entry in this execution, < 0: ssdtrain_uses
         .Attr<int64_t>("stream_pass")    // a layer stack's store: the program's pass, else 0
-        .Attr<int32_t>("stream_dir"));   // and its layer order: 1 up, -1 down, 0 not given
+        .Attr<int32_t>("stream_dir"));   // and its layer order: enum ssdtrain_stream_dir
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SsdtrainLoadCpu, ssdtrain::LoadCpuImpl,
@@ -97,7 +98,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("site")           // tag site id (must match the store)
         .Attr<int32_t>("tier")           // tier of the matching store
         .Attr<std::string_view>("name")  // tag name, for messages only
-        .Attr<int32_t>("exact")          // LoadOrder (entry.h)
+        .Attr<int32_t>("exact")          // enum ssdtrain_load_order
         .Attr<int32_t>("consume")        // 1: the entry's last load (released after it)
-        .Attr<int64_t>("stream_pass")    // exact == 3: the program's pass of the load
-        .Attr<int32_t>("stream_dir"));   // and its layer order: 1 up, -1 down, 0 not given
+        .Attr<int64_t>("stream_pass")    // exact == SSDTRAIN_LOAD_STREAM: the load's pass
+        .Attr<int32_t>("stream_dir"));   // and its layer order: enum ssdtrain_stream_dir

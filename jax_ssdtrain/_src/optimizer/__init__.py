@@ -30,7 +30,8 @@ How ``update`` computes what ``tx`` computes, one pass through the files of this
   (``state_to_host``, ``state_from_host``, and the seam of :mod:`jax_ssdtrain.checkpointing`:
   ``stream_out``, ``stream_in``, ``check_leaf``, ``device_blocks``, ``spans_processes``);
 * ``api.py``: ``offload_optimizer``, ``apply_gradients``, ``optimizer_state``;
-  ``base.py``: ``OffloadedState`` and ``OptimizerOffloadError``.
+  ``state.py``: ``OffloadedState`` (its layout, and the handles the chunk I/O reads);
+  ``base.py``: ``OptimizerOffloadError``, which every file here raises.
 
 What a group may be, what is refused, and how exactness is made: each file's doc, and
 docs/optimizer.md.
@@ -44,7 +45,7 @@ from jax_ssdtrain._src.optimizer.api import (
   offload_optimizer,
   optimizer_state,
 )
-from jax_ssdtrain._src.optimizer.base import OffloadedState, OptimizerOffloadError
+from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
 from jax_ssdtrain._src.optimizer.host_io import (
   PIECES_AHEAD,
   check_leaf,
@@ -56,6 +57,7 @@ from jax_ssdtrain._src.optimizer.host_io import (
   stream_out,
 )
 from jax_ssdtrain._src.optimizer.layout import PIPELINE_DEPTH, Layout, LeafLayout, choose_location
+from jax_ssdtrain._src.optimizer.state import OffloadedState
 
 __all__ = [
   "DEFAULT_CHUNK_BYTES",

@@ -27,7 +27,8 @@ from jax_ssdtrain._src.layer_stream import (
   apply_streamed_update,
 )
 from jax_ssdtrain._src.location import Location
-from jax_ssdtrain._src.optimizer.base import OffloadedState, OptimizerOffloadError, check_state
+from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
+from jax_ssdtrain._src.optimizer.chunk_io import chunk_io
 from jax_ssdtrain._src.optimizer.layout import (
   Layout,
   Options,
@@ -37,6 +38,7 @@ from jax_ssdtrain._src.optimizer.layout import (
   room_bytes,
   storable_dtype,
 )
+from jax_ssdtrain._src.optimizer.state import OffloadedState, check_state
 from jax_ssdtrain._src.optimizer.stream import stream
 
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -263,7 +265,7 @@ def _materialize(state: OffloadedState) -> Any:
   """``tx``'s state tree from ``state``: the device leaves as they are, each stored leaf whole
   on the device (sharded state: on each device its block), through the chunk I/O."""
   layout, device, handles = state.layout, iter(state.device), iter(state.handles)
-  io = layout.io
+  io = chunk_io(layout.location)
   leaves = []
   for leaf in layout.leaves:
     if not leaf.stored:

@@ -1,70 +1,7 @@
-"""The optimizer store's types: the state ``offload_optimizer`` makes and the error it raises.
-
-:class:`OffloadedState` is a pytree whose leaves are what jit, sharding and checkpoints see (the
-leaves kept on the device and the stored leaves' handles); its layout (``layout.py``) is static
-data of the tree. What a stored leaf's handles hold is the chunk I/O's business
-(``chunk_io.py``): engine handles in the store, the leaf itself with ``location="device"``.
-"""
-
-from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-import jax
-
-from jax_ssdtrain._src.location import Location
-
-if TYPE_CHECKING:
-  from jax_ssdtrain._src.optimizer.layout import Layout
+"""The optimizer store's error: what every part of ``offload_optimizer`` raises for a
+transformation or a state it cannot take. At the bottom of the optimizer's modules: it imports
+none of them (the state type, ``state.py``, sits above the layout it carries)."""
 
 
 class OptimizerOffloadError(ValueError):
   """A transformation or a state that the optimizer store cannot take (the message says why)."""
-
-
-@jax.tree_util.register_pytree_node_class
-class OffloadedState:
-  """The state of ``offload_optimizer(tx)``: ``tx``'s state with its large leaves in the store.
-
-  Leaves (what jit, sharding and checkpoints see): ``device`` (the leaves kept on the device, in
-  ``tx``'s leaf order) and ``handles`` (per stored leaf, uint32[chunks, 2]). The layout (``tx``'s
-  tree structure, shapes, dtypes, chunking, store sites) is static data of the tree.
-  """
-
-  def __init__(self, device: Sequence[Any], handles: Sequence[Any], layout: Layout):
-    self.device = tuple(device)
-    self.handles = tuple(handles)
-    self.layout = layout
-
-  @property
-  def location(self) -> str:
-    """Where the stored leaves live: ``"host"``, ``"nvme"``, ``"host,nvme"`` or ``"device"``
-    (``location="auto"`` says here what it chose)."""
-    if not self.layout.stores_anything:
-      return Location.DEVICE.value
-    return self.layout.location.value
-
-  def tree_flatten(self):
-    return (self.device, self.handles), self.layout
-
-  @classmethod
-  def tree_unflatten(cls, layout, children):
-    return cls(children[0], children[1], layout)
-
-  def __repr__(self):
-    if not self.layout.stores_anything:
-      return (
-        f"OffloadedState({len(self.layout.leaves)} leaves, none in the store: all on the device)"
-      )
-    return (
-      f"OffloadedState({len(self.layout.leaves)} leaves, {len(self.handles)} in the store "
-      f"({self.location}{', updated in place' if self.layout.in_place else ''}), "
-      f"{self.layout.stored_bytes} bytes)"
-    )
-
-
-def check_state(state: Any, what: str) -> None:
-  """Raises TypeError unless ``state`` is an :class:`OffloadedState` (``what`` names it)."""
-  if not isinstance(state, OffloadedState):
-    raise TypeError(f"{what}: expected an OffloadedState, got {type(state).__name__}")

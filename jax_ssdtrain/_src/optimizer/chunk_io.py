@@ -1,5 +1,6 @@
 """The chunk I/O seam: how a stored leaf is read and written, in the streamed program and from
-the host. Two implementations, chosen once from the layout's Location (``Layout.io``):
+the host. Two implementations, chosen once from the layout's Location (:func:`chunk_io`; the
+layout is data, and names no I/O):
 
 * :class:`StoreIO` (``"host"``, ``"nvme"``, ``"host,nvme"``): a stored leaf's handles are
   uint32[chunks, 2], one engine handle per chunk of rows (sharded state: uint32[devices, chunks,
@@ -30,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +39,8 @@ import numpy as np
 
 from jax_ssdtrain._src.lifetimes import LATER_IN_ORDER
 from jax_ssdtrain._src.location import TIER_CODES, Location
+from jax_ssdtrain._src.optimizer.layout import LeafLayout
 from jax_ssdtrain._src.primitives import load_p, opaque_copy, store_p
-
-if TYPE_CHECKING:
-  from jax_ssdtrain._src.optimizer.layout import LeafLayout
 
 # An index of a piece of a leaf: a tuple of slices (``()`` for the whole leaf).
 Index = tuple
@@ -346,7 +345,8 @@ class DeviceIO(ChunkIO):
 
 
 def chunk_io(location: Location) -> ChunkIO:
-  """The chunk I/O of a state that lives at ``location``."""
+  """The chunk I/O of a state that lives at ``location``: a layout's is
+  ``chunk_io(layout.location)`` (the seam chooses from the data)."""
   return DeviceIO() if location is Location.DEVICE else StoreIO(location)
 
 

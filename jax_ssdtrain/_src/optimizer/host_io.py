@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ssdtrain._src.optimizer.base import OffloadedState, OptimizerOffloadError, check_state
+from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
+from jax_ssdtrain._src.optimizer.chunk_io import chunk_io
 from jax_ssdtrain._src.optimizer.layout import Layout, LeafLayout
+from jax_ssdtrain._src.optimizer.state import OffloadedState, check_state
 
 PIECES_AHEAD = 3  # stream_in: pieces asked of `read` before the one it stores
 
@@ -81,7 +83,7 @@ def stream_out(state: OffloadedState, write: Callable[..., None]) -> None:
   leaf sharded over several processes' devices: this process's blocks)."""
   check_state(state, "state")
   layout = state.layout
-  io = layout.io
+  io = chunk_io(layout.location)
   blocks = device_blocks(layout, "reading the state out of the store")
   device, handles = iter(state.device), iter(state.handles)
   for i, leaf in enumerate(layout.leaves):
@@ -116,7 +118,7 @@ def stream_in(like: OffloadedState, read: Callable[..., Any]) -> OffloadedState:
   dtypes (:func:`check_leaf`)."""
   check_state(like, "like")
   layout = like.layout
-  io = layout.io
+  io = chunk_io(layout.location)
   blocks = device_blocks(layout, "writing the state into the store")
   device, handles = [], []
   for i, leaf in enumerate(layout.leaves):
@@ -155,7 +157,7 @@ def device_blocks(layout: Layout, what: str):
   :func:`stream_out` writes its pieces (with several processes, each streams its own devices'
   blocks); None where each leaf is one piece per chunk (state on one device, or kept on the
   device). ``what``: the operation, for messages."""
-  return layout.io.blocks(layout.mesh, what)
+  return chunk_io(layout.location).blocks(layout.mesh, what)
 
 
 def spans_processes(layout: Layout) -> bool:

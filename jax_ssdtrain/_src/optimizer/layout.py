@@ -30,7 +30,6 @@ import numpy as np
 from jax_ssdtrain._src.config import ensure_configured
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
-from jax_ssdtrain._src.optimizer.chunk_io import ChunkIO, chunk_io
 
 PIPELINE_DEPTH = 2  # the stream's loads of chunk k wait for the stores of chunk k - PIPELINE_DEPTH
 
@@ -100,11 +99,6 @@ class Layout:
   # A jax.sharding.Mesh where the state is sharded (from the params init saw); None: one device.
   mesh: Any = None
   in_place: bool = False  # updates consume the chunks they read (offload_optimizer's in_place)
-
-  @property
-  def io(self) -> ChunkIO:
-    """How the stored leaves are loaded and stored (the store, or the device reference)."""
-    return chunk_io(self.location)
 
   @property
   def stored_bytes(self) -> int:

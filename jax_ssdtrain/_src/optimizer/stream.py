@@ -36,10 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ssdtrain._src import jax_internals as ji
-from jax_ssdtrain._src.optimizer.base import OffloadedState, OptimizerOffloadError
-from jax_ssdtrain._src.optimizer.chunk_io import ChunkIO, StoreIO
+from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
+from jax_ssdtrain._src.optimizer.chunk_io import ChunkIO, StoreIO, chunk_io
 from jax_ssdtrain._src.optimizer.layout import Layout
 from jax_ssdtrain._src.optimizer.plan import Plan, make_plan, mark_applied
+from jax_ssdtrain._src.optimizer.state import OffloadedState
 from jax_ssdtrain._src.optimizer.trace import eval_eqn, is_var, read, trace_init, trace_update
 from jax_ssdtrain._src.primitives import opaque_copy
 
@@ -72,7 +73,7 @@ def stream(fn, args, layout: Layout, state: OffloadedState | None, name: str, ap
   handles_in = dict(zip(stored_ids, state.handles)) if state is not None else {}
   runner = on_one_device if layout.mesh is None else on_each_device
   after: list[Any] = []
-  io = layout.io
+  io = chunk_io(layout.location)
   if plan.first is not None:  # 0. a two-pass stream: the reduction pass (stores nothing)
     # Each pass loads entries the other loads too: every load reads its handle (the engine's
     # prediction of ordered loads assumes each entry is loaded once, in store order).
@@ -141,7 +142,7 @@ def on_each_device(
   (a learning rate, a clipping factor of the device part, the reduction pass's numbers that
   the loads wait for: ``after``) replicated."""
   P = jax.sharding.PartitionSpec
-  leaves, io, mesh = layout.leaves, layout.io, layout.mesh
+  leaves, io, mesh = layout.leaves, chunk_io(layout.location), layout.mesh
   read_specs: dict[Any, Any] = {}
   out_specs: dict[Any, Any] = {}
   joins: dict[Any, tuple[str, tuple[str, ...]]] = {}  # a partial: (how joined, mesh axes)

@@ -20,8 +20,8 @@ from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
 
 if TYPE_CHECKING:
-  from jax_ssdtrain._src.optimizer.base import OffloadedState
   from jax_ssdtrain._src.optimizer.layout import Layout
+  from jax_ssdtrain._src.optimizer.state import OffloadedState
 
 
 @dataclasses.dataclass

@@ -1,8 +1,13 @@
-/* The C ABI of libssdtrain.so: the library's contract, and its only public header.
+/* The C ABI of libssdtrain.so: the library's contract.
+ *
+ * Its public headers: this one (the functions a program calls), ssdtrain/attributes.h (the
+ * FFI handlers' attributes and their codes) and ssdtrain/testing.h (the test hooks, exported
+ * beside these functions for the engine's own tests; no program needs them).
  *
  * Implemented by xla_ffi/src/c_api.cc; jax_ssdtrain/_src/native.py binds every function here
- * through ctypes (its _C_API table mirrors this header, declaration for declaration, and
- * tests/test_build.py checks that the two agree). A change here is a change of both.
+ * and in testing.h through ctypes (its _C_API table mirrors the two headers, declaration for
+ * declaration, and tests/test_build.py checks that they agree). A change here is a change of
+ * both.
  *
  * Conventions. Nothing throws across this ABI. A function returning int returns 0 on success or
  * an errno-like code (EINVAL: a bad argument or state, which Python raises as ValueError; ENOSPC,
@@ -89,8 +94,9 @@ SSDTRAIN_API int ssdtrain_probe_link(int device, uint64_t bytes, int repeats, in
 
 /* Stores `nbytes` at `src` in the nvme tier as the CPU store handler does (site `site`, tag
  * "probe", device 0) and writes its handle into `handle` (uint32[2]). `uses`: loads after which
- * the entry is released; -1: by a sweep; -2: only by release_all; 0: nothing is kept (the null
- * handle {0, 0}). EINVAL when no store is open. */
+ * the entry is released, as the store handler's attribute (attributes.h): -1
+ * (SSDTRAIN_USES_UNCOUNTED): by a sweep; -2 (SSDTRAIN_USES_MANUAL): only by release_all; 0:
+ * nothing is kept (the null handle {0, 0}). EINVAL when no store is open. */
 SSDTRAIN_API int ssdtrain_store_host(const void* src, uint64_t nbytes, int64_t site, int64_t uses,
                                      uint32_t* handle, char* err, size_t errlen);
 
@@ -111,14 +117,6 @@ SSDTRAIN_API int ssdtrain_sweep(const uint32_t* pairs, uint64_t n_pairs, uint64_
 
 /* 1 when a sweep is due (enough uncounted entries were stored since the last one), else 0. */
 SSDTRAIN_API int ssdtrain_sweep_requested(void);
-
-/* ---- test hooks (tests/test_reliability.py) ------------------------------------------- */
-
-/* Cuts every store file to `size` bytes (data stored beyond is lost). EINVAL without a store. */
-SSDTRAIN_API int ssdtrain_debug_truncate(uint64_t size, char* err, size_t errlen);
-
-/* Flips one byte of the store at logical (striped) offset `offset`. EINVAL without a store. */
-SSDTRAIN_API int ssdtrain_debug_corrupt(uint64_t offset, char* err, size_t errlen);
 
 #ifdef __cplusplus
 }  // extern "C"

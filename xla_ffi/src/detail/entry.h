@@ -10,31 +10,35 @@
 #include <memory>
 #include <string>
 
+#include "ssdtrain/attributes.h"
 #include "status.h"
 
 namespace ssdtrain {
 
 enum class WState { kNone, kQueued, kRunning, kDone, kCancelled, kFailed };
 
-// Where a store keeps its bytes. The values are those of the handlers' "tier" attribute (the
-// Python side's tier codes): keep them.
+// Where a store keeps its bytes: the handlers' "tier" attribute (ssdtrain/attributes.h).
 enum class Tier : int32_t {
-  kNvme = 0,          // the store files, through the host cache
-  kHost = 1,          // the host tier (pinned host memory only)
-  kHostThenNvme = 2,  // the host tier while it has room, else the store files (a spill)
+  kNvme = SSDTRAIN_TIER_NVME,                    // the store files, through the host cache
+  kHost = SSDTRAIN_TIER_HOST,                    // the host tier (pinned host memory only)
+  kHostThenNvme = SSDTRAIN_TIER_HOST_THEN_NVME,  // the host tier while it has room, else the
+                                                 // store files (a spill)
 };
 // The tier a handler's attribute names; BeginStore rejects a value that names none.
 inline Tier TierFromAttr(int32_t value) { return static_cast<Tier>(value); }
 
-// How a load finds its entry: the values of the handlers' "exact" attribute (the Python side's
-// load_p `exact` codes, primitives.py): keep them.
+// How a load finds its entry: the load handlers' "exact" attribute (ssdtrain/attributes.h).
 enum class LoadOrder : int32_t {
-  kActivation = 0,  // stored by this execution: predicted among its entries (newest first)
-  kRead = 1,        // stored by an earlier execution: the handle is read
-  kStoreOrder = 2,  // an earlier execution's, a site's entries in its store order (optimizer
-                    // state's chunks): predicted after the execution's first such load
-  kStream = 3,      // a layer stack's: in each pass, each site steps through one execution's
-                    // entries in one direction of store order (Engine::PredictStreamLoad)
+  // stored by this execution: predicted among its entries (newest first)
+  kActivation = SSDTRAIN_LOAD_ACTIVATION,
+  // stored by an earlier execution: the handle is read
+  kRead = SSDTRAIN_LOAD_READ,
+  // an earlier execution's, a site's entries in its store order (optimizer state's chunks):
+  // predicted after the execution's first such load
+  kStoreOrder = SSDTRAIN_LOAD_STORE_ORDER,
+  // a layer stack's: in each pass, each site steps through one execution's entries in one
+  // direction of store order (Engine::PredictStreamLoad)
+  kStream = SSDTRAIN_LOAD_STREAM,
 };
 inline LoadOrder LoadOrderFromAttr(int32_t value) { return static_cast<LoadOrder>(value); }
 
@@ -96,7 +100,9 @@ class Entry {
   // kManual: stored through the C ABI (probe, tests), released by release_all() only.
   // A store's uses == kLaterInOrder (an optimizer's state) is kUncounted too, and says more: only
   // later executions load the entry, in store order, so its host copy is made at once (store.cu).
-  static constexpr int64_t kUncounted = -1, kManual = -2, kLaterInOrder = -3;
+  // (The store's "uses" attribute, ssdtrain/attributes.h.)
+  static constexpr int64_t kUncounted = SSDTRAIN_USES_UNCOUNTED, kManual = SSDTRAIN_USES_MANUAL,
+                           kLaterInOrder = SSDTRAIN_USES_LATER_IN_ORDER;
 
   // ---- identity ------------------------------------------------------------
   uint32_t id() const { return id_; }

@@ -207,9 +207,7 @@ def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_ar
   import optax  # an optional dependency (the demo extra)
 
   streamed = getattr(getattr(tx, "update", None), "apply_gradients", None)
-  if isinstance(opt_state, StreamedOptState) or any(
-    isinstance(x, StreamedStack) for x in (grads, params)
-  ):
+  if isinstance(opt_state, StreamedOptState):
     return _apply_to_stack(tx, grads, opt_state, params, extra_args, streamed is not None)
   if streamed is not None:
     return streamed(grads, opt_state, params, **extra_args)
@@ -238,13 +236,6 @@ def _apply_to_stack(
       "apply_gradients: tx comes from offload_optimizer, whose state is an OffloadedState; a "
       "streamed stack's state (init_streamed_optimizer) is in the store already: pass the optax "
       "transformation itself"
-    )
-  if not isinstance(opt_state, StreamedOptState):
-    raise TypeError(
-      f"apply_gradients: opt_state: a {type(opt_state).__name__}, not a streamed stack's state "
-      "(a StreamedOptState), with a StreamedStack: make the state with "
-      "init_streamed_optimizer(tx, params) (tx.init's own state, of the stacked tree or of the "
-      "stack's handles, does not stream)"
     )
   # The roles, in this function's argument names (apply_streamed_update checks them again).
   order = "apply_gradients(tx, grads, state, params)"
@@ -347,10 +338,11 @@ def _refuse_stacks_without_their_state(params: Any, grads: Any, opt_state: Any) 
     found = _stack_paths(tree)
     if found:
       raise TypeError(
-        f"apply_gradients: {what} holds a StreamedStack (at {found}) but opt_state is a "
-        f"{type(opt_state).__name__}, not the StreamedOptState of a stack: tx.update would "
-        "update the stack's store handles as numbers. Make the stack's state with "
-        "init_streamed_optimizer(tx, stack) and call apply_gradients(tx, grad_sum, "
+        f"apply_gradients: {what} holds a StreamedStack (at {found}) but opt_state: a "
+        f"{type(opt_state).__name__} is not the StreamedOptState of a stack (tx.init's own "
+        "state, of the stacked tree or of the stack's handles, does not stream: tx.update would "
+        "update the stack's store handles as numbers). Make the stack's state with "
+        "init_streamed_optimizer(tx, params) and call apply_gradients(tx, grad_sum, "
         "stack_state, stack) for the stack, and apply_gradients(tx, grads, state, params) for "
         "the parameters that are not in a stack"
       )

@@ -30,6 +30,7 @@ bool Complete(cudaEvent_t ev) {
 int LinkDirection(CopyOp op) {
   switch (op) {
     case CopyOp::kD2H:
+    case CopyOp::kStoreDirect:
       return 0;
     case CopyOp::kReadAhead:
     case CopyOp::kLoadHost:
@@ -72,8 +73,8 @@ std::vector<std::pair<double, double>> Merge(std::vector<std::pair<double, doubl
 }  // namespace
 
 const char* CopyOpName(CopyOp op) {
-  static const char* const kNames[kOps] = {"stage_in",    "d2h",       "read_ahead",
-                                           "load_staged", "load_host", "compute_wait"};
+  static const char* const kNames[kOps] = {
+      "stage_in", "d2h", "read_ahead", "load_staged", "load_host", "compute_wait", "store_direct"};
   int i = static_cast<int>(op);
   return i >= 0 && i < kOps ? kNames[i] : "?";
 }
@@ -257,7 +258,7 @@ void CopyTracker::Append(std::ostream& o) {
     overlap += ov;
   }
   const uint64_t bytes[2] = {
-      bytes_[static_cast<int>(CopyOp::kD2H)],
+      bytes_[static_cast<int>(CopyOp::kD2H)] + bytes_[static_cast<int>(CopyOp::kStoreDirect)],
       bytes_[static_cast<int>(CopyOp::kReadAhead)] + bytes_[static_cast<int>(CopyOp::kLoadHost)]};
   const char* dir[2] = {"d2h", "h2d"};
   for (int i = 0; i < 2; ++i) {

@@ -27,6 +27,8 @@ enum class CopyOp : int {
   kLoadStaged,   // load: staging -> device, on the compute stream
   kLoadHost,     // load: pinned host -> device, on the compute stream (read-ahead missed)
   kComputeWait,  // the compute stream waited for staging room (its previous user's copy)
+  kStoreDirect,  // store: device -> pinned host past staging (what the arena could not hold),
+                 // on the compute stream
   kCount
 };
 

@@ -115,6 +115,7 @@ Status CudaModule::WaitHostReady(Entry& e) {
     return Status(EINVAL, "the bytes of " + DescribeTag(e.name(), e.site(), e.id()) +
                               " are in the device staging of GPU " + std::to_string(d->device) +
                               " (no host copy yet): load it there");
+  if (d && d->host_direct) SSD_CHECK_CUDA(cudaEventSynchronize(d->host_direct));
   if (d && d->host_ready) SSD_CHECK_CUDA(cudaEventSynchronize(d->host_ready));
   return Status::Ok();
 }
@@ -122,17 +123,18 @@ Status CudaModule::WaitHostReady(Entry& e) {
 void CudaModule::BeforeHostFree(Entry& e) {
   DeviceEntry* d = D(e);
   if (!d) return;
-  if (d->host_ready) {
-    cudaEventSynchronize(d->host_ready);
-    PutEvent(d->device, d->host_ready);
-    d->host_ready = nullptr;
+  for (cudaEvent_t* ev : {&d->host_ready, &d->host_direct}) {
+    if (!*ev) continue;
+    cudaEventSynchronize(*ev);
+    PutEvent(d->device, *ev);
+    *ev = nullptr;
   }
   SyncAndRecycle(d->device, &d->host_fences);
 }
 
 bool CudaModule::HasDeviceCopy(const Entry& e) {
   const DeviceEntry* d = e.device_entry();
-  return d && d->staged && StagingUsable(e, *d);
+  return d && d->staged && d->stage_bytes >= e.nbytes() && StagingUsable(e, *d);
 }
 
 void CudaModule::OnEntryFree(Entry& e) {
@@ -155,12 +157,17 @@ void CudaModule::AppendStats(std::ostream& o) {
   o << "d2h_elided_bytes=" << elided_bytes_ << '\n'
     << "d2h_elided_tensors=" << elided_tensors_ << '\n'
     << "d2h_forced=" << forced_d2h_ << '\n'
-    << "d2h_deferred_bytes=" << deferred << '\n';
+    << "d2h_deferred_bytes=" << deferred << '\n'
+    << "staging_direct_stores=" << direct_stores_ << '\n'
+    << "staging_direct_store_bytes=" << direct_store_bytes_ << '\n'
+    << "staging_split_loads=" << split_loads_ << '\n'
+    << "staging_split_load_host_bytes=" << split_load_host_bytes_ << '\n';
 }
 
 void CudaModule::ResetStats() {
   tracker_.Reset();
   elided_bytes_ = elided_tensors_ = forced_d2h_ = 0;
+  direct_stores_ = direct_store_bytes_ = split_loads_ = split_load_host_bytes_ = 0;
 }
 
 CudaModule* Module(Engine& eng) {

@@ -6,7 +6,8 @@
 //   device_module.cu  the module: per-GPU state (streams, staging, host arenas registered as
 //                     pinned memory), the engine's DeviceHooks, teardown
 //   events.cu         the event pool, fences (the asynchronous users of a buffer), timed copies
-//   staging.cu        the staging arena: allocation, eviction, reuse fences
+//   staging.cu        the staging arena: allocation (whole or a tensor's first piece), eviction,
+//                     reuse fences
 //   host_copies.cu    the host copies of staged stores: issued, deferred (lazy) or elided
 //   releases.cu       deferred releases: entries whose last load's copy is still queued
 //   read_ahead.cu     read-ahead: host -> staging of the next predicted loads
@@ -55,13 +56,18 @@ struct DeviceEntry {
   // A store's copy of an entry only later executions load, oldest first (optimizer state): no
   // load of this execution takes it, so read-ahead may take its room (staging.cu).
   bool later_in_order = false;
-  uint64_t stage_off = 0, stage_len = 0;
+  // The staging range, and the tensor bytes it holds: [0, stage_bytes) of the tensor. A tensor
+  // larger than the room staging had keeps only its first piece there (stage_bytes < nbytes);
+  // the rest lives in the host buffer only (a store copies it there directly on the compute
+  // stream, a load copies it from there).
+  uint64_t stage_off = 0, stage_len = 0, stage_bytes = 0;
   char* stage_ptr = nullptr;
   cudaEvent_t stage_ready = nullptr;      // the staging copy is complete after this
   cudaEvent_t stage_d2h = nullptr;        // the D2H read of the staging copy is done
   std::vector<cudaEvent_t> stage_fences;  // async users of the staging region
   // Host copy.
-  cudaEvent_t host_ready = nullptr;      // D2H into the host buffer done (E2)
+  cudaEvent_t host_ready = nullptr;   // D2H into the host buffer done (E2): all of it
+  cudaEvent_t host_direct = nullptr;  // a staged store's direct D2H of the bytes past staging done
   std::vector<cudaEvent_t> host_fences;  // async H2D readers of the host buffer
 };
 
@@ -76,9 +82,10 @@ struct DeviceState {
   std::vector<cudaEvent_t> free_events;
   std::unordered_map<Entry*, EntryPtr> staged;
   // Store copies whose D2H is deferred, oldest first (entries that left that state are skipped
-  // lazily), their staged bytes, and the largest tensor staged so far.
+  // lazily), their staged bytes, the largest tensor staged whole so far, and the largest tensor
+  // stored on this GPU (padded; read-ahead looks past its budget by it).
   std::deque<EntryPtr> deferred;
-  uint64_t deferred_bytes = 0, largest = 0;
+  uint64_t deferred_bytes = 0, largest = 0, largest_entry = 0;
   // Freed staging ranges whose last users may still run on some stream.
   struct PendingFree {
     uint64_t off = 0, len = 0;
@@ -138,16 +145,36 @@ class CudaModule final : public DeviceHooks {
   // `stream` is the compute stream of a load.
   Status WaitTracked(int dev, cudaStream_t stream, cudaEvent_t ev, std::string_view name);
   CopyTracker& tracker() { return tracker_; }
+  // Tensors larger than the staging room they found (staging_direct_*, staging_split_*
+  // statistics): a store that copied `bytes` past staging directly to the host on the compute
+  // stream; a load that took a first piece from staging and `host_bytes` from the host buffer.
+  void CountDirectStore(uint64_t bytes) {
+    direct_stores_++;
+    direct_store_bytes_ += bytes;
+  }
+  void CountSplitLoad(uint64_t host_bytes) {
+    split_loads_++;
+    split_load_host_bytes_ += host_bytes;
+  }
 
   // ---- the staging arena (staging.cu) --------------------------------------------------
-  // Reserves staging for `e`, to be written on `stream`. Evicts copies, loaded entries first,
-  // then the oldest; idle ones before busy ones (a busy one's users are waited for on `stream`,
-  // not on the host); then store copies whose host copy is still deferred (their D2H is issued
-  // first), oldest first; unused read-ahead copies last. Read-ahead (prefetch_seq != 0) evicts
-  // only entries loaded already or older, and no unused read-ahead copy. `*got`: staging was
-  // reserved; `*waits`: events `stream` was made to wait for.
+  // Reserves staging for the first `want` bytes of `e` (at most the arena), to be written on
+  // `stream` (nullptr: the caller orders its stream with OrderStaging before writing it).
+  // Evicts copies, loaded entries first, then the oldest; idle ones before busy ones (a busy
+  // one's users are waited for on the stream, not on the host); then store copies whose host
+  // copy is still deferred (their D2H is issued first), oldest first; unused read-ahead copies
+  // last. Read-ahead (prefetch_seq != 0) evicts only entries loaded already or older, and no
+  // unused read-ahead copy. `partial`: where eviction cannot make `want` bytes of room, the
+  // largest free range (at least kMinStagePiece, or `want` when smaller) is taken instead.
+  // `*got`: the tensor bytes reserved (D(*e)->stage_bytes; 0: none); `*waits`: events `stream`
+  // was made to wait for.
   Status AllocStaging(DeviceState* ds, const EntryPtr& e, cudaStream_t stream,
-                      uint64_t prefetch_seq, bool* got, int* waits);
+                      uint64_t prefetch_seq, uint64_t want, bool partial, uint64_t* got,
+                      int* waits);
+  static constexpr uint64_t kMinStagePiece = 1 << 20;
+  // Orders `stream` after every earlier user of `e`'s staging range (AllocStaging with no
+  // stream); `*waits` counts the events it waited for.
+  Status OrderStaging(DeviceState* ds, const Entry& e, cudaStream_t stream, int* waits);
   // Frees the staging copy of `e` without waiting: the range's last users' events go to the
   // pending list (see AllocStaging).
   void FreeStaging(Entry& e);
@@ -220,6 +247,9 @@ class CudaModule final : public DeviceHooks {
   CopyTracker tracker_;
   // Lazy host copies: never made (the entry died in staging), and forced by a staging reuse.
   uint64_t elided_bytes_ = 0, elided_tensors_ = 0, forced_d2h_ = 0;
+  // CountDirectStore, CountSplitLoad.
+  uint64_t direct_stores_ = 0, direct_store_bytes_ = 0, split_loads_ = 0,
+           split_load_host_bytes_ = 0;
 };
 
 // The device module of `eng`, made on first use. Lock held.

@@ -19,9 +19,11 @@ Status CudaModule::IssueD2H(DeviceState* ds, Entry& e) {
     ds->deferred_bytes -= d->stage_len;
   }
   if (d->stage_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(ds->copy, d->stage_ready, 0));
-  SSD_RETURN_IF_ERROR(Tracked(ds->device, ds->copy, CopyOp::kD2H, e.nbytes(), e.name(), [&] {
-    SSD_CHECK_CUDA(
-        cudaMemcpyAsync(e.host_ptr(), d->stage_ptr, e.nbytes(), cudaMemcpyDeviceToHost, ds->copy));
+  // The staged piece (a store's first piece: its direct part went to the host before
+  // stage_ready, so host_ready covers the whole host copy).
+  SSD_RETURN_IF_ERROR(Tracked(ds->device, ds->copy, CopyOp::kD2H, d->stage_bytes, e.name(), [&] {
+    SSD_CHECK_CUDA(cudaMemcpyAsync(e.host_ptr(), d->stage_ptr, d->stage_bytes,
+                                   cudaMemcpyDeviceToHost, ds->copy));
     return Status::Ok();
   }));
   cudaEvent_t e2, e3;
@@ -39,7 +41,7 @@ void CudaModule::ElideD2H(DeviceState* ds, Entry& e) {
   DeviceEntry* d = D(e);
   d->d2h_deferred = false;
   ds->deferred_bytes -= d->stage_len;
-  elided_bytes_ += e.nbytes();
+  elided_bytes_ += d->stage_bytes;
   elided_tensors_++;
 }
 

@@ -6,7 +6,10 @@
 // that made it. Without a prediction (or with exact_loads) the handle is read first: a sync of
 // the compute stream, which stops the host enqueueing work until the GPU has caught up. The copy:
 // D2D from staging (forwarded from the store, or read ahead), else H2D from pinned host memory
-// (after the store's D2H), else file -> pinned host -> H2D.
+// (after the store's D2H), else file -> pinned host -> H2D. A tensor whose staging copy is only
+// its first piece (larger than the room it found) takes that piece D2D and the rest H2D from the
+// host buffer: the compute stream spends the link's time on the rest only.
+#include <algorithm>
 #include <string>
 
 #include "device_module.h"
@@ -62,24 +65,25 @@ bool StagingServes(const CudaModule& mod, const Entry& e, const DeviceEntry& d, 
          e.error().ok();
 }
 
-// Lock held. D2D from staging on the compute stream, after the copy into staging (a read-ahead's
-// H2D may still run: a wait of the compute stream); the copy is a fence of the staging range.
+// Lock held. D2D of the first `bytes` of `e` from staging on the compute stream, after the copy
+// into staging (a read-ahead's H2D may still run: a wait of the compute stream); the copy is a
+// fence of the staging range. `bytes` < the load's: a split load (the caller copies the rest
+// from the host and counts it).
 Status CopyFromStaging(Engine& eng, CudaModule* mod, DeviceState* ds, Entry& e, DeviceEntry* d,
-                       const DeviceLoad& load) {
+                       const DeviceLoad& load, uint64_t bytes) {
   cudaStream_t stream = load.stream;
   if (d->stage_from_store) {
     if (d->stage_ready) SSD_CHECK_CUDA(cudaStreamWaitEvent(stream, d->stage_ready, 0));
   } else {
     SSD_RETURN_IF_ERROR(mod->WaitTracked(load.device, stream, d->stage_ready, load.name));
   }
-  SSD_RETURN_IF_ERROR(
-      mod->Tracked(load.device, stream, CopyOp::kLoadStaged, load.nbytes, load.name, [&] {
-        SSD_CHECK_CUDA(
-            cudaMemcpyAsync(load.dst, d->stage_ptr, load.nbytes, cudaMemcpyDeviceToDevice, stream));
-        return Status::Ok();
-      }));
+  SSD_RETURN_IF_ERROR(mod->Tracked(load.device, stream, CopyOp::kLoadStaged, bytes, load.name, [&] {
+    SSD_CHECK_CUDA(
+        cudaMemcpyAsync(load.dst, d->stage_ptr, bytes, cudaMemcpyDeviceToDevice, stream));
+    return Status::Ok();
+  }));
   SSD_RETURN_IF_ERROR(mod->AddFence(ds, &d->stage_fences, stream));
-  eng.CountStagedLoad(e, d->stage_from_store);
+  if (bytes >= load.nbytes) eng.CountStagedLoad(e, d->stage_from_store);
   if (!d->stage_from_store) eng.ConsumeRead(e);  // the staging copy of a read-back host copy
   d->stage_unused = false;
   return Status::Ok();
@@ -96,38 +100,46 @@ Status MakeDeferredHostCopy(CudaModule* mod, Entry& e, DeviceEntry* d) {
   return mod->IssueD2H(owner, e);
 }
 
-// Lock held. H2D from the pinned host buffer on the compute stream, after the store's D2H into
-// it (host_ready); the copy is a fence of the host buffer.
+// Lock held. H2D of the bytes [from, nbytes) from the pinned host buffer on the compute stream,
+// after the store's copies into them: host_ready (all of them) and host_direct (a split store's
+// direct part), or only host_direct where the rest of a split store's own staged piece is
+// copied (its host copy, host_ready, holds the bytes before `from`); the copy is a fence of the
+// host buffer.
 Status CopyFromPinnedHost(CudaModule* mod, DeviceState* ds, DeviceEntry* d,
-                          const Engine::HostRef& ref, const DeviceLoad& load) {
+                          const Engine::HostRef& ref, const DeviceLoad& load, uint64_t from) {
   cudaStream_t stream = load.stream;
-  SSD_RETURN_IF_ERROR(mod->WaitTracked(load.device, stream, d->host_ready, load.name));
-  SSD_RETURN_IF_ERROR(
-      mod->Tracked(load.device, stream, CopyOp::kLoadHost, load.nbytes, load.name, [&] {
-        SSD_CHECK_CUDA(
-            cudaMemcpyAsync(load.dst, ref.ptr, load.nbytes, cudaMemcpyHostToDevice, stream));
-        return Status::Ok();
-      }));
+  const uint64_t len = load.nbytes - from;
+  if (!(from > 0 && d->stage_from_store))
+    SSD_RETURN_IF_ERROR(mod->WaitTracked(load.device, stream, d->host_ready, load.name));
+  SSD_RETURN_IF_ERROR(mod->WaitTracked(load.device, stream, d->host_direct, load.name));
+  SSD_RETURN_IF_ERROR(mod->Tracked(load.device, stream, CopyOp::kLoadHost, len, load.name, [&] {
+    SSD_CHECK_CUDA(cudaMemcpyAsync(static_cast<char*>(load.dst) + from, ref.ptr + from, len,
+                                   cudaMemcpyHostToDevice, stream));
+    return Status::Ok();
+  }));
   return mod->AddFence(ds, &d->host_fences, stream);
 }
 
-// Lock held (released while the copy runs). H2D from the engine's bounce buffer (read from the
-// file for this load only) on the compute stream, waited for before the buffer is freed.
-Status CopyFromBounce(Lock& lk, CudaModule* mod, const Engine::HostRef& ref,
-                      const DeviceLoad& load) {
+// Lock held (released while the copy runs). H2D of the bytes [from, nbytes) from the engine's
+// bounce buffer (read from the file for this load only) on the compute stream, waited for
+// before the buffer is freed.
+Status CopyFromBounce(Lock& lk, CudaModule* mod, const Engine::HostRef& ref, const DeviceLoad& load,
+                      uint64_t from) {
   cudaStream_t stream = load.stream;
+  const uint64_t len = load.nbytes - from;
   CopyTracker::Mark m;
   Status s = mod->tracker().Begin(load.device, stream, &m);
   if (!s.ok()) return s;
   lk.unlock();
   s = [&]() -> Status {
-    SSD_CHECK_CUDA(cudaMemcpyAsync(load.dst, ref.ptr, load.nbytes, cudaMemcpyHostToDevice, stream));
+    SSD_CHECK_CUDA(cudaMemcpyAsync(static_cast<char*>(load.dst) + from, ref.ptr + from, len,
+                                   cudaMemcpyHostToDevice, stream));
     SSD_CHECK_CUDA(cudaStreamSynchronize(stream));
     return Status::Ok();
   }();
   lk.lock();
   if (s.ok()) {
-    s = mod->tracker().End(m, stream, CopyOp::kLoadHost, load.nbytes, load.name);
+    s = mod->tracker().End(m, stream, CopyOp::kLoadHost, len, load.name);
   } else {
     mod->tracker().Cancel(&m);
   }
@@ -135,14 +147,25 @@ Status CopyFromBounce(Lock& lk, CudaModule* mod, const Engine::HostRef& ref,
 }
 
 // Lock held (may be released while waiting). The bytes of `e` made available in host memory
-// (the engine waits for a running read, or reads the file), then copied to the device.
+// (the engine waits for a running read, or reads the file), then copied to the device: where
+// staging holds a first piece of `e` (checked once the host copy is there: the lock may have
+// been dropped), that piece D2D and the rest from the host, else all of it from the host.
 Status CopyFromHost(Lock& lk, Engine& eng, CudaModule* mod, DeviceState* ds, const EntryPtr& e,
                     DeviceEntry* d, const DeviceLoad& load) {
-  SSD_RETURN_IF_ERROR(MakeDeferredHostCopy(mod, *e, d));
   Engine::HostRef ref;
   Status s = eng.AcquireHost(lk, e, &ref);
   if (s.ok()) {
-    s = ref.bounce ? CopyFromBounce(lk, mod, ref, load) : CopyFromPinnedHost(mod, ds, d, ref, load);
+    const uint64_t first = StagingServes(*mod, *e, *d, load.device)
+                               ? std::min<uint64_t>(d->stage_bytes, load.nbytes)
+                               : 0;
+    if (first) s = CopyFromStaging(eng, mod, ds, *e, d, load, first);
+    if (s.ok() && first < load.nbytes) {
+      if (!first) s = MakeDeferredHostCopy(mod, *e, d);
+      if (s.ok())
+        s = ref.bounce ? CopyFromBounce(lk, mod, ref, load, first)
+                       : CopyFromPinnedHost(mod, ds, d, ref, load, first);
+      if (s.ok() && first) mod->CountSplitLoad(load.nbytes - first);
+    }
   }
   eng.ReleaseHost(lk, &ref);
   return s;
@@ -221,8 +244,8 @@ Status LoadToDevice(Engine& eng, const DeviceLoad& load) {
     return Status::Ok();
   }
   DeviceEntry* d = mod->Attach(*e, load.device);
-  if (StagingServes(*mod, *e, *d, load.device)) {
-    SSD_RETURN_IF_ERROR(CopyFromStaging(eng, mod, ds, *e, d, load));
+  if (StagingServes(*mod, *e, *d, load.device) && d->stage_bytes >= load.nbytes) {
+    SSD_RETURN_IF_ERROR(CopyFromStaging(eng, mod, ds, *e, d, load, load.nbytes));
   } else {
     SSD_RETURN_IF_ERROR(CopyFromHost(lk, eng, mod, ds, e, d, load));
   }

@@ -3,7 +3,10 @@
 // read-ahead fills from host memory. A freed staging range keeps the events of its last users
 // (copy in, D2H out, loads out); whichever stream allocates an overlapping range next waits on
 // them. No host thread blocks on a staging range, so ranges whose copies are still queued can be
-// evicted and stores never stall the host.
+// evicted and stores never stall the host. A tensor larger than the room it finds gets a range
+// for its first piece only (`partial`): the store and the load copy the rest between the
+// tensor and the host buffer directly, so the compute stream spends the link's time on what
+// the arena cannot hold and nothing more.
 #include "device_module.h"
 
 #include <algorithm>
@@ -40,12 +43,20 @@ Status CudaModule::OrderAfterPending(DeviceState* ds, uint64_t off, uint64_t len
   return Status::Ok();
 }
 
+Status CudaModule::OrderStaging(DeviceState* ds, const Entry& e, cudaStream_t stream, int* waits) {
+  const DeviceEntry* d = e.device_entry();
+  if (!d || !d->staged) return Status::Ok();
+  return OrderAfterPending(ds, d->stage_off, d->stage_len, stream, waits);
+}
+
 Status CudaModule::AllocStaging(DeviceState* ds, const EntryPtr& e, cudaStream_t stream,
-                                uint64_t prefetch_seq, bool* got, int* waits) {
-  *got = false;
+                                uint64_t prefetch_seq, uint64_t want, bool partial, uint64_t* got,
+                                int* waits) {
+  *got = 0;
   *waits = 0;
-  uint64_t len = RoundUp(e->nbytes(), 256);
-  if (len > ds->staging_size) return Status::Ok();
+  want = std::min(want, e->nbytes());
+  uint64_t len = RoundUp(want, 256);
+  if (!want || len > ds->staging_size) return Status::Ok();
   CollectPending(ds);
   for (;;) {
     uint64_t off;
@@ -54,11 +65,12 @@ Status CudaModule::AllocStaging(DeviceState* ds, const EntryPtr& e, cudaStream_t
       d->staged = true;
       d->stage_off = off;
       d->stage_len = len;
+      d->stage_bytes = std::min(len, e->nbytes());
       d->stage_ptr = ds->staging + off;
       ds->staged[e.get()] = e;
       eng_->StagingAllocated(len);
-      *got = true;
-      return OrderAfterPending(ds, off, len, stream, waits);
+      *got = d->stage_bytes;
+      return stream ? OrderAfterPending(ds, off, len, stream, waits) : Status::Ok();
     }
     Entry* best = nullptr;
     Entry* best_busy = nullptr;
@@ -90,7 +102,14 @@ Status CudaModule::AllocStaging(DeviceState* ds, const EntryPtr& e, cudaStream_t
                     : best_busy     ? best_busy
                     : best_deferred ? best_deferred
                                     : best_unused;
-    if (!victim) return Status::Ok();
+    if (!victim) {
+      // No more room to make: a first piece in the largest free range, if it is worth a copy.
+      const uint64_t largest = ds->alloc.largest_free() / 256 * 256;
+      if (!partial || largest >= len || largest < std::min(len, kMinStagePiece))
+        return Status::Ok();
+      len = largest;
+      continue;
+    }
     if (D(*victim)->d2h_deferred) {
       if (Dead(*victim)) {
         ElideD2H(ds, *victim);
@@ -129,6 +148,7 @@ void CudaModule::FreeStaging(Entry& e) {
   d->staged = false;
   d->stage_unused = false;
   d->stage_ptr = nullptr;
+  d->stage_bytes = 0;
 }
 
 bool CudaModule::StagingUsable(const Entry& e, const DeviceEntry& d) const {

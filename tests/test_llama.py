@@ -17,22 +17,31 @@ TAGS = (LAYER_IN, QKV, ATTN, MLP_UP)
 # float32 compute: chunking changes only the order of float32 sums (a weight's gradient summed
 # over chunks, the loss summed chunk by chunk). Relative to the largest element of each array.
 CHUNK_RTOL = 1e-5
+# Programs whose results are compared within a tolerance compile with less optimisation (half
+# the CPU compile time); the bit-exact comparisons and the memory analysis compile as usual.
+FAST = {"xla_backend_optimization_level": 0}
 
 
 def _tokens(batch, length, vocab, seed=0):
   return jax.random.randint(jax.random.key(seed), (batch, length), 0, vocab, jnp.int32)
 
 
+def _run(fn, *args, options=FAST):
+  """``jax.jit(fn)(*args)``, compiled with ``options``."""
+  return jax.jit(fn).lower(*args).compile(options)(*args)
+
+
 def _params(cfg, tokens):
-  return jax.jit(lambda r: llama.Llama(cfg).init(r, tokens, None, method="loss")["params"])(
-    jax.random.key(1)
-  )
+  return _run(lambda r: llama.Llama(cfg).init(r, tokens, None, method="loss")["params"], _KEY)
 
 
-def _loss_and_grads(cfg, policy, params, tokens):
+_KEY = jax.random.key(1)
+
+
+def _loss_and_grads(cfg, policy, params, tokens, options=FAST):
   model = llama.Llama(cfg, policy)
   f = lambda p: model.apply({"params": p}, tokens, method="loss")[0]  # noqa: E731
-  return jax.jit(jax.value_and_grad(f))(params)
+  return _run(jax.value_and_grad(f), params, options=options)
 
 
 def _close(got, want, rtol):
@@ -86,13 +95,14 @@ def test_config_and_presets():
 # ----------------------------------------------------------------------------- offload
 @pytest.fixture(scope="module")
 def offload_case():
-  """The tiny Llama (bfloat16 compute, the MLP and the loss in chunks) and its step with the
-  four tags saved on the device."""
-  cfg = models.get_config("llama", "tiny", mlp_chunks=2, loss_chunks=2)
+  """The tiny Llama (bfloat16 compute, the MLP in chunks: its tag inside them) and its step
+  with the four tags saved on the device."""
+  cfg = models.get_config("llama", "tiny", mlp_chunks=2)
   tokens = _tokens(2, 33, cfg.vocab_size)
   params = _params(cfg, tokens)
   save = jax.checkpoint_policies.save_only_these_names(*TAGS)
-  return cfg, tokens, params, jax.block_until_ready(_loss_and_grads(cfg, save, params, tokens))
+  device = _loss_and_grads(cfg, save, params, tokens, options=None)
+  return cfg, tokens, params, jax.block_until_ready(device)
 
 
 @pytest.mark.parametrize("location", ["host", "nvme"])
@@ -102,7 +112,7 @@ def test_offloaded_tags_equal_device(offload_case, location):
   cfg, tokens, params, device = offload_case
   ssd.reset_stats()
   policy = ssd.offload_policy(TAGS, location=location, min_bytes=0)
-  got = jax.block_until_ready(_loss_and_grads(cfg, policy, params, tokens))
+  got = jax.block_until_ready(_loss_and_grads(cfg, policy, params, tokens, options=None))
   stats = ssd.stats()
   jax.tree.map(np.testing.assert_array_equal, got, device)  # loss and every gradient
   # every tag of every layer went to the store, the MLP's chunk by chunk: (B, S, ...) bfloat16
@@ -143,12 +153,12 @@ def test_chunked_functions_equal_whole_in_bfloat16():
     def loss(x, w):
       return llama.chunked_cross_entropy(x, w, targets, jnp.bfloat16, chunks)[0]
 
-    return jax.jit(
+    return _run(
       lambda: (
         jax.value_and_grad(mlp, argnums=(0, 1, 2))(x, w_up, w_down),
         jax.value_and_grad(loss, argnums=(0, 1))(x, head),
       )
-    )()
+    )
 
   want = both(1)
   for chunks in (3, 8):  # 40 positions: chunks of 14 (two and a remainder of 12) and of 5
@@ -188,7 +198,7 @@ def test_grouped_query_attention_equals_repeated_heads():
   repeated["decoder"]["layers"]["attn"]["qkv"]["kernel"] = jnp.concatenate(
     [q, rep(k), rep(v)], axis=2
   )
-  logits = lambda c, p: jax.jit(lambda p: llama.Llama(c).apply({"params": p}, tokens))(p)  # noqa: E731
+  logits = lambda c, p: _run(lambda p: llama.Llama(c).apply({"params": p}, tokens), p)  # noqa: E731
   got, want = logits(cfg, params), logits(full, repeated)
   _close(got, want, 1e-5)
   # and a wrong grouping (key/value heads tiled, not repeated) is told apart

@@ -247,6 +247,38 @@ class LlamaStack(nn.Module):
     return RMSNorm(self.cfg, "ln_final")(x)
 
 
+class LlamaEmbedding(nn.Module):
+  """The token embedding ``embedding`` ``(V, H)``, looked up in the compute dtype."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, ids):  # (B,S) int -> (B,S,H)
+    cfg = self.cfg
+    table = self.param("embedding", _INIT, (cfg.vocab_size, cfg.hidden), _param_dtype(cfg))
+    # the table in the compute dtype, gathered once under FSDP (as models.common.Embedding)
+    table = gather_weight(table.astype(cfg.compute_dtype))
+    return constrain_batch(jnp.take(table, ids, axis=0))
+
+
+class LlamaHead(nn.Module):
+  """The untied head ``kernel`` ``(H, V)``: all the float32 logits of ``x`` (short inputs), or
+  with ``targets`` the mean cross entropy in ``loss_chunks`` chunks, ``(loss, tokens)``."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, targets=None):
+    cfg = self.cfg
+    kernel = self.param("kernel", _INIT, (cfg.hidden, cfg.vocab_size), _param_dtype(cfg))
+    kernel = gather_weight(kernel)
+    if targets is not None:
+      return chunked_cross_entropy(x, kernel, targets, cfg.compute_dtype, cfg.loss_chunks)
+    w = kernel.astype(cfg.compute_dtype)
+    x = x.astype(cfg.compute_dtype)
+    return jnp.einsum("bsh,hv->bsv", x, w, preferred_element_type=jnp.float32)
+
+
 class Llama(nn.Module):
   """Llama-style causal LM (see the module doc); ``loss(tokens, rng) -> (loss, metrics)``."""
 
@@ -260,34 +292,16 @@ class Llama(nn.Module):
         f"Llama: rotary positions and an untied head, got positions={cfg.positions!r}, "
         f"tie_embeddings={cfg.tie_embeddings}; use get_config('llama', preset)"
       )
-    self.embed = nn.Embed(
-      cfg.vocab_size,
-      cfg.hidden,
-      dtype=cfg.compute_dtype,
-      param_dtype=_param_dtype(cfg),
-      embedding_init=_INIT,
-    )
+    self.embed = LlamaEmbedding(cfg)
     self.decoder = LlamaStack(cfg, self.policy)
-    self.head = _Kernel((cfg.hidden, cfg.vocab_size), _param_dtype(cfg))
-
-  def hidden_states(self, tokens):  # (B,S) int -> (B,S,H), after the final norm
-    # the table in the compute dtype, gathered once under FSDP (as models.common.Embedding)
-    table = gather_weight(self.embed.embedding.astype(self.cfg.compute_dtype))
-    return self.decoder(constrain_batch(jnp.take(table, tokens, axis=0)))
+    self.head = LlamaHead(cfg)
 
   def __call__(self, tokens):  # (B,S) int -> (B,S,V) float32 logits (all of them: short inputs)
-    x = self.hidden_states(tokens)
-    w = gather_weight(self.head()).astype(self.cfg.compute_dtype)
-    return jnp.einsum(
-      "bsh,hv->bsv", x.astype(self.cfg.compute_dtype), w, preferred_element_type=jnp.float32
-    )
+    return self.head(self.decoder(self.embed(tokens)))
 
   def loss(self, tokens, rng=None):
     """Next-token prediction on a (B,S) batch in ``loss_chunks`` chunks; (loss, metrics)."""
-    x = self.hidden_states(tokens[:, :-1])
-    loss, n = chunked_cross_entropy(
-      x, gather_weight(self.head()), tokens[:, 1:], self.cfg.compute_dtype, self.cfg.loss_chunks
-    )
+    loss, n = self.head(self.decoder(self.embed(tokens[:, :-1])), tokens[:, 1:])
     return loss, {"loss": loss, "tokens": n}
 
 
@@ -303,6 +317,8 @@ __all__ = [
   "Llama",
   "LlamaAttention",
   "LlamaBlock",
+  "LlamaEmbedding",
+  "LlamaHead",
   "LlamaMlp",
   "LlamaStack",
   "apply_rotary",

@@ -238,3 +238,28 @@ def test_chunked_loss_and_mlp_use_less_memory():
   hidden = B * S * 2 * F * 2  # the bfloat16 gate and up activations, whole
   whole, chunked = mlp_step(1), mlp_step(8)
   assert whole >= hidden and chunked < whole / 2, (whole, chunked, hidden)
+
+
+# ----------------------------------------------------------------------------- layer stream
+def test_llama_pieces_compose_to_the_model():
+  from models.layer_stream import llama_pieces
+
+  pieces = llama_pieces("tiny", dtype="float32", loss_chunks=2)
+  cfg = pieces.cfg
+  tokens = _tokens(2, 17, cfg.vocab_size)
+  params = _params(cfg, tokens)
+  layers = params["decoder"]["layers"]
+  one = jax.eval_shape(pieces.init_layer, jax.random.key(0))
+  assert jax.tree.structure(one) == jax.tree.structure(layers)
+  side = jax.eval_shape(pieces.init_side, jax.random.key(0), tokens)
+  ep, hp = params["embed"], {"head": params["head"], "ln_final": params["decoder"]["ln_final"]}
+  assert jax.tree.structure(side) == jax.tree.structure((ep, hp))
+
+  def streamed(params):
+    x = pieces.embed(ep, tokens)
+    for i in range(cfg.num_layers):
+      x = pieces.block(jax.tree.map(lambda a: a[i], layers), x)
+    return pieces.head(hp, x, tokens)
+
+  model = _run(lambda p: llama.Llama(cfg).apply({"params": p}, tokens, method="loss")[0], params)
+  _close(_run(streamed, params), model, 1e-6)

@@ -225,6 +225,8 @@ _LLAMA_SHAPES = {
   "llama3-8b": (32, 4096, 32, 8, 14336, 8192),
 }
 PRESETS = tuple(_SHAPES) + tuple(_LLAMA_SHAPES)
+# The config fields only models/llama.py reads.
+_LLAMA_FIELDS = ("num_kv_heads", "rope_theta", "mlp_chunks", "loss_chunks", "param_dtype")
 # Per-model defaults (vocab sizes padded to multiples of 64; Llama 3's is 128256 = 2004 x 64).
 _MODEL_DEFAULTS = {
   "gpt": dict(vocab_size=50304),
@@ -256,6 +258,13 @@ def get_config(model: str, preset: str, **overrides: Any) -> ModelConfig:
     kw["num_kv_heads"] = 2 if preset == "tiny" else kv_heads
   if preset == "tiny":
     kw["vocab_size"] = 256
+  given = sorted(set(overrides) & set(_LLAMA_FIELDS)) if model != "llama" else []
+  if given or (model != "llama" and overrides.get("positions") == "rope"):
+    what = ", ".join(f"{k}={overrides[k]!r}" for k in given) or "positions='rope'"
+    raise ValueError(
+      f"get_config: {what} for model {model!r}: only the llama model has "
+      f"{', '.join(_LLAMA_FIELDS)} and rotary positions; use get_config('llama', ...)"
+    )
   kw.update(overrides)
   return ModelConfig(**kw)
 

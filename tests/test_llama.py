@@ -88,6 +88,9 @@ def test_config_and_presets():
   ):
     with pytest.raises(ValueError, match=match):
       models.get_config("llama", "tiny", **bad)
+  for model, bad in (("gpt", dict(loss_chunks=4)), ("t5", dict(num_kv_heads=2)), ("bert", {})):
+    with pytest.raises(ValueError, match="only the llama model"):
+      models.get_config(model, "tiny", **(bad or dict(positions="rope")))
   with pytest.raises(ValueError, match="rotary positions and an untied head"):
     llama.Llama(models.get_config("gpt", "tiny")).init(jax.random.key(0), jnp.zeros((1, 4), int))
 
@@ -215,19 +218,24 @@ def _temp_bytes(fn, *args) -> int:
 
 
 def test_chunked_loss_and_mlp_use_less_memory():
-  B, S, H, V, F = 1, 2048, 64, 4096, 1024
-  x = jax.ShapeDtypeStruct((B, S, H), jnp.bfloat16)
-  head = jax.ShapeDtypeStruct((H, V), jnp.float32)
-  targets = jax.ShapeDtypeStruct((B, S), jnp.int32)
+  # a whole step of the model (loss and gradients): the float32 logits dominate at this vocab
+  B, S, V = 1, 512, 8192
+  cfg = models.get_config("llama", "tiny", num_layers=1, vocab_size=V)
+  tokens = jax.ShapeDtypeStruct((B, S + 1), jnp.int32)
+  params = jax.eval_shape(lambda t: llama.Llama(cfg).init(_KEY, t, None, method="loss"), tokens)
 
-  def loss_step(chunks):
-    f = lambda x, w, t: llama.chunked_cross_entropy(x, w, t, jnp.bfloat16, chunks)[0]  # noqa: E731
-    return _temp_bytes(jax.value_and_grad(f, argnums=(0, 1)), x, head, targets)
+  def model_step(chunks):
+    model = llama.Llama(dataclasses.replace(cfg, loss_chunks=chunks))
+    f = lambda p, t: model.apply(p, t, method="loss")[0]  # noqa: E731
+    return _temp_bytes(jax.value_and_grad(f), params, tokens)
 
   logits = B * S * V * 4  # the float32 logits, whole
-  whole, chunked = loss_step(1), loss_step(8)
+  whole, chunked = model_step(1), model_step(8)
   assert whole >= logits and chunked < whole / 2, (whole, chunked, logits)
 
+  # the MLP alone: its hidden activation dominates
+  H, F = 64, 1024
+  x = jax.ShapeDtypeStruct((B, 4 * S, H), jnp.bfloat16)
   w_up = jax.ShapeDtypeStruct((H, 2, F), jnp.float32)
   w_down = jax.ShapeDtypeStruct((F, H), jnp.float32)
 
@@ -235,7 +243,7 @@ def test_chunked_loss_and_mlp_use_less_memory():
     f = lambda x, u, d: llama.chunked_swiglu(x, u, d, jnp.bfloat16, chunks).sum()  # noqa: E731
     return _temp_bytes(jax.value_and_grad(f, argnums=(0, 1, 2)), x, w_up, w_down)
 
-  hidden = B * S * 2 * F * 2  # the bfloat16 gate and up activations, whole
+  hidden = B * 4 * S * 2 * F * 2  # the bfloat16 gate and up activations, whole
   whole, chunked = mlp_step(1), mlp_step(8)
   assert whole >= hidden and chunked < whole / 2, (whole, chunked, hidden)
 

@@ -1,4 +1,4 @@
-"""Flax transformer models (GPT, BERT, T5) with activation tags for jax_ssdtrain policies."""
+"""Flax transformer models (GPT, BERT, T5, Llama) with activation tags for jax_ssdtrain policies."""
 
 from .bert import BERT
 from .common import (
@@ -20,14 +20,16 @@ from .common import (
   resolve_locations,
 )
 from .gpt import GPT
+from .llama import Llama
 from .t5 import T5
 
-MODELS = {"gpt": GPT, "bert": BERT, "t5": T5}
+MODELS = {"gpt": GPT, "bert": BERT, "t5": T5, "llama": Llama}
 # The tags each model has (only T5's decoder has cross attention).
 MODEL_TAGS = {
   "gpt": (LAYER_IN, QKV, ATTN, MLP_UP),
   "bert": (LAYER_IN, QKV, ATTN, MLP_UP),
   "t5": TAGS,
+  "llama": (LAYER_IN, QKV, ATTN, MLP_UP),
 }
 
 

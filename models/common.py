@@ -22,6 +22,10 @@ tag           tensor (per layer)            shape              models
 
 B batch, S/T sequence, H hidden, N heads, D head dim, F MLP dim.
 
+The Llama model (``models/llama.py``) has the first four tags with its own shapes: ``qkv`` is
+(B, S, N + 2K, D) with K key/value heads, ``mlp_up`` the fused gate and up projections
+(B, c, 2, F) of one sequence chunk of c positions (its MLP runs in ``mlp_chunks`` chunks).
+
 Locations: ``remat`` (recompute in backward), ``device`` (saved in device memory), ``host``
 (the engine's pinned host tier), ``nvme`` (the store file). :func:`make_remat_policy` is the
 only place that builds a policy from a locations mapping.
@@ -124,10 +128,21 @@ class ModelConfig:
   # jax.nn.dot_product_attention implementation: "xla", "cudnn" or "auto" (cudnn on GPU for
   # bf16/fp16 with a supported head dim, else xla; JAX's own None always means xla).
   attention: str = "auto"
+  # Llama only (models/llama.py); the defaults leave the other models as they are.
+  num_kv_heads: int | None = None  # grouped-query attention's key/value heads (None: num_heads)
+  rope_theta: float = 500000.0  # rotary positions' base (positions="rope"), Llama 3's
+  mlp_chunks: int = 1  # the MLP over the sequence in this many chunks under remat (1: whole)
+  loss_chunks: int = 1  # the logits and loss in this many sequence chunks under remat
+  param_dtype: str = "float32"  # the parameters' dtype
 
   @property
   def head_dim(self) -> int:
     return self.hidden // self.num_heads
+
+  @property
+  def kv_heads(self) -> int:
+    """Key/value heads: ``num_kv_heads``, or ``num_heads`` where it is None."""
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
   @property
   def compute_dtype(self):
@@ -136,10 +151,26 @@ class ModelConfig:
   def __post_init__(self):
     if self.hidden % self.num_heads:
       raise ValueError(f"hidden {self.hidden} not divisible by num_heads {self.num_heads}")
-    if self.norm not in ("layernorm", "rmsnorm") or self.positions not in ("learned", "relative"):
+    if self.norm not in ("layernorm", "rmsnorm") or self.positions not in _POSITIONS:
       raise ValueError(f"bad norm/positions: {self.norm!r}/{self.positions!r}")
     if self.attention not in ("auto", "xla", "cudnn"):
       raise ValueError(f"bad attention implementation {self.attention!r}: use auto, xla or cudnn")
+    kv = self.num_kv_heads
+    if kv is not None and (
+      isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or self.num_heads % kv
+    ):
+      raise ValueError(
+        f"num_kv_heads: {kv!r} does not divide num_heads {self.num_heads}; grouped-query "
+        "attention needs a positive divisor of num_heads (None: one per query head)"
+      )
+    for name in ("mlp_chunks", "loss_chunks"):
+      n = getattr(self, name)
+      if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name}: expected a positive number of sequence chunks, got {n!r}")
+    if not self.rope_theta > 0:
+      raise ValueError(f"rope_theta: expected a positive base, got {self.rope_theta!r}")
+    if self.param_dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"param_dtype: {self.param_dtype!r}; use float32 or bfloat16")
 
   def attention_impl(self) -> str:
     if self.attention != "auto":
@@ -152,6 +183,10 @@ class ModelConfig:
     )
     return "cudnn" if cudnn_ok else "xla"
 
+
+# "learned": a table of max_len positions (gpt, bert); "relative": t5's bucketed bias; "rope":
+# rotary positions computed for any length (llama).
+_POSITIONS = ("learned", "relative", "rope")
 
 # (layers, hidden, heads, max_len); mlp_dim = 4 * hidden.
 _SHAPES = {
@@ -181,31 +216,55 @@ _SHAPES = {
   "ssdtrain-h12288": (3, 12288, 96, 1024),
   "ssdtrain-h16384": (2, 16384, 128, 1024),
 }
-PRESETS = tuple(_SHAPES)
-# Per-model defaults (vocab sizes padded to multiples of 64).
+# Llama 3's shapes: (layers, hidden, heads, key/value heads, mlp_dim, max_len); max_len is the
+# default sequence length only (rotary positions have no cap). Another model at such a preset
+# gets its layers, hidden, heads and mlp_dim (and one key/value head per query head).
+_LLAMA_SHAPES = {
+  "llama3-1b": (16, 2048, 32, 8, 8192, 8192),
+  "llama3-3b": (28, 3072, 24, 8, 8192, 8192),
+  "llama3-8b": (32, 4096, 32, 8, 14336, 8192),
+}
+PRESETS = tuple(_SHAPES) + tuple(_LLAMA_SHAPES)
+# The config fields only models/llama.py reads.
+_LLAMA_FIELDS = ("num_kv_heads", "rope_theta", "mlp_chunks", "loss_chunks", "param_dtype")
+# Per-model defaults (vocab sizes padded to multiples of 64; Llama 3's is 128256 = 2004 x 64).
 _MODEL_DEFAULTS = {
   "gpt": dict(vocab_size=50304),
   "bert": dict(vocab_size=30528),
   "t5": dict(vocab_size=32128, norm="rmsnorm", positions="relative"),
+  "llama": dict(vocab_size=128256, norm="rmsnorm", positions="rope", tie_embeddings=False),
 }
 
 
 def get_config(model: str, preset: str, **overrides: Any) -> ModelConfig:
   if model not in _MODEL_DEFAULTS:
     raise ValueError(f"unknown model {model!r}; use one of {', '.join(_MODEL_DEFAULTS)}")
-  if preset not in _SHAPES:
-    raise ValueError(f"unknown preset {preset!r}; use one of {', '.join(_SHAPES)}")
-  layers, hidden, heads, max_len = _SHAPES[preset]
+  if preset in _LLAMA_SHAPES:
+    layers, hidden, heads, kv_heads, mlp_dim, max_len = _LLAMA_SHAPES[preset]
+  elif preset in _SHAPES:
+    (layers, hidden, heads, max_len), kv_heads = _SHAPES[preset], None
+    mlp_dim = 4 * hidden
+  else:
+    raise ValueError(f"unknown preset {preset!r}; use one of {', '.join(PRESETS)}")
   kw = dict(
     num_layers=layers,
     hidden=hidden,
     num_heads=heads,
-    mlp_dim=4 * hidden,
+    mlp_dim=mlp_dim,
     max_len=max_len,
     **_MODEL_DEFAULTS[model],
   )
+  if model == "llama":  # grouped-query attention (the tiny preset: 2 key/value heads for 4)
+    kw["num_kv_heads"] = 2 if preset == "tiny" else kv_heads
   if preset == "tiny":
     kw["vocab_size"] = 256
+  given = sorted(set(overrides) & set(_LLAMA_FIELDS)) if model != "llama" else []
+  if given or (model != "llama" and overrides.get("positions") == "rope"):
+    what = ", ".join(f"{k}={overrides[k]!r}" for k in given) or "positions='rope'"
+    raise ValueError(
+      f"get_config: {what} for model {model!r}: only the llama model has "
+      f"{', '.join(_LLAMA_FIELDS)} and rotary positions; use get_config('llama', ...)"
+    )
   kw.update(overrides)
   return ModelConfig(**kw)
 

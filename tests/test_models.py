@@ -13,6 +13,7 @@ TAGS_BY_MODEL = {
   "gpt": {"layer_in", "qkv", "attn", "mlp_up"},
   "bert": {"layer_in", "qkv", "attn", "mlp_up"},
   "t5": set(models.TAGS),
+  "llama": {"layer_in", "qkv", "attn", "mlp_up"},
 }
 BLOCK_TAGS = ("layer_in", "qkv", "attn", "mlp_up", "cross_q", "cross_kv")
 

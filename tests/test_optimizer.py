@@ -1,4 +1,4 @@
-"""Optimizer state in the store (jax_ssdtrain._src.optimizer, a preview): optax's own
+"""Optimizer state in the store (jax_ssdtrain._src.optimizer): optax's own
 transformations wrapped by offload_optimizer against the same transformations on the device, the
 refusals, MultiSteps around it, one copy of the state in the store; and the "host,nvme" location
 (the host tier spilling to the files) for activations."""

@@ -1096,3 +1096,37 @@ def test_one_device_train_step_compiles_once(store):
   jax.block_until_ready(metrics)
   assert step._cache_size() == 1  # jit's compilations (a private method)
   assert all(x.committed for x in jax.tree.leaves(state.opt_state))
+
+
+def test_apply_gradients_averages_and_clips_a_running_sum_of_device_parameters():
+  # One call order for every kind of parameters: with device parameters and a plain optax state,
+  # scale / clip_global_norm / global_norm make grads a running sum to average and clip, as for a
+  # streamed stack (the embedding and head beside a stack).
+  from jax_ssdtrain._src.layer_stream import apply_device_update
+
+  tx = optax.adamw(1e-2)
+  params = {"w": jnp.arange(12.0).reshape(3, 4) / 7, "b": jnp.ones((4,), jnp.bfloat16)}
+  sums = jax.tree.map(lambda p: jnp.ones_like(p, jnp.float32) * 3.0, params)
+  state = tx.init(params)
+  for options in (
+    dict(scale=0.25),
+    dict(scale=0.25, clip_global_norm=0.5),
+    dict(scale=0.25, clip_global_norm=0.5, global_norm=jnp.float32(4.0)),
+  ):
+    got = jax.jit(lambda s, st, p: ssd.apply_gradients(tx, s, st, p, **options))(
+      sums, state, params
+    )
+    want = jax.jit(lambda s, st, p: apply_device_update(tx, p, s, st, **options))(
+      sums, state, params
+    )
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert a.dtype == b.dtype and (np.asarray(a) == np.asarray(b)).all()
+    # and it is the mean's ordinary update (no clipping: the same arithmetic as optax's)
+  mean = jax.tree.map(lambda s, p: (s * 0.25).astype(p.dtype), sums, params)
+  updates, _ = tx.update(mean, state, params)
+  want = optax.apply_updates(params, updates)
+  got, _ = ssd.apply_gradients(tx, sums, state, params, scale=0.25)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6)
+  with pytest.raises(TypeError, match=r"scale make grads a running sum.*extra arguments \(value\)"):
+    ssd.apply_gradients(tx, sums, state, params, scale=0.5, value=1.0)

@@ -24,6 +24,7 @@ from jax_ssdtrain._src.layer_stream import (
   StreamedStack,
   _check_role,
   _check_stack,
+  apply_device_update,
   apply_streamed_update,
 )
 from jax_ssdtrain._src.location import Location
@@ -203,6 +204,12 @@ def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_ar
   not one of :func:`offload_optimizer`'s), and the keyword arguments are that function's
   (``scale=1 / k`` after ``k`` micro-batches, ``clip_global_norm``, ``global_norm``,
   ``in_place``).
+
+  With parameters on the device and a plain optax state, ``scale``, ``clip_global_norm`` and
+  ``global_norm`` mean the same: ``grads`` is a running sum, the update takes its mean
+  ``grads * scale`` cast to each parameter's dtype, clipped to ``clip_global_norm`` by
+  ``global_norm`` (the whole model's, :func:`streamed_global_norm`, where a stack's gradients
+  are part of it) or by its own norm. So one call order serves every kind of parameters.
   """
   import optax  # an optional dependency (the demo extra)
 
@@ -212,8 +219,23 @@ def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_ar
   if streamed is not None:
     return streamed(grads, opt_state, params, **extra_args)
   _refuse_stacks_without_their_state(params, grads, opt_state)
+  mean_options = {k: extra_args.pop(k) for k in _MEAN_OPTIONS if k in extra_args}
+  if mean_options:
+    if extra_args:
+      raise TypeError(
+        f"apply_gradients: {', '.join(sorted(mean_options))} make grads a running sum to "
+        f"average and clip; tx.update's extra arguments ({', '.join(sorted(extra_args))}) are "
+        "not passed with them: call tx.update yourself, or drop them"
+      )
+    return apply_device_update(tx, params, grads, opt_state, **mean_options)
   updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
   return optax.apply_updates(params, updates), opt_state
+
+
+# apply_gradients' options that make grads a running sum of micro-batches' gradients (the mean
+# ``grads * scale``, clipped to ``clip_global_norm`` by ``global_norm`` or its own norm), for
+# device parameters as for a streamed stack
+_MEAN_OPTIONS = ("scale", "clip_global_norm", "global_norm")
 
 
 _STACK_UPDATE_OPTIONS = ("scale", "clip_global_norm", "global_norm", "in_place")

@@ -35,6 +35,10 @@ host_tier_bytes=24GiB``, as ``scripts/bench_rok.py``'s) and an optimizer placeme
 * ``streamed_device``: the same streamed program with the state on the device
   (``location="device"``): the reference that ``host`` equals bit for bit.
 
+``--optimizer-in-place`` makes the streamed placements update the state in place (one version
+in the store instead of two: what lets the 8B shape's 96 GB of master weights and moments fit
+a host of 125 GiB).
+
 Every row has the same arithmetic: bfloat16 parameters (initialised in float32, the master copy
 made from them, then cast: ``models.training.create_train_state``'s ``master_weights``),
 bfloat16 compute, float32 master weights and moments; the policies change only where the layer
@@ -219,6 +223,7 @@ def _run_row(spec: dict) -> dict:
     seed=0,
     min_bytes=spec["min_bytes"],
     optimizer_location=opt_loc,
+    optimizer_in_place=bool(spec["in_place"] and opt_loc is not None),
     master_weights=True,
     model_overrides=dict(
       num_layers=spec["layers"],
@@ -316,6 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
     default="device",
     help=f"placements of the optimizer state for policies without @OPT: {', '.join(OPTIMIZERS)}",
   )
+  p.add_argument(
+    "--optimizer-in-place",
+    action="store_true",
+    help="the streamed placements keep one version of the state (offload_optimizer(in_place="
+    "True)): half the host tier (the 8B shape's 12 bytes a parameter, 96 GB, fit a 125 GiB "
+    "host once, not twice)",
+  )
   p.add_argument("--steps", type=int, default=10, help="measured steps (default 10; 2 at 256K)")
   p.add_argument("--warmup", type=int, default=1, help="steps before them (default 1)")
   p.add_argument("--find-longest", action="store_true", help="double S until the step fails")
@@ -401,6 +413,7 @@ def _spec(args, policy: str, optimizer: str, seq: int, layers: int, store_dir: s
     loss_chunks=chunks_for(seq, args.loss_chunk_tokens),
     attention=args.attention,
     min_bytes=args.min_bytes,
+    in_place=args.optimizer_in_place,
     store_dir=store_dir,
     ssd_options=dict(args.ssd),
   )
@@ -535,6 +548,7 @@ def run(args) -> dict:
     layers=layers,
     ideal_layers=list(args.ideal_layers),
     ideal_policy=args.ideal_policy,
+    optimizer_in_place=args.optimizer_in_place,
     steps=args.steps,
     warmup=args.warmup,
     probe=probe,
@@ -586,6 +600,11 @@ def derive(doc: dict) -> None:
     for r in doc["rows"]
     if _ok(r) and r["optimizer"] == "streamed_device"
   }
+  on_device = {
+    (r.get("source", 0), r["policy"], r["seq"], r["layers"]): r
+    for r in doc["rows"]
+    if _ok(r) and r["optimizer"] == "device"
+  }
   for r in doc["rows"] + doc["ideal_runs"]:
     if not _ok(r):
       continue
@@ -600,6 +619,11 @@ def derive(doc: dict) -> None:
     r["x_ideal"] = ideal["step_s"] / r["step_s"] if ideal and r["layers"] == layers else None
     ref = remat.get((r.get("source", 0), r["optimizer"], r["seq"], r["layers"]))
     r["loss_same_as_remat"] = ref["losses"] == r["losses"] if ref else None
+    ref = on_device.get((r.get("source", 0), r["policy"], r["seq"], r["layers"]))
+    if r["optimizer"] != "device" and ref:  # the streamed update against optax's: ulps apart
+      r["loss_max_rel_diff_vs_device_optimizer"] = max(
+        abs(a - b) / max(abs(b), 1e-30) for a, b in zip(r["losses"], ref["losses"])
+      )
     ref = streamed.get((r.get("source", 0), r["policy"], r["seq"], r["layers"]))
     if r["optimizer"] == "host" and ref:
       r["loss_same_as_streamed_device"] = ref["losses"] == r["losses"]
@@ -624,8 +648,14 @@ def _seq(s: int) -> str:
 def table(doc: dict) -> str:
   head = (
     f"{doc['device_kind']}: {doc['preset']} ({doc['layers']} layers), batch 1, median of "
-    f"{doc['steps']} steps after {doc['warmup']}; ideal: {doc['ideal_policy']} with "
-    f"{', '.join(map(str, doc['ideal_layers']))} layers extended to {doc['layers']}"
+    f"{doc['steps']} steps after {doc['warmup']}"
+    + ("; the streamed optimizer state updated in place" if doc.get("optimizer_in_place") else "")
+    + (
+      f"; ideal: {doc['ideal_policy']} with {', '.join(map(str, doc['ideal_layers']))} layers "
+      f"extended to {doc['layers']}"
+      if doc["ideal_runs"]
+      else "; no ideal"
+    )
   )
   lines = [
     head,
@@ -697,23 +727,37 @@ def table(doc: dict) -> str:
         else f" ({lg['failed_why']})"
       )
     )
-  probe, link = doc.get("probe") or {}, doc.get("link") or {}
   lines.append("")
-  lines.append(
-    f"disk probe ({probe.get('dir')}): O_DIRECT write {probe['write_GBps']:.2f} GB/s, read "
-    f"{probe['read_GBps']:.2f} GB/s (through the engine {probe['engine_write_GBps']:.2f}/"
-    f"{probe['engine_read_GBps']:.2f})"
-    if probe.get("write_GBps")
-    else f"disk probe: {probe.get('note', 'not run')}"
-  )
-  lines.append(
-    f"link probe (pinned, {link['size'] / 2**30:.0f} GiB copies): D2H {link['d2h_gbps']:.1f} GB/s,"
-    f" H2D {link['h2d_gbps']:.1f} alone; {link['duplex_d2h_gbps']:.1f}/"
-    f"{link['duplex_h2d_gbps']:.1f} both at once"
-    if link.get("d2h_gbps")
-    else f"link probe: {link.get('note', 'not run')}"
-  )
+  for src in doc.get("sources") or [doc]:
+    lines += _probe_lines(src, f"{src['file']} ({src['date']}): " if "sources" in doc else "")
   return "\n".join(lines)
+
+
+def _probe_lines(src: dict, lead: str) -> list[str]:
+  """The disk and link probes of one run, a line each."""
+  probe, link = src.get("probe") or {}, src.get("link") or {}
+  lines = []
+  lines.append(
+    lead
+    + (
+      f"disk probe ({probe.get('dir')}): O_DIRECT write {probe['write_GBps']:.2f} GB/s, read "
+      f"{probe['read_GBps']:.2f} GB/s (through the engine {probe['engine_write_GBps']:.2f}/"
+      f"{probe['engine_read_GBps']:.2f})"
+      if probe.get("write_GBps")
+      else f"disk probe: {probe.get('note', 'not run')}"
+    )
+  )
+  lines.append(
+    lead
+    + (
+      f"link probe (pinned, {link['size'] / 2**30:.0f} GiB copies): D2H {link['d2h_gbps']:.1f} GB/s,"
+      f" H2D {link['h2d_gbps']:.1f} alone; {link['duplex_d2h_gbps']:.1f}/"
+      f"{link['duplex_h2d_gbps']:.1f} both at once"
+      if link.get("d2h_gbps")
+      else f"link probe: {link.get('note', 'not run')}"
+    )
+  )
+  return lines
 
 
 def plot(plt, doc: dict, path: Path) -> str | None:
@@ -722,7 +766,10 @@ def plot(plt, doc: dict, path: Path) -> str | None:
     return "no plot: no row ran"
   with bc.figure(plt, path, 1, 2, figsize=(11, 4)) as (fig, (tps, mem)):
     for name in sorted({(r["policy"], r["optimizer"]) for r in rows}):
-      pts = sorted((r["seq"], r) for r in rows if (r["policy"], r["optimizer"]) == name)
+      pts = sorted(
+        ((r["seq"], r) for r in rows if (r["policy"], r["optimizer"]) == name),
+        key=lambda p: p[0],
+      )
       label = f"{name[0]} @ {name[1]}"
       tps.plot([s for s, _ in pts], [r["tokens_per_s"] for _, r in pts], "o-", label=label)
       mem.plot([s for s, _ in pts], [r["device_GB"] for _, r in pts], "o-", label=label)

@@ -45,7 +45,10 @@ bfloat16 compute, float32 master weights and moments; the policies change only w
 inputs wait and what is recomputed, so a row's losses equal those of ``remat`` with the same
 optimizer placement bit for bit (``loss_same_as_remat``), and ``host``'s those of
 ``streamed_device``; ``device`` and the streamed placements agree to a few float32 ulps of the
-update (``docs/optimizer.md``, "Exactness"), the first step's loss bit for bit.
+update (``docs/optimizer.md``, "Exactness"), the first step's loss bit for bit. On a GPU the
+comparison holds with ``--deterministic`` (cuDNN attention's backward pass adds in any order
+otherwise: rows to time run without it); the script exits 1 where a deterministic row's losses
+differ from remat's.
 
 **The ideal** (``--ideal-layers``, default 2 and 4): the same model at the same S with that
 many layers, ``--ideal-policy`` (``keep``: no remat; or ``selective``: the four tags saved)
@@ -73,6 +76,9 @@ traffic per step (``ssd.stats()``, ``bench_common.engine_row``), the device's pe
 the process's peak resident memory, ``x_ideal``; beside them the disk probe (``python -m
 jax_ssdtrain.probe DIR --raw``: O_DIRECT write and read of the store directory through the
 engine and raw) and the link probe (``python -m jax_ssdtrain.probe --link``) of the same run.
+
+``--only-ideal`` runs the ideal alone (a call of its own where the rows take one each;
+``--replot`` merges the runs: the ideal of one S applies to every run's rows of that S).
 
 ``--find-longest``: per policy and placement, S doubles from ``--seq`` (its first value) until
 the step fails (out of device memory at compile or run time, a timeout, or ``--max-seq``); the
@@ -115,6 +121,9 @@ POLICIES = {
 OPTIMIZERS = {"device": None, "host": "host", "streamed_device": "device"}
 IDEAL_POLICIES = ("keep", "selective")
 TAGS = ("layer_in", "qkv", "attn", "mlp_up")
+# --deterministic: cuDNN attention's backward pass (and XLA's scatters) otherwise add in any
+# order on a GPU, and two runs of one program differ in the last bits
+DETERMINISTIC = "--xla_gpu_exclude_nondeterministic_ops=true"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--steps", type=int, default=10, help="measured steps (default 10; 2 at 256K)")
   p.add_argument("--warmup", type=int, default=1, help="steps before them (default 1)")
+  p.add_argument(
+    "--deterministic",
+    action="store_true",
+    help=f"XLA_FLAGS {DETERMINISTIC} for every row: on a GPU the losses of the rows are then "
+    "comparable bit for bit (slower: time rows without it)",
+  )
   p.add_argument("--find-longest", action="store_true", help="double S until the step fails")
   p.add_argument("--max-seq", type=int, default=1 << 22, help="--find-longest's last S")
   p.add_argument(
@@ -340,6 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--ideal-policy", choices=IDEAL_POLICIES, default="keep")
   p.add_argument("--no-ideal", action="store_true", help="no ideal runs")
+  p.add_argument(
+    "--only-ideal",
+    action="store_true",
+    help="the ideal's runs alone, at every --seq (a call of its own; --replot merges it with "
+    "the rows' runs)",
+  )
   p.add_argument(
     "--mlp-chunk-tokens", type=int, default=8192, help="positions per MLP chunk (default 8192)"
   )
@@ -391,9 +412,9 @@ def _seqs(text: str) -> list[int]:
   return seqs
 
 
-def _child(spec: dict, timeout: float) -> dict:
+def _child(spec: dict, timeout: float, env: dict | None = None) -> dict:
   cmd = bc.module_command("scripts.bench_long_context", "--child", json.dumps(spec))
-  row = bc.run_json_child(cmd, timeout)
+  row = bc.run_json_child(cmd, timeout, env)
   if "error" in row:
     row["oom"] = row.get("oom") or _is_oom(row.get("stderr_tail", "") + row["error"])
     row["stderr_tail"] = bc.tail(row.get("stderr_tail", ""), 1500)
@@ -458,7 +479,11 @@ def run(args) -> dict:
   import models  # the preset's shape (no JAX backend)
 
   seqs = _seqs(args.seq)
-  rows_wanted = parse_rows(args.policies, [o.strip() for o in args.optimizer.split(",")])
+  rows_wanted = (
+    []
+    if args.only_ideal
+    else parse_rows(args.policies, [o.strip() for o in args.optimizer.split(",")])
+  )
   full = models.get_config("llama", args.preset)
   layers = args.layers or full.num_layers
   made = None
@@ -467,6 +492,9 @@ def run(args) -> dict:
     store_dir = made = tempfile.mkdtemp(prefix="bench_long_context-", dir="/var/tmp")
   os.makedirs(store_dir, exist_ok=True)
   t_start = time.monotonic()
+  env = dict(os.environ)
+  if args.deterministic:
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {DETERMINISTIC}".strip()
 
   def left() -> float:
     """Seconds a row may still take: ``--timeout``, within what ``--budget-s`` leaves."""
@@ -489,7 +517,7 @@ def run(args) -> dict:
       if timeout < 1:
         return head | dict(error=f"not run: --budget-s {args.budget_s:g} spent", oom=False)
       t0 = time.perf_counter()
-      r = head | _child(_spec(args, policy, opt, seq, n_layers, store_dir), timeout)
+      r = head | _child(_spec(args, policy, opt, seq, n_layers, store_dir), timeout, env)
       r["wall_s"] = time.perf_counter() - t0
       r |= dict(
         mlp_chunks=chunks_for(seq, args.mlp_chunk_tokens),
@@ -528,7 +556,7 @@ def run(args) -> dict:
       # at every S measured; after --find-longest, at each policy's longest
       ideal_seqs = sorted(
         {lg["longest_seq"] for lg in longest if lg["longest_seq"]}
-        if args.find_longest
+        if args.find_longest and not args.only_ideal
         else {r["seq"] for r in rows if "error" not in r} or seqs
       )
       for s in ideal_seqs:
@@ -549,6 +577,7 @@ def run(args) -> dict:
     ideal_layers=list(args.ideal_layers),
     ideal_policy=args.ideal_policy,
     optimizer_in_place=args.optimizer_in_place,
+    deterministic=args.deterministic,
     steps=args.steps,
     warmup=args.warmup,
     probe=probe,
@@ -827,6 +856,8 @@ def main(argv=None) -> int:
     return child_main(args.child)
   if args.replot:
     return replot(args.replot, args.out)
+  if args.only_ideal and args.no_ideal:
+    raise SystemExit("--only-ideal and --no-ideal: give one or the other")
   try:
     parse_rows(args.policies, [o.strip() for o in args.optimizer.split(",")])
     _seqs(args.seq)
@@ -842,7 +873,9 @@ def main(argv=None) -> int:
     doc["ideal_runs"] = bc.merge_rows(old.get("ideal_runs", []), doc["ideal_runs"], _key)
     doc["longest"] = old.get("longest", []) + doc["longest"]
   report(doc, stem)
-  bad = [r for r in doc["rows"] if r.get("loss_same_as_remat") is False]
+  # bit for bit where the programs are deterministic (the CPU's; a GPU's with --deterministic)
+  exact = doc.get("platform") == "cpu" or args.deterministic
+  bad = [r for r in doc["rows"] if r.get("loss_same_as_remat") is False and exact]
   for r in bad:
     print(
       f"FAIL {r['policy']} @ {r['optimizer']}, S={r['seq']}: losses differ from remat's",

@@ -54,6 +54,11 @@
 #                ~8 minutes)                                                         [fit_node]
 #   fitnodejax   the same arithmetic by JAX alone (the state on the devices, each layer
 #                recomputed): gpt-30b, then gpt-20b (needs 4 GPUs)                   [fit_node]
+#   longctx      bench_long_context on one GPU: the Llama model's training step at long sequences,
+#                per policy (JAX's remat and pinned-host offload, the layer inputs in our host tier
+#                and files), AdamW on the device or in the host tier, against the ideal of 2 and 4
+#                layers; LC_ARGS: its arguments (preset, --seq, --policies, --find-longest, ...):
+#                one call's worth each                                           [long_context]
 #   layerstream  bench_layer_stream on one GPU: gpt-13b, parameters and gradients streamed from
 #                the host tier (in place, 10 steps), against the ideal of 2 and 4 layers; LS_ARGS:
 #                more arguments (e.g. --micro-batches 8), LS13_TIER: its host tier (300GiB)
@@ -90,8 +95,8 @@ if [ "${1:-}" = "--out" ]; then OUT=$2; shift 2; fi
 STAGES=("$@")
 KNOWN=(tests tests4 reliability jaxlayer lifetimes streamtests rok rok8192 hostrows hosttier link
   planner planner32k planner8192 plannernvme cap emulated train maxtext multigpu multigpu4 multigpu124
-  multihost optimizer optimizerbench optimizer2 optimizer4 checkpoint accumulate fit fitnode fitnodejax layerstream
-  layerstream30 maxtextfsdp maxtextfsdpqkv maxtextfsdp4)
+  multihost optimizer optimizerbench optimizer2 optimizer4 checkpoint accumulate fit fitnode
+  fitnodejax longctx layerstream layerstream30 maxtextfsdp maxtextfsdpqkv maxtextfsdp4)
 if [ ${#STAGES[@]} -eq 0 ]; then
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d'
   exit 2
@@ -324,6 +329,11 @@ for stage in "${STAGES[@]}"; do
         --mesh dp=4,fsdp --batch 8 --accum 16 --accum-dtype bfloat16 --steps 4 \
         --presets gpt-30b,gpt-20b --ways jax_master_remat --timeout $((LIMIT_S - SECONDS - 30)) \
         --out "$OUT/fitnodejax" ;;
+    longctx)  # LC_ARGS: bench_long_context's arguments; the rows end within LIMIT_S
+      # shellcheck disable=SC2086  # LC_ARGS splits on purpose
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run longctx $((LIMIT_S - SECONDS)) \
+        $PY -m scripts.bench_long_context --store-dir /var/tmp/longctx \
+        --budget-s $((LIMIT_S - SECONDS - 20)) --out "$OUT/longctx" ${LC_ARGS:-} ;;
     layerstream)  # LS_ARGS: more bench_layer_stream arguments; the store on the local disk
       # shellcheck disable=SC2086  # LS_ARGS splits on purpose
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} run layerstream $((LIMIT_S - SECONDS)) \

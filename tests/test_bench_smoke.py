@@ -1,4 +1,5 @@
-"""Smoke test of scripts/bench_rok.py: the tiny preset on CPU, three policies, no probe."""
+"""Smoke tests of the benchmark scripts (bench_rok, bench_multigpu, bench_layer_stream,
+bench_long_context): the tiny presets on CPU, end to end; bench_common's child runner."""
 
 import json
 import os
@@ -228,6 +229,136 @@ def test_bench_multigpu_cpu_smoke_1_2_4(tmp_path):
     assert 0 < a["remat_efficiency_no_overlap"] <= 1 and a["offload_efficiency_no_overlap"] > 0
   assert [c["no_added_collective"] for c in doc["summary"]["checks"]] == [True, True]
   assert "points vs no offload" in proc.stdout and "Collectives' arithmetic" in proc.stdout
+
+
+LONG_ROWS = (
+  "remat",
+  "jax_host_layer_in",
+  "ours_host_layer_in",
+  "ours_host_nvme_layer_in:host_tier_bytes=16KiB",  # 4 layer inputs of 8 KiB: two spill
+  "ours_nvme_layer_in",
+  "ours_host_layer_in@host",
+  "ours_host_layer_in@streamed_device",
+)
+
+
+@pytest.mark.slow
+def test_bench_long_context_cpu_smoke(tmp_path):
+  """The tiny Llama of 4 layers at S=64 under every policy, its AdamW state on the device and
+  in the host tier, against the ideal of 2 and 4 layers: every row has its fields, the rows
+  that offload the layer inputs train bit for bit as remat, the host tier's optimizer as the
+  same stream on the device, and the store's counters say where the bytes went."""
+  cmd = [
+    sys.executable,
+    "-m",
+    "scripts.bench_long_context",
+    "--preset",
+    "tiny",
+    "--layers",
+    "4",
+    "--seq",
+    "64",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--policies",
+    ",".join(LONG_ROWS),
+    "--optimizer",
+    "device",
+    "--min-bytes",
+    "0",
+    "--mlp-chunk-tokens",
+    "16",  # 4 MLP chunks and 4 loss chunks
+    "--loss-chunk-tokens",
+    "16",
+    "--peak-tflops",
+    "1",
+    "--no-probe",
+    "--no-link-probe",
+    "--store-dir",
+    str(tmp_path / "store"),
+    "--out",
+    str(tmp_path),
+  ]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_S)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  (path,) = tmp_path.glob("longctx_cpu_*.json")
+  assert path.with_suffix(".png").stat().st_size > 0
+  assert path.with_suffix(".md").read_text().startswith("cpu: tiny (4 layers)")
+  doc = json.loads(path.read_text())
+  assert doc["probe"] == {"note": "--no-probe"} and doc["link"] == {"note": "--no-link-probe"}
+  rows = {(r["policy"], r["optimizer"]): r for r in doc["rows"]}
+  want = [(n.split("@")[0], n.split("@")[1] if "@" in n else "device") for n in LONG_ROWS]
+  assert list(rows) == want
+  import models
+  from scripts import bench_long_context as lc
+
+  cfg = models.get_config("llama", "tiny", num_layers=4)
+  flops = lc.step_flops(cfg, 64)
+  (ideal,) = doc["ideal"]
+  runs = {r["layers"]: r for r in doc["ideal_runs"]}
+  assert sorted(runs) == [2, 4] and ideal["seq"] == 64 and ideal["layers"] == 4
+  assert ideal["step_s"] == pytest.approx(runs[4]["step_s"])  # a line through two points
+  for r in rows.values():
+    assert "error" not in r, r
+    assert (r["seq"], r["layers"], r["mlp_chunks"], r["loss_chunks"]) == (64, 4, 4, 4)
+    assert len(r["step_s_all"]) == 3 and len(r["losses"]) == 3 and r["step_s"] > 0
+    assert r["tokens_per_s"] == pytest.approx(64 / r["step_s"])
+    assert r["step_TFLOP"] == pytest.approx(flops / 1e12)
+    assert r["mfu"] == pytest.approx(flops / 1e12 / r["step_s"])
+    assert r["x_ideal"] == pytest.approx(ideal["step_s"] / r["step_s"])
+    assert r["temp_GB"] > 0 and r["argument_GB"] > 0
+    assert r["device_GB"] == pytest.approx(r["temp_GB"] + r.get("staging_GB_peak", 0))
+    assert r["n_params"] == runs[4]["n_params"]
+  remat = rows[("remat", "device")]
+  assert remat["losses"][2] != remat["losses"][0]  # the update changed the parameters
+  for (policy, opt), r in rows.items():
+    if opt == "device":
+      assert r["loss_same_as_remat"] is True, (policy, r["losses"], remat["losses"])
+    assert r["losses"][0] == remat["losses"][0]  # before any update: one arithmetic
+  host = rows[("ours_host_layer_in", "host")]
+  assert host["loss_same_as_streamed_device"] is True
+  layer_in = 4 * 64 * cfg.hidden * 2  # bytes of the 4 layer inputs of a step
+  for (policy, _), r in rows.items():
+    if not policy.startswith("ours_"):
+      assert "engine" not in r
+      continue
+    assert r["offload_GB_per_step"] * 1e9 >= layer_in and r["staging_GB_peak"] >= 0
+    assert r["engine"]["tensors_written"] >= 2 * 4  # steps x layers
+  assert rows[("ours_host_layer_in", "device")]["disk_MB_written_per_step"] == 0
+  assert rows[("ours_host_layer_in", "device")]["host_tier_GB_peak"] * 1e9 >= layer_in
+  assert rows[("ours_nvme_layer_in", "device")]["disk_MB_written_per_step"] * 1e6 >= layer_in
+  spill = rows[("ours_host_nvme_layer_in:host_tier_bytes=16KiB", "device")]
+  assert 0 < spill["host_tier_GB_peak"] * 1e9 <= 16 * 1024
+  assert 0 < spill["disk_MB_written_per_step"] * 1e6 < layer_in
+  assert "loss = remat" in proc.stdout and "same" in proc.stdout
+
+
+def test_bench_long_context_flops_and_rows():
+  """The step's FLOPs (the docstring's formula, by hand for the 8B shape at 128K) and the
+  --policies grammar, its errors naming the item."""
+  import models
+  from scripts import bench_long_context as lc
+
+  cfg = models.get_config("llama", "llama3-8b")
+  S, H, L, V = 131072, 4096, 32, 128256
+  per_layer = H * (32 + 16) * 128 + 32 * 128 * H + 3 * H * 14336
+  forward = 2 * S * (L * per_layer + H * V) + 2 * L * 32 * 128 * S * S
+  assert lc.step_flops(cfg, S) == 3 * forward
+  assert lc.chunks_for(S, 8192) == 16 and lc.chunks_for(100, 8192) == 1
+  assert lc.parse_rows("remat,ours_host_layer_in:staging_bytes=2GiB@host", ["device", "host"]) == [
+    ("remat", "device"),
+    ("remat", "host"),
+    ("ours_host_layer_in:staging_bytes=2GiB", "host"),
+  ]
+  with pytest.raises(ValueError, match="unknown policy 'keep_all'"):
+    lc.parse_rows("keep_all", ["device"])
+  with pytest.raises(ValueError, match="unknown optimizer placement 'disk'"):
+    lc.parse_rows("remat@disk", ["device"])
+  with pytest.raises(ValueError, match="store options apply to the ours_"):
+    lc.parse_rows("remat:staging_bytes=1GiB", ["device"])
 
 
 def _child(code: str) -> list[str]:

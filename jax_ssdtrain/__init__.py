@@ -70,6 +70,8 @@ def _check_environment() -> None:
 
 
 _check_environment()
+from jax_ssdtrain._src import deprecations as _deprecations
+from jax_ssdtrain._src import layer_stream as _layer_stream
 from jax_ssdtrain._src.accumulate import accumulate_gradients
 from jax_ssdtrain._src.config import (
   StoreConfig,
@@ -97,8 +99,6 @@ from jax_ssdtrain._src.layer_stream import (
   StreamedOptState,
   StreamedRoomError,
   StreamedStack,
-  apply_device_update,
-  apply_streamed_update,
   check_streamed_room,
   init_streamed,
   init_streamed_optimizer,
@@ -144,6 +144,17 @@ from jax_ssdtrain._src.policies import (
 )
 from jax_ssdtrain._src.primitives import HigherOrderOffloadError
 
+# Names one other way replaced (jax_ssdtrain/_src/deprecations.py): they answer, with a warning.
+_DEPRECATED_OBJECTS = {name: getattr(_layer_stream, name) for name in _deprecations.DEPRECATED}
+
+
+def __getattr__(name: str):
+  if name in _DEPRECATED_OBJECTS:
+    _deprecations.warn(name)
+    return _DEPRECATED_OBJECTS[name]
+  raise AttributeError(f"module 'jax_ssdtrain' has no attribute {name!r}")
+
+
 _remat.install()
 # lifetimes.py sits below the primitives it counts: it is handed them here.
 _lifetimes.install_lowering_hook(
@@ -155,9 +166,7 @@ __version__ = "0.1.0"
 
 __all__ = [
   "accumulate_gradients",
-  "apply_device_update",
   "apply_gradients",
-  "apply_streamed_update",
   "check_streamed_room",
   "read_ahead_sizes",
   "HigherOrderOffloadError",

@@ -16,6 +16,7 @@ LAYERS = [
   # leaves: JAX's internals, the tier enum, the option table
   [
     "_src.jax_internals",
+    "_src.deprecations",
     "_src.attributes",
     "_src.location",
     "_src.options",

@@ -207,6 +207,7 @@ def collect() -> int:
 
 
 def reset_stats() -> None:
+  """Sets the store's counters (:func:`stats`) back to zero; the entries it holds stay."""
   ensure_configured()
   native.reset_stats()
 

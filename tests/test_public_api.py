@@ -1,0 +1,33 @@
+"""The public namespace: one way per task in ``__all__``; a name another way replaced still
+answers, with a DeprecationWarning naming that way."""
+
+import warnings
+
+import pytest
+
+import jax_ssdtrain as ssd
+from jax_ssdtrain._src import deprecations, layer_stream
+
+
+@pytest.mark.parametrize("name", sorted(deprecations.DEPRECATED))
+def test_a_replaced_name_warns_once_naming_the_one_way(name):
+  assert name not in ssd.__all__ and name not in vars(ssd)
+  deprecations._warned.discard(name)
+  with pytest.warns(
+    DeprecationWarning, match=rf"jax_ssdtrain\.{name} is deprecated: use ssd\.apply_gradients\(tx, "
+  ):
+    fn = getattr(ssd, name)
+  assert fn is getattr(layer_stream, name)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert getattr(ssd, name) is fn  # once per process
+
+
+def test_an_unknown_name_is_an_attribute_error():
+  with pytest.raises(AttributeError, match="has no attribute 'apply_gradient'"):
+    ssd.apply_gradient  # noqa: B018
+
+
+def test_every_public_name_is_documented_where_it_is_defined():
+  undocumented = [n for n in ssd.__all__ if not (getattr(ssd, n).__doc__ or "").strip()]
+  assert not undocumented, undocumented

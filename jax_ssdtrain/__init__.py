@@ -143,6 +143,7 @@ from jax_ssdtrain._src.policies import (
   ssd_offload_policy,
 )
 from jax_ssdtrain._src.primitives import HigherOrderOffloadError
+from jax_ssdtrain._src.stream_scan import grad, scan_stack, value_and_grad
 
 _remat.install()
 # lifetimes.py sits below the primitives it counts: it is handed them here.
@@ -181,6 +182,7 @@ __all__ = [
   "default_config",
   "device_stats",
   "flush",
+  "grad",
   "frontier",
   "location_policy",
   "map_stack",
@@ -195,6 +197,7 @@ __all__ = [
   "Profile",
   "profile",
   "release_all",
+  "scan_stack",
   "reset_stats",
   "shutdown",
   "split_layers",
@@ -211,6 +214,7 @@ __all__ = [
   "streamed_global_norm",
   "store_directories",
   "TagProfile",
+  "value_and_grad",
   "value_and_grad_streamed",
   "with_master_weights",
   "timeline",

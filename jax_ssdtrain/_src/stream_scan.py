@@ -1,0 +1,729 @@
+"""The layer stream as one JAX loss: :func:`scan_stack` over a streamed stack, :func:`value_and_grad`.
+
+This module owns the way a user writes a model whose stack of blocks streams: one loss over the
+whole model, in which :func:`scan_stack` (``jax.lax.scan``'s signature, its ``xs`` replaced by a
+:class:`~jax_ssdtrain.StreamedStack` of parameters plus optional per-layer inputs) runs the
+blocks, and :func:`value_and_grad` (``jax.value_and_grad``'s signature) that returns the
+gradients in the structure of the parameters, a stack's as its gradient's running sum in the
+store. The stack's I/O (loading and storing one layer, the ordering tokens, the passes the engine
+predicts loads from) is ``layer_stream``'s; this module composes it.
+
+How a stack's gradient leaves the backward pass. ``scan_stack`` is a ``jax.custom_vjp``: its
+forward rule loads layer ``i + 1`` while layer ``i`` computes and saves each layer's carry input
+(on the device, or in the store); its backward rule recomputes each layer's vjp from that input
+and the reloaded parameters, adds the parameters' gradient into the running sum (the old sum's
+entries loaded, the new ones stored beside them) and passes the carry's cotangent down. A
+backward rule can only return cotangents of its inputs, so :func:`value_and_grad` gives each
+stack it differentiates a float "gradient carrier" input: in the store, the old sum's handles
+(``uint32[L, 2]`` per leaf) encoded exactly as float32 integers of 16 bits each (``[L, 4]``, hi
+then lo halves); with the sum on the device, the old sum itself. The backward rule reads the old
+sum from the carrier's value and returns the new sum, encoded the same way, as the carrier's
+cotangent, which :func:`value_and_grad` decodes into a :class:`~jax_ssdtrain.StreamedStack` of
+kind ``grad_sum``. (Zeros added to the integers stay exact; nothing else reaches the carrier.)
+
+Which stacks have a carrier is decided while the loss is traced: :func:`value_and_grad` binds
+each stack of its differentiated arguments for the duration of the trace, and ``scan_stack``
+looks its stack up there. A stack not bound (one in an argument not differentiated) is frozen:
+its blocks are recomputed and the carry's cotangent passes down, no sum is made. Outside
+:func:`value_and_grad`, ``scan_stack`` evaluates the forward pass only; differentiating it with
+``jax.grad`` is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ssdtrain._src.layer_stream import (
+  HANDLE_DTYPE,
+  StreamedStack,
+  _after,
+  _check_bool,
+  _check_stack,
+  _load_layer,
+  _parse_location,
+  _scan_layers,
+  _stacked,
+  _store_layer,
+  _sum_layout,
+  _token,
+  _token32,
+  new_pass,
+)
+from jax_ssdtrain._src.location import TIER_CODES, Location
+from jax_ssdtrain._src.primitives import load_p, opaque_copy, store_p
+from jax_ssdtrain._src.remat import new_site_id
+
+__all__ = ["grad", "scan_stack", "value_and_grad"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def scan_stack(
+  f: Callable[[Any, Any, Any], tuple[Any, Any]],
+  init: Any,
+  stack: StreamedStack,
+  xs: Any = None,
+) -> tuple[Any, Any]:
+  """``jax.lax.scan(f, init, (stack, xs))`` over a streamed stack, layer by layer.
+
+  Named and shaped after ``jax.lax.scan``: ``f(carry, layer_params, x) -> (carry, y)`` is the
+  scan's body with one layer's parameters (a tree of one layer's arrays, loaded from the store
+  while the layer before computes) and ``x``, that layer's slice of ``xs`` (any pytree whose
+  leaves have the leading layer axis: per-layer inputs that are not parameters, RNG keys;
+  ``None`` without). ``carry`` is any pytree (a hidden state and a mask) that ``f`` returns
+  with the same structure, shapes and dtypes. Returns ``(carry, ys)``, ``ys`` the ``y``'s
+  stacked along a leading layer axis, as ``lax.scan`` does.
+
+  ``f`` may close over traced values (positions, masks): they are hoisted
+  (``jax.closure_convert``) and get their cotangents summed over the layers.
+
+  Differentiate the loss that calls it with :func:`jax_ssdtrain.value_and_grad` (or
+  :func:`jax_ssdtrain.grad`): it returns the stack's gradient as its running sum in the store.
+  Outside of them this evaluates the forward pass (evaluation, inference); ``jax.grad`` of it is
+  refused. Each stack is scanned once per loss.
+  """
+  if not callable(f):
+    raise TypeError(f"scan_stack: f must be callable (the scan's body), got {f!r}")
+  if not isinstance(stack, StreamedStack):
+    raise TypeError(
+      "scan_stack: stack: expected a StreamedStack (ssd.stack_from_tree of a stacked tree, "
+      f"ssd.init_streamed), got {type(stack).__name__}; for ordinary arrays use jax.lax.scan"
+    )
+  lay = _check_stack(stack, "scan_stack: stack")
+  if lay.kind in ("grad_sum", "opt_state"):
+    raise ValueError(
+      f"scan_stack: stack is a stack of kind {lay.kind!r} ({stack!r}), not parameters: pass the "
+      "parameters' StreamedStack (a gradient sum is what value_and_grad returns for one)"
+    )
+  num_layers = lay.num_layers
+  for path, leaf in jax.tree_util.tree_flatten_with_path(xs)[0]:
+    if np.ndim(leaf) < 1 or np.shape(leaf)[0] != num_layers:
+      raise ValueError(
+        f"scan_stack: xs{jax.tree_util.keystr(path)} has shape {list(np.shape(leaf))}: every "
+        f"leaf of xs needs the stack's leading layer axis of {num_layers}"
+      )
+  init = jax.tree.map(_strong, init)
+  spec = _make_spec(f, init, lay, xs)
+  slot = _bound_slot(stack)
+  if slot is not None:
+    if slot.used:
+      raise ValueError(
+        f"scan_stack: the stack {slot.name} ({stack!r}) is scanned a second time in one loss: "
+        "each stack's gradient is one streamed sum, made by its one scan. Scan it once (put "
+        "both uses' layers in one stack, or make two stacks)"
+      )
+    slot.used = True
+    mode = "grad"
+  else:
+    mode = "frozen" if _scopes() else "eval"
+  core = _scan_core(spec, mode, slot)
+  carrier = slot.carrier if slot is not None else None
+  return core(carrier, jax.tree.leaves(stack.handles), init, xs, tuple(spec.consts))
+
+
+def value_and_grad(
+  fun: Callable[..., Any],
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+  *,
+  save_inputs: Any = "device",
+  sum_dtype: Any = jnp.float32,
+  sum_location: Any = None,
+  in_place: bool = False,
+) -> Callable[..., Any]:
+  """``jax.value_and_grad`` for a loss that calls :func:`scan_stack` over streamed stacks.
+
+  Named after ``jax.value_and_grad``, with its ``argnums`` and ``has_aux``: returns
+  ``step(*args, sums=None, **kwargs) -> (value, grads)`` (``((value, aux), grads)`` with
+  ``has_aux``), to call under ``jax.jit``. ``grads`` has the structure of the differentiated
+  arguments; in place of each :class:`~jax_ssdtrain.StreamedStack` of parameters stands its
+  gradient as a :class:`~jax_ssdtrain.StreamedStack` of kind ``grad_sum`` at ``sum_location``
+  (the device never holds it whole); the other leaves' gradients are arrays in ``sum_dtype``.
+
+  ``sums``: the ``grads`` of an earlier call (gradient accumulation over micro-batches): the
+  returned gradients are then their sum with this call's; donate them
+  (``jax.jit(step, donate_argnames="sums")``).
+
+  Options (as :func:`~jax_ssdtrain.value_and_grad_streamed`'s): ``save_inputs``, where each
+  layer's carry input waits for the backward pass (``"device"`` or a store location ``"host"``,
+  ``"nvme"``, ``"host,nvme"``; the blocks are recomputed from them in every case);
+  ``sum_dtype``, of the sums (float32, or bfloat16 at 2 B per parameter); ``sum_location``,
+  ``None`` (where each stack lives) or ``"device"`` or a store location; ``in_place``, each load
+  of the old sum is its entries' last (the store holds one version of the sum, and a step that
+  fails part way leaves none consistent). With a stack at ``location="device"`` the same program
+  is the bit-for-bit reference of the store's.
+  """
+  if not callable(fun):
+    raise TypeError(f"value_and_grad: fun must be callable, got {fun!r}")
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  if not nums or not all(isinstance(n, int) and not isinstance(n, bool) for n in nums):
+    raise TypeError(f"value_and_grad: argnums: expected an int or a tuple of ints, got {argnums!r}")
+  _check_bool(has_aux, "has_aux")
+  _check_bool(in_place, "in_place")
+  opts = _options(save_inputs, sum_dtype, sum_location, in_place)
+
+  def step(*args, sums=None, **kwargs):
+    return _value_and_grad(fun, nums, isinstance(argnums, int), has_aux, opts, args, kwargs, sums)
+
+  step.__name__ = f"value_and_grad({getattr(fun, '__name__', 'fun')})"
+  step.__doc__ = fun.__doc__
+  return step
+
+
+def grad(
+  fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, **options
+):
+  """``jax.grad`` for a loss that calls :func:`scan_stack`: :func:`value_and_grad`'s gradients
+  alone (``(grads, aux)`` with ``has_aux``), with its options and ``sums``."""
+  vg = value_and_grad(fun, argnums, has_aux, **options)
+
+  def step(*args, sums=None, **kwargs):
+    value, grads = vg(*args, sums=sums, **kwargs)
+    return (grads, value[1]) if has_aux else grads
+
+  step.__name__ = f"grad({getattr(fun, '__name__', 'fun')})"
+  return step
+
+
+# ---------------------------------------------------------------------------------------------
+# The stacks value_and_grad differentiates, bound while the loss is traced
+
+
+@dataclasses.dataclass(eq=False)
+class _Options:
+  save: Location
+  sum_dtype: np.dtype
+  sum_location: Location | None
+  in_place: bool
+
+
+def _options(save_inputs, sum_dtype, sum_location, in_place) -> _Options:
+  try:
+    dtype = np.dtype(sum_dtype)
+  except TypeError:
+    raise ValueError(f"sum_dtype: expected a floating dtype, got {sum_dtype!r}") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"sum_dtype: expected a floating dtype, got {dtype}")
+  sum_loc = None if sum_location is None else _parse_location(sum_location, "sum_location")
+  save = _parse_location(save_inputs, "save_inputs")
+  return _Options(save, dtype, sum_loc, in_place)
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+  """One stack a value_and_grad differentiates, for the length of the loss's trace."""
+
+  name: str  # for messages: where it sits in the arguments
+  stack: StreamedStack
+  sum_lay: Any  # the layout of its gradient sum
+  old_sum: bool  # the carrier holds an old sum (else zeros)
+  options: _Options
+  carrier: Any = None  # the carrier as traced (set while the loss is traced)
+  used: bool = False  # a scan_stack took it
+  differentiated: bool = False  # its backward rule ran
+
+
+_LOCAL = threading.local()
+
+
+def _scopes() -> list:
+  if not hasattr(_LOCAL, "scopes"):
+    _LOCAL.scopes = []
+  return _LOCAL.scopes
+
+
+def _bound_slot(stack: StreamedStack) -> _Slot | None:
+  leaves = jax.tree.leaves(stack.handles)
+  for scope in reversed(_scopes()):
+    for slot in scope:
+      if slot.stack is stack or all(
+        a is b for a, b in zip(leaves, jax.tree.leaves(slot.stack.handles))
+      ):
+        return slot
+  return None
+
+
+def _is_stack(x: Any) -> bool:
+  return isinstance(x, StreamedStack)
+
+
+def _encode(handles: Any) -> Any:
+  """uint32[L, 2] -> float32[L, 4]: each handle's 16-bit halves as exact float32 integers."""
+  h = jnp.asarray(handles, HANDLE_DTYPE)
+  return jnp.concatenate([h >> 16, h & 0xFFFF], axis=-1).astype(jnp.float32)
+
+
+def _decode(carrier: Any) -> Any:
+  u = carrier.astype(HANDLE_DTYPE)
+  return (u[..., :2] << 16) | u[..., 2:]
+
+
+def _value_and_grad(fun, nums, single, has_aux, opts, args, kwargs, sums):
+  for n in nums:
+    if not -len(args) <= n < len(args):
+      raise TypeError(
+        f"value_and_grad: argnums {n} is out of range for the {len(args)} positional arguments "
+        "the function was called with"
+      )
+  nums = tuple(n % len(args) for n in nums)
+  diff = tuple(args[n] for n in nums)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(diff, is_leaf=_is_stack)
+  names = [_arg_name(nums, single, path) for path, _ in flat]
+  leaves = [leaf for _, leaf in flat]
+  is_stack = [_is_stack(x) for x in leaves]
+  for name, leaf, st in zip(names, leaves, is_stack):
+    if st:
+      lay = _check_stack(leaf, name)
+      if lay.kind in ("grad_sum", "opt_state"):
+        raise ValueError(
+          f"value_and_grad: {name} is a stack of kind {lay.kind!r} ({leaf!r}), not parameters: "
+          "pass the parameters' StreamedStack there, and an earlier call's gradients as sums="
+        )
+    elif not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+      raise TypeError(
+        f"value_and_grad: {name} has dtype {jnp.result_type(leaf)}: the differentiated "
+        "arguments must be floating arrays or StreamedStacks (move it to an argument that "
+        "argnums does not name)"
+      )
+  sum_lays = [
+    _sum_layout(
+      x.layout,
+      opts.sum_dtype,
+      x.layout.location if opts.sum_location is None else opts.sum_location,
+    )
+    if st
+    else None
+    for x, st in zip(leaves, is_stack)
+  ]
+  old = _check_sums(sums, treedef, names, leaves, sum_lays, single)
+  slots, carriers = [], []
+  for name, leaf, st, sum_lay, o in zip(names, leaves, is_stack, sum_lays, old):
+    if not st:
+      continue
+    slots.append(_Slot(name, leaf, sum_lay, o is not None, opts))
+    carriers.append(_carrier_of(sum_lay, o))
+  others = [x for x, st in zip(leaves, is_stack) if not st]
+
+  def inner(others, carriers):
+    it_others, it_slots = iter(others), iter(slots)
+    rebuilt = [next(it_slots).stack if st else next(it_others) for st in is_stack]
+    for slot, c in zip(slots, carriers):
+      slot.carrier = c
+    call = list(args)
+    for n, a in zip(nums, jax.tree.unflatten(treedef, rebuilt)):
+      call[n] = a
+    _scopes().append(slots)
+    try:
+      out = fun(*call, **kwargs)
+    finally:
+      _scopes().pop()
+    if has_aux:
+      if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+          "value_and_grad: with has_aux=True, fun must return a pair (loss, aux), got "
+          f"{type(out).__name__}"
+        )
+      loss, aux = out
+    else:
+      loss, aux = out, None
+    if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+      raise TypeError(
+        "value_and_grad: fun must return a floating scalar loss, got "
+        f"{jnp.result_type(loss)}{list(jnp.shape(loss))}"
+        + (" (it returns a pair: pass has_aux=True)" if isinstance(loss, tuple) else "")
+      )
+    return loss, aux
+
+  loss, vjp_fn, aux = jax.vjp(inner, others, carriers, has_aux=True)
+  ct_others, ct_carriers = vjp_fn(jnp.ones_like(loss))
+  it_others, it_slots = iter(ct_others), iter(zip(slots, ct_carriers))
+  grads = []
+  for st, o in zip(is_stack, old):
+    if st:
+      slot, ct = next(it_slots)
+      grads.append(_new_sum(slot, ct, o))
+    else:
+      g = next(it_others)
+      if jnp.issubdtype(g.dtype, jnp.floating):
+        g = g.astype(opts.sum_dtype)
+      grads.append(g if o is None else o + g)
+  grads = jax.tree.unflatten(treedef, grads)
+  if single:
+    (grads,) = grads
+  return ((loss, aux) if has_aux else loss), grads
+
+
+def _arg_name(nums, single, path) -> str:
+  (first, *rest) = path
+  n = nums[first.idx]
+  return f"args[{n}]{jax.tree_util.keystr(tuple(rest))}"
+
+
+def _carrier_of(sum_lay, old: StreamedStack | None) -> list:
+  """A stack's gradient carrier: the old sum's handles encoded (its arrays on the device), or
+  zeros of that shape."""
+  if sum_lay.on_device:
+    if old is not None:
+      return list(jax.tree.leaves(old.handles))
+    return [jnp.zeros((sum_lay.num_layers, *s), d) for s, d in zip(sum_lay.shapes, sum_lay.dtypes)]
+  if old is not None:
+    return [_encode(h) for h in jax.tree.leaves(old.handles)]
+  return [jnp.zeros((sum_lay.num_layers, 4), jnp.float32) for _ in sum_lay.shapes]
+
+
+def _new_sum(slot: _Slot, ct: list, old: StreamedStack | None) -> StreamedStack:
+  lay = slot.sum_lay
+  if not slot.differentiated:  # the loss did not reach the stack: its gradient is zero
+    if old is not None:
+      return old
+    zeros = jax.tree.unflatten(
+      lay.treedef, [jnp.zeros(s, d) for s, d in zip(lay.shapes, lay.dtypes)]
+    )
+    return _scan_layers(lay, lambda i: zeros)
+  if lay.on_device:
+    leaves = [c.astype(d) for c, d in zip(ct, lay.dtypes)]
+  else:
+    leaves = [_decode(c) for c in ct]
+  return StreamedStack(jax.tree.unflatten(lay.treedef, leaves), lay)
+
+
+def _check_sums(sums, treedef, names, leaves, sum_lays, single) -> list:
+  """The old sums per differentiated leaf (None each without ``sums``), once they match."""
+  if sums is None:
+    return [None] * len(leaves)
+  flat, tree = jax.tree_util.tree_flatten((sums,) if single else tuple(sums), is_leaf=_is_stack)
+  if tree != treedef:
+    raise ValueError(
+      "sums: expected the gradients an earlier call returned (the structure of the "
+      f"differentiated arguments, {treedef}), got the structure {tree}"
+    )
+  for name, s, x, lay in zip(names, flat, leaves, sum_lays):
+    what = f"sums (at {name})"
+    if lay is not None:
+      got = _check_stack(s, what) if _is_stack(s) else None
+      if got != lay:
+        raise ValueError(
+          f"{what}: expected this stack's gradient sum ({_describe(lay)}), got "
+          f"{s!r}"
+          + ("" if got is None else f" ({_describe(got)})")
+          + " (a sum of another stack, sum_dtype or sum_location)"
+        )
+    elif np.shape(s) != np.shape(x):
+      raise ValueError(f"{what}: shape {list(np.shape(s))}, the parameter's is {list(np.shape(x))}")
+  return flat
+
+
+def _describe(lay) -> str:
+  leaves = [f"{d.name}{list(s)}" for s, d in zip(lay.shapes, lay.dtypes)]
+  return f"{lay.kind}, {lay.num_layers} layers of {leaves} at {lay.location.value!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The scan: its forward and backward passes
+
+
+def _strong(x: Any) -> Any:
+  x = jnp.asarray(x)
+  return jax.lax.convert_element_type(x, x.dtype) if getattr(x, "weak_type", False) else x
+
+
+def _struct(x: Any) -> Any:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _inexact(x: Any) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+@dataclasses.dataclass(eq=False)
+class _Spec:
+  """What one scan_stack call is: its body closure-converted, its layouts and its masks."""
+
+  fn: Callable  # fn(carry, layer, x, *consts) -> (carry, y)
+  consts: list  # the closed-over values fn takes
+  lay: Any  # the stack's layout
+  carry_tree: Any
+  carry_structs: list
+  carry_mask: list  # per carry leaf: differentiable (floating)
+  y_tree: Any
+  y_mask: list
+  x_mask: list
+  k_mask: list
+
+
+def _make_spec(f, init, lay, xs) -> _Spec:
+  layer = lay.layer_struct()
+  x_one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), xs)
+  init_s = jax.tree.map(_struct, init)
+  fn, consts = jax.closure_convert(f, init_s, layer, x_one)
+  out = jax.eval_shape(fn, init_s, layer, x_one, *consts)
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    raise TypeError(
+      "scan_stack: f must return a pair (carry, y), as jax.lax.scan's body does, got "
+      f"{type(out).__name__}"
+    )
+  carry_out, y = out
+  c_in, c_tree = jax.tree.flatten(init_s)
+  c_out, c_out_tree = jax.tree.flatten(carry_out)
+  same = c_tree == c_out_tree and all(
+    a.shape == b.shape and a.dtype == b.dtype for a, b in zip(c_in, c_out)
+  )
+  if not same:
+    raise TypeError(
+      "scan_stack: f must return a carry of its input carry's structure, shapes and dtypes "
+      f"(as jax.lax.scan's body): got {_avals(carry_out)} for {_avals(init_s)}"
+    )
+  y_leaves, y_tree = jax.tree.flatten(y)
+  return _Spec(
+    fn,
+    list(consts),
+    lay,
+    c_tree,
+    c_in,
+    [_inexact(a) for a in c_in],
+    y_tree,
+    [_inexact(a) for a in y_leaves],
+    [_inexact(a) for a in jax.tree.leaves(x_one)],
+    [_inexact(jnp.asarray(k)) for k in consts],
+  )
+
+
+def _avals(tree) -> str:
+  return str(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
+
+
+def _pick(leaves, mask) -> list:
+  return [x for x, m in zip(leaves, mask) if m]
+
+
+def _fill(picked, mask, full=None) -> list:
+  """Leaves from the ones ``mask`` picked and, for the others, ``full``'s (or None each)."""
+  it = iter(picked)
+  return [next(it) if m else (None if full is None else full[k]) for k, m in enumerate(mask)]
+
+
+def _sliced(tree, index) -> Any:
+  return jax.tree.map(lambda a: a[index], tree)
+
+
+def _scan_core(spec: _Spec, mode: str, slot: _Slot | None):
+  """The custom_vjp of one scan: ``core(carrier, handles, init, xs, consts) -> (carry, ys)``."""
+  lay = spec.lay
+  opts = slot.options if slot is not None else None
+  save_loc = opts.save if opts is not None else Location.DEVICE
+  storable = [
+    save_loc.in_store
+    and a.size > 0
+    and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
+    and a.dtype != np.bool_
+    for a in spec.carry_structs
+  ]
+  sites = [new_site_id() if s else 0 for s in storable]
+
+  def stack_of(handles):
+    return StreamedStack(jax.tree.unflatten(lay.treedef, list(handles)), lay)
+
+  def call(c, p, x, consts):
+    return spec.fn(c, p, x, *consts)
+
+  def save(c):
+    out = []
+    for x, s, site in zip(jax.tree.leaves(c), storable, sites):
+      if s:
+        x = store_p.bind(
+          x, site=site, tier=TIER_CODES[save_loc], name="layer_stream.input", uses=None
+        )[1]
+      out.append(x)
+    return out
+
+  def restore(saved):
+    out = []
+    for x, s, site, like in zip(saved, storable, sites, spec.carry_structs):
+      if s:
+        aval = jax.core.ShapedArray(like.shape, like.dtype)
+        x = load_p.bind(
+          x, aval=aval, site=site, tier=TIER_CODES[save_loc], name="layer_stream.input"
+        )
+      out.append(x)
+    return jax.tree.unflatten(spec.carry_tree, out)
+
+  def forward(handles, init, xs, consts, saving):
+    """Layer i computes while layer i + 1's parameters load (the carry holds both)."""
+    stack = stack_of(handles)
+    n = lay.num_layers
+    fwd_pass = new_pass(1)
+    p = _load_layer(stack, 0, fwd_pass)
+    carry, saved, ys_head = init, None, None
+    if n > 1:
+
+      def body(state, inp):
+        c, p = state
+        i, x = inp
+        p_next = _load_layer(stack, _after(i, _token32(jax.tree.leaves(p))) + 1, fwd_pass)
+        c_new, y = call(c, p, x, consts)
+        return (c_new, p_next), (save(c) if saving else None, y)
+
+      rows = jnp.arange(n - 1, dtype=jnp.int32)
+      (carry, p), (saved, ys_head) = jax.lax.scan(
+        body, (carry, p), (rows, _sliced(xs, slice(0, n - 1)))
+      )
+    c_last = carry
+    carry, y_last = call(carry, p, _sliced(xs, n - 1), consts)
+    if n > 1:
+      ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys_head, y_last)
+    else:
+      ys = jax.tree.map(lambda b: b[None], y_last)
+    return (carry, ys), (saved, c_last, p)
+
+  @jax.custom_vjp
+  def core(carrier, handles, init, xs, consts):
+    del carrier
+    return forward(handles, init, xs, consts, saving=False)[0]
+
+  def fwd(carrier, handles, init, xs, consts):
+    if mode == "eval":
+      raise TypeError(
+        "scan_stack: its stack's gradient is a streamed sum that jax.grad, jax.value_and_grad "
+        "and jax.vjp cannot return: differentiate the loss with ssd.value_and_grad(loss_fn) "
+        "(or ssd.grad), which takes the same argnums and has_aux; scan_stack outside it "
+        "evaluates the forward pass only"
+      )
+    out, (saved, c_last, p_last) = forward(handles, init, xs, consts, saving=True)
+    res = (carrier if slot is not None and slot.old_sum else None, handles, saved, c_last, p_last)
+    return out, res + (xs, consts)
+
+  def bwd(res, cts):
+    carrier, handles, saved, c_last, p_last, xs, consts = res
+    if slot is not None:
+      slot.differentiated = True
+    return _backward(
+      spec, slot, stack_of(handles), carrier, saved, c_last, p_last, xs, consts, cts, restore
+    )
+
+  core.defvjp(fwd, bwd)
+  return core
+
+
+def _layer_vjp(spec: _Spec, c, p, x, consts, ct_cf, ct_yf):
+  """One layer's vjp over its floating inputs: ``(ct_carry, g_params, ct_x, ct_consts)`` from
+  the floating outputs' cotangents (lists of leaves, as the masks pick them)."""
+  c_leaves, x_leaves, k_leaves = jax.tree.leaves(c), jax.tree.leaves(x), list(consts)
+  x_tree = jax.tree.structure(x)
+
+  def f(cf, p, xf, kf):
+    c_full = jax.tree.unflatten(spec.carry_tree, _fill(cf, spec.carry_mask, c_leaves))
+    x_full = jax.tree.unflatten(x_tree, _fill(xf, spec.x_mask, x_leaves))
+    c2, y = spec.fn(c_full, p, x_full, *_fill(kf, spec.k_mask, k_leaves))
+    return _pick(jax.tree.leaves(c2), spec.carry_mask), _pick(jax.tree.leaves(y), spec.y_mask)
+
+  _, vjp = jax.vjp(
+    f,
+    _pick(c_leaves, spec.carry_mask),
+    p,
+    _pick(x_leaves, spec.x_mask),
+    _pick(k_leaves, spec.k_mask),
+  )
+  return vjp((ct_cf, ct_yf))
+
+
+def _backward(spec, slot, stack, carrier, saved, c_last, p_last, xs, consts, cts, restore):
+  """Layer i's vjp recomputed from its saved input, its gradient into the sum while layer
+  i - 1's parameters load (layer L - 1's from the forward pass)."""
+  lay = spec.lay
+  n = lay.num_layers
+  ct_carry, ct_ys = cts
+  ct_cf = _pick(jax.tree.leaves(ct_carry), spec.carry_mask)
+  ct_yf = _pick(jax.tree.leaves(ct_ys), spec.y_mask)
+  summing = slot is not None
+  bwd_pass, sum_pass, store_pass = new_pass(-1), new_pass(-1), new_pass(-1)
+  if summing:
+    opts, sum_lay = slot.options, slot.sum_lay
+    stack_sum = None
+    if slot.old_sum:
+      old = carrier if sum_lay.on_device else [_decode(c) for c in carrier]
+      stack_sum = StreamedStack(jax.tree.unflatten(sum_lay.treedef, list(old)), sum_lay)
+
+  def add(i, g, after=None):
+    """Layer i's gradient into the sum: its new entries, and a token of the old sum's loads
+    that the next layer's loads wait for (the engine predicts a stack's loads from their
+    order, which XLA would otherwise choose)."""
+    if not summing:
+      return [], None
+    g = [x.astype(opts.sum_dtype) for x in jax.tree.leaves(g)]
+    token = None
+    if stack_sum is not None:
+      old = _load_layer(stack_sum, i, sum_pass, consume=opts.in_place, after=[after])
+      old = jax.tree.leaves(old)
+      token = _token(old)
+      g = [o.astype(opts.sum_dtype) + x for o, x in zip(old, g)]
+    return _store_layer(sum_lay, jax.tree.unflatten(sum_lay.treedef, g), store_pass), token
+
+  # the backward pass's first parameter load after the incoming cotangents: it holds one
+  # layer less on the device than a load XLA would move up
+  turn_after = ct_cf + ct_yf
+  ct_cf, g, ct_xf, ct_kf = _layer_vjp(
+    spec, c_last, p_last, _sliced(xs, n - 1), consts, ct_cf, [y[n - 1] for y in ct_yf]
+  )
+  last, token = add(n - 1, g)
+  parts = [[h[None] for h in last]]
+  x_parts = [[t[None] for t in ct_xf]]
+  if n > 1:
+    # the other layers' stores after this one (what they compute waits for it): the sums'
+    # entries are stored in layer order, which their loads' prediction follows
+    if last:
+      if ct_cf:
+        ct_cf = [opaque_copy(t, *last, effect=False) for t in ct_cf]
+      else:
+        ct_yf = [opaque_copy(t, *last, effect=False) for t in ct_yf]
+    p = _load_layer(stack, n - 2, bwd_pass, after=turn_after)
+    if n > 2:
+
+      def body(carry, inp):
+        ct_cf, ct_k, p, token = carry
+        i, s, x, ct_y = inp
+        p_prev = _load_layer(stack, _after(i, _token32(jax.tree.leaves(p))) - 1, bwd_pass)
+        ct_cf, g, ct_x, ct_k_i = _layer_vjp(spec, restore(s), p, x, consts, ct_cf, ct_y)
+        new, token = add(i, g, after=token)
+        ct_k = [a + b for a, b in zip(ct_k, ct_k_i)]
+        return (ct_cf, ct_k, p_prev, token), (new, ct_x)
+
+      rows = jnp.arange(1, n - 1, dtype=jnp.int32)
+      inputs = (
+        rows,
+        [s[1:] for s in saved],
+        _sliced(xs, slice(1, n - 1)),
+        [y[1 : n - 1] for y in ct_yf],
+      )
+      (ct_cf, ct_kf, p, token), (middle, x_mid) = jax.lax.scan(
+        body, (ct_cf, ct_kf, p, token), inputs, reverse=True
+      )
+      parts.insert(0, middle)
+      x_parts.insert(0, x_mid)
+    # the first layer's input after the others' (loads of saved inputs come newest first, as
+    # the engine predicts them on the GPU; nothing else orders this one after the scan)
+    first_input, ct_cf, p = jax.lax.optimization_barrier(([s[0] for s in saved], ct_cf, p))
+    ct_cf, g, ct_x0, ct_k0 = _layer_vjp(
+      spec, restore(first_input), p, _sliced(xs, 0), consts, ct_cf, [y[0] for y in ct_yf]
+    )
+    first, _ = add(0, g, after=token)
+    ct_kf = [a + b for a, b in zip(ct_kf, ct_k0)]
+    parts.insert(0, [h[None] for h in first])
+    x_parts.insert(0, [t[None] for t in ct_x0])
+  ct_init = jax.tree.unflatten(spec.carry_tree, _fill(ct_cf, spec.carry_mask))
+  x_leaves = [p[0] if len(p) == 1 else jnp.concatenate(p) for p in zip(*x_parts)]
+  ct_xs = jax.tree.unflatten(jax.tree.structure(xs), _fill(x_leaves, spec.x_mask))
+  ct_consts = tuple(_fill(ct_kf, spec.k_mask))
+  ct_carrier = None
+  if summing:
+    new_sum = jax.tree.leaves(_stacked(sum_lay, parts).handles)
+    ct_carrier = new_sum if sum_lay.on_device else [_encode(h) for h in new_sum]
+  return ct_carrier, None, ct_init, ct_xs, ct_consts

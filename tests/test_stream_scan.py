@@ -1,0 +1,176 @@
+"""One loss over a whole model whose stack of blocks streams (jax_ssdtrain._src.stream_scan):
+``ssd.scan_stack`` inside the loss, ``ssd.value_and_grad`` around it. Against the same program
+with the stack on the device (bit for bit) and against ``jax.value_and_grad`` of the same model
+with the stack as ordinary arrays (within a tolerance); a pytree carry, per-layer inputs with
+RNG keys, closed-over values, two stacks and a frozen one, accumulation over micro-batches,
+misuse; a Flax linen and an NNX model adopting it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ssdtrain as ssd
+
+MiB = 1 << 20
+D, V, OUT, L = 8, 5, 3, 3  # width, input features, outputs, layers
+
+
+@pytest.fixture
+def store(tmp_path):
+  with ssd.configured(tmp_path / "s", capacity_bytes=128 * MiB, host_tier_bytes=32 * MiB):
+    yield
+
+
+def _init_layer(key):
+  k1, k2, k3 = jax.random.split(key, 3)
+  return {
+    "w": jax.random.normal(k1, (D, D)) / np.sqrt(D),
+    "b": 0.1 * jax.random.normal(k2, (D,)),
+    "g": {"scale": 1.0 + 0.1 * jax.random.normal(k3, (D,))},
+  }
+
+
+def _stacked(layers=L, key=0):
+  return jax.vmap(_init_layer)(jax.random.split(jax.random.key(key), layers))
+
+
+def _side():
+  return {
+    "embed": jax.random.normal(jax.random.key(1), (V, D)) / np.sqrt(V),
+    "head": jax.random.normal(jax.random.key(2), (D, OUT)) / np.sqrt(D),
+    "temp": jnp.float32(0.7),  # closed over by the block: its cotangent is summed over layers
+    "gates": jnp.linspace(0.5, 1.0, L),  # a per-layer input in xs that is a parameter
+  }
+
+
+def _batches(n, rows=4):
+  return [
+    {
+      "x": jax.random.normal(jax.random.key(10 + i), (rows, V)),
+      "y": jax.random.normal(jax.random.key(20 + i), (rows, OUT)),
+      "mask": jnp.arange(rows) < rows - 1,  # in the carry: a leaf with no cotangent
+      "t": jnp.float32(0.3 + i),  # the positions' phase: closed over, not differentiated
+      "key": jax.random.key(30 + i),  # split per layer: dropout
+    }
+    for i in range(n)
+  ]
+
+
+def _lax_scan(f, init, stack, xs=None):
+  """The reference: the same scan over ordinary arrays."""
+  return jax.lax.scan(lambda c, a: f(c, *a), init, (stack, xs))
+
+
+def _model(scan):
+  def loss_fn(params, batch):
+    h = batch["x"] @ params["embed"]
+    positions = jnp.cos(jnp.arange(D) * batch["t"])
+
+    def block(carry, p, x):
+      h, mask = carry
+      u = jnp.tanh((h @ p["w"] + p["b"] + positions) * params["temp"])
+      keep = jax.random.bernoulli(x["key"], 0.75, u.shape)  # dropout, recomputed alike
+      u = jnp.where(keep, u / 0.75, 0.0)
+      h = h + x["gate"] * u * p["g"]["scale"] * mask[:, None]
+      return (h, mask), jnp.mean(h**2)
+
+    xs = {"key": jax.random.split(batch["key"], L), "gate": params["gates"]}
+    (h, _), ys = scan(block, (h, batch["mask"]), params["blocks"], xs=xs)
+    return jnp.mean((h @ params["head"] - batch["y"]) ** 2) + 0.1 * jnp.sum(ys)
+
+  return loss_fn
+
+
+_loss = _model(ssd.scan_stack)
+_reference_loss = _model(_lax_scan)
+
+_RUNS = {}
+
+
+def _run(location, save_inputs="device", micro=3):
+  """Micro-steps over ``micro`` batches (sums passed on), and each batch's gradients alone;
+  read back to NumPy."""
+  key = (location, save_inputs, micro)
+  if key in _RUNS:
+    return _RUNS[key]
+  stack = ssd.stack_from_tree(_stacked(), location=location)
+  params = {**_side(), "blocks": stack}
+  step = jax.jit(ssd.value_and_grad(_loss, save_inputs=save_inputs), donate_argnames="sums")
+  ssd.reset_stats()
+  sums, losses, alone = None, [], []
+  for batch in _batches(micro):
+    loss, grads = step(params, batch)
+    alone.append(_to_numpy(grads))
+    loss, sums = step(params, batch, sums=sums)
+    losses.append(loss)
+  out = {"losses": np.asarray(losses), "sums": _to_numpy(sums), "alone": alone}
+  out["stats"] = ssd.stats()
+  out["eval"] = np.asarray(jax.jit(_loss)(params, _batches(1)[0]))
+  _RUNS[key] = out
+  return out
+
+
+def _to_numpy(grads):
+  grads = dict(grads)
+  assert isinstance(grads["blocks"], ssd.StreamedStack) and "grad_sum" in repr(grads["blocks"])
+  grads["blocks"] = ssd.stack_to_tree(grads["blocks"])
+  return jax.tree.map(np.asarray, grads)
+
+
+def _assert_bitwise(a, b):
+  flat_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
+  flat_b, tree_b = jax.tree_util.tree_flatten_with_path(b)
+  assert tree_a == tree_b
+  for (path, x), (_, y) in zip(flat_a, flat_b):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
+    assert np.array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8)), (
+      f"{jax.tree_util.keystr(path)}: differs by {np.max(np.abs(x.astype(float) - y))}"
+    )
+
+
+def _assert_close(got, want, rtol=1e-5, atol=1e-6):
+  flat, tree = jax.tree_util.tree_flatten_with_path(got)
+  assert tree == jax.tree.structure(want)
+  for (path, a), b in zip(flat, jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactness
+
+
+@pytest.mark.parametrize("location,save_inputs", [("host", "device"), ("nvme", "host")])
+def test_store_equals_device_bit_for_bit(store, location, save_inputs):
+  # The losses, every gradient (the stack's sum, the embedding's and head's, the closed-over
+  # scalar's and the per-layer gates') over 3 micro-batches, each batch's alone, and the loss
+  # evaluated without gradients: the store's program equals the device reference's. The nvme
+  # case also saves each layer's carry input in the host tier (the mask stays on the device).
+  got, want = _run(location, save_inputs), _run("device")
+  _assert_bitwise(
+    {k: got[k] for k in ("losses", "sums", "alone", "eval")},
+    {k: want[k] for k in ("losses", "sums", "alone", "eval")},
+  )
+  s = got["stats"]  # each pass's loads in the order the engine predicted them
+  assert s["handle_mismatches"] == 0 and s["speculative_loads"] > 0, s
+
+
+def test_equals_jax_value_and_grad_of_the_same_model(store):
+  # float32: against jax.value_and_grad of the same loss with lax.scan over the stacked arrays,
+  # per batch and summed over 3 micro-batches (XLA may order the two programs' sums
+  # differently); the accumulated sums equal the sum of each batch's gradients.
+  got = _run("host")
+  params = {**_side(), "blocks": _stacked()}
+  ref = jax.jit(jax.value_and_grad(_reference_loss))
+  total = None
+  for i, batch in enumerate(_batches(3)):
+    loss, g = ref(params, batch)
+    np.testing.assert_allclose(got["losses"][i], loss, rtol=1e-6)
+    _assert_close(got["alone"][i], g)
+    total = g if total is None else jax.tree.map(jnp.add, total, g)
+  _assert_close(got["sums"], total)
+  summed = jax.tree.map(lambda *g: (g[0] + g[1]) + g[2], *got["alone"])
+  _assert_close(got["sums"], summed, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(got["eval"], got["losses"][0], rtol=1e-6)
+  assert np.all(np.abs(got["sums"]["temp"]) > 0) and np.all(np.abs(got["sums"]["gates"]) > 0)

@@ -174,3 +174,125 @@ def test_equals_jax_value_and_grad_of_the_same_model(store):
   _assert_close(got["sums"], summed, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(got["eval"], got["losses"][0], rtol=1e-6)
   assert np.all(np.abs(got["sums"]["temp"]) > 0) and np.all(np.abs(got["sums"]["gates"]) > 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several stacks
+
+
+def _enc_layer(key):
+  return {"w": jax.random.normal(key, (D, D)) / np.sqrt(D)}
+
+
+def _dec_layer(key):
+  k1, k2 = jax.random.split(key)
+  return {"u": jax.random.normal(k1, (D, D)) / np.sqrt(D), "c": 0.1 * jax.random.normal(k2, (D,))}
+
+
+def _two_stacks(scan):
+  def loss_fn(params, frozen, batch):
+    src = batch["x"] @ params["embed"]
+    enc, _ = scan(lambda h, p, _: (h + jnp.tanh(h @ p["w"]), None), src, params["encoder"])
+    # the decoder's blocks close over the encoder's output (cross-attention's role)
+    dec_block = lambda h, p, _: (jnp.tanh(h @ p["u"] + p["c"] * enc), None)
+    dec, _ = scan(dec_block, src, params["decoder"])
+    out, _ = scan(lambda h, p, _: (h + jnp.sin(h @ p["w"]), None), dec, frozen)  # not trained
+    return jnp.mean((out @ params["head"] - batch["y"]) ** 2)
+
+  return loss_fn
+
+
+def test_two_stacks_each_with_its_sum_and_a_frozen_one(store):
+  # An encoder's and a decoder's stack (other depths and structures), each its own sum, the
+  # decoder's blocks closing over the encoder's output; a third stack in an argument that is
+  # not differentiated is scanned too (its blocks recomputed, no sum). The sums on the device
+  # (sum_location) while the stacks stream from the host tier; against jax.value_and_grad.
+  enc = jax.vmap(_enc_layer)(jax.random.split(jax.random.key(3), 2))
+  dec = jax.vmap(_dec_layer)(jax.random.split(jax.random.key(4), 4))
+  frz = jax.vmap(_enc_layer)(jax.random.split(jax.random.key(5), 3))
+  side = {"embed": _side()["embed"], "head": _side()["head"]}
+  params = {**side, "encoder": ssd.stack_from_tree(enc), "decoder": ssd.stack_from_tree(dec)}
+  step = jax.jit(ssd.value_and_grad(_two_stacks(ssd.scan_stack), sum_location="device"))
+  batch = _batches(1)[0]
+  loss, grads = step(params, ssd.stack_from_tree(frz), batch)
+  assert set(grads) == {"embed", "head", "encoder", "decoder"}
+  for name in ("encoder", "decoder"):
+    assert grads[name].location is ssd.Location.DEVICE and "grad_sum" in repr(grads[name])
+  got = {k: ssd.stack_to_tree(v) if k in ("encoder", "decoder") else v for k, v in grads.items()}
+  ref = jax.value_and_grad(_two_stacks(_lax_scan))
+  want_loss, want = ref({**side, "encoder": enc, "decoder": dec}, frz, batch)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  _assert_close(jax.tree.map(np.asarray, got), want)
+
+
+def test_in_place_releases_the_old_sum(store):
+  # in_place: the backward pass's loads of the old sum are its entries' last; the sums over 3
+  # micro-batches equal the default's bit for bit, and each old sum is gone (loading it raises).
+  params = {**_side(), "blocks": ssd.stack_from_tree(_stacked())}
+  step = jax.jit(ssd.value_and_grad(_loss, in_place=True))
+  batches = _batches(3)
+  _, first = step(params, batches[0])
+  _, sums = step(params, batches[1], sums=first)
+  with pytest.raises(Exception, match="ssdtrain"):
+    jax.block_until_ready(ssd.stack_to_tree(first["blocks"]))
+  _, sums = step(params, batches[2], sums=sums)
+  _assert_bitwise(_to_numpy(sums), _run("host")["sums"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Misuse
+
+
+def _tiny_loss(params, batch):
+  h = batch["x"] @ params["embed"]
+  h, _ = ssd.scan_stack(lambda h, p, _: (h + jnp.tanh(h @ p["w"]), None), h, params["blocks"])
+  return jnp.mean(h**2)
+
+
+def test_misuse_is_refused_with_the_fix(store):
+  enc = jax.vmap(_enc_layer)(jax.random.split(jax.random.key(3), 2))
+  host = ssd.stack_from_tree(enc)
+  params = {"embed": _side()["embed"], "blocks": ssd.stack_from_tree(enc, location="device")}
+  batch = _batches(1)[0]
+  fix = r"ssd\.value_and_grad\(loss_fn\)"
+  # plain jax.grad: of the whole parameters (a stack on the device: its arrays are floats) and
+  # of the embedding alone with a stack in the store
+  with pytest.raises(TypeError, match=fix):
+    jax.grad(_tiny_loss)(params, batch)
+  with pytest.raises(TypeError, match=fix):
+    jax.grad(lambda e: _tiny_loss({"embed": e, "blocks": host}, batch))(params["embed"])
+  # evaluation (no gradient) works without value_and_grad
+  assert np.isfinite(jax.jit(_tiny_loss)({**params, "blocks": host}, batch))
+
+  # a stack scanned twice in one loss
+  def twice(params, batch):
+    h = batch["x"] @ params["embed"]
+    for _ in range(2):
+      h, _ = ssd.scan_stack(lambda h, p, _: (h @ p["w"], None), h, params["blocks"])
+    return jnp.mean(h)
+
+  with pytest.raises(ValueError, match=r"args\[0\]\['blocks'\].*scanned a second time"):
+    ssd.value_and_grad(twice)({**params, "blocks": host}, batch)
+  # a gradient sum where parameters are expected: to value_and_grad and to scan_stack
+  _, grads = jax.jit(ssd.value_and_grad(_tiny_loss))({**params, "blocks": host}, batch)
+  with pytest.raises(ValueError, match=r"args\[0\]\['blocks'\] is a stack of kind 'grad_sum'"):
+    ssd.value_and_grad(_tiny_loss)({**params, "blocks": grads["blocks"]}, batch)
+  with pytest.raises(ValueError, match="kind 'grad_sum'.*not parameters"):
+    _tiny_loss({**params, "blocks": grads["blocks"]}, batch)
+  # sums that are not this loss's gradients
+  with pytest.raises(ValueError, match="sums: expected the gradients an earlier call returned"):
+    ssd.value_and_grad(_tiny_loss)(params, batch, sums={"embed": grads["embed"]})
+  with pytest.raises(ValueError, match=r"sums \(at args\[0\]\['blocks'\]\): expected"):
+    ssd.value_and_grad(_tiny_loss)(params, batch, sums=grads)  # a host sum, a device stack
+  # the body: a carry of another dtype; xs without the layer axis; arrays, not a stack
+  h = jnp.ones((2, D))
+  with pytest.raises(TypeError, match="carry of its input carry's structure"):
+    ssd.scan_stack(lambda h, p, _: (h.astype(jnp.bfloat16), None), h, host)
+  with pytest.raises(ValueError, match=r"xs\['t'\] has shape \[3\].*layer axis of 2"):
+    ssd.scan_stack(lambda h, p, x: (h, None), h, host, xs={"t": jnp.ones(3)})
+  with pytest.raises(TypeError, match="expected a StreamedStack.*jax.lax.scan"):
+    ssd.scan_stack(lambda h, p, x: (h, None), h, enc)
+  with pytest.raises(TypeError, match=r"args\[0\]\['n'\] has dtype int32"):
+    ssd.value_and_grad(lambda p, b: _tiny_loss(p, b))({**params, "n": jnp.int32(1)}, batch)
+  with pytest.raises(TypeError, match="pass has_aux=True"):
+    ssd.value_and_grad(lambda p, b: (_tiny_loss(p, b), 1.0))(params, batch)

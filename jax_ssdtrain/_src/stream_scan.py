@@ -335,11 +335,15 @@ def _value_and_grad(fun, nums, single, has_aux, opts, args, kwargs, sums):
       loss, aux = out
     else:
       loss, aux = out, None
+    if isinstance(loss, (tuple, list)):
+      raise TypeError(
+        f"value_and_grad: fun returned a {type(loss).__name__}, not a scalar loss: with a pair "
+        "(loss, aux), pass has_aux=True"
+      )
     if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
       raise TypeError(
         "value_and_grad: fun must return a floating scalar loss, got "
         f"{jnp.result_type(loss)}{list(jnp.shape(loss))}"
-        + (" (it returns a pair: pass has_aux=True)" if isinstance(loss, tuple) else "")
       )
     return loss, aux
 

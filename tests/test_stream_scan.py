@@ -296,3 +296,120 @@ def test_misuse_is_refused_with_the_fix(store):
     ssd.value_and_grad(lambda p, b: _tiny_loss(p, b))({**params, "n": jnp.int32(1)}, batch)
   with pytest.raises(TypeError, match="pass has_aux=True"):
     ssd.value_and_grad(lambda p, b: (_tiny_loss(p, b), 1.0))(params, batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Adoption: a Flax linen model made by nn.scan, an NNX stack made by nnx.vmap
+
+
+def _adam_train(loss_fn, params, batches):
+  """A few Adam steps: the stack's update streams (its state in the store), the rest is optax's."""
+  optax = pytest.importorskip("optax")
+  tx = optax.adam(1e-2)
+  side = {k: v for k, v in params.items() if k != "blocks"}
+  state = (tx.init(side), ssd.init_streamed_optimizer(tx, params["blocks"]))
+
+  @jax.jit
+  def train_step(params, state, batch):
+    loss, grads = ssd.value_and_grad(loss_fn)(params, batch)
+    params = dict(params)
+    stack, stack_state = ssd.apply_gradients(
+      tx, grads.pop("blocks"), state[1], params.pop("blocks")
+    )
+    side, side_state = ssd.apply_gradients(tx, grads, state[0], params)
+    return loss, {**side, "blocks": stack}, (side_state, stack_state)
+
+  losses = []
+  for batch in batches:
+    loss, params, state = train_step(params, state, batch)
+    losses.append(float(loss))
+  return losses, params
+
+
+def test_flax_linen_nn_scan_model(store):
+  nn = pytest.importorskip("flax.linen")
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+      return h + nn.Dense(D)(jnp.tanh(h)), None
+
+  class Model(nn.Module):  # the blocks made by nn.scan: their parameters have a layer axis
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(D, name="embed")(x)
+      scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L)
+      h, _ = scan(name="blocks")(h, None)
+      return nn.Dense(OUT, name="head")(h)
+
+  batches = _batches(1) * 3  # one batch, three steps: the loss goes down
+  params = Model().init(jax.random.key(0), batches[0]["x"])["params"]
+
+  # adoption: the stack into the store, the model's pieces applied in one loss
+  def loss_fn(params, batch):
+    h = nn.Dense(D).apply({"params": params["embed"]}, batch["x"])
+    body = lambda h, layer, _: Block().apply({"params": layer}, h, None)
+    h, _ = ssd.scan_stack(body, h, params["blocks"])
+    y = nn.Dense(OUT).apply({"params": params["head"]}, h)
+    return jnp.mean((y - batch["y"]) ** 2)
+
+  streamed = {**params, "blocks": ssd.stack_from_tree(params["blocks"])}
+  losses, trained = _adam_train(loss_fn, streamed, batches)
+
+  # the same steps with the whole model and optax
+  optax = pytest.importorskip("optax")
+  tx = optax.adam(1e-2)
+  ref_loss = lambda p, b: jnp.mean((Model().apply({"params": p}, b["x"]) - b["y"]) ** 2)
+  state, want = tx.init(params), []
+  for batch in batches:
+    loss, g = jax.value_and_grad(ref_loss)(params, batch)
+    updates, state = tx.update(g, state, params)
+    params = optax.apply_updates(params, updates)
+    want.append(float(loss))
+  np.testing.assert_allclose(losses, want, rtol=1e-5)
+  assert losses[2] < losses[1] < losses[0]
+  got = {**trained, "blocks": ssd.stack_to_tree(trained["blocks"])}
+  _assert_close(jax.tree.map(np.asarray, got), params, rtol=1e-4, atol=1e-6)
+
+
+def test_nnx_vmap_made_stack(store):
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, h):
+      return h + self.lin(jnp.tanh(h))
+
+  @nnx.split_rngs(splits=L)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make_blocks(rngs):
+    return Block(rngs)
+
+  blocks = make_blocks(nnx.Rngs(0))  # one Block whose parameters have a layer axis
+  graphdef, state = nnx.split(blocks)
+  side = _side()
+  params = {"embed": side["embed"], "head": side["head"], "blocks": ssd.stack_from_tree(state)}
+
+  def loss_fn(params, batch):
+    body = lambda h, layer, _: (nnx.merge(graphdef, layer)(h), None)
+    h, _ = ssd.scan_stack(body, batch["x"] @ params["embed"], params["blocks"])
+    return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
+
+  batches = _batches(3)
+  # the first gradients against nnx's own: the stacked module scanned as ordinary arrays
+  _, grads = jax.jit(ssd.value_and_grad(loss_fn))(params, batches[0])
+
+  def ref(embed, head, state, batch):
+    body = lambda h, layer: (nnx.merge(graphdef, layer)(h), None)
+    h, _ = jax.lax.scan(body, batch["x"] @ embed, state)
+    return jnp.mean((h @ head - batch["y"]) ** 2)
+
+  want = jax.grad(ref, argnums=(0, 1, 2))(side["embed"], side["head"], state, batches[0])
+  got = (grads["embed"], grads["head"], ssd.stack_to_tree(grads["blocks"]))
+  _assert_close(jax.tree.map(np.asarray, got), want)
+  losses, trained = _adam_train(loss_fn, params, batches[:1] * 3)
+  assert losses[2] < losses[1] < losses[0]
+  nnx.update(blocks, ssd.stack_to_tree(trained["blocks"]))  # back into the module
+  assert isinstance(blocks.lin.kernel, nnx.Param)

@@ -107,7 +107,6 @@ from jax_ssdtrain._src.layer_stream import (
   stack_from_tree,
   stack_to_tree,
   streamed_global_norm,
-  value_and_grad_streamed,
 )
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.master_weights import MasterWeightsState, with_master_weights
@@ -143,7 +142,12 @@ from jax_ssdtrain._src.policies import (
   ssd_offload_policy,
 )
 from jax_ssdtrain._src.primitives import HigherOrderOffloadError
-from jax_ssdtrain._src.stream_scan import grad, scan_stack, value_and_grad
+from jax_ssdtrain._src.stream_scan import (
+  grad,
+  scan_stack,
+  value_and_grad,
+  value_and_grad_streamed,
+)
 
 _remat.install()
 # lifetimes.py sits below the primitives it counts: it is handed them here.

@@ -409,3 +409,118 @@ def _check_sums(sums, treedef, names, leaves, sum_lays, single) -> list:
 def _describe(lay) -> str:
   leaves = [f"{d.name}{list(s)}" for s, d in zip(lay.shapes, lay.dtypes)]
   return f"{lay.kind}, {lay.num_layers} layers of {leaves} at {lay.location.value!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The embed/block/head triple, over the same mechanism
+
+
+def value_and_grad_streamed(
+  embed_fn: Callable[[Any, Any], Any],
+  block_fn: Callable[[Any, Any], Any],
+  head_fn: Callable[[Any, Any, Any], Any],
+  *,
+  save_inputs: Any = "device",
+  sum_dtype: Any = jnp.float32,
+  sum_location: Any = None,
+  in_place: bool = False,
+):
+  """A micro-step over a model ``head(block_{L-1}(... block_0(embed(batch))))`` whose stack of
+  blocks streams: the convenience for a model that is exactly these three pieces, over
+  :func:`scan_stack` and :func:`value_and_grad`.
+
+  ``embed_fn(embed_params, batch) -> x``, ``block_fn(layer_params, x) -> x`` (same shape and
+  dtype), ``head_fn(head_params, x, batch) -> loss`` (a scalar). Returns
+  ``step(embed_params, stack, head_params, batch, sums=None) -> (loss, sums)``, to call under
+  ``jax.jit`` (donate ``sums``): ``stack`` is the blocks' parameters (a :class:`StreamedStack`),
+  ``sums`` the running sums of the gradients ``(embed, stack, head)`` (``None`` at the first
+  micro-batch of a step: the returned sums are then its gradients). The embedding and head sums
+  stay on the device; the stack's is a :class:`StreamedStack` at ``sum_location``: ``None``
+  (default) where ``stack`` lives, else ``"device"`` or a store location (the planner's choice
+  per class: :func:`jax_ssdtrain.choose_stack_location`).
+
+  ``sum_dtype``: of the sums, float32 (default) or bfloat16 (2 B per parameter instead of 4; each
+  micro-batch's sum rounds to it). ``save_inputs``: where each block's input waits for the
+  backward pass: ``"device"`` or a store location (``"host"``, ``"nvme"``, ``"host,nvme"``); the
+  blocks are recomputed in the backward pass in every case (from those inputs).
+
+  ``in_place``: each load of the old sum is its entries' last: the engine releases them as the
+  backward pass reads them, so that the store holds one version of the sum instead of two (4 B
+  per parameter less at float32). The sums a step was given are then gone (donate them), and a
+  step that fails part way leaves no consistent sum. Default ``False``: the new sum is written
+  beside the old one, which a failed step leaves whole.
+
+  Each block's gradient is added to the sum in ``sum_dtype`` (the parameters' gradient converted,
+  then added), so that the sum over micro-batches is that of ``jax.grad`` of the same model, up to
+  XLA's reassociation; with the stack at ``location="device"`` the same program is the bit-for-bit
+  reference of the store's.
+  """
+  if not isinstance(save_inputs, Location):
+    try:
+      _parse_location(save_inputs, "save_inputs")
+    except ValueError:
+      raise ValueError(
+        f"save_inputs: expected 'device', 'host', 'nvme' or 'host,nvme', got {save_inputs!r}"
+      ) from None
+  options = dict(
+    save_inputs=save_inputs, sum_dtype=sum_dtype, sum_location=sum_location, in_place=in_place
+  )
+  opts = _options(save_inputs, sum_dtype, sum_location, in_place)
+  _check_bool(in_place, "in_place")
+
+  def block(x, p, _):
+    y = block_fn(p, x)
+    if not (hasattr(y, "shape") and y.shape == x.shape and y.dtype == x.dtype):
+      got = f"{y.dtype}{list(y.shape)}" if hasattr(y, "shape") else type(y).__name__
+      raise ValueError(
+        f"block_fn must return an array shaped like its input x ({x.dtype}{list(x.shape)}), "
+        f"got {got}"
+      )
+    return y, None
+
+  def loss_fn(embed_params, stack, head_params, batch):
+    x, _ = scan_stack(block, embed_fn(embed_params, batch), stack)
+    loss = head_fn(head_params, x, batch)
+    if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+      raise ValueError(
+        "head_fn must return a floating scalar loss, got "
+        f"{jnp.result_type(loss)}{list(jnp.shape(loss))}"
+      )
+    return loss
+
+  vg = value_and_grad(loss_fn, argnums=(0, 1, 2), **options)
+
+  def step(embed_params, stack, head_params, batch, sums=None):
+    lay = _check_stack(stack, "stack")
+    if sums is not None:
+      sum_lay = _sum_layout(lay, opts.sum_dtype, opts.sum_location or lay.location)
+      sums = _check_triple_sums(sums, sum_lay, embed_params, head_params)
+    return vg(embed_params, stack, head_params, batch, sums=sums)
+
+  return step
+
+
+def _check_triple_sums(sums: Any, sum_lay: Any, embed_params: Any, head_params: Any) -> tuple:
+  if not (isinstance(sums, (tuple, list)) and len(sums) == 3):
+    raise TypeError(
+      "sums: expected the (embed, stack, head) sums a previous micro-step returned, or None, "
+      f"got {type(sums).__name__}"
+    )
+  embed_sum, stack_sum, head_sum = sums
+  lay = _check_stack(stack_sum, "sums[1]")
+  if lay != sum_lay:
+
+    def text(lay):
+      leaves = [f"{d.name}{list(s)}" for s, d in zip(lay.shapes, lay.dtypes)]
+      return f"{lay.num_layers} layers of {leaves} at {lay.location.value!r}"
+
+    raise ValueError(
+      f"sums[1]: a gradient sum of {text(lay)}, but this stack's (sum_dtype "
+      f"{sum_lay.dtypes[0].name}) is {text(sum_lay)}"
+    )
+  for what, s, p in (("sums[0]", embed_sum, embed_params), ("sums[2]", head_sum, head_params)):
+    if jax.tree.structure(s) != jax.tree.structure(p) or any(
+      np.shape(a) != np.shape(b) for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(p))
+    ):
+      raise ValueError(f"{what}: its tree or shapes differ from the parameters it sums")
+  return (embed_sum, stack_sum, head_sum)

@@ -26,7 +26,8 @@ each stack of its differentiated arguments for the duration of the trace, and ``
 looks its stack up there. A stack not bound (one in an argument not differentiated) is frozen:
 its blocks are recomputed and the carry's cotangent passes down, no sum is made. Outside
 :func:`value_and_grad`, ``scan_stack`` evaluates the forward pass only; differentiating it with
-``jax.grad`` is refused with the fix.
+``jax.grad`` is refused with the fix. :func:`value_and_grad_streamed`, the embed/block/head
+triple, is a loss of three pieces over the two.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from jax_ssdtrain._src.layer_stream import (
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.stream_scan_passes import decode, encode, make_spec, scan_core, strong
 
-__all__ = ["grad", "scan_stack", "value_and_grad"]
+__all__ = ["grad", "scan_stack", "value_and_grad", "value_and_grad_streamed"]
 
 
 # ---------------------------------------------------------------------------------------------

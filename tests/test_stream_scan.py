@@ -274,6 +274,11 @@ def test_misuse_is_refused_with_the_fix(store):
 
   with pytest.raises(ValueError, match=r"args\[0\]\['blocks'\].*scanned a second time"):
     ssd.value_and_grad(twice)({**params, "blocks": host}, batch)
+  with pytest.raises(ValueError, match=r"args\[0\]\['other'\] is the stack args\[0\]\['blocks'\]"):
+    ssd.value_and_grad(twice)({**params, "blocks": host, "other": host}, batch)
+  # a stack the loss does not scan: its gradient is a zero sum
+  _, zero = ssd.value_and_grad(lambda p, b: jnp.sum(p["embed"]))({**params, "blocks": host}, batch)
+  assert not np.any(ssd.stack_to_tree(zero["blocks"])["w"])
   # a gradient sum where parameters are expected: to value_and_grad and to scan_stack
   _, grads = jax.jit(ssd.value_and_grad(_tiny_loss))({**params, "blocks": host}, batch)
   with pytest.raises(ValueError, match=r"args\[0\]\['blocks'\] is a stack of kind 'grad_sum'"):

@@ -290,6 +290,12 @@ def _value_and_grad(fun, nums, single, has_aux, opts, args, kwargs, sums):
   for name, leaf, st, sum_lay, o in zip(names, leaves, is_stack, sum_lays, old):
     if not st:
       continue
+    for slot in slots:
+      if jax.tree.leaves(slot.stack.handles)[0] is jax.tree.leaves(leaf.handles)[0]:
+        raise ValueError(
+          f"value_and_grad: {name} is the stack {slot.name} again (the same handles): a stack's "
+          "gradient is one sum, so pass it once and scan it once"
+        )
     slots.append(_Slot(name, leaf, sum_lay, o is not None, opts))
     carriers.append(_carrier_of(sum_lay, o))
   others = [x for x, st in zip(leaves, is_stack) if not st]

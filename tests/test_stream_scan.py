@@ -52,6 +52,7 @@ def _batches(n, rows=4):
       "mask": jnp.arange(rows) < rows - 1,  # in the carry: a leaf with no cotangent
       "t": jnp.float32(0.3 + i),  # the positions' phase: closed over, not differentiated
       "key": jax.random.key(30 + i),  # split per layer: dropout
+      "width": jnp.int32(D - 1 - i % 2),  # a closed-over integer: the columns' mask
     }
     for i in range(n)
   ]
@@ -66,12 +67,13 @@ def _model(scan):
   def loss_fn(params, batch):
     h = batch["x"] @ params["embed"]
     positions = jnp.cos(jnp.arange(D) * batch["t"])
+    columns = jnp.arange(D) < batch["width"]  # a traced bool mask the block closes over
 
     def block(carry, p, x):
       h, mask = carry
       u = jnp.tanh((h @ p["w"] + p["b"] + positions) * params["temp"])
       keep = jax.random.bernoulli(x["key"], 0.75, u.shape)  # dropout, recomputed alike
-      u = jnp.where(keep, u / 0.75, 0.0)
+      u = jnp.where(keep & columns, u / 0.75, 0.0)
       h = h + x["gate"] * u * p["g"]["scale"] * mask[:, None]
       return (h, mask), jnp.mean(h**2)
 

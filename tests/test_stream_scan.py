@@ -174,6 +174,9 @@ def test_equals_jax_value_and_grad_of_the_same_model(store):
   _assert_close(got["sums"], total)
   summed = jax.tree.map(lambda *g: (g[0] + g[1]) + g[2], *got["alone"])
   _assert_close(got["sums"], summed, rtol=1e-6, atol=1e-7)
+  # the same loss with the stack as ordinary arrays: scan_stack is lax.scan, under jax.grad too
+  _, plain = jax.jit(jax.value_and_grad(_loss))(params, _batches(1)[0])
+  _assert_close(got["alone"][0], plain)
   np.testing.assert_allclose(got["eval"], got["losses"][0], rtol=1e-6)
   assert np.all(np.abs(got["sums"]["temp"]) > 0) and np.all(np.abs(got["sums"]["gates"]) > 0)
 
@@ -298,8 +301,8 @@ def test_misuse_is_refused_with_the_fix(store):
     ssd.scan_stack(lambda h, p, _: (h.astype(jnp.bfloat16), None), h, host)
   with pytest.raises(ValueError, match=r"xs\['t'\] has shape \[3\].*layer axis of 2"):
     ssd.scan_stack(lambda h, p, x: (h, None), h, host, xs={"t": jnp.ones(3)})
-  with pytest.raises(TypeError, match="expected a StreamedStack.*jax.lax.scan"):
-    ssd.scan_stack(lambda h, p, x: (h, None), h, enc)
+  with pytest.raises(TypeError, match="expected a StreamedStack.*or a stacked tree of arrays"):
+    ssd.scan_stack(lambda h, p, x: (h, None), h, {"w": 1.0})
   with pytest.raises(TypeError, match=r"args\[0\]\['n'\] has dtype int32"):
     ssd.value_and_grad(lambda p, b: _tiny_loss(p, b))({**params, "n": jnp.int32(1)}, batch)
   with pytest.raises(TypeError, match="pass has_aux=True"):

@@ -82,14 +82,15 @@ def scan_stack(
   :func:`jax_ssdtrain.grad`): it returns the stack's gradient as its running sum in the store.
   Outside of them this evaluates the forward pass (evaluation, inference); ``jax.grad`` of it is
   refused. Each stack is scanned once per loss.
+
+  ``stack`` may also be a stacked tree of ordinary arrays (leading layer axis): this is then
+  ``jax.lax.scan`` itself, so that one loss serves a model whose stack streams and the same
+  model on the device (under ``jax.grad`` or :func:`value_and_grad` alike).
   """
   if not callable(f):
     raise TypeError(f"scan_stack: f must be callable (the scan's body), got {f!r}")
   if not isinstance(stack, StreamedStack):
-    raise TypeError(
-      "scan_stack: stack: expected a StreamedStack (ssd.stack_from_tree of a stacked tree, "
-      f"ssd.init_streamed), got {type(stack).__name__}; for ordinary arrays use jax.lax.scan"
-    )
+    return _scan_arrays(f, init, stack, xs)
   lay = _check_stack(stack, "scan_stack: stack")
   if lay.kind in ("grad_sum", "opt_state"):
     raise ValueError(
@@ -120,6 +121,17 @@ def scan_stack(
   core = scan_core(spec, mode, slot)
   carrier = slot.carrier if slot is not None else None
   return core(carrier, jax.tree.leaves(stack.handles), init, xs, tuple(spec.consts))
+
+
+def _scan_arrays(f, init, stack, xs):
+  leaves = jax.tree.leaves(stack)
+  if not leaves or not all(hasattr(x, "shape") and np.ndim(x) >= 1 for x in leaves):
+    raise TypeError(
+      "scan_stack: stack: expected a StreamedStack (ssd.stack_from_tree of a stacked tree, "
+      f"ssd.init_streamed) or a stacked tree of arrays, got {type(stack).__name__}"
+      + ("" if not leaves else f" with leaves {[type(x).__name__ for x in leaves][:4]}")
+    )
+  return jax.lax.scan(lambda c, a: f(c, *a), init, (stack, xs))
 
 
 def value_and_grad(

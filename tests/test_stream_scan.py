@@ -255,6 +255,10 @@ def _tiny_loss(params, batch):
   return jnp.mean(h**2)
 
 
+def _tree(grads):
+  return jax.tree.map(np.asarray, {**grads, "blocks": ssd.stack_to_tree(grads["blocks"])})
+
+
 def test_misuse_is_refused_with_the_fix(store):
   enc = jax.vmap(_enc_layer)(jax.random.split(jax.random.key(3), 2))
   host = ssd.stack_from_tree(enc)
@@ -281,11 +285,16 @@ def test_misuse_is_refused_with_the_fix(store):
     ssd.value_and_grad(twice)({**params, "blocks": host}, batch)
   with pytest.raises(ValueError, match=r"args\[0\]\['other'\] is the stack args\[0\]\['blocks'\]"):
     ssd.value_and_grad(twice)({**params, "blocks": host, "other": host}, batch)
+  _, grads = jax.jit(ssd.value_and_grad(_tiny_loss))({**params, "blocks": host}, batch)
+  # ssd.grad with has_aux: the gradients alone, and the aux
+  with_aux = lambda p, b: (_tiny_loss(p, b), {"seven": 7.0})
+  g, aux = jax.jit(ssd.grad(with_aux, has_aux=True))({**params, "blocks": host}, batch)
+  assert float(aux["seven"]) == 7.0
+  _assert_close(_tree(g), _tree(grads), rtol=1e-6)
   # a stack the loss does not scan: its gradient is a zero sum
   _, zero = ssd.value_and_grad(lambda p, b: jnp.sum(p["embed"]))({**params, "blocks": host}, batch)
   assert not np.any(ssd.stack_to_tree(zero["blocks"])["w"])
   # a gradient sum where parameters are expected: to value_and_grad and to scan_stack
-  _, grads = jax.jit(ssd.value_and_grad(_tiny_loss))({**params, "blocks": host}, batch)
   with pytest.raises(ValueError, match=r"args\[0\]\['blocks'\] is a stack of kind 'grad_sum'"):
     ssd.value_and_grad(_tiny_loss)({**params, "blocks": grads["blocks"]}, batch)
   with pytest.raises(ValueError, match="kind 'grad_sum'.*not parameters"):

@@ -42,6 +42,7 @@ def encode(handles: Any) -> Any:
 
 
 def decode(carrier: Any) -> Any:
+  """float32[L, 4] -> uint32[L, 2]: :func:`encode`'s inverse."""
   u = carrier.astype(HANDLE_DTYPE)
   return (u[..., :2] << 16) | u[..., 2:]
 
@@ -80,6 +81,8 @@ class _Spec:
 
 
 def make_spec(f, init, lay, xs) -> _Spec:
+  """``f`` closure-converted (its traced closed-over values hoisted as ``consts``) and checked
+  against the stack's layer and ``init``'s carry, with the masks of the floating leaves."""
   layer = lay.layer_struct()
   x_one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), xs)
   init_s = jax.tree.map(_struct, init)

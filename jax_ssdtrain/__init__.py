@@ -107,7 +107,6 @@ from jax_ssdtrain._src.layer_stream import (
   stack_from_tree,
   stack_to_tree,
   streamed_global_norm,
-  value_and_grad_streamed,
 )
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.master_weights import MasterWeightsState, with_master_weights
@@ -143,6 +142,12 @@ from jax_ssdtrain._src.policies import (
   ssd_offload_policy,
 )
 from jax_ssdtrain._src.primitives import HigherOrderOffloadError
+from jax_ssdtrain._src.stream_scan import (
+  grad,
+  scan_stack,
+  value_and_grad,
+  value_and_grad_streamed,
+)
 
 # Names one other way replaced (jax_ssdtrain/_src/deprecations.py): they answer, with a warning.
 _DEPRECATED_OBJECTS = {name: getattr(_layer_stream, name) for name in _deprecations.DEPRECATED}
@@ -190,6 +195,7 @@ __all__ = [
   "default_config",
   "device_stats",
   "flush",
+  "grad",
   "frontier",
   "location_policy",
   "map_stack",
@@ -204,6 +210,7 @@ __all__ = [
   "Profile",
   "profile",
   "release_all",
+  "scan_stack",
   "reset_stats",
   "shutdown",
   "split_layers",
@@ -220,6 +227,7 @@ __all__ = [
   "streamed_global_norm",
   "store_directories",
   "TagProfile",
+  "value_and_grad",
   "value_and_grad_streamed",
   "with_master_weights",
   "timeline",

@@ -29,7 +29,7 @@ LAYERS = [
   ["_src.primitives"],
   ["_src.policies", "_src.remat", "_src.measure"],
   ["_src.layer_stream", "_src.planner", "_src.optimizer"],  # the planner places streamed stacks
-  ["_src.accumulate", "_src.master_weights"],
+  ["_src.accumulate", "_src.master_weights", "_src.stream_scan_passes", "_src.stream_scan"],
   ["__init__"],
   ["checkpointing", "probe", "maxtext"],
 ]

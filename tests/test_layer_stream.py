@@ -1324,14 +1324,15 @@ def test_the_layer_stream_is_a_package_of_files_under_700_lines():
   assert not missing, missing
 
 
-# Every name the single module defined or imported (other modules and helpers import them from
-# jax_ssdtrain._src.layer_stream).
+# Every name the single module defined or imported, but the micro-step's (now in
+# jax_ssdtrain._src.stream_scan): other modules and helpers import them from
+# jax_ssdtrain._src.layer_stream.
 _LAYER_STREAM_NAMES = """
 HANDLE_DTYPE _Layout StreamedStack _site_of _parse_location _make_layout master_weights_of
 _class_locations _check_num_layers _check_stack _chain_loads _PASSES StreamPass new_pass
 _load_layer _token _token32 _after _store_layer _stacked _scan_layers init_streamed _init_jit
 stack_from_tree _from_tree_jit stack_to_tree _to_tree_jit map_stack _map_jit _check_bool
-value_and_grad_streamed _sum_layout _check_sums _MIXING _PROBE_LAYERS _OptSpec _params_key
+_sum_layout _MIXING _PROBE_LAYERS _OptSpec _params_key
 StreamedOptState _check_tx _opt_params _mixing_eqns _SPECS _opt_spec _make_opt_spec _opt_layout
 init_streamed_optimizer _opt_init_jit _zeros _check_opt_state _check_scalar _sum_of_squares
 streamed_global_norm _global_norm_jit _mean_grad _clip apply_streamed_update _update_jit

@@ -44,7 +44,10 @@ import numpy as np
 from jax_ssdtrain._src.layer_stream import (
   StreamedStack,
   _check_bool,
+  _check_role,
   _check_stack,
+  _describe,
+  _is_array,
   _parse_location,
   _scan_layers,
   _sum_layout,
@@ -415,9 +418,9 @@ def _check_sums(sums, treedef, names, leaves, sum_lays, single) -> list:
       got = _check_stack(s, what) if _is_stack(s) else None
       if got != lay:
         raise ValueError(
-          f"{what}: expected this stack's gradient sum ({_describe(lay)}), got "
+          f"{what}: expected this stack's gradient sum ({_describe_layout(lay)}), got "
           f"{s!r}"
-          + ("" if got is None else f" ({_describe(got)})")
+          + ("" if got is None else f" ({_describe_layout(got)})")
           + " (a sum of another stack, sum_dtype or sum_location)"
         )
     elif np.shape(s) != np.shape(x):
@@ -425,7 +428,7 @@ def _check_sums(sums, treedef, names, leaves, sum_lays, single) -> list:
   return flat
 
 
-def _describe(lay) -> str:
+def _describe_layout(lay) -> str:
   leaves = [f"{d.name}{list(s)}" for s, d in zip(lay.shapes, lay.dtypes)]
   return f"{lay.kind}, {lay.num_layers} layers of {leaves} at {lay.location.value!r}"
 
@@ -489,16 +492,22 @@ def value_and_grad_streamed(
 
   def block(x, p, _):
     y = block_fn(p, x)
-    if not (hasattr(y, "shape") and y.shape == x.shape and y.dtype == x.dtype):
-      got = f"{y.dtype}{list(y.shape)}" if hasattr(y, "shape") else type(y).__name__
+    if not (_is_array(y) and y.shape == x.shape and y.dtype == x.dtype):
       raise ValueError(
-        f"block_fn must return an array shaped like its input x ({x.dtype}{list(x.shape)}), "
-        f"got {got}"
+        f"block_fn must return an array shaped like its input x ({_describe(x)}), got "
+        f"{_describe(y)} (ssd.scan_stack carries any pytree)"
       )
     return y, None
 
   def loss_fn(embed_params, stack, head_params, batch):
-    x, _ = scan_stack(block, embed_fn(embed_params, batch), stack)
+    x0 = embed_fn(embed_params, batch)
+    if not _is_array(x0):
+      raise ValueError(
+        "embed_fn must return one array (the first block's input x: the blocks carry one "
+        f"array, which block_fn returns shaped like it), got {_describe(x0)}; a carry that is a "
+        "pytree: write the loss with ssd.scan_stack and ssd.value_and_grad"
+      )
+    x, _ = scan_stack(block, x0, stack)
     loss = head_fn(head_params, x, batch)
     if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
       raise ValueError(
@@ -511,6 +520,7 @@ def value_and_grad_streamed(
 
   def step(embed_params, stack, head_params, batch, sums=None):
     lay = _check_stack(stack, "stack")
+    _check_role(lay, "params", "stack", "step(embed_params, stack, head_params, batch, sums)")
     if sums is not None:
       sum_lay = _sum_layout(lay, opts.sum_dtype, opts.sum_location or lay.location)
       sums = _check_triple_sums(sums, sum_lay, embed_params, head_params)

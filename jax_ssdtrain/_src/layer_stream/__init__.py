@@ -19,8 +19,6 @@ This package re-exports every name of its files: the rest of the library imports
   whose iteration makes and stores one layer; pure, so ``jax.eval_shape`` of it works),
   :func:`stack_from_tree`, :func:`stack_to_tree` and :func:`map_stack` (a function layer by
   layer over stacks, its results stored: the update path of a hand-written optimizer).
-* ``micro_step.py``: :func:`value_and_grad_streamed`, a training micro-step with an explicit
-  per-layer backward pass whose gradients go into a running sum in the store.
 * ``spec.py``: what an optax transformation's state of one layer holds (per parameter or shared)
   and the refusal of one that cannot be updated layer by layer.
 * ``update.py``: the streamed optimizer: :func:`init_streamed_optimizer`,
@@ -44,11 +42,6 @@ from jax_ssdtrain._src.layer_stream.build import (  # noqa: F401
   map_stack,
   stack_from_tree,
   stack_to_tree,
-)
-from jax_ssdtrain._src.layer_stream.micro_step import (  # noqa: F401
-  _check_sums,
-  _sum_layout,
-  value_and_grad_streamed,
 )
 from jax_ssdtrain._src.layer_stream.room import (  # noqa: F401
   _ENTRY_ALIGN,
@@ -88,6 +81,8 @@ from jax_ssdtrain._src.layer_stream.stack import (  # noqa: F401
   _check_num_layers,
   _check_role,
   _check_stack,
+  _describe,
+  _is_array,
   _Layout,
   _load_layer,
   _make_layout,
@@ -96,6 +91,7 @@ from jax_ssdtrain._src.layer_stream.stack import (  # noqa: F401
   _site_of,
   _stacked,
   _store_layer,
+  _sum_layout,
   _token,
   _token32,
   new_pass,

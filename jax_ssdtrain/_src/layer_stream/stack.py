@@ -417,3 +417,38 @@ def _scan_layers(lay: _Layout, fn: Callable[[Any], Any]) -> StreamedStack:
   rows = jnp.arange(lay.num_layers, dtype=jnp.int32)
   _, leaves = jax.lax.scan(body, jnp.zeros((1,), jnp.float32), rows)
   return StreamedStack(jax.tree.unflatten(lay.treedef, leaves), lay)
+
+
+# ---------------------------------------------------------------------------------------------
+# Describing values in messages, and a stack's gradient sum
+
+
+def _is_array(x: Any) -> bool:
+  return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, (tuple, list, dict))
+
+
+def _describe(tree: Any) -> str:
+  """A value for messages: an array's dtype and shape (``float32[4, 16]``); any other pytree's
+  type and leaves (``tuple of 2 arrays (float32[4, 16], bool[4])``)."""
+
+  def one(x):
+    if _is_array(x):
+      return f"{x.dtype}{list(x.shape)}"
+    return type(x).__name__
+
+  if _is_array(tree):
+    return one(tree)
+  leaves = jax.tree.leaves(tree)
+  if not leaves or leaves == [tree]:
+    return type(tree).__name__
+  shown = ", ".join(one(x) for x in leaves[:6]) + (", ..." if len(leaves) > 6 else "")
+  arrays = all(_is_array(x) for x in leaves)
+  noun = ("arrays" if arrays else "leaves") if len(leaves) > 1 else ("array" if arrays else "leaf")
+  return f"{type(tree).__name__} of {len(leaves)} {noun} ({shown})"
+
+
+def _sum_layout(lay: _Layout, sum_dtype: np.dtype, location: Location) -> _Layout:
+  """The layout of a gradient sum of the stack ``lay`` (its leaves in ``sum_dtype``) at
+  ``location``."""
+  layer = jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct(s, sum_dtype) for s in lay.shapes])
+  return _make_layout(layer, lay.num_layers, location, "grad_sum", "stack")

@@ -143,6 +143,7 @@ from jax_ssdtrain._src.policies import (
   ssd_offload_policy,
 )
 from jax_ssdtrain._src.primitives import HigherOrderOffloadError
+from jax_ssdtrain._src.trainer import StreamedTrainer, StreamedTrainState
 
 _remat.install()
 # lifetimes.py sits below the primitives it counts: it is handed them here.
@@ -208,6 +209,8 @@ __all__ = [
   "StreamedOptState",
   "StreamedRoomError",
   "StreamedStack",
+  "StreamedTrainer",
+  "StreamedTrainState",
   "streamed_global_norm",
   "store_directories",
   "TagProfile",

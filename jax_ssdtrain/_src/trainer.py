@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ssdtrain._src import config
 from jax_ssdtrain._src.layer_stream import (
@@ -424,9 +425,7 @@ class StreamedTrainer:
     """Saves ``state`` and ``step`` as step ``step`` of ``manager`` (an Orbax
     ``CheckpointManager``) through :mod:`jax_ssdtrain.checkpointing`: the stacks in the store
     layer by layer, the rest with Orbax's ``StandardSave``; waits until it is written."""
-    import numpy as np
-
-    from jax_ssdtrain import checkpointing
+    import jax_ssdtrain.checkpointing as checkpointing  # needs orbax (optional)
 
     tree = {"state": _as_dict(state), "step": np.asarray(step, np.int64)}
     manager.save(step, args=checkpointing.save_args(tree))
@@ -437,9 +436,7 @@ class StreamedTrainer:
     structure and locations of ``like`` (a state of this trainer): ``(state, step)``. Raises
     FileNotFoundError where ``manager`` holds none. ``like``'s entries leave the store at the
     next :func:`~jax_ssdtrain.collect` once nothing holds it."""
-    import numpy as np
-
-    from jax_ssdtrain import checkpointing
+    import jax_ssdtrain.checkpointing as checkpointing  # needs orbax (optional)
 
     if not manager.latest_step():
       raise FileNotFoundError(

@@ -539,7 +539,7 @@ class Job:
   state: Any  # the training state (made, or restored at ``start``)
   start: int  # the first step to run
   steps: int  # the step to stop at
-  step: Any  # (state, step index) -> (state, metrics {"loss", "grad_norm"}): fetches its batches
+  step: Any  # state -> (state, metrics {"loss", "grad_norm"}): it fetches its batches
   schedule: Any  # step index -> learning rate
   save: Any  # (step, state) -> None: a checkpoint (None: no --workdir)
   latest_saved: Any  # () -> the latest checkpoint's step (0: none)
@@ -607,7 +607,7 @@ def build_dense(args: Config, run: training.RunConfig, parser, devices) -> Job:
   shardings = jax.tree.map(lambda x: x.sharding, state) if mesh is not None else None
   step_fn, rng = training.jit_train_step(shardings), jax.random.key(run.seed + 1)
 
-  def step(state, _):
+  def step(state):
     tokens = _next(batches, parser)
     if mesh is not None:
       tokens = training.shard_batch(tokens, args.mesh, mesh)
@@ -744,7 +744,7 @@ def build_streamed(args: Config, run: training.RunConfig, parser, devices=None) 
     source[0] = _batches(args, run, seq, parser, start_step=start * args.accum)
     first = [micro_batches()]
 
-  def step(state, _):
+  def step(state):
     batches = first.pop() if first else micro_batches()
     return trainer.step(state, batches)
 
@@ -791,7 +791,7 @@ def train_loop(job: Job, reporter: Reporter) -> tuple[Any, int]:
   job.state = None  # the loop's: each step donates it
   reporter.start(job.start)
   for step in range(job.start, job.steps):
-    state, metrics = job.step(state, step)
+    state, metrics = job.step(state)
     reporter.stepped(step, metrics)
     if (step + 1) % args.log_every == 0 or step + 1 == job.steps:
       reporter.log(step, metrics)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -192,7 +193,7 @@ class StreamedTrainer:
       raise TypeError(f"tx: expected an optax GradientTransformation, got {self.tx!r}")
     for what in ("num_layers", "micro_batches"):
       v = getattr(self, what)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
         raise ValueError(f"{what}: expected an integer >= 1, got {v!r}")
     _check_location(self.location, "location")
     _check_location(self.sum_location, "sum_location", optional=True)

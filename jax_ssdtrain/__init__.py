@@ -148,6 +148,7 @@ from jax_ssdtrain._src.stream_scan import (
   value_and_grad,
   value_and_grad_streamed,
 )
+from jax_ssdtrain._src.trainer import StreamedTrainer, StreamedTrainState
 
 # Names one other way replaced (jax_ssdtrain/_src/deprecations.py): they answer, with a warning.
 _DEPRECATED_OBJECTS = {name: getattr(_layer_stream, name) for name in _deprecations.DEPRECATED}
@@ -224,6 +225,8 @@ __all__ = [
   "StreamedOptState",
   "StreamedRoomError",
   "StreamedStack",
+  "StreamedTrainer",
+  "StreamedTrainState",
   "streamed_global_norm",
   "store_directories",
   "TagProfile",

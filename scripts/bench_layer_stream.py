@@ -152,7 +152,7 @@ def _run_child(spec: dict) -> dict:
   import optax
 
   import jax_ssdtrain as ssd
-  from models.layer_stream import StreamedTraining, gpt_pieces
+  from models.layer_stream import gpt_pieces
 
   pieces = gpt_pieces(spec["preset"], spec["layers"])
   cfg, init_layer, block, embed, head = (
@@ -177,10 +177,14 @@ def _run_child(spec: dict) -> dict:
   out["n_params"] = L * _size(layer_struct) + _size(side)
   t0 = time.perf_counter()
   if streamed:
-    training = StreamedTraining(
-      pieces,
+    training = ssd.StreamedTrainer(
+      embed,
+      block,
+      head,
       tx,
-      L,
+      init_layer=init_layer,
+      num_layers=L,
+      init_side=pieces.init_side,
       location=spec["location"],
       sum_location=spec.get("sum_location"),
       state_location=spec.get("state_location"),
@@ -188,21 +192,21 @@ def _run_child(spec: dict) -> dict:
       sum_dtype=spec["sum_dtype"],
       in_place=spec["in_place"],
       save_inputs=spec["save_inputs"],
-      clip=clip,
+      clip_global_norm=clip,
       collect=spec["collect"],
     )
     # refused here, before anything is stored, where the model does not fit
-    out["store_room"] = training.check_room(key, spec["preset"])
+    out["store_room"] = training.check_room(spec["preset"])
     # the read-ahead and staging sized from the layer where --ssd / the environment do not
-    training.configure_read_ahead(key)
+    training.configure_read_ahead()
     cfg_now = ssd.current_config()
     out["store_sizes"] = {o: getattr(cfg_now, o) for o in ("prefetch_bytes", "staging_bytes")}
     del side
-    state = training.init(key, jax.random.key(1), batches[0])
+    state = training.init(key, batches[0], side_key=jax.random.key(1))
     jax.block_until_ready(state)
 
     def step(state):
-      metrics, state = training.step(state, batches)
+      state, metrics = training.step(state, batches)
       return metrics["loss"], state
 
   else:

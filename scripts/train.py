@@ -458,48 +458,12 @@ def parse_config(argv=None, parser: argparse.ArgumentParser | None = None) -> Co
 
 
 def main(argv=None) -> dict:
+  """One run of the command line: the options checked, the store opened, the run built (its
+  state made or restored), trained by :func:`train_loop` and summed up; returns the summary."""
   parser = build_parser()
   args = parse_config(argv, parser)  # the run's Config
   run = args.run_config()
-  cfg = run.model_config()
-  try:  # the store's settings (SSDTRAIN_* variables) are checked before any model work
-    import jax_ssdtrain as ssd  # checks the variables' values
-
-    ssd.default_config()
-  except (ValueError, OSError) as e:
-    parser.exit(2, f"{parser.prog}: error: {_error_text(e)}\n")
-
-  if args.distributed or args.coordinator:
-    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-  mesh_devices = None
-  if args.devices is not None and not args.mesh:
-    parser.error("--devices needs --mesh (the devices of the mesh)")
-  if args.mesh:
-    from models import parallel
-
-    try:
-      if args.devices is None:
-        mesh_devices = parallel.default_devices(args.mesh.size)
-      else:
-        mesh_devices = parallel.select_devices(args.devices)
-    except ValueError as e:
-      parser.error(f"--{'mesh' if args.devices is None else 'devices'}: {e}")
-    if len(mesh_devices) != args.mesh.size:
-      parser.error(f"--devices {args.devices}: --mesh needs {args.mesh.size} devices")
-  if args.mesh and run.batch % args.mesh.data:
-    parser.error(f"--batch {run.batch} is not divisible by dp={args.mesh.data}")
-  try:
-    if args.store_dir:  # may hold {process} / {device} (see jax_ssdtrain.configure)
-      ssd.configure(directory=args.store_dir)
-    elif ssd.current_config() is None:
-      ssd.configure()
-  except (ValueError, OSError) as e:
-    parser.exit(2, f"{parser.prog}: error: {_error_text(e)}\n")
-  print(
-    f"activation store: {', '.join(ssd.store_directories())}"
-    + ("" if ssd.current_config().directories else " (private, removed at exit)"),
-    flush=True,
-  )
+  devices = open_store(args, run, parser)  # the mesh's (None: no --mesh)
   try:
     if run.optimizer_location == "auto":
       run = place_optimizer(run, args)
@@ -507,367 +471,474 @@ def main(argv=None) -> dict:
       run = auto_plan(run, args)
   except ValueError as e:
     parser.error(str(e))
-  if args.stream_layers:
-    return train_streamed(args, run, cfg, parser, argv)
-  locations = run.resolved_locations()
-  offloading = bool(locations) and any(v in ("host", "nvme") for v in locations.values())
+  job = (build_streamed if args.stream_layers else build_dense)(args, run, parser, devices)
+  reporter = Reporter(args, job)
   try:
-    batches = data_lib.make_batches(
-      args.data, args.loader, run.batch, run.example_length(cfg), cfg.vocab_size, run.seed
+    state, done = train_loop(job, reporter)
+  finally:
+    reporter.close()
+    job.close()
+  summary = reporter.summary(job, state, done)
+  reporter.write_summary(summary, argv)
+  return summary
+
+
+def _error_exit(parser, e: Exception):
+  parser.exit(2, f"{parser.prog}: error: {_error_text(e)}\n")
+
+
+def open_store(args: Config, run: training.RunConfig, parser) -> list | None:
+  """The store's settings (SSDTRAIN_* variables) checked before any model work, the processes
+  joined (--distributed), the store opened and announced. Returns the devices of --mesh (None:
+  no mesh)."""
+  try:
+    import jax_ssdtrain as ssd  # checks the variables' values
+
+    ssd.default_config()
+  except (ValueError, OSError) as e:
+    _error_exit(parser, e)
+  if args.distributed or args.coordinator:
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+  devices = None
+  if args.devices is not None and not args.mesh:
+    parser.error("--devices needs --mesh (the devices of the mesh)")
+  if args.mesh:
+    from models import parallel
+
+    try:
+      if args.devices is None:
+        devices = parallel.default_devices(args.mesh.size)
+      else:
+        devices = parallel.select_devices(args.devices)
+    except ValueError as e:
+      parser.error(f"--{'mesh' if args.devices is None else 'devices'}: {e}")
+    if len(devices) != args.mesh.size:
+      parser.error(f"--devices {args.devices}: --mesh needs {args.mesh.size} devices")
+    if run.batch % args.mesh.data:
+      parser.error(f"--batch {run.batch} is not divisible by dp={args.mesh.data}")
+  try:
+    if args.store_dir:  # may hold {process} / {device} (see jax_ssdtrain.configure)
+      ssd.configure(directory=args.store_dir)
+    elif ssd.current_config() is None:
+      ssd.configure()
+  except (ValueError, OSError) as e:
+    _error_exit(parser, e)
+  print(
+    f"activation store: {', '.join(ssd.store_directories())}"
+    + ("" if ssd.current_config().directories else " (private, removed at exit)"),
+    flush=True,
+  )
+  return devices
+
+
+@dataclasses.dataclass
+class Job:
+  """A built run, whichever way it trains: what :func:`train_loop` and :class:`Reporter`
+  need."""
+
+  state: Any  # the training state (made, or restored at ``start``)
+  start: int  # the first step to run
+  steps: int  # the step to stop at
+  step: Any  # state -> (state, metrics {"loss", "grad_norm"}): it fetches its batches
+  schedule: Any  # step index -> learning rate
+  save: Any  # (step, state) -> None: a checkpoint (None: no --workdir)
+  latest_saved: Any  # () -> the latest checkpoint's step (0: none)
+  close: Any  # () -> None: closes the data source
+  n_params: int
+  tokens_per_step: int
+  devices: list  # the devices that train (their memory reported)
+  extra: Any  # state -> the summary's fields of this way of training
+  collect_at_log: bool = False  # ssd.collect() at each logged step
+  step_lines: bool = False  # print a line per logged step (besides the progress bar)
+
+
+def _batches(args: Config, run: training.RunConfig, length: int, parser, start_step: int = 0):
+  cfg = run.model_config()
+  try:
+    return data_lib.make_batches(
+      args.data, args.loader, run.batch, length, cfg.vocab_size, run.seed, start_step=start_step
     )
   except data_lib.DataError as e:
     parser.error(str(e))
 
-  mesh = args.mesh.mesh(mesh_devices) if args.mesh else None
+
+def _next(batches, parser):
+  try:
+    return next(batches)
+  except data_lib.DataError as e:
+    parser.error(str(e))
+
+
+def _manager(args: Config):
+  if not args.workdir:
+    return None
+  return training.checkpoint_manager(os.path.join(args.workdir, "checkpoints"))
+
+
+def _closer(source: list):
+  """Closes the data source ``source[0]`` (whichever one a restore left there)."""
+  return lambda: source[0].close() if hasattr(source[0], "close") else None
+
+
+def build_dense(args: Config, run: training.RunConfig, parser, devices) -> Job:
+  """The model's whole train state on the device (its activations, optimizer state and master
+  weights placed as the options say; sharded under --mesh), restored with --restore."""
+  cfg = run.model_config()
+  locations = run.resolved_locations()
+  offloading = bool(locations) and any(v in ("host", "nvme") for v in locations.values())
+  length = run.example_length(cfg)
+  batches = _batches(args, run, length, parser)
+  mesh = args.mesh.mesh(devices) if args.mesh else None
   # under a mesh the state is made sharded: no device holds the whole model
   state, _, schedule = training.create_train_state(run, parallelism=args.mesh, mesh=mesh)
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
-  manager = (
-    training.checkpoint_manager(os.path.join(args.workdir, "checkpoints")) if args.workdir else None
-  )
+  manager = _manager(args)
   if args.restore:
     state = training.restore_checkpoint(manager, state)
-    # deterministic sources resume at the restored step
-    if hasattr(batches, "close"):
+    if hasattr(batches, "close"):  # deterministic sources resume at the restored step
       batches.close()
-    batches = data_lib.make_batches(
-      args.data,
-      args.loader,
-      run.batch,
-      run.example_length(cfg),
-      cfg.vocab_size,
-      run.seed,
-      start_step=int(state.step),
-    )
+    batches = _batches(args, run, length, parser, start_step=int(state.step))
   print(
     f"{args.model}/{args.preset}: {n_params / 1e6:.2f}M params, dtype {cfg.dtype}, "
-    f"batch {run.batch}x{run.example_length(cfg)}, locations {locations or 'keep'}"
+    f"batch {run.batch}x{length}, locations {locations or 'keep'}"
     + (f", first {run.offload_layers} layers offload" if run.offload_layers is not None else ""),
     flush=True,
   )
+  shardings = jax.tree.map(lambda x: x.sharding, state) if mesh is not None else None
+  step_fn, rng = training.jit_train_step(shardings), jax.random.key(run.seed + 1)
 
-  if mesh is not None:
-    step_fn = training.jit_train_step(jax.tree.map(lambda x: x.sharding, state))
-  else:
-    step_fn = training.jit_train_step()
-  rng = jax.random.key(run.seed + 1)
-  writer = csv_file = tb = None
-  if args.workdir:
-    os.makedirs(args.workdir, exist_ok=True)
-    csv_path = os.path.join(args.workdir, "metrics.csv")
-    csv_file = open(csv_path, "a" if args.restore else "w", newline="")
-    writer = csv.writer(csv_file)
-    if not args.restore or os.path.getsize(csv_path) == 0:
-      writer.writerow(["step", "loss", "grad_norm", "lr", "tokens_per_s", "gb_written", "gb_read"])
-    tb = _tb_writer(args.workdir)
-
-  if args.workdir:
-    print(
-      f"metrics: {os.path.join(args.workdir, 'metrics.csv')}; checkpoints: "
-      f"{os.path.join(args.workdir, 'checkpoints')}",
-      flush=True,
-    )
-  from tqdm import tqdm
-
-  ssd.reset_stats()
-  print(
-    "compiling the training step (the first step takes longer) ...", file=sys.stderr, flush=True
-  )
-  start = int(state.step)
-  # Advanced by hand after each step: a bar iterating the range would count in a local variable
-  # and show a stale count whenever the postfix (loss, tokens/s) refreshes it.
-  bar = tqdm(initial=start, total=run.steps, dynamic_ncols=True)
-  tokens_per_step = run.batch * (run.seq_len or cfg.max_len)  # model input positions
-  tokens_done, t0, loss = 0, None, float("nan")
-  # the second half of the run (its steady state: allocations and first-use costs behind it)
-  mid_step, t_mid, tokens_mid = start + max(1, (run.steps - start) // 2), None, 0
-  for step in range(start, run.steps):
-    try:
-      tokens = next(batches)
-    except data_lib.DataError as e:
-      parser.error(str(e))
+  def step(state):
+    tokens = _next(batches, parser)
     if mesh is not None:
       tokens = training.shard_batch(tokens, args.mesh, mesh)
-    state, metrics = step_fn(state, tokens, rng)
-    if t0 is None:  # exclude compilation from throughput
-      jax.block_until_ready(metrics)
-      t0 = time.perf_counter()
-    else:
-      tokens_done += tokens_per_step
-    if step + 1 == mid_step and step + 1 < run.steps:
-      jax.block_until_ready(metrics)
-      t_mid, tokens_mid = time.perf_counter(), tokens_done
-    bar.update(1)
-    if (step + 1) % args.log_every == 0 or step + 1 == run.steps:
-      loss = float(metrics["loss"])
-      dt = time.perf_counter() - t0
-      tps = tokens_done / dt if dt > 0 and tokens_done else 0.0
-      st = ssd.stats()
-      gw, gr = st.get("bytes_written", 0) / 1e9, st.get("bytes_read", 0) / 1e9
-      bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", GB_off=f"{gw:.3f}")
-      row = [step + 1, loss, float(metrics["grad_norm"]), float(schedule(step)), tps, gw, gr]
-      if writer:
-        writer.writerow(row)
-      if tb:
-        for k, v in zip(
-          ["loss", "grad_norm", "lr", "tokens_per_s", "gb_written", "gb_read"], row[1:]
-        ):
-          tb.add_scalar(k, v, step + 1)
-      if run.optimizer_location:  # the state's version before this step's (docs/optimizer.md)
-        ssd.collect()
-    if manager and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-      training.save_checkpoint(manager, state)
-  bar.close()
-  jax.block_until_ready(state)
-  dt = time.perf_counter() - t0 if t0 is not None else 0.0
-  late = time.perf_counter() - t_mid if t_mid is not None else 0.0
-  if manager and (not manager.latest_step() or manager.latest_step() < int(state.step)):
-    training.save_checkpoint(manager, state)
-  for f in (csv_file, tb):
-    if f:
-      f.close()
-  if hasattr(batches, "close"):
-    batches.close()
-  st = ssd.stats()
-  # the first device that trained (a mesh's may not be the first of the machine); None on CPU
-  mem = (mesh.local_devices if mesh is not None else jax.local_devices())[0].memory_stats() or {}
-  summary = dict(
-    final_loss=loss,
-    tokens_per_s=tokens_done / dt if dt > 0 else 0.0,
-    tokens_per_s_second_half=(tokens_done - tokens_mid) / late if late > 0 else 0.0,
-    gb_written=st.get("bytes_written", 0) / 1e9,
-    gb_read=st.get("bytes_read", 0) / 1e9,
-    peak_device_gb=mem.get("peak_bytes_in_use", 0) / 1e9,
-    # the process's peak resident memory: the store's host tier and cache once touched
-    peak_host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+    return step_fn(state, tokens, rng)
+
+  return Job(
+    state=state,
+    start=int(state.step),
+    steps=run.steps,
+    step=step,
+    schedule=schedule,
+    save=manager and (lambda _, state: training.save_checkpoint(manager, state)),
+    latest_saved=lambda: (manager.latest_step() or 0) if manager else 0,
+    close=_closer([batches]),
     n_params=n_params,
-    tokens_per_step=tokens_per_step,
-    steps=int(state.step),
-    offload=offloading,
-    optimizer_location=training.optimizer_location(state.opt_state),
+    tokens_per_step=run.batch * (run.seq_len or cfg.max_len),  # model input positions
+    devices=mesh.local_devices if mesh is not None else jax.local_devices(),
+    extra=lambda state: dict(
+      offload=offloading, optimizer_location=training.optimizer_location(state.opt_state)
+    ),
+    collect_at_log=bool(run.optimizer_location),  # the state's version before this step's
   )
-  print(
-    f"done: steps {summary['steps']}  final loss {loss:.4f}  tokens/s {summary['tokens_per_s']:,.0f} "
-    f"(second half {summary['tokens_per_s_second_half']:,.0f})  "
-    f"store written {summary['gb_written']:.4f} GB  read {summary['gb_read']:.4f} GB"
-    + (f"  peak device memory {summary['peak_device_gb']:.2f} GB" if mem else ""),
-    flush=True,
-  )
-  if args.summary_json:
-    record = {
-      "argv": sys.argv[1:] if argv is None else list(argv),
-      "device_kind": jax.devices()[0].device_kind,
-      "jax": jax.__version__,
-      "store_env": {k: v for k, v in os.environ.items() if k.startswith("SSDTRAIN_")},
-    }
-    with open(args.summary_json, "w") as f:
-      json.dump(summary | record, f, indent=1)
-  return summary
 
 
-def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> dict:
-  """--stream-layers: ``args.steps`` optimizer steps of ``args.accum`` micro-batches through
-  ``models.layer_stream.StreamedTraining``: AdamW with the schedule and weight-decay mask of
-  ``training.make_optimizer``, global-norm clipping at --clip-norm."""
-  import numpy as np
+def streamed_trainer(args: Config, run: training.RunConfig):
+  """--stream-layers: ``jax_ssdtrain.StreamedTrainer`` of the GPT cut by
+  ``models.layer_stream.gpt_pieces``: AdamW with the schedule and weight-decay mask of
+  ``training.make_optimizer``, global-norm clipping at --clip-norm. Returns (trainer,
+  schedule)."""
   import optax
 
   import jax_ssdtrain as ssd
-  from models.layer_stream import (
-    READ_AHEAD_OPTIONS,
-    StreamedTraining,
-    gpt_pieces,
-    sized_read_ahead_options,
-  )
+  from models.layer_stream import gpt_pieces
 
   extra = {"dtype": args.dtype} if args.dtype else {}
   pieces = gpt_pieces(args.preset, args.layers, attention=args.attention, **extra)
-  num_layers = pieces.cfg.num_layers
   schedule = training.make_optimizer(dataclasses.replace(run, optimizer_in_place=False))[1]
   mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731 (as make_optimizer)
   tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=mask)
-  training_ = StreamedTraining(
-    pieces,
+  trainer = ssd.StreamedTrainer(
+    pieces.embed,
+    pieces.block,
+    pieces.head,
     tx,
-    num_layers,
+    init_layer=pieces.init_layer,
+    num_layers=pieces.cfg.num_layers,
+    init_side=pieces.init_side,
     location="device" if args.stream_layers == "auto" else args.stream_layers,
     sum_location=args.stream_sum,
     state_location=args.stream_state,
     micro_batches=args.accum,
     sum_dtype=args.accum_dtype,
     in_place=args.optimizer_in_place,
-    clip=args.clip_norm,
+    clip_global_norm=args.clip_norm,
   )
-  seq = run.example_length(cfg)
-  key, side_key = jax.random.split(jax.random.key(run.seed))
-  on_gpu = jax.default_backend() == "gpu"  # where the staging arena takes device memory
-  # The read-ahead and staging sized from the layer, where the environment does not set them
-  sized = sized_read_ahead_options()
-  if args.stream_layers == "auto":  # each class on the device where the step fits, else stored
-    batch = jax.ShapeDtypeStruct((run.batch, seq), jax.numpy.int32)
-    shape = training_.stack_shape(key)  # on the device: nothing made
+  return trainer, schedule
 
-    def step_bytes(placed):  # XLA's, plus the staging arena the placement reads ahead with
-      if "staging_bytes" in sized:
-        staging = placed.read_ahead(key)["staging_bytes"]
-      else:
-        staging = ssd.current_config().staging_bytes
-      return placed.device_bytes(key, side_key, batch) + (staging if on_gpu else 0)
 
-    try:
-      where = ssd.choose_stack_location(
-        shape,
-        tx,
-        lambda locations: step_bytes(training_.placed(locations)),
-        args.memory_budget,
-        sum_dtype=jax.numpy.dtype(args.accum_dtype),
-        in_place=args.optimizer_in_place,
-        activation_bytes=training_.activation_bytes(side_key, batch),
-        name=args.preset,
-      )
-    except ssd.StreamedRoomError as e:
-      parser.exit(2, f"{parser.prog}: error: {e}\n")
-    print(where, flush=True)
-    training_ = training_.placed(where.locations)
-    args = dataclasses.replace(
-      args,
-      stream_layers=where.location,
-      stream_sum=where.sum_location,
-      stream_state=where.state_location,
-    )
-  sizes = training_.configure_read_ahead(key)  # nothing is stored yet
-  if sizes:
-    print(
-      "layer stream: read-ahead "
-      + ", ".join(f"{o} {v / (1 << 30):.2f} GiB" for o, v in sizes.items())
-      + f" (whole layers ahead; {', '.join(READ_AHEAD_OPTIONS[o] for o in sizes)} to override)",
-      flush=True,
-    )
+def place_stream(trainer, args: Config, run: training.RunConfig, parser):
+  """The store sized for the streamed stack before anything is stored: with --stream-layers
+  auto each class placed (``StreamedTrainer.choose_placement``, printed); the read-ahead sized
+  from the layer; a placement in the store checked against its room (refused with the
+  arithmetic). Returns the placed trainer and ``args`` with the classes' locations."""
+  import jax_ssdtrain as ssd
+
+  seq = run.example_length(run.model_config())
   try:
-    batches = data_lib.make_batches(
-      args.data, args.loader, run.batch, seq, cfg.vocab_size, run.seed
-    )
-  except data_lib.DataError as e:
-    parser.error(str(e))
-  if any(
-    v not in (None, "device") for v in (args.stream_layers, args.stream_sum, args.stream_state)
-  ):
-    # refused before anything is stored, with the arithmetic
-    try:
-      room = training_.check_room(key, args.preset)
-    except ssd.StreamedRoomError as e:
-      parser.exit(2, f"{parser.prog}: error: {e}\n")
-    where = ", ".join(f"{c} {loc}" for c, loc in room["locations"].items())
-    print(
-      f"layer stream: {num_layers} layers ({where}), "
-      f"{room['peak_bytes'] / 1e9:.2f} GB of the store at most "
-      f"({room['room_bytes'] / 1e9:.2f} GB of room)",
-      flush=True,
-    )
-
-  def micro_batches():
-    out = []
-    for _ in range(args.accum):
-      try:
-        out.append(jax.numpy.asarray(np.asarray(next(batches)), jax.numpy.int32))
-      except data_lib.DataError as e:
-        parser.error(str(e))
-    return out
-
-  first = micro_batches()
-  state, start = training_.init(key, side_key, first[0]), 0
-  manager = None
-  if args.workdir:  # checkpoints streamed layer by layer (jax_ssdtrain.checkpointing)
-    from jax_ssdtrain import checkpointing
-
-    manager = training.checkpoint_manager(os.path.join(args.workdir, "checkpoints"))
-    print(f"checkpoints: {os.path.join(args.workdir, 'checkpoints')}", flush=True)
-  if args.restore:
-    if not manager.latest_step():
-      parser.error(f"--restore: no checkpoint in {os.path.join(args.workdir, 'checkpoints')}")
-    restored = checkpointing.restore(manager, {"state": state, "step": np.zeros((), np.int64)})
-    state, start = restored["state"], int(restored["step"])
-    ssd.collect()  # the fresh init's entries (nothing holds them now)
-    if hasattr(batches, "close"):  # deterministic sources resume at the restored step
-      batches.close()
-    batches = data_lib.make_batches(
-      args.data,
-      args.loader,
-      run.batch,
-      seq,
-      cfg.vocab_size,
-      run.seed,
-      start_step=start * args.accum,
-    )
-    first = micro_batches()
-
-  def save(step: int, state) -> None:
-    manager.save(
-      step, args=checkpointing.save_args({"state": state, "step": np.asarray(step, np.int64)})
-    )
-    manager.wait_until_finished()
-
-  n_params = sum(x.size for x in jax.tree.leaves(state[2])) + num_layers * sum(
-    int(np.prod(x.shape)) for x in jax.tree.leaves(state[0].layer_struct())
-  )
-  tokens_per_step = run.batch * args.accum * (seq - 1)
-  print(
-    f"gpt/{args.preset}: {n_params / 1e6:.2f}M params, {num_layers} layers streamed from "
-    f"{args.stream_layers}, {args.accum} x {run.batch}x{seq - 1} tokens a step",
-    flush=True,
-  )
-  ssd.reset_stats()
-  losses, times, loss, tokens_done, t0 = [], [], float("nan"), 0, None
-  for step in range(start, args.steps):
-    t = time.perf_counter()
-    metrics, state = training_.step(state, first if step == start else micro_batches())
-    loss = float(metrics["loss"])  # waits for the step
-    times.append(time.perf_counter() - t)
-    losses.append(loss)
-    if t0 is None:
-      t0 = time.perf_counter()  # compilation excluded
-    else:
-      tokens_done += tokens_per_step
-    if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+    if args.stream_layers == "auto":  # each class on the device where the step fits, else stored
+      batch = jax.ShapeDtypeStruct((run.batch, seq), jax.numpy.int32)
+      where = trainer.choose_placement(batch, args.memory_budget, name=args.preset)
+      print(where, flush=True)
+      trainer = trainer.placed(where)
+      args = dataclasses.replace(
+        args,
+        stream_layers=where.location,
+        stream_sum=where.sum_location,
+        stream_state=where.state_location,
+      )
+    variables = trainer.read_ahead_variables()
+    sizes = trainer.configure_read_ahead()  # nothing is stored yet
+    if sizes:
       print(
-        f"step {step + 1}: loss {loss:.4f}  grad_norm {float(metrics['grad_norm']):.4f}  "
-        f"lr {float(schedule(step)):.2e}  {times[-1]:.2f} s",
+        "layer stream: read-ahead "
+        + ", ".join(f"{o} {v / (1 << 30):.2f} GiB" for o, v in sizes.items())
+        + f" (whole layers ahead; {', '.join(variables[o] for o in sizes)} to override)",
         flush=True,
       )
-    if manager and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-      save(step + 1, state)
-  if manager and (manager.latest_step() or 0) < args.steps:
-    save(args.steps, state)
-  if hasattr(batches, "close"):
-    batches.close()
-  dt = time.perf_counter() - t0 if t0 is not None else 0.0
-  st = ssd.stats()
-  mem = jax.local_devices()[0].memory_stats() or {}
-  summary = dict(
-    final_loss=loss,
-    losses=losses,
-    tokens_per_s=tokens_done / dt if dt > 0 and tokens_done else 0.0,
-    step_s_median=float(np.median(times[1:] or times or [0.0])),
-    gb_written=st.get("bytes_written", 0) / 1e9,
-    gb_read=st.get("bytes_read", 0) / 1e9,
-    peak_device_gb=mem.get("peak_bytes_in_use", 0) / 1e9,
-    peak_host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
-    n_params=int(n_params),
-    tokens_per_step=tokens_per_step,
-    steps=args.steps,
-    stream_layers=args.stream_layers,
-    stream_sum=args.stream_sum or args.stream_layers,
-    stream_state=args.stream_state or args.stream_layers,
-  )
+    if any(
+      v not in (None, "device") for v in (args.stream_layers, args.stream_sum, args.stream_state)
+    ):
+      room = trainer.check_room(args.preset)  # refused before anything is stored
+      where = ", ".join(f"{c} {loc}" for c, loc in room["locations"].items())
+      print(
+        f"layer stream: {trainer.num_layers} layers ({where}), "
+        f"{room['peak_bytes'] / 1e9:.2f} GB of the store at most "
+        f"({room['room_bytes'] / 1e9:.2f} GB of room)",
+        flush=True,
+      )
+  except ssd.StreamedRoomError as e:
+    parser.exit(2, f"{parser.prog}: error: {e}\n")
+  return trainer, args
+
+
+def build_streamed(args: Config, run: training.RunConfig, parser, devices=None) -> Job:
+  """--stream-layers: ``args.steps`` optimizer steps of ``args.accum`` micro-batches of the
+  GPT's stack streamed layer by layer (:func:`streamed_trainer`, :func:`place_stream`); its
+  checkpoints streamed layer by layer too (``StreamedTrainer.save`` / ``restore``)."""
+  import numpy as np
+
+  import jax_ssdtrain as ssd
+
+  trainer, schedule = streamed_trainer(args, run)
+  trainer, args = place_stream(trainer, args, run, parser)
+  seq = run.example_length(run.model_config())
+  source = [_batches(args, run, seq, parser)]  # replaced where a restore resumes it
+
+  def micro_batches():
+    return [
+      jax.numpy.asarray(np.asarray(_next(source[0], parser)), jax.numpy.int32)
+      for _ in range(args.accum)
+    ]
+
+  first = [micro_batches()]  # init_side's shapes; the first step's batches
+  state, start = trainer.init(jax.random.key(run.seed), first[0][0]), 0
+  manager = _manager(args)
+  if args.restore:
+    try:
+      state, start = trainer.restore(manager, state)
+    except FileNotFoundError:
+      parser.error(f"--restore: no checkpoint in {os.path.join(args.workdir, 'checkpoints')}")
+    ssd.collect()  # the fresh init's entries (nothing holds them now)
+    if hasattr(source[0], "close"):  # deterministic sources resume at the restored step
+      source[0].close()
+    source[0] = _batches(args, run, seq, parser, start_step=start * args.accum)
+    first = [micro_batches()]
+
+  def step(state):
+    batches = first.pop() if first else micro_batches()
+    return trainer.step(state, batches)
+
+  n_params = sum(x.size for x in jax.tree.leaves(state.side)) + trainer.num_params()
+  tokens_per_step = run.batch * args.accum * (seq - 1)
   print(
-    f"done: steps {args.steps}  final loss {loss:.4f}  tokens/s {summary['tokens_per_s']:,.0f}  "
-    f"store written {summary['gb_written']:.4f} GB  read {summary['gb_read']:.4f} GB",
+    f"gpt/{args.preset}: {n_params / 1e6:.2f}M params, {trainer.num_layers} layers streamed "
+    f"from {args.stream_layers}, {args.accum} x {run.batch}x{seq - 1} tokens a step",
     flush=True,
   )
-  if args.summary_json:
-    with open(args.summary_json, "w") as f:
-      json.dump(summary | {"argv": sys.argv[1:] if argv is None else list(argv)}, f, indent=1)
-  return summary
+
+  return Job(
+    state=state,
+    start=start,
+    steps=args.steps,
+    step=step,
+    schedule=schedule,
+    save=manager and (lambda step, state: trainer.save(manager, step, state)),
+    latest_saved=lambda: (manager.latest_step() or 0) if manager else 0,
+    close=_closer(source),
+    n_params=int(n_params),
+    tokens_per_step=tokens_per_step,
+    devices=jax.local_devices(),
+    extra=lambda _: dict(
+      stream_layers=args.stream_layers,
+      stream_sum=args.stream_sum or args.stream_layers,
+      stream_state=args.stream_state or args.stream_layers,
+    ),
+    step_lines=True,
+  )
+
+
+def train_loop(job: Job, reporter: Reporter) -> tuple[Any, int]:
+  """The one training loop: ``job.step`` from ``job.start`` to ``job.steps``, the metrics
+  fetched every --log-every steps (and at the last), a checkpoint every --checkpoint-every
+  steps and at the end. Returns the final state and its step."""
+  import jax_ssdtrain as ssd
+
+  ssd.reset_stats()
+  print(
+    "compiling the training step (the first step takes longer) ...", file=sys.stderr, flush=True
+  )
+  state, args = job.state, reporter.args
+  job.state = None  # the loop's: each step donates it
+  reporter.start(job.start)
+  for step in range(job.start, job.steps):
+    state, metrics = job.step(state)
+    reporter.stepped(step, metrics)
+    if (step + 1) % args.log_every == 0 or step + 1 == job.steps:
+      reporter.log(step, metrics)
+      if job.collect_at_log:  # old versions of the state in the store (docs/optimizer.md)
+        ssd.collect()
+    if job.save and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+      job.save(step + 1, state)
+  jax.block_until_ready(state)
+  reporter.finish()
+  done = max(job.start, job.steps)
+  if job.save and job.latest_saved() < done:
+    job.save(done, state)
+  return state, done
+
+
+class Reporter:
+  """The run's progress and results: the progress bar (and, for the layer stream, a line per
+  logged step), metrics.csv and TensorBoard events under --workdir, the throughput (compilation
+  excluded; the second half of the run apart: its steady state), the last line and the
+  summary."""
+
+  COLUMNS = ["loss", "grad_norm", "lr", "tokens_per_s", "gb_written", "gb_read"]
+
+  def __init__(self, args: Config, job: Job):
+    self.args, self.job = args, job
+    self.writer = self.csv_file = self.tb = None
+    if args.workdir:
+      os.makedirs(args.workdir, exist_ok=True)
+      csv_path = os.path.join(args.workdir, "metrics.csv")
+      self.csv_file = open(csv_path, "a" if args.restore else "w", newline="")
+      self.writer = csv.writer(self.csv_file)
+      if not args.restore or os.path.getsize(csv_path) == 0:
+        self.writer.writerow(["step", *self.COLUMNS])
+      self.tb = _tb_writer(args.workdir)
+      print(
+        f"metrics: {csv_path}; checkpoints: {os.path.join(args.workdir, 'checkpoints')}",
+        flush=True,
+      )
+
+  def start(self, start: int) -> None:
+    from tqdm import tqdm
+
+    steps = self.job.steps
+    # Advanced by hand after each step: a bar iterating the range would count in a local
+    # variable and show a stale count whenever the postfix (loss, tokens/s) refreshes it.
+    self.bar = tqdm(initial=start, total=steps, dynamic_ncols=True)
+    self.tokens_done, self.t0, self.loss, self.losses, self.times = 0, None, float("nan"), [], []
+    self.mid_step, self.t_mid, self.tokens_mid = start + max(1, (steps - start) // 2), None, 0
+    self.t_log, self.last_logged = time.perf_counter(), start
+
+  def stepped(self, step: int, metrics: dict) -> None:
+    if self.t0 is None:  # compilation excluded from throughput
+      jax.block_until_ready(metrics)
+      self.t0 = time.perf_counter()
+    else:
+      self.tokens_done += self.job.tokens_per_step
+    if step + 1 == self.mid_step and step + 1 < self.job.steps:
+      jax.block_until_ready(metrics)
+      self.t_mid, self.tokens_mid = time.perf_counter(), self.tokens_done
+    self.bar.update(1)
+
+  def log(self, step: int, metrics: dict) -> None:
+    import jax_ssdtrain as ssd
+
+    self.loss = float(metrics["loss"])  # waits for the step
+    now = time.perf_counter()
+    self.times.append((now - self.t_log) / (step + 1 - self.last_logged))  # per step
+    self.losses.append(self.loss)
+    self.t_log, self.last_logged = now, step + 1
+    dt = now - self.t0
+    tps = self.tokens_done / dt if dt > 0 and self.tokens_done else 0.0
+    st = ssd.stats()
+    gw, gr = st.get("bytes_written", 0) / 1e9, st.get("bytes_read", 0) / 1e9
+    self.bar.set_postfix(loss=f"{self.loss:.4f}", tok_s=f"{tps:,.0f}", GB_off=f"{gw:.3f}")
+    lr, norm = float(self.job.schedule(step)), float(metrics["grad_norm"])
+    if self.job.step_lines:
+      self.bar.write(
+        f"step {step + 1}: loss {self.loss:.4f}  grad_norm {norm:.4f}  lr {lr:.2e}  "
+        f"{self.times[-1]:.2f} s",
+        file=sys.stdout,
+      )
+    row = [step + 1, self.loss, norm, lr, tps, gw, gr]
+    if self.writer:
+      self.writer.writerow(row)
+    if self.tb:
+      for k, v in zip(self.COLUMNS, row[1:]):
+        self.tb.add_scalar(k, v, step + 1)
+
+  def finish(self) -> None:
+    self.bar.close()
+    now = time.perf_counter()
+    self.dt = now - self.t0 if self.t0 is not None else 0.0
+    self.late = now - self.t_mid if self.t_mid is not None else 0.0
+
+  def close(self) -> None:
+    for f in (self.csv_file, self.tb):
+      if f:
+        f.close()
+    self.csv_file = self.tb = None
+
+  def summary(self, job: Job, state: Any, done: int) -> dict:
+    """The run's numbers (the last line's and the summary JSON's), and its last line printed."""
+    import numpy as np
+
+    import jax_ssdtrain as ssd
+
+    st = ssd.stats()
+    mem = job.devices[0].memory_stats() or {}  # None on CPU
+    tokens = self.tokens_done
+    summary = (
+      dict(
+        final_loss=self.loss,
+        losses=self.losses,  # each logged step's
+        tokens_per_s=tokens / self.dt if self.dt > 0 and tokens else 0.0,
+        tokens_per_s_second_half=(tokens - self.tokens_mid) / self.late if self.late > 0 else 0.0,
+        step_s_median=float(np.median(self.times[1:] or self.times or [0.0])),
+        gb_written=st.get("bytes_written", 0) / 1e9,
+        gb_read=st.get("bytes_read", 0) / 1e9,
+        peak_device_gb=mem.get("peak_bytes_in_use", 0) / 1e9,
+        # the process's peak resident memory: the store's host tier and cache once touched
+        peak_host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+        n_params=job.n_params,
+        tokens_per_step=job.tokens_per_step,
+        steps=done,
+      )
+      | job.extra(state)
+    )
+    print(
+      f"done: steps {done}  final loss {self.loss:.4f}  tokens/s {summary['tokens_per_s']:,.0f} "
+      f"(second half {summary['tokens_per_s_second_half']:,.0f})  "
+      f"store written {summary['gb_written']:.4f} GB  read {summary['gb_read']:.4f} GB"
+      + (f"  peak device memory {summary['peak_device_gb']:.2f} GB" if mem else ""),
+      flush=True,
+    )
+    return summary
+
+  def write_summary(self, summary: dict, argv) -> None:
+    if not self.args.summary_json:
+      return
+    record = {
+      "argv": sys.argv[1:] if argv is None else list(argv),
+      "device_kind": jax.devices()[0].device_kind,
+      "jax": jax.__version__,
+      "store_env": {k: v for k, v in os.environ.items() if k.startswith("SSDTRAIN_")},
+    }
+    with open(self.args.summary_json, "w") as f:
+      json.dump(summary | record, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -461,6 +461,27 @@ def _micro_step(in_place, sum_location=None):
   )
 
 
+@functools.cache
+def _trainer(name, dtype_name, layers, micro, in_place, location, sum_location, state_location):
+  tx = _TXS.setdefault(name, _tx(name))
+  dtype = jnp.dtype(dtype_name)
+  return ssd.StreamedTrainer(
+    _embed,
+    _block,
+    _head,
+    tx,
+    init_layer=lambda k: _init_layer(k, dtype),
+    num_layers=layers,
+    init_side=lambda key, batch: _side(dtype),
+    micro_batches=micro,
+    location=location,
+    sum_location=sum_location,
+    state_location=state_location,
+    in_place=in_place,
+    clip_global_norm=0.5 if name.startswith("clip") else None,
+  )
+
+
 def _train(
   location,
   name,
@@ -472,67 +493,35 @@ def _train(
   sum_location=None,
   state_location=None,
 ):
-  """A whole training loop: ``steps`` updates of ``micro`` micro-batches each, the stack's
-  parameters, gradient sums and optimizer state (master copy included) in the store (the sums
-  at ``sum_location``, the state at ``state_location`` where given), the embedding and head
-  updated on the device with the same tx (one global norm where clipped). Returns per step the
-  sums the update consumed and the parameters after it (NumPy)."""
+  """A whole training loop through ``ssd.StreamedTrainer``: ``steps`` updates of ``micro``
+  micro-batches each, the stack's parameters, gradient sums and optimizer state (master copy
+  included) in the store (the sums at ``sum_location``, the state at ``state_location`` where
+  given), the embedding and head updated on the device with the same tx (one global norm where
+  clipped). Returns per step the sums the update consumed and the parameters after it
+  (NumPy)."""
   key = (location, name, jnp.dtype(dtype).name, layers, steps, micro, in_place)
   key += (sum_location, state_location) if sum_location or state_location else ()
   if key in _TRAINS:
     return _TRAINS[key]
-  tx = _TXS.setdefault(name, _tx(name))
-  clip = 0.5 if name.startswith("clip") else None
-  stack = ssd.init_streamed(
-    lambda k: _init_layer(k, dtype), jax.random.key(0), layers, location=location
+  trainer = _trainer(
+    name, jnp.dtype(dtype).name, layers, micro, in_place, location, sum_location, state_location
   )
-  tx_state = ssd.init_streamed_optimizer(tx, stack, location=state_location)
-  ep, hp = _side(dtype)
-  side_state = tx.init((ep, hp))
-  micro_step = _micro_step(in_place, sum_location)
-
-  @jax.jit
-  def update(stack, sums, tx_state, side, side_state):
-    scale = 1.0 / micro
-    norm = None
-    if clip is not None:
-      norm = ssd.streamed_global_norm(sums[1], (sums[0], sums[2]), scale=scale)
-    stack, tx_state = ssd.apply_streamed_update(
-      tx,
-      stack,
-      sums[1],
-      tx_state,
-      scale=scale,
-      clip_global_norm=clip,
-      global_norm=norm,
-      in_place=in_place,
-    )
-    side, side_state = ssd.apply_device_update(
-      tx,
-      side,
-      (sums[0], sums[2]),
-      side_state,
-      scale=scale,
-      clip_global_norm=clip,
-      global_norm=norm,
-    )
-    return stack, tx_state, side, side_state
-
-  out = {"params0": ssd.stack_to_tree(stack), "sums": [], "params": [], "master": [], "side": []}
   batches = _batches(steps * micro)
+  state = trainer.init(jax.random.key(0), batches[0], side_key=jax.random.key(1))
+  host = functools.partial(jax.tree.map, np.asarray)  # read now: the update donates the state
+  out = {"params0": host(ssd.stack_to_tree(state.stack))}
+  out |= {"sums": [], "params": [], "master": [], "side": []}
   for s in range(steps):
-    sums = None
-    for b in batches[s * micro : (s + 1) * micro]:
-      _, sums = micro_step(ep, stack, hp, b, sums)
-    out["sums"].append((sums[0], ssd.stack_to_tree(sums[1]), sums[2]))
-    stack, tx_state, (ep, hp), side_state = update(stack, sums, tx_state, (ep, hp), side_state)
-    out["params"].append(ssd.stack_to_tree(stack))
-    per = ssd.stack_to_tree(tx_state.per_layer)
-    out["master"].append(per.get("master"))
-    out["side"].append((ep, hp))
-  _PLACED[key] = (stack.location.value, sums[1].location.value, tx_state.per_layer.location.value)
-  out["shared"] = tx_state.shared
-  out["side_shared"] = [x for x in jax.tree.leaves(side_state) if np.ndim(x) == 0]
+    _, sums = trainer.accumulate(state, batches[s * micro : (s + 1) * micro])
+    out["sums"].append(host((sums[0], ssd.stack_to_tree(sums[1]), sums[2])))
+    state, _ = trainer.update(state, sums)
+    out["params"].append(host(ssd.stack_to_tree(state.stack)))
+    out["master"].append(host(ssd.stack_to_tree(state.opt.per_layer).get("master")))
+    out["side"].append(host(state.side))
+  locations = (state.stack.location, sums[1].location, state.opt.per_layer.location)
+  _PLACED[key] = tuple(loc.value for loc in locations)
+  out["shared"] = state.opt.shared
+  out["side_shared"] = [x for x in jax.tree.leaves(state.side_opt) if np.ndim(x) == 0]
   _TRAINS[key] = jax.tree.map(np.asarray, out)
   return _TRAINS[key]
 

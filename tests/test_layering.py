@@ -30,6 +30,7 @@ LAYERS = [
   ["_src.policies", "_src.remat", "_src.measure"],
   ["_src.layer_stream", "_src.planner", "_src.optimizer"],  # the planner places streamed stacks
   ["_src.accumulate", "_src.master_weights", "_src.stream_scan_passes", "_src.stream_scan"],
+  ["_src.trainer"],  # the streamed model's training step, over the micro-step of stream_scan
   ["__init__"],
   ["checkpointing", "probe", "maxtext"],
 ]
@@ -44,6 +45,8 @@ ALLOWED_LOCAL = {
   # jax_ssdtrain.checkpointing needs orbax (optional): imported where MaxText saves or loads
   # a checkpoint with the optimizer state in our store.
   ("maxtext", "jax_ssdtrain.checkpointing"),
+  # likewise where a StreamedTrainer saves or restores its state
+  ("_src.trainer", "jax_ssdtrain.checkpointing"),
 }
 
 

@@ -234,11 +234,11 @@ def _run_child(spec: dict) -> dict:
       if clip:
         sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32) * scale)) for x in jax.tree.leaves(sums))
         norm = jnp.sqrt(sq)
-      layers, mstate = ssd.apply_device_update(
-        mtx, layers, sums[0], mstate, scale=scale, clip_global_norm=clip, global_norm=norm
+      layers, mstate = ssd.apply_gradients(
+        mtx, sums[0], mstate, layers, scale=scale, clip_global_norm=clip, global_norm=norm
       )
-      side, side_state = ssd.apply_device_update(
-        tx, side, sums[1], side_state, scale=scale, clip_global_norm=clip, global_norm=norm
+      side, side_state = ssd.apply_gradients(
+        tx, sums[1], side_state, side, scale=scale, clip_global_norm=clip, global_norm=norm
       )
       return layers, side, mstate, side_state
 

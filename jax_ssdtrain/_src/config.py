@@ -22,6 +22,14 @@ store per process of a multi-host job) and ``{device}`` (expanded to one directo
 device, e.g. one NVMe drive per GPU: each device's tensors go to its own directory only, and
 ``capacity_bytes`` is split evenly; ``device_groups`` records it). Configure after
 ``jax.distributed.initialize()`` when using them.
+
+The device staging arena under ``staging_bytes="auto"`` (the default) is sized from the
+programs (``options/staging.py``): the first run of a program that stores computes the arena its
+stores need (their sizes are listed when it is lowered, ``lifetimes.program_stores``) within a
+budget (``staging_max_bytes`` and half of what the program leaves on its device). A store that is
+not open yet opens with it; an open store that has stored nothing yet (the arena is allocated by
+the first store on each GPU) is opened again with the larger size; an arena that holds entries is
+never resized (a warning says so, once). ``stats()["staging_bytes"]`` reports the size in force.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import dataclasses
 import errno as _errno
 import fcntl
 import functools
+import logging
 import os
 import re
 import shutil
@@ -52,6 +61,7 @@ from jax_ssdtrain._src.options import (  # noqa: F401 - re-exported
   parse_bandwidth,
   parse_size,
 )
+from jax_ssdtrain._src.options import staging as _staging
 
 
 class StoreShutDownError(RuntimeError):
@@ -149,6 +159,9 @@ def stats() -> dict[str, float]:
   ensure_configured()
   s = native.stats()
   _warn_if_kept(s)
+  # The arena each GPU allocates with its first store (no arena on the CPU: the size it would
+  # have), as the engine was configured: staging_bytes, or what "auto" chose.
+  s["staging_bytes"] = int(native.engine_config()["staging_bytes"])
   s["write_GBps"] = (
     s["disk_bytes_written"] / s["write_seconds"] / 1e9 if s.get("write_seconds") else 0.0
   )
@@ -239,6 +252,8 @@ def reset_to_unconfigured() -> None:
   with _lock:
     _shutdown_locked()
     _state.shut_down = False
+    _state.staging_auto = None
+    _state.warned_staging_fixed = _state.warned_staging_small = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,12 +262,14 @@ def reset_to_unconfigured() -> None:
 
 class _UsesStore:
   """The mark a store or load lowering leaves among its program's keepalives; ``ran``: the
-  program has opened the store (its first run did)."""
+  program has opened the store (its first run did); ``stores``: the program's stores, ``(name,
+  bytes)`` in program order (``lifetimes.program_stores``), which size the staging arena."""
 
-  __slots__ = ("ran",)
+  __slots__ = ("ran", "stores")
 
-  def __init__(self):
+  def __init__(self, stores=()):
     self.ran = False
+    self.stores = tuple(stores)
 
 
 def mark_uses_store(module_context: Any) -> None:
@@ -260,7 +277,7 @@ def mark_uses_store(module_context: Any) -> None:
   lowering rules call it: nothing is opened here)."""
   keepalives = ji.module_keepalives(module_context)
   if not any(type(k) is _UsesStore for k in keepalives):
-    keepalives.append(_UsesStore())
+    keepalives.append(_UsesStore(lifetimes.current_stores()))
 
 
 def _uses_store(keepalive: Any) -> _UsesStore | None:
@@ -284,7 +301,7 @@ def install_dispatch_hook() -> None:
   def __call__(self, *args):
     mark = _uses_store(self.keepalive)
     if mark is not None and not mark.ran:
-      ensure_configured()
+      _open_for_program(mark, self)
       mark.ran = True
     return original(self, *args)
 
@@ -292,8 +309,108 @@ def install_dispatch_hook() -> None:
   cls.__call__ = __call__
 
 
+def _open_for_program(mark: _UsesStore, execute: Any) -> None:
+  """The first run of a marked program: opens the store (as :func:`ensure_configured`) with the
+  arena its stores need under ``staging_bytes="auto"``, or opens an open store again with a
+  larger arena while it has stored nothing."""
+  with _lock:
+    if _state.config is None:
+      if _state.shut_down:
+        raise StoreShutDownError(SHUT_DOWN_MESSAGE)
+      cfg = defaults()
+      _apply(cfg, staging=_auto_staging(cfg, mark, execute))
+      return
+    cfg = _state.config
+    want = _auto_staging(cfg, mark, execute)
+    if want is None or want <= _state.staging_bytes:
+      return
+    if int(native.stats().get("next_seq", 1)) <= 1:  # nothing stored: no arena allocated yet
+      _apply(cfg, staging=want)
+    elif not _state.warned_staging_fixed:
+      _state.warned_staging_fixed = True
+      warnings.warn(
+        f"jax_ssdtrain: staging_bytes='auto': program {_program_name(execute)!r} needs a "
+        f"{_options.human_size(want)} staging arena, but the store's "
+        f"{_options.human_size(_state.staging_bytes)} arena is not grown once it holds "
+        "entries; the bytes it cannot hold go over the link on the compute stream. Pass "
+        f"configure(staging_bytes={_options.human_size(want)!r}) before the first program.",
+        RuntimeWarning,
+        stacklevel=3,
+      )
+
+
+def _auto_staging(cfg: StoreConfig, mark: _UsesStore, execute: Any) -> int | None:
+  """The arena ``mark``'s program needs under ``staging_bytes="auto"`` (at least the one
+  chosen before: the arena only grows); None where ``staging_bytes`` is explicit."""
+  if cfg.staging_bytes is not None:
+    return None
+  device = _device_budget(execute)
+  budget = cfg.staging_max_bytes if device is None else min(cfg.staging_max_bytes, device)
+  layers = _staging.layers_of(mark.stores)
+  want = _staging.arena_bytes(layers, budget=budget, floor=_staging.FLOOR_BYTES)
+  chosen = max(want, _state.staging_auto or 0)
+  if chosen != _state.staging_auto:
+    _state.staging_auto = chosen
+    largest = max((max(layer) for layer in layers if layer), default=0)
+    layer = max((sum(layer) for layer in layers), default=0)
+    _log.info(
+      "jax_ssdtrain: staging_bytes=auto: a %s staging arena per GPU for program %r (its "
+      "largest layer stores %s, its largest tensor %s; budget %s: staging_max_bytes %s, "
+      "half the device memory the program leaves %s)",
+      _options.human_size(chosen),
+      _program_name(execute),
+      _options.human_size(layer),
+      _options.human_size(largest),
+      _options.human_size(budget),
+      _options.human_size(cfg.staging_max_bytes),
+      "unknown" if device is None else _options.human_size(device),
+    )
+    if largest > chosen and not _state.warned_staging_small:
+      _state.warned_staging_small = True
+      warnings.warn(
+        f"jax_ssdtrain: staging_bytes='auto': the device budget ({_options.human_size(budget)}"
+        f") leaves a {_options.human_size(chosen)} staging arena, smaller than the largest "
+        f"tensor program {_program_name(execute)!r} stores ({_options.human_size(largest)}): "
+        "the bytes it cannot hold go over the link on the compute stream and cost the step "
+        "their link time (raise staging_max_bytes or free device memory)",
+        RuntimeWarning,
+        stacklevel=4,
+      )
+  return chosen
+
+
+def _device_budget(execute: Any) -> int | None:
+  """The arena's share of what the program leaves on its devices (the least over them); None
+  where the devices report no memory (the CPU) or the executable no memory analysis."""
+  try:
+    analysis = execute.xla_executable.get_compiled_memory_stats()
+    devices = execute.xla_executable.local_devices()
+    reports = [d.memory_stats() for d in devices]
+  except Exception:  # noqa: BLE001 - a backend without memory statistics
+    return None
+  budgets = []
+  for report in reports:
+    if not report or "bytes_limit" not in report:
+      return None
+    budgets.append(
+      _staging.device_budget(
+        report["bytes_limit"],
+        report.get("bytes_in_use", 0),
+        analysis.temp_size_in_bytes,
+        analysis.output_size_in_bytes,
+      )
+    )
+  return min(budgets, default=None)
+
+
+def _program_name(execute: Any) -> str:
+  return str(getattr(execute, "name", "?"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Implementation
+
+_log = logging.getLogger("jax_ssdtrain")
 
 
 class _State:
@@ -304,6 +421,12 @@ class _State:
   targets_registered = False
   warned_kept = False
   warned_o_direct: set = set()
+  # staging_bytes="auto": the largest arena the programs run so far needed (None: none ran);
+  # the arena the open engine was given; the warnings given.
+  staging_auto: int | None = None
+  staging_bytes = 0
+  warned_staging_fixed = False
+  warned_staging_small = False
 
 
 _state = _State()
@@ -319,7 +442,9 @@ def _wait_for_dispatched() -> None:
     lifetimes.ready_live_arrays()
 
 
-def _apply(cfg: StoreConfig) -> None:
+def _apply(cfg: StoreConfig, staging: int | None = None) -> None:
+  """Opens the engine with ``cfg``; ``staging``: the arena under ``staging_bytes="auto"``
+  (default: the largest the programs run so far needed, else the floor)."""
   if not _state.targets_registered:
     native.register_targets()
     _state.targets_registered = True
@@ -331,7 +456,9 @@ def _apply(cfg: StoreConfig) -> None:
   if cfg.directories:
     for d in cfg.directories:
       _check_directory(d)
-  settings = _options.engine_options(cfg, directories)
+  if staging is None:
+    staging = _state.staging_auto or _staging.FLOOR_BYTES
+  settings = _options.engine_options(cfg, directories, staging_bytes=staging)
   try:
     native.configure(settings)
   except BaseException:
@@ -340,6 +467,7 @@ def _apply(cfg: StoreConfig) -> None:
     lifetimes.sweeper.stop()
     raise
   _state.config = cfg
+  _state.staging_bytes = int(settings["staging_bytes"])
   _state.shut_down = False
   lifetimes.sweeper.start()
   _state.warned_kept = False

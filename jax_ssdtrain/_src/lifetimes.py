@@ -27,6 +27,9 @@ harmlessly). A daemon thread sweeps when the engine has made enough uncounted en
 the last sweep; ``ssd.flush()`` and ``ssd.collect()`` sweep at once. The daemon's sweeps can fall
 inside a dispatch, where that reasoning does not hold: they only retire (see :func:`_sweep`).
 
+The same walk at lowering lists a program's stores and their sizes (:func:`program_stores`),
+from which the staging arena is sized when the program first runs (``config.py``).
+
 This module sits below the primitives it counts and imports none of them: they are arguments
 (:func:`analyze`, :func:`install_lowering_hook`, which the package's ``__init__`` calls with
 ``primitives.store_p`` and ``primitives.LOAD_PRIMITIVES``), as ``sharded.py`` is handed them.
@@ -206,6 +209,32 @@ def _jaxprs_in(params):
 _local = threading.local()
 
 
+def program_stores(jaxpr: Any, *, store_p: Any) -> list[tuple[str, int]]:
+  """Every store of a program, ``(name, bytes)`` in program order (a sub-jaxpr's, such as a
+  scan body's, listed once however often it runs): what the staging arena's size under
+  ``staging_bytes="auto"`` is computed from (``options/staging.py``). The bytes are the stored
+  value's whole (global) shape's."""
+  out: list[tuple[str, int]] = []
+
+  def visit(j):
+    for eqn in ji.open_jaxpr(j).eqns:
+      if eqn.primitive is store_p:
+        aval = eqn.invars[0].aval
+        nbytes = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+        out.append((str(eqn.params.get("name") or eqn.params["site"]), nbytes))
+      for sub in _jaxprs_in(eqn.params):
+        visit(sub)
+
+  visit(jaxpr)
+  return out
+
+
+def current_stores() -> list[tuple[str, int]]:
+  """:func:`program_stores` of the program being lowered on this thread (empty outside one)."""
+  stack = getattr(_local, "stores", None)
+  return list(stack[-1]) if stack else []
+
+
 def current_uses(site: int) -> int:
   """``uses`` of a store site in the program being lowered (-1 outside a known lowering)."""
   stack = getattr(_local, "stack", None)
@@ -225,13 +254,16 @@ def install_lowering_hook(*, store_p: Any, load_ps: tuple[Any, ...], copy_p: Any
   @functools.wraps(original)
   def lower_jaxpr_to_module(module_name, jaxpr, *args, **kwargs):
     stack = _local.__dict__.setdefault("stack", [])
+    stores = _local.__dict__.setdefault("stores", [])
     has_store = _contains(jaxpr, store_p)
     counted = analyze(jaxpr, store_p=store_p, load_ps=load_ps, copy_p=copy_p) if has_store else {}
     stack.append(counted)
+    stores.append(program_stores(jaxpr, store_p=store_p) if has_store else [])
     try:
       return original(module_name, jaxpr, *args, **kwargs)
     finally:
       stack.pop()
+      stores.pop()
 
   lower_jaxpr_to_module._ssdtrain_hook = True
   setattr(module, ji.LOWER_JAXPR_TO_MODULE, lower_jaxpr_to_module)

@@ -100,6 +100,8 @@ def profile(
       ("host_tier_bytes", host_tier_bytes),
     )
   }
+  if sizes["staging_bytes"] is None:  # staging_bytes="auto": the most it may take
+    sizes["staging_bytes"] = cfg.staging_max_bytes
   tags, flops, input_tag = _tagged(layer_fn, params, x)
   # the offload cost is measured on the input tag, else the smallest tag the policies offload
   big = [n for n in tags if tags[n] >= DEFAULT_MIN_BYTES] or list(tags)

@@ -11,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
 from jax_ssdtrain._src import config, lifetimes, native, options, primitives
-from jax_ssdtrain._src.options import staging
+from jax_ssdtrain._src.options import device_free, staging
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -48,9 +48,41 @@ def test_arena_refuses_what_is_not_a_size():
 
 
 def test_device_budget_is_half_of_what_the_program_leaves():
-  assert staging.device_budget(None, 0, 0, 0) is None  # no device report (CPU)
-  assert staging.device_budget(100 * GiB, 20 * GiB, 50 * GiB, 10 * GiB) == 10 * GiB
-  assert staging.device_budget(10 * GiB, 8 * GiB, 4 * GiB, 0) == 0
+  # XLA's pool preallocated: CUDA's free memory is outside it, all of it the arena's to share
+  assert staging.device_budget(7 * GiB) == 7 * GiB // 2
+  assert staging.device_budget(7 * GiB, xla_more_bytes=-3 * GiB) == 7 * GiB // 2
+  # a growing pool: what XLA still takes from CUDA for the program is not the arena's
+  assert staging.device_budget(100 * GiB, xla_more_bytes=60 * GiB) == 20 * GiB
+  assert staging.device_budget(10 * GiB, xla_more_bytes=12 * GiB) == 0
+
+
+class _Executable:
+  """What program_budget reads of a compiled program, on a fake device."""
+
+  def __init__(self, stats):
+    self.stats = stats
+
+  def get_compiled_memory_stats(self):
+    return type("Analysis", (), {"temp_size_in_bytes": 30 * GiB, "output_size_in_bytes": GiB})()
+
+  def local_devices(self):
+    stats = self.stats
+    return [
+      type("Device", (), {"id": 0, "local_hardware_id": 0, "memory_stats": lambda d: stats})()
+    ]
+
+
+def test_program_budget_reads_the_device(monkeypatch):
+  monkeypatch.setattr(device_free, "cuda_free_bytes", lambda ids: {0: 40 * GiB})
+  grown = {"bytes_in_use": 20 * GiB, "pool_bytes": 25 * GiB, "bytes_limit": 130 * GiB}
+  # XLA still takes 20 + 30 + 1 - 25 = 26 GiB from CUDA: half of the 14 GiB left
+  assert device_free.program_budget(_Executable(grown)) == 7 * GiB
+  preallocated = {"bytes_in_use": 20 * GiB, "pool_bytes": 130 * GiB, "bytes_limit": 130 * GiB}
+  assert device_free.program_budget(_Executable(preallocated)) == 20 * GiB
+  assert device_free.program_budget(_Executable(None)) is None  # the CPU reports nothing
+  monkeypatch.setattr(device_free, "cuda_free_bytes", lambda ids: None)
+  assert device_free.program_budget(_Executable(grown)) is None  # no CUDA runtime
+  assert device_free.program_budget(None) is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from jax_ssdtrain._src.options import (  # noqa: F401 - re-exported
   MiB,
   StoreConfig,
   UnknownOptionError,
+  device_free,
   parse_bandwidth,
   parse_size,
 )
@@ -380,27 +381,8 @@ def _auto_staging(cfg: StoreConfig, mark: _UsesStore, execute: Any) -> int | Non
 
 
 def _device_budget(execute: Any) -> int | None:
-  """The arena's share of what the program leaves on its devices (the least over them); None
-  where the devices report no memory (the CPU) or the executable no memory analysis."""
-  try:
-    analysis = execute.xla_executable.get_compiled_memory_stats()
-    devices = execute.xla_executable.local_devices()
-    reports = [d.memory_stats() for d in devices]
-  except Exception:  # noqa: BLE001 - a backend without memory statistics
-    return None
-  budgets = []
-  for report in reports:
-    if not report or "bytes_limit" not in report:
-      return None
-    budgets.append(
-      _staging.device_budget(
-        report["bytes_limit"],
-        report.get("bytes_in_use", 0),
-        analysis.temp_size_in_bytes,
-        analysis.output_size_in_bytes,
-      )
-    )
-  return min(budgets, default=None)
+  """The arena's budget on the program's devices (``options/device_free.py``); None on the CPU."""
+  return device_free.program_budget(getattr(execute, "xla_executable", None))
 
 
 def _program_name(execute: Any) -> str:

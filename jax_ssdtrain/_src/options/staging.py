@@ -8,7 +8,7 @@ less than the largest tensor stored, within a device budget.
 
 :func:`layers_of` groups a program's stores (in program order) into layers; :func:`arena_bytes`
 sizes the arena from them and a budget; :func:`device_budget` is the budget a program leaves on
-its device. ``config.py`` applies them when a program that stores first runs; the planner's time
+its device (``device_free.py`` reads the device's numbers). ``config.py`` applies them when a program that stores first runs; the planner's time
 model counts the same number in a plan's device memory.
 """
 
@@ -63,18 +63,9 @@ def arena_bytes(
   return want
 
 
-def device_budget(
-  limit_bytes: int | None,
-  in_use_bytes: int,
-  temp_bytes: int,
-  output_bytes: int,
-  *,
-  share: float = DEVICE_SHARE,
-) -> int | None:
-  """The arena's share of what a program leaves on its device: ``share`` of the device's limit
-  (``memory_stats()["bytes_limit"]``) less what is in use and the program's temporaries and
-  outputs (``memory_analysis()``); None where the device reports no limit (the CPU)."""
-  if not limit_bytes:
-    return None
-  free = limit_bytes - in_use_bytes - temp_bytes - output_bytes
-  return max(0, int(free * share))
+def device_budget(free_bytes: int, *, xla_more_bytes: int = 0, share: float = DEVICE_SHARE) -> int:
+  """The arena's share of what a program leaves on its device: ``share`` of the device's free
+  memory as CUDA sees it (``cudaMemGetInfo``; the arena is allocated outside XLA's pool) less
+  what XLA's allocator still takes from CUDA for the program (``xla_more_bytes``: its bytes in
+  use, temporaries and outputs beyond the pool it holds; none when JAX preallocated the pool)."""
+  return max(0, int((free_bytes - max(0, xla_more_bytes)) * share))

@@ -156,7 +156,8 @@ def store_directories() -> tuple[str, ...]:
 
 
 def stats() -> dict[str, float]:
-  """Engine counters since the last :func:`reset_stats` (see the README for the keys)."""
+  """Engine counters since the last :func:`reset_stats` (see the README for the keys), and
+  ``staging_bytes``: the device staging arena in force (``staging_bytes="auto"``'s choice)."""
   ensure_configured()
   s = native.stats()
   _warn_if_kept(s)
@@ -173,8 +174,9 @@ def stats() -> dict[str, float]:
 def timeline() -> list[dict[str, Any]]:
   """The GPU copies and waits of the latest steps (up to 32768, oldest first), then forgets
   them: ``{"op", "device", "bytes", "start", "end", "name"}`` with times in seconds of the
-  host's monotonic clock. ``op``: ``stage_in`` (store: into device staging), ``d2h`` (staging
-  to pinned host), ``read_ahead`` (pinned host to staging), ``load_staged`` / ``load_host``
+  host's monotonic clock. ``op``: ``stage_in`` (store: into device staging), ``store_direct``
+  (store: the bytes past the arena's room, device to pinned host on the compute stream), ``d2h``
+  (staging to pinned host), ``read_ahead`` (pinned host to staging), ``load_staged`` / ``load_host``
   (load: from staging / from pinned host, on the compute stream) and ``compute_wait`` (the
   compute stream waited for staging room or a read-ahead). Waits for the copies already issued
   (call it between steps). Empty without a GPU.

@@ -8,8 +8,9 @@ less than the largest tensor stored, within a device budget.
 
 :func:`layers_of` groups a program's stores (in program order) into layers; :func:`arena_bytes`
 sizes the arena from them and a budget; :func:`device_budget` is the budget a program leaves on
-its device (``device_free.py`` reads the device's numbers). ``config.py`` applies them when a program that stores first runs; the planner's time
-model counts the same number in a plan's device memory.
+its device (``device_free.py`` reads the device's numbers). ``config.py`` applies them when a
+program that stores first runs; the planner's time model configures its own plans' arenas
+(``Plan.store_options()``), at most ``staging_max_bytes`` under ``"auto"``.
 """
 
 from __future__ import annotations

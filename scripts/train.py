@@ -711,7 +711,7 @@ def train_streamed(args: Config, run: training.RunConfig, cfg, parser, argv) -> 
       if "staging_bytes" in sized:
         staging = placed.read_ahead(key)["staging_bytes"]
       else:
-        staging = ssd.current_config().staging_bytes
+        staging = ssd.stats()["staging_bytes"]  # the arena in force ("auto": its choice so far)
       return placed.device_bytes(key, side_key, batch) + (staging if on_gpu else 0)
 
     try:

@@ -159,8 +159,28 @@ def test_a_program_lists_its_stores_at_lowering():
 
   policy = ssd.offload_policy(["h", "g"], min_bytes=0)
   jaxpr = jax.make_jaxpr(jax.grad(jax.checkpoint(loss, policy=policy)))(jnp.ones((64, 32)))
-  stores = lifetimes.program_stores(jaxpr, store_p=primitives.store_p)
+  counted = lifetimes.analyze(
+    jaxpr, store_p=primitives.store_p, load_ps=primitives.LOAD_PRIMITIVES, copy_p=primitives.copy_p
+  )
+  stores = lifetimes.program_stores(jaxpr, store_p=primitives.store_p, counted=counted)
   assert stores == [("h", 64 * 32 * 4), ("g", 64 * 32 * 4)]  # the scan body once: one layer
+
+
+def test_stores_only_later_programs_load_do_not_size_the_arena():
+  def save(x):  # as an optimizer's state: loaded by later executions, oldest first
+    y = jnp.sin(x)
+    kept = primitives.store_p.bind(y, site=7, tier=1, name="state", uses=lifetimes.LATER_IN_ORDER)
+    never = primitives.store_p.bind(y, site=8, tier=1, name="unused", uses=0)
+    return kept[1], never[1]
+
+  jaxpr = jax.make_jaxpr(save)(jnp.ones((64, 32)))
+  assert lifetimes.program_stores(jaxpr, store_p=primitives.store_p) == []
+  escaping = jax.make_jaxpr(
+    lambda x: primitives.store_p.bind(x, site=9, tier=1, name="h", uses=None)
+  )
+  # a handle that leaves its program (uncounted): its loads come later, its store is in flight
+  stores = lifetimes.program_stores(escaping(jnp.ones((8,))), store_p=primitives.store_p)
+  assert stores == [("h", 32)]
 
 
 def test_first_program_sizes_the_arena(small_floor, caplog):

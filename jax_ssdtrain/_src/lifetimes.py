@@ -209,19 +209,30 @@ def _jaxprs_in(params):
 _local = threading.local()
 
 
-def program_stores(jaxpr: Any, *, store_p: Any) -> list[tuple[str, int]]:
-  """Every store of a program, ``(name, bytes)`` in program order (a sub-jaxpr's, such as a
-  scan body's, listed once however often it runs): what the staging arena's size under
-  ``staging_bytes="auto"`` is computed from (``options/staging.py``). The bytes are the stored
-  value's whole (global) shape's."""
+def program_stores(
+  jaxpr: Any, *, store_p: Any, counted: dict[int, int] | None = None
+) -> list[tuple[str, int]]:
+  """The stores of a program that are in flight while it runs, ``(name, bytes)`` in program
+  order (a sub-jaxpr's, such as a scan body's, listed once however often it runs): what the
+  staging arena's size under ``staging_bytes="auto"`` is computed from (``options/staging.py``).
+  Those a load of the same execution takes (``uses`` > 0, from ``counted``: :func:`analyze`'s)
+  and those whose loads are not counted (a handle that leaves the program); not those only
+  later executions load in store order (an optimizer's state: their host copy is made at once)
+  nor those no load takes. The bytes are the stored value's whole (global) shape's."""
+  counted = counted or {}
   out: list[tuple[str, int]] = []
 
   def visit(j):
     for eqn in ji.open_jaxpr(j).eqns:
       if eqn.primitive is store_p:
-        aval = eqn.invars[0].aval
-        nbytes = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
-        out.append((str(eqn.params.get("name") or eqn.params["site"]), nbytes))
+        site, uses = eqn.params["site"], eqn.params.get("uses")
+        if uses is None or uses == COUNTED_OR_LATER:
+          later = uses == COUNTED_OR_LATER and counted.get(site, UNCOUNTED) == UNCOUNTED
+          uses = LATER_IN_ORDER if later else counted.get(site, UNCOUNTED)
+        if uses > 0 or uses == UNCOUNTED:
+          aval = eqn.invars[0].aval
+          nbytes = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+          out.append((str(eqn.params.get("name") or site), nbytes))
       for sub in _jaxprs_in(eqn.params):
         visit(sub)
 
@@ -258,7 +269,7 @@ def install_lowering_hook(*, store_p: Any, load_ps: tuple[Any, ...], copy_p: Any
     has_store = _contains(jaxpr, store_p)
     counted = analyze(jaxpr, store_p=store_p, load_ps=load_ps, copy_p=copy_p) if has_store else {}
     stack.append(counted)
-    stores.append(program_stores(jaxpr, store_p=store_p) if has_store else [])
+    stores.append(program_stores(jaxpr, store_p=store_p, counted=counted) if has_store else [])
     try:
       return original(module_name, jaxpr, *args, **kwargs)
     finally:

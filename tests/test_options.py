@@ -105,13 +105,13 @@ def test_store_config_is_the_table():
 
 def test_planner_defaults_are_the_tables():
   cfg = ssd.StoreConfig()
-  assert cfg.staging_bytes is None  # "auto": the planner's arena is at most its cap
-  assert planner.DEFAULT_STAGING_BYTES == cfg.staging_max_bytes
+  assert cfg.staging_bytes is None  # "auto": the planner's arena is at most its floor
+  assert planner.DEFAULT_STAGING_BYTES == options.staging.FLOOR_BYTES
   assert planner.DEFAULT_HOST_CACHE_BYTES == cfg.host_cache_bytes
   assert planner.DEFAULT_HOST_TIER_BYTES == cfg.host_tier_bytes
   p = planner.Profile(num_layers=1, forward_s=1, backward_s=1, tags=(), write_gbps=1, read_gbps=1)
   assert (p.staging_bytes, p.host_cache_bytes, p.host_tier_bytes) == (
-    cfg.staging_max_bytes,
+    options.staging.FLOOR_BYTES,
     cfg.host_cache_bytes,
     cfg.host_tier_bytes,
   )

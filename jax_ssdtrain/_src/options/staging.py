@@ -10,7 +10,7 @@ less than the largest tensor stored, within a device budget.
 sizes the arena from them and a budget; :func:`device_budget` is the budget a program leaves on
 its device (``device_free.py`` reads the device's numbers). ``config.py`` applies them when a
 program that stores first runs; the planner's time model configures its own plans' arenas
-(``Plan.store_options()``), at most ``staging_max_bytes`` under ``"auto"``.
+(``Plan.store_options()``), at most :data:`FLOOR_BYTES` under ``"auto"``.
 """
 
 from __future__ import annotations

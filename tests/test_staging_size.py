@@ -1,6 +1,7 @@
 """The staging arena's size under ``staging_bytes="auto"``: the rule (options/staging.py), the
 option, the engine line it reaches, and the size a program that stores chooses on the CPU."""
 
+import errno
 import logging
 import warnings
 
@@ -201,12 +202,41 @@ def test_an_open_store_that_stored_nothing_opens_again_larger(small_floor, tmp_p
   assert ssd.stats()["staging_bytes"] == 4 * MiB
 
 
-def test_an_arena_that_holds_entries_is_not_resized(small_floor):
+def test_an_arena_that_holds_entries_grows(small_floor):
   _step(layers=2, rows=1024)()
-  assert ssd.stats()["staging_bytes"] == 2 * MiB
-  with pytest.warns(RuntimeWarning, match="needs a 8MiB staging arena.*not grown once it holds"):
+  assert ssd.stats()["staging_bytes"] == 2 * MiB and ssd.stats()["live_entries"] == 0
+  keep = jax.jit(lambda x: primitives.store_p.bind(x, site=77, tier=1, name="kept", uses=None))
+  handle = keep(jnp.ones((4096,)))[1].block_until_ready()  # an entry: its handle escapes
+  assert ssd.stats()["live_entries"] == 1
+  _step(layers=2, rows=4096)()  # 8 MiB a layer
+  assert ssd.stats()["staging_bytes"] == 8 * MiB
+  assert native.engine_config()["staging_bytes"] == str(8 * MiB)
+  del handle
+
+
+def test_an_arena_that_cannot_grow_is_warned_about_once(small_floor, monkeypatch):
+  _step(layers=2, rows=1024)()
+
+  def busy(nbytes):
+    raise OSError(errno.EBUSY, "the staging arena of GPU 0 is not grown: a copy in flight")
+
+  monkeypatch.setattr(native, "grow_staging", busy)
+  with pytest.warns(RuntimeWarning, match="needs a 8MiB staging arena.*could not grow.*in flight"):
     _step(layers=2, rows=4096)()
   assert ssd.stats()["staging_bytes"] == 2 * MiB
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _step(layers=2, rows=8192)()  # warned once
+  assert ssd.stats()["staging_bytes"] == 2 * MiB
+
+
+def test_the_engine_grows_its_arena_and_never_shrinks_it(tmp_path):
+  with ssd.configured(tmp_path / "s", staging_bytes="2MiB"):
+    native.grow_staging(1 * MiB)
+    assert native.engine_config()["staging_bytes"] == str(2 * MiB)
+    native.grow_staging(6 * MiB)
+    assert native.engine_config()["staging_bytes"] == str(6 * MiB)
+    assert ssd.stats()["staging_bytes"] == 6 * MiB
 
 
 def test_explicit_staging_and_the_cap_keep_their_meaning(small_floor, tmp_path):
@@ -221,3 +251,96 @@ def test_explicit_staging_and_the_cap_keep_their_meaning(small_floor, tmp_path):
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     _step(layers=1, rows=8192)()  # warned once
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: an arena that holds copies grows between programs
+
+
+def _gpus():
+  try:
+    return jax.devices("gpu")
+  except RuntimeError:
+    return []
+
+
+gpu = pytest.mark.skipif(not _gpus(), reason="needs a CUDA GPU")
+
+
+def _settled():
+  import time
+
+  t0 = time.monotonic()
+  while (s := native.stats())["gpu_pending_brackets"]:
+    assert time.monotonic() - t0 < 60, "GPU copies did not complete"
+    time.sleep(0.005)
+  return s
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_arena_grows_keeping_the_copies_it_held(tmp_path):
+  """Host-tier stores whose copies sit in a 4 MiB arena (the newest with its host copy
+  deferred): growing it to 16 MiB issues their host copies first, and every one loads back bit
+  for bit; a 12 MiB tensor then goes through the new arena whole."""
+  import numpy as np
+  from _ffi_common import raw_load, raw_store
+
+  ssd.configure(tmp_path / "s", staging_bytes="4MiB", host_tier_bytes="64MiB")
+  dev = _gpus()[0]
+
+  def rand(nbytes, seed):
+    return jax.device_put(np.random.default_rng(seed).integers(0, 256, nbytes, np.uint8), dev)
+
+  xs = [rand(3 * MiB + 5, i) for i in range(3)]
+  hs = [raw_store(x, site=11 + i, tier=1, name=f"kept{i}", uses=1) for i, x in enumerate(xs)]
+  jax.block_until_ready(hs)
+  assert _settled()[f"device{dev.id}_staging_bytes"] == 4 * MiB
+  native.grow_staging(16 * MiB)
+  s = _settled()
+  assert s[f"device{dev.id}_staging_bytes"] == 16 * MiB and s["staging_bytes_in_use"] == 0
+  assert native.engine_config()["staging_bytes"] == str(16 * MiB)
+  for i, (h, x) in enumerate(zip(hs, xs)):
+    back = raw_load(h, x, site=11 + i, tier=1, name=f"kept{i}")
+    assert np.asarray(back).tobytes() == np.asarray(x).tobytes()
+  native.reset_stats()
+  big = rand(12 * MiB, 9)
+  back = raw_load(raw_store(big, site=20, tier=1, name="big", uses=1), big, site=20, tier=1)
+  assert np.asarray(back).tobytes() == np.asarray(big).tobytes()
+  s = _settled()
+  assert s["staging_direct_stores"] == 0 and s["stall_seconds"] == 0, s
+  native.release_all()
+  config.reset_to_unconfigured()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_auto_arena_grows_for_the_larger_program(small_floor, tmp_path):
+  """A small program's arena (2 MiB), an entry kept in it, then a program of 8 MiB layers: the
+  arena grows before it runs, its stores fit whole, and its gradient is the device's bit for
+  bit."""
+  ssd.configure(tmp_path / "s")
+  _step(layers=2, rows=1024)()
+  keep = jax.jit(lambda x: primitives.store_p.bind(x, site=78, tier=1, name="kept", uses=None))
+  handle = keep(jnp.ones((4096,)))[1]
+  native.reset_stats()
+  _step(layers=2, rows=4096)()
+  s = _settled()
+  assert ssd.stats()["staging_bytes"] == 8 * MiB
+  assert ssd.device_stats()[0]["staging_bytes"] == 8 * MiB
+  assert s["staging_direct_stores"] == 0, s
+
+  def loss(w, x):
+    for _ in range(2):
+      x = checkpoint_name(jnp.sin(x @ w), "h")
+      x = checkpoint_name(jnp.cos(x), "g")
+    return jnp.sum(x * x)
+
+  w, x = jnp.ones((256, 256)) * 0.01, jnp.ones((4096, 256))
+  for where in ("host", "device"):
+    policy = ssd.offload_policy(["h", "g"], min_bytes=0, location=where)
+    g = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy)))(w, x)
+    if where == "host":
+      offloaded = g
+  assert jnp.array_equal(offloaded, g)
+  del handle

@@ -24,12 +24,13 @@ device, e.g. one NVMe drive per GPU: each device's tensors go to its own directo
 ``jax.distributed.initialize()`` when using them.
 
 The device staging arena under ``staging_bytes="auto"`` (the default) is sized from the
-programs (``options/staging.py``): the first run of a program that stores computes the arena its
-stores need (their sizes are listed when it is lowered, ``lifetimes.program_stores``) within a
-budget (``staging_max_bytes`` and half of what the program leaves on its device). A store that is
-not open yet opens with it; an open store that has stored nothing yet (the arena is allocated by
-the first store on each GPU) is opened again with the larger size; an arena that holds entries is
-never resized (a warning says so, once). ``stats()["staging_bytes"]`` reports the size in force.
+programs (``options/staging.py``): the first run of each program that stores computes the arena
+its stores need (their sizes are listed when it is lowered, ``lifetimes.program_stores``) within
+a budget (``staging_max_bytes`` and half of what the program leaves on its device). A store that
+is not open yet opens with it; an open store's arena grows to it (``native.grow_staging``: the
+engine evicts the arena's copies and waits for its users, before this program is dispatched) and
+never shrinks. Where it cannot grow, a warning says so, once. ``stats()["staging_bytes"]``
+reports the size in force.
 """
 
 from __future__ import annotations
@@ -314,8 +315,7 @@ def install_dispatch_hook() -> None:
 
 def _open_for_program(mark: _UsesStore, execute: Any) -> None:
   """The first run of a marked program: opens the store (as :func:`ensure_configured`) with the
-  arena its stores need under ``staging_bytes="auto"``, or opens an open store again with a
-  larger arena while it has stored nothing."""
+  arena its stores need under ``staging_bytes="auto"``, or grows an open store's arena to it."""
   with _lock:
     if _state.config is None:
       if _state.shut_down:
@@ -327,19 +327,24 @@ def _open_for_program(mark: _UsesStore, execute: Any) -> None:
     want = _auto_staging(cfg, mark, execute)
     if want is None or want <= _state.staging_bytes:
       return
-    if int(native.stats().get("next_seq", 1)) <= 1:  # nothing stored: no arena allocated yet
-      _apply(cfg, staging=want)
-    elif not _state.warned_staging_fixed:
-      _state.warned_staging_fixed = True
-      warnings.warn(
-        f"jax_ssdtrain: staging_bytes='auto': program {_program_name(execute)!r} needs a "
-        f"{_options.human_size(want)} staging arena, but the store's "
-        f"{_options.human_size(_state.staging_bytes)} arena is not grown once it holds "
-        "entries; the bytes it cannot hold go over the link on the compute stream. Pass "
-        f"configure(staging_bytes={_options.human_size(want)!r}) before the first program.",
-        RuntimeWarning,
-        stacklevel=3,
-      )
+    # Between programs: this one is not dispatched yet, and the engine waits for the old
+    # arena's users (the programs dispatched before) before it frees it.
+    try:
+      native.grow_staging(want)
+    except OSError as e:
+      if not _state.warned_staging_fixed:
+        _state.warned_staging_fixed = True
+        warnings.warn(
+          f"jax_ssdtrain: staging_bytes='auto': program {_program_name(execute)!r} needs a "
+          f"{_options.human_size(want)} staging arena, but the store's "
+          f"{_options.human_size(_state.staging_bytes)} arena could not grow ({e}); the bytes "
+          "it cannot hold go over the link on the compute stream. Pass "
+          f"configure(staging_bytes={_options.human_size(want)!r}) before the first program.",
+          RuntimeWarning,
+          stacklevel=3,
+        )
+      return
+    _state.staging_bytes = want
 
 
 def _auto_staging(cfg: StoreConfig, mark: _UsesStore, execute: Any) -> int | None:

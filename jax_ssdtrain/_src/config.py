@@ -188,7 +188,8 @@ def timeline() -> list[dict[str, Any]]:
 
 def device_stats() -> dict[int, dict[str, int]]:
   """Per-device counters since :func:`reset_stats`: ``{device ordinal: {"bytes_written",
-  "tensors_written", "bytes_read", "tensors_read"}}``, keyed by the ordinal XLA hands the
+  "tensors_written", "bytes_read", "tensors_read"}}`` (and ``"staging_bytes"`` on a GPU that
+  allocated its staging arena: its size now), keyed by the ordinal XLA hands the
   custom call: the local CUDA ordinal on GPUs, the device id (``jax.Device.id``) on CPU."""
   ensure_configured()
   out: dict[int, dict[str, int]] = {}

@@ -438,8 +438,8 @@ OPTIONS: tuple[Option, ...] = (
     "copy out of it; it holds what the link to the host cannot carry at once (what it cannot "
     "hold goes over the link directly, on the compute stream). `auto`: the bytes the largest "
     "layer of the programs run so far stores (at least 1 GiB, at most `staging_max_bytes` and "
-    "half of the device memory the program leaves free), chosen when the first program that "
-    "stores runs; `stats()['staging_bytes']` reports it.",
+    "half of the device memory the program leaves free), chosen when each program that stores "
+    "first runs (the arena grows, never shrinks); `stats()['staging_bytes']` reports it.",
     default_doc="auto",
     to_engine=lambda value, opening: opening.staging_bytes if value is None else value,
   ),

@@ -305,7 +305,8 @@ def test_gpu_arena_grows_keeping_the_copies_it_held(tmp_path):
     assert np.asarray(back).tobytes() == np.asarray(x).tobytes()
   native.reset_stats()
   big = rand(12 * MiB, 9)
-  back = raw_load(raw_store(big, site=20, tier=1, name="big", uses=1), big, site=20, tier=1)
+  h = raw_store(big, site=20, tier=1, name="big", uses=1)
+  back = raw_load(h, big, site=20, tier=1, name="big")
   assert np.asarray(back).tobytes() == np.asarray(big).tobytes()
   s = _settled()
   assert s["staging_direct_stores"] == 0 and s["stall_seconds"] == 0, s

@@ -180,7 +180,7 @@ def run_child(variant: str, config: dict) -> dict:
   # first use: it is device memory of ours that peak_bytes_in_use does not see.
   store_config = ssd.current_config() if location else None
   staging = (
-    store_config.staging_bytes
+    stats["staging_bytes"]  # the arena in force (staging_bytes="auto" chose it)
     if location and peak is not None and stats.get("bytes_written")
     else 0
   )

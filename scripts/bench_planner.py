@@ -202,7 +202,7 @@ def run_stack(args, shape, bandwidth) -> dict:
         / 1e6
         / (args.steps + args.warmup),
         "stall_ms_per_step": st.get("stall_seconds", 0) * 1e3 / (args.steps + args.warmup),
-        "staging_GB": ssd.current_config().staging_bytes / 1e9 if options else 0.0,
+        "staging_GB": ssd.stats()["staging_bytes"] / 1e9 if options else 0.0,
         "link_d2h_GBps": st.get("link_d2h_GBps"),
         "link_h2d_GBps": st.get("link_h2d_GBps"),
       }
@@ -343,7 +343,7 @@ def run_cap(args, shape, bandwidth) -> dict:
   ceiling = int(caps[-1] * 1e9)
   impl = "cudnn" if jax.default_backend() == "gpu" else None
   layer = make_layer(H // HEAD_DIM, impl)
-  staging = ssd.current_config().staging_bytes if jax.default_backend() == "gpu" else 0
+  staging = ssd.stats()["staging_bytes"] if jax.default_backend() == "gpu" else 0
   batches = sorted(set(args.cap_batches))
   params, _ = stack_params(H, S, 1, L)
   xs = {

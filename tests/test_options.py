@@ -30,6 +30,7 @@ ENV_SAMPLES = {
   "host_cache_bytes": ("48MiB", 48 * MiB),
   "host_tier_bytes": ("24MB", 24_000_000),
   "staging_bytes": ("0", 0),
+  "staging_max_bytes": ("3GiB", 3 << 30),
   "io_threads": ("3", 3),
   "chunk_bytes": ("128KiB", 128 << 10),
   "prefetch_bytes": ("2M", 2 * MiB),
@@ -49,6 +50,7 @@ BAD_VALUES = {
   "host_cache_bytes": 0,
   "host_tier_bytes": -1,
   "staging_bytes": "1.5 parsecs",
+  "staging_max_bytes": "auto",
   "io_threads": 257,
   "chunk_bytes": 5000,
   "prefetch_bytes": True,
@@ -103,12 +105,13 @@ def test_store_config_is_the_table():
 
 def test_planner_defaults_are_the_tables():
   cfg = ssd.StoreConfig()
-  assert planner.DEFAULT_STAGING_BYTES == cfg.staging_bytes
+  assert cfg.staging_bytes is None  # "auto": the planner's arena is at most its floor
+  assert planner.DEFAULT_STAGING_BYTES == options.staging.FLOOR_BYTES
   assert planner.DEFAULT_HOST_CACHE_BYTES == cfg.host_cache_bytes
   assert planner.DEFAULT_HOST_TIER_BYTES == cfg.host_tier_bytes
   p = planner.Profile(num_layers=1, forward_s=1, backward_s=1, tags=(), write_gbps=1, read_gbps=1)
   assert (p.staging_bytes, p.host_cache_bytes, p.host_tier_bytes) == (
-    cfg.staging_bytes,
+    options.staging.FLOOR_BYTES,
     cfg.host_cache_bytes,
     cfg.host_tier_bytes,
   )
@@ -273,10 +276,13 @@ def test_every_option_reaches_the_engine(tmp_path, monkeypatch, clean_env):
   given = {options.BY_NAME[k].keywords[0]: v for k, v in values.items()}
   with ssd.configured(**given) as cfg:
     engine = native.engine_config()
-  assert [o.name for o in options.OPTIONS] == list(sent[0]) == list(engine)
+  engine_names = [o.name for o in options.OPTIONS if o.engine]
+  assert engine_names == list(sent[0]) == list(engine)
+  assert engine_names == [o for o in OPTION_NAMES if o != "staging_max_bytes"]
   for o in options.OPTIONS:
     assert getattr(cfg, o.name) == values[o.name], o.name
-    assert sent[0][o.name] == engine[o.name], o.name  # what the engine parsed is what was sent
+    if o.engine:
+      assert sent[0][o.name] == engine[o.name], o.name  # what the engine parsed is what was sent
   assert engine == {
     "directories": f"{tmp_path}/a:{tmp_path}/b",
     "capacity_bytes": str(300 * MiB),
@@ -306,14 +312,15 @@ def test_computed_defaults_reach_the_engine(tmp_path, clean_env):
   assert engine["directories"] == str(tmp_path / "s")
   cfg = ssd.StoreConfig()
   assert engine["host_tier_bytes"] == str(cfg.host_tier_bytes)
-  assert engine["staging_bytes"] == str(cfg.staging_bytes)
+  assert cfg.staging_bytes is None  # auto: the floor until a program that stores runs
+  assert engine["staging_bytes"] == str(options.staging.FLOOR_BYTES)
 
 
 def test_engine_requires_every_key_and_refuses_unknown_ones(tmp_path):
   settings = options.engine_options(
     options.StoreConfig(capacity_bytes=64 * MiB), (str(tmp_path / "s"),)
   )
-  assert list(settings) == OPTION_NAMES
+  assert list(settings) == [o.name for o in options.OPTIONS if o.engine]
   with ssd.configured(tmp_path / "s", capacity_bytes=64 * MiB):
     before = native.engine_config()
     for key in settings:

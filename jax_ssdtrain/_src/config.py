@@ -22,6 +22,15 @@ store per process of a multi-host job) and ``{device}`` (expanded to one directo
 device, e.g. one NVMe drive per GPU: each device's tensors go to its own directory only, and
 ``capacity_bytes`` is split evenly; ``device_groups`` records it). Configure after
 ``jax.distributed.initialize()`` when using them.
+
+The device staging arena under ``staging_bytes="auto"`` (the default) is sized from the
+programs (``options/staging.py``): the first run of each program that stores computes the arena
+its stores need (their sizes are listed when it is lowered, ``lifetimes.program_stores``) within
+a budget (``staging_max_bytes`` and half of what the program leaves on its device). A store that
+is not open yet opens with it; an open store's arena grows to it (``native.grow_staging``: the
+engine evicts the arena's copies and waits for its users, before this program is dispatched) and
+never shrinks. Where it cannot grow, a warning says so, once. ``stats()["staging_bytes"]``
+reports the size in force.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import dataclasses
 import errno as _errno
 import fcntl
 import functools
+import logging
 import os
 import re
 import shutil
@@ -49,9 +59,11 @@ from jax_ssdtrain._src.options import (  # noqa: F401 - re-exported
   MiB,
   StoreConfig,
   UnknownOptionError,
+  device_free,
   parse_bandwidth,
   parse_size,
 )
+from jax_ssdtrain._src.options import staging as _staging
 
 
 class StoreShutDownError(RuntimeError):
@@ -145,10 +157,14 @@ def store_directories() -> tuple[str, ...]:
 
 
 def stats() -> dict[str, float]:
-  """Engine counters since the last :func:`reset_stats` (see the README for the keys)."""
+  """Engine counters since the last :func:`reset_stats` (see the README for the keys), and
+  ``staging_bytes``: the device staging arena in force (``staging_bytes="auto"``'s choice)."""
   ensure_configured()
   s = native.stats()
   _warn_if_kept(s)
+  # The arena each GPU allocates with its first store (no arena on the CPU: the size it would
+  # have), as the engine was configured: staging_bytes, or what "auto" chose.
+  s["staging_bytes"] = int(native.engine_config()["staging_bytes"])
   s["write_GBps"] = (
     s["disk_bytes_written"] / s["write_seconds"] / 1e9 if s.get("write_seconds") else 0.0
   )
@@ -159,8 +175,9 @@ def stats() -> dict[str, float]:
 def timeline() -> list[dict[str, Any]]:
   """The GPU copies and waits of the latest steps (up to 32768, oldest first), then forgets
   them: ``{"op", "device", "bytes", "start", "end", "name"}`` with times in seconds of the
-  host's monotonic clock. ``op``: ``stage_in`` (store: into device staging), ``d2h`` (staging
-  to pinned host), ``read_ahead`` (pinned host to staging), ``load_staged`` / ``load_host``
+  host's monotonic clock. ``op``: ``stage_in`` (store: into device staging), ``store_direct``
+  (store: the bytes past the arena's room, device to pinned host on the compute stream), ``d2h``
+  (staging to pinned host), ``read_ahead`` (pinned host to staging), ``load_staged`` / ``load_host``
   (load: from staging / from pinned host, on the compute stream) and ``compute_wait`` (the
   compute stream waited for staging room or a read-ahead). Waits for the copies already issued
   (call it between steps). Empty without a GPU.
@@ -171,7 +188,8 @@ def timeline() -> list[dict[str, Any]]:
 
 def device_stats() -> dict[int, dict[str, int]]:
   """Per-device counters since :func:`reset_stats`: ``{device ordinal: {"bytes_written",
-  "tensors_written", "bytes_read", "tensors_read"}}``, keyed by the ordinal XLA hands the
+  "tensors_written", "bytes_read", "tensors_read"}}`` (and ``"staging_bytes"`` on a GPU that
+  allocated its staging arena: its size now), keyed by the ordinal XLA hands the
   custom call: the local CUDA ordinal on GPUs, the device id (``jax.Device.id``) on CPU."""
   ensure_configured()
   out: dict[int, dict[str, int]] = {}
@@ -240,6 +258,8 @@ def reset_to_unconfigured() -> None:
   with _lock:
     _shutdown_locked()
     _state.shut_down = False
+    _state.staging_auto = None
+    _state.warned_staging_fixed = _state.warned_staging_small = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,12 +268,14 @@ def reset_to_unconfigured() -> None:
 
 class _UsesStore:
   """The mark a store or load lowering leaves among its program's keepalives; ``ran``: the
-  program has opened the store (its first run did)."""
+  program has opened the store (its first run did); ``stores``: the program's stores, ``(name,
+  bytes)`` in program order (``lifetimes.program_stores``), which size the staging arena."""
 
-  __slots__ = ("ran",)
+  __slots__ = ("ran", "stores")
 
-  def __init__(self):
+  def __init__(self, stores=()):
     self.ran = False
+    self.stores = tuple(stores)
 
 
 def mark_uses_store(module_context: Any) -> None:
@@ -261,7 +283,7 @@ def mark_uses_store(module_context: Any) -> None:
   lowering rules call it: nothing is opened here)."""
   keepalives = ji.module_keepalives(module_context)
   if not any(type(k) is _UsesStore for k in keepalives):
-    keepalives.append(_UsesStore())
+    keepalives.append(_UsesStore(lifetimes.current_stores()))
 
 
 def _uses_store(keepalive: Any) -> _UsesStore | None:
@@ -285,7 +307,7 @@ def install_dispatch_hook() -> None:
   def __call__(self, *args):
     mark = _uses_store(self.keepalive)
     if mark is not None and not mark.ran:
-      ensure_configured()
+      _open_for_program(mark, self)
       mark.ran = True
     return original(self, *args)
 
@@ -293,8 +315,93 @@ def install_dispatch_hook() -> None:
   cls.__call__ = __call__
 
 
+def _open_for_program(mark: _UsesStore, execute: Any) -> None:
+  """The first run of a marked program: opens the store (as :func:`ensure_configured`) with the
+  arena its stores need under ``staging_bytes="auto"``, or grows an open store's arena to it."""
+  with _lock:
+    if _state.config is None:
+      if _state.shut_down:
+        raise StoreShutDownError(SHUT_DOWN_MESSAGE)
+      cfg = defaults()
+      _apply(cfg, staging=_auto_staging(cfg, mark, execute))
+      return
+    cfg = _state.config
+    want = _auto_staging(cfg, mark, execute)
+    if want is None or want <= _state.staging_bytes:
+      return
+    # Between programs: this one is not dispatched yet, and the engine waits for the old
+    # arena's users (the programs dispatched before) before it frees it.
+    try:
+      native.grow_staging(want)
+    except OSError as e:
+      if not _state.warned_staging_fixed:
+        _state.warned_staging_fixed = True
+        warnings.warn(
+          f"jax_ssdtrain: staging_bytes='auto': program {_program_name(execute)!r} needs a "
+          f"{_options.human_size(want)} staging arena, but the store's "
+          f"{_options.human_size(_state.staging_bytes)} arena could not grow ({e}); the bytes "
+          "it cannot hold go over the link on the compute stream. Pass "
+          f"configure(staging_bytes={_options.human_size(want)!r}) before the first program.",
+          RuntimeWarning,
+          stacklevel=3,
+        )
+      return
+    _state.staging_bytes = want
+
+
+def _auto_staging(cfg: StoreConfig, mark: _UsesStore, execute: Any) -> int | None:
+  """The arena ``mark``'s program needs under ``staging_bytes="auto"`` (at least the one
+  chosen before: the arena only grows); None where ``staging_bytes`` is explicit."""
+  if cfg.staging_bytes is not None:
+    return None
+  device = _device_budget(execute)
+  budget = cfg.staging_max_bytes if device is None else min(cfg.staging_max_bytes, device)
+  layers = _staging.layers_of(mark.stores)
+  want = _staging.arena_bytes(layers, budget=budget, floor=_staging.FLOOR_BYTES)
+  chosen = max(want, _state.staging_auto or 0)
+  if chosen != _state.staging_auto:
+    _state.staging_auto = chosen
+    largest = max((max(layer) for layer in layers if layer), default=0)
+    layer = max((sum(layer) for layer in layers), default=0)
+    _log.info(
+      "jax_ssdtrain: staging_bytes=auto: a %s staging arena per GPU for program %r (its "
+      "largest layer stores %s, its largest tensor %s; budget %s: staging_max_bytes %s, "
+      "half the device memory the program leaves %s)",
+      _options.human_size(chosen),
+      _program_name(execute),
+      _options.human_size(layer),
+      _options.human_size(largest),
+      _options.human_size(budget),
+      _options.human_size(cfg.staging_max_bytes),
+      "unknown" if device is None else _options.human_size(device),
+    )
+    if largest > chosen and not _state.warned_staging_small:
+      _state.warned_staging_small = True
+      warnings.warn(
+        f"jax_ssdtrain: staging_bytes='auto': the device budget ({_options.human_size(budget)}"
+        f") leaves a {_options.human_size(chosen)} staging arena, smaller than the largest "
+        f"tensor program {_program_name(execute)!r} stores ({_options.human_size(largest)}): "
+        "the bytes it cannot hold go over the link on the compute stream and cost the step "
+        "their link time (raise staging_max_bytes or free device memory)",
+        RuntimeWarning,
+        stacklevel=4,
+      )
+  return chosen
+
+
+def _device_budget(execute: Any) -> int | None:
+  """The arena's budget on the program's devices (``options/device_free.py``); None on the CPU."""
+  return device_free.program_budget(getattr(execute, "xla_executable", None))
+
+
+def _program_name(execute: Any) -> str:
+  return str(getattr(execute, "name", "?"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Implementation
+
+_log = logging.getLogger("jax_ssdtrain")
 
 
 class _State:
@@ -305,6 +412,12 @@ class _State:
   targets_registered = False
   warned_kept = False
   warned_o_direct: set = set()
+  # staging_bytes="auto": the largest arena the programs run so far needed (None: none ran);
+  # the arena the open engine was given; the warnings given.
+  staging_auto: int | None = None
+  staging_bytes = 0
+  warned_staging_fixed = False
+  warned_staging_small = False
 
 
 _state = _State()
@@ -320,7 +433,9 @@ def _wait_for_dispatched() -> None:
     lifetimes.ready_live_arrays()
 
 
-def _apply(cfg: StoreConfig) -> None:
+def _apply(cfg: StoreConfig, staging: int | None = None) -> None:
+  """Opens the engine with ``cfg``; ``staging``: the arena under ``staging_bytes="auto"``
+  (default: the largest the programs run so far needed, else the floor)."""
   if not _state.targets_registered:
     native.register_targets()
     _state.targets_registered = True
@@ -332,7 +447,9 @@ def _apply(cfg: StoreConfig) -> None:
   if cfg.directories:
     for d in cfg.directories:
       _check_directory(d)
-  settings = _options.engine_options(cfg, directories)
+  if staging is None:
+    staging = _state.staging_auto or _staging.FLOOR_BYTES
+  settings = _options.engine_options(cfg, directories, staging_bytes=staging)
   try:
     native.configure(settings)
   except BaseException:
@@ -341,6 +458,7 @@ def _apply(cfg: StoreConfig) -> None:
     lifetimes.sweeper.stop()
     raise
   _state.config = cfg
+  _state.staging_bytes = int(settings["staging_bytes"])
   _state.shut_down = False
   lifetimes.sweeper.start()
   _state.warned_kept = False

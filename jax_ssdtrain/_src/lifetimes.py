@@ -27,6 +27,9 @@ harmlessly). A daemon thread sweeps when the engine has made enough uncounted en
 the last sweep; ``ssd.flush()`` and ``ssd.collect()`` sweep at once. The daemon's sweeps can fall
 inside a dispatch, where that reasoning does not hold: they only retire (see :func:`_sweep`).
 
+The same walk at lowering lists a program's stores and their sizes (:func:`program_stores`),
+from which the staging arena is sized when the program first runs (``config.py``).
+
 This module sits below the primitives it counts and imports none of them: they are arguments
 (:func:`analyze`, :func:`install_lowering_hook`, which the package's ``__init__`` calls with
 ``primitives.store_p`` and ``primitives.LOAD_PRIMITIVES``), as ``sharded.py`` is handed them.
@@ -206,6 +209,43 @@ def _jaxprs_in(params):
 _local = threading.local()
 
 
+def program_stores(
+  jaxpr: Any, *, store_p: Any, counted: dict[int, int] | None = None
+) -> list[tuple[str, int]]:
+  """The stores of a program that are in flight while it runs, ``(name, bytes)`` in program
+  order (a sub-jaxpr's, such as a scan body's, listed once however often it runs): what the
+  staging arena's size under ``staging_bytes="auto"`` is computed from (``options/staging.py``).
+  Those a load of the same execution takes (``uses`` > 0, from ``counted``: :func:`analyze`'s)
+  and those whose loads are not counted (a handle that leaves the program); not those only
+  later executions load in store order (an optimizer's state: their host copy is made at once)
+  nor those no load takes. The bytes are the stored value's whole (global) shape's."""
+  counted = counted or {}
+  out: list[tuple[str, int]] = []
+
+  def visit(j):
+    for eqn in ji.open_jaxpr(j).eqns:
+      if eqn.primitive is store_p:
+        site, uses = eqn.params["site"], eqn.params.get("uses")
+        if uses is None or uses == COUNTED_OR_LATER:
+          later = uses == COUNTED_OR_LATER and counted.get(site, UNCOUNTED) == UNCOUNTED
+          uses = LATER_IN_ORDER if later else counted.get(site, UNCOUNTED)
+        if uses > 0 or uses == UNCOUNTED:
+          aval = eqn.invars[0].aval
+          nbytes = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+          out.append((str(eqn.params.get("name") or site), nbytes))
+      for sub in _jaxprs_in(eqn.params):
+        visit(sub)
+
+  visit(jaxpr)
+  return out
+
+
+def current_stores() -> list[tuple[str, int]]:
+  """:func:`program_stores` of the program being lowered on this thread (empty outside one)."""
+  stack = getattr(_local, "stores", None)
+  return list(stack[-1]) if stack else []
+
+
 def current_uses(site: int) -> int:
   """``uses`` of a store site in the program being lowered (-1 outside a known lowering)."""
   stack = getattr(_local, "stack", None)
@@ -225,13 +265,16 @@ def install_lowering_hook(*, store_p: Any, load_ps: tuple[Any, ...], copy_p: Any
   @functools.wraps(original)
   def lower_jaxpr_to_module(module_name, jaxpr, *args, **kwargs):
     stack = _local.__dict__.setdefault("stack", [])
+    stores = _local.__dict__.setdefault("stores", [])
     has_store = _contains(jaxpr, store_p)
     counted = analyze(jaxpr, store_p=store_p, load_ps=load_ps, copy_p=copy_p) if has_store else {}
     stack.append(counted)
+    stores.append(program_stores(jaxpr, store_p=store_p, counted=counted) if has_store else [])
     try:
       return original(module_name, jaxpr, *args, **kwargs)
     finally:
       stack.pop()
+      stores.pop()
 
   lower_jaxpr_to_module._ssdtrain_hook = True
   setattr(module, ji.LOWER_JAXPR_TO_MODULE, lower_jaxpr_to_module)

@@ -73,6 +73,7 @@ _C_API: dict[str, tuple[Any, list[Any]]] = {
   "ssdtrain_shutdown": (_c_int, [_c_char_p, _c_size_t]),
   "ssdtrain_flush": (_c_int, [_c_char_p, _c_size_t]),
   "ssdtrain_release_all": (_c_int, [_c_char_p, _c_size_t]),
+  "ssdtrain_grow_staging": (_c_int, [_c_uint64, _c_char_p, _c_size_t]),
   # statistics and introspection
   "ssdtrain_stats": (_c_int, [_c_char_p, _c_size_t]),
   "ssdtrain_reset_stats": (None, []),
@@ -333,6 +334,12 @@ def engine_config() -> dict[str, str]:
   """The settings the engine runs with, as it parsed them (``{}`` when no store is open)."""
   text = _call_out(lib().ssdtrain_config)
   return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def grow_staging(nbytes: int) -> None:
+  """Grows the device staging arena to ``nbytes`` (between programs: c_api.h); OSError (EBUSY,
+  ENOMEM) naming why where a GPU's arena could not grow."""
+  _call_err(lib().ssdtrain_grow_staging, int(nbytes))
 
 
 def stats() -> dict[str, Any]:

@@ -405,7 +405,7 @@ class StreamedTrainer:
       if "staging_bytes" in sized:
         staging = placed.read_ahead()["staging_bytes"]
       else:
-        staging = (config.current() or config.defaults()).staging_bytes
+        staging = config.stats()["staging_bytes"]  # the arena in force ("auto": its choice so far)
       return placed.device_bytes(batch) + (staging if on_gpu else 0)
 
     return choose_stack_location(

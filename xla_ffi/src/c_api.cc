@@ -125,6 +125,13 @@ SSDTRAIN_API int ssdtrain_release_all(char* err, size_t errlen) {
   });
 }
 
+SSDTRAIN_API int ssdtrain_grow_staging(uint64_t bytes, char* err, size_t errlen) {
+  return Guard(err, errlen, [&]() -> Status {
+    auto e = ssdtrain::PeekEngine();
+    return e ? e->GrowStaging(bytes) : Status::Ok();
+  });
+}
+
 SSDTRAIN_API int ssdtrain_shutdown(char* err, size_t errlen) {
   return Guard(err, errlen, [&]() -> Status { return ssdtrain::ReplaceEngine(nullptr); });
 }

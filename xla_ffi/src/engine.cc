@@ -451,6 +451,14 @@ Status Engine::LoadToHost(const uint32_t handle[2], void* dst, uint64_t nbytes, 
   return s;
 }
 
+Status Engine::GrowStaging(uint64_t bytes) {
+  Lock lk(mu_);
+  if (bytes <= cfg_.staging_bytes) return Status::Ok();
+  if (hooks_) SSD_RETURN_IF_ERROR(hooks_->GrowStaging(bytes));
+  cfg_.staging_bytes = bytes;  // the GPUs not used yet allocate this with their first store
+  return Status::Ok();
+}
+
 Status Engine::DebugTruncate(uint64_t size) {
   Lock lk(mu_);
   return space_.DebugTruncate(size);

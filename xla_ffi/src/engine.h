@@ -60,6 +60,8 @@ class DeviceHooks {
   // Releases the entries whose last load's device copy has completed (all of them, waiting for
   // their copies, when `wait`). Called before the engine gives up for lack of space.
   virtual void ReclaimReleases(bool wait) = 0;
+  // Grows the staging arena of every GPU that has one to `bytes` (ssdtrain_grow_staging).
+  virtual Status GrowStaging(uint64_t bytes) = 0;
   // Device counters as "key=value" lines (StatsString), their reset, and the timeline of the
   // latest device copies ("op device bytes start_s end_s name" lines, oldest first; cleared).
   virtual void AppendStats(std::ostream& o) = 0;
@@ -112,6 +114,9 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   const Config& config() const { return cfg_; }
+  // Grows the device staging arena to `bytes` (config().staging_bytes; the GPUs that have one
+  // through DeviceHooks::GrowStaging). Lock NOT held. Between programs only (c_api.h).
+  Status GrowStaging(uint64_t bytes);
 
   // ---- CPU handlers -------------------------------------------------------
   // `device`: the XLA device ordinal of the call (per-device sites and statistics).

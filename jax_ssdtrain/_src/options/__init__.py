@@ -31,6 +31,7 @@ from typing import Any
 import jax
 
 from jax_ssdtrain._src import jax_internals
+from jax_ssdtrain._src.options import staging as _staging
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -197,6 +198,25 @@ def optional_size(low: int = 1) -> Kind:
   )
 
 
+def size_or_auto(low: int = 0) -> Kind:
+  """Bytes, or ``"auto"`` (None in the field: sized from the programs when they first run)."""
+  inner = size(low)
+
+  def parse(v, what):
+    if v is None or (isinstance(v, str) and v.strip().lower() == "auto"):
+      return None
+    return inner.parse(v, what)
+
+  return dataclasses.replace(
+    inner,
+    annotation="int | None",
+    values=f"`auto` or a {inner.values}",
+    parse=parse,
+    check=lambda v, what: None if v is None else inner.check(v, what),
+    show=lambda v: "auto" if v is None else human_bytes(v),
+  )
+
+
 def count(low: int, high: int) -> Kind:
   def from_text(text, what):
     try:
@@ -322,6 +342,8 @@ class Option:
   follows: tuple[str, Callable[[Any], Any]] | None = None
   # The engine's value from the field's (the default computed): encodes through kind otherwise.
   to_engine: Callable[[Any, Opening], int | str] | None = None
+  # False: read on the Python side only (no engine line; the engine would refuse its key).
+  engine: bool = True
 
   @property
   def keywords(self) -> tuple[str, ...]:
@@ -354,6 +376,8 @@ class Opening:
   config: Any  # StoreConfig
   directories: tuple[str, ...]
   free_bytes: int
+  # The arena under staging_bytes="auto" (config.py sizes it from the program that opens it).
+  staging_bytes: int = _staging.FLOOR_BYTES
 
 
 def _capacity_to_engine(capacity: int, opening: Opening) -> int:
@@ -408,10 +432,25 @@ OPTIONS: tuple[Option, ...] = (
   Option(
     "staging_bytes",
     "SSDTRAIN_STAGING",
-    size(),
-    1 * GiB,
+    size_or_auto(),
+    None,
     "Device staging arena of each GPU: stores copy into it on the compute stream and loads "
-    "copy out of it; it holds what the link to the host cannot carry at once.",
+    "copy out of it; it holds what the link to the host cannot carry at once (what it cannot "
+    "hold goes over the link directly, on the compute stream). `auto`: the bytes the largest "
+    "layer of the programs run so far stores (at least 1 GiB, at most `staging_max_bytes` and "
+    "half of the device memory the program leaves free), chosen when each program that stores "
+    "first runs (the arena grows, never shrinks); `stats()['staging_bytes']` reports it.",
+    default_doc="auto",
+    to_engine=lambda value, opening: opening.staging_bytes if value is None else value,
+  ),
+  Option(
+    "staging_max_bytes",
+    "SSDTRAIN_STAGING_MAX",
+    size(),
+    16 * GiB,
+    'The most `staging_bytes="auto"` takes (it takes at most half of the device memory the '
+    "program leaves free too); no effect on an explicit `staging_bytes`.",
+    engine=False,
   ),
   Option(
     "io_threads",
@@ -683,9 +722,12 @@ def check(cfg: Any, *, variables: bool = False) -> Any:
   return cfg
 
 
-def engine_options(cfg: Any, directories: Sequence[str]) -> dict[str, str]:
+def engine_options(
+  cfg: Any, directories: Sequence[str], staging_bytes: int = _staging.FLOOR_BYTES
+) -> dict[str, str]:
   """The engine's ``key=value`` settings for ``cfg`` with its files in ``directories`` (the
-  configured ones, or the private temp dir): one per option, defaults computed."""
+  configured ones, or the private temp dir): one per option the engine reads, defaults
+  computed; ``staging_bytes``: the arena where ``cfg.staging_bytes`` is ``"auto"``."""
   directories = tuple(directories)
   free = free_bytes_total(directories)
   if free < 1 << 20:
@@ -695,8 +737,8 @@ def engine_options(cfg: Any, directories: Sequence[str]) -> dict[str, str]:
       f"store's files: its filesystem has {free} bytes free (set SSDTRAIN_DIR or "
       "configure(directory=...) to a directory on a local disk)",
     )
-  opening = Opening(cfg, directories, free)
-  return {o.name: o.engine_value(getattr(cfg, o.name), opening) for o in OPTIONS}
+  opening = Opening(cfg, directories, free, staging_bytes)
+  return {o.name: o.engine_value(getattr(cfg, o.name), opening) for o in OPTIONS if o.engine}
 
 
 def engine_text(settings: Mapping[str, str]) -> str:

@@ -22,7 +22,12 @@ from jax_ssdtrain._src.measure import link as link_probe
 from jax_ssdtrain._src.measure.disk import measured_bandwidth
 from jax_ssdtrain._src.measure.timing import median_time
 from jax_ssdtrain._src.planner.checks import _check_int, _check_number
-from jax_ssdtrain._src.planner.types import DEFAULT_HOST_GBPS, Profile, TagProfile
+from jax_ssdtrain._src.planner.types import (
+  DEFAULT_HOST_GBPS,
+  DEFAULT_STAGING_BYTES,
+  Profile,
+  TagProfile,
+)
 from jax_ssdtrain._src.policies import (
   DEFAULT_MIN_BYTES,
   location_policy,
@@ -100,6 +105,8 @@ def profile(
       ("host_tier_bytes", host_tier_bytes),
     )
   }
+  if sizes["staging_bytes"] is None:  # staging_bytes="auto": its floor
+    sizes["staging_bytes"] = DEFAULT_STAGING_BYTES
   tags, flops, input_tag = _tagged(layer_fn, params, x)
   # the offload cost is measured on the input tag, else the smallest tag the policies offload
   big = [n for n in tags if tags[n] >= DEFAULT_MIN_BYTES] or list(tags)

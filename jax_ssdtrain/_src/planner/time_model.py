@@ -32,9 +32,11 @@ as SSDTrain does, because their backward comes first and leaves no time to read 
 - the staging arena is device memory too: each plan that offloads gets the smallest arena (at
   least two of its largest offloaded tensors, at most the profile's ``staging_bytes``) whose
   predicted step is within ``STAGING_TOLERANCE`` of the profile's arena (``Plan.staging_bytes``;
-  ``Plan.store_options()`` configures it). A forward pass that produces host-tier bytes
-  faster than the link drains them needs the difference in staging: ``bytes - host_gbps x
-  forward time``.
+  ``Plan.store_options()`` configures it, so that the store's arena is this number; a
+  ``memory_fn`` of ``plan_for_budget`` adds it to XLA's bytes). Where the store's
+  ``staging_bytes`` is ``"auto"``, the profile's arena is its floor (1 GiB): the search does not
+  weigh a larger arena's device memory against its speed. A forward pass that produces host-tier bytes faster than the link drains
+  them needs the difference in staging: ``bytes - host_gbps x forward time``.
 - device memory of the plan's residuals: per layer, the bytes of tags on the device (all
   host/nvme tags in the kept layers) plus the layer input when some tag is recomputed, unless
   the input is itself a tag (``input_tag``) sent to the store: recomputation then starts from

@@ -23,7 +23,8 @@ DEFAULT_HOST_GBPS = 50.0  # without a GPU to measure: pinned host <-> H100 over 
 # measured (jax_ssdtrain.probe --link)
 # The store's defaults (the option table's).
 DEFAULT_HOST_CACHE_BYTES = options.default("host_cache_bytes")
-DEFAULT_STAGING_BYTES = options.default("staging_bytes")
+# The most a plan's arena may take; under the store's staging_bytes="auto", its floor.
+DEFAULT_STAGING_BYTES = options.default("staging_bytes") or options.staging.FLOOR_BYTES
 DEFAULT_HOST_TIER_BYTES = options.default("host_tier_bytes")
 OFFLOADED = (Location.HOST, Location.NVME)
 # The locations the planner chooses from ("host,nvme" is a spill it does not model).

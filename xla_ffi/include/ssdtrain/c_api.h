@@ -61,6 +61,15 @@ SSDTRAIN_API int ssdtrain_flush(char* err, size_t errlen);
 /* Drains in-flight I/O and releases every stored activation. 0 when no store is open. */
 SSDTRAIN_API int ssdtrain_release_all(char* err, size_t errlen);
 
+/* Grows the device staging arena to `bytes` (the staging_bytes setting; a smaller or equal size
+ * changes nothing). A GPU that has its arena already gets the larger one at once: every staged
+ * copy leaves it first (a deferred host copy is issued), the host waits for every user of the
+ * old arena, then it is freed and the new one allocated; so call it between programs. EBUSY,
+ * that GPU unchanged, while a staged entry is being filled or a load holds its host buffer;
+ * ENOMEM where the larger arena cannot be allocated (the old size is kept). 0 when no store is
+ * open. */
+SSDTRAIN_API int ssdtrain_grow_staging(uint64_t bytes, char* err, size_t errlen);
+
 /* ---- statistics and introspection ----------------------------------------------------- */
 
 /* Counters and gauges as "key=value" lines, the first "configured=0" or "configured=1". */

@@ -153,7 +153,10 @@ void CudaModule::OnEntryFree(Entry& e) {
 void CudaModule::AppendStats(std::ostream& o) {
   tracker_.Append(o);
   uint64_t deferred = 0;
-  for (const auto& [dev, ds] : devices_) deferred += ds->deferred_bytes;
+  for (const auto& [dev, ds] : devices_) {
+    deferred += ds->deferred_bytes;
+    o << "device" << dev << "_staging_bytes=" << ds->staging_size << '\n';  // its arena now
+  }
   o << "d2h_elided_bytes=" << elided_bytes_ << '\n'
     << "d2h_elided_tensors=" << elided_tensors_ << '\n'
     << "d2h_forced=" << forced_d2h_ << '\n'

@@ -7,7 +7,7 @@
 //                     pinned memory), the engine's DeviceHooks, teardown
 //   events.cu         the event pool, fences (the asynchronous users of a buffer), timed copies
 //   staging.cu        the staging arena: allocation (whole or a tensor's first piece), eviction,
-//                     reuse fences
+//                     reuse fences, growing it between programs
 //   host_copies.cu    the host copies of staged stores: issued, deferred (lazy) or elided
 //   releases.cu       deferred releases: entries whose last load's copy is still queued
 //   read_ahead.cu     read-ahead: host -> staging of the next predicted loads
@@ -178,6 +178,12 @@ class CudaModule final : public DeviceHooks {
   // Frees the staging copy of `e` without waiting: the range's last users' events go to the
   // pending list (see AllocStaging).
   void FreeStaging(Entry& e);
+  // Replaces the arena of `ds` by one of `bytes` (larger): every staged copy is evicted as
+  // AllocStaging evicts (a deferred host copy issued, or elided where no load is left), the host
+  // waits for every user of the old arena, which is then freed. EBUSY, nothing changed, while a
+  // staged entry is filling or pinned; ENOMEM where the new arena cannot be allocated (the old
+  // size is allocated again).
+  Status GrowArena(DeviceState* ds, uint64_t bytes);
   // A load may copy `d`'s staging range (without forwarding, an nvme tensor comes back from the
   // file, not from its store's staging copy).
   bool StagingUsable(const Entry& e, const DeviceEntry& d) const;
@@ -217,6 +223,7 @@ class CudaModule final : public DeviceHooks {
   void OnEntryFree(Entry& e) override;
   bool HasDeviceCopy(const Entry& e) override;
   void ReclaimReleases(bool wait) override;
+  Status GrowStaging(uint64_t bytes) override;  // staging.cu
   void AppendStats(std::ostream& o) override;
   void ResetStats() override;
   std::string TakeTimeline() override { return tracker_.TakeTimeline(); }

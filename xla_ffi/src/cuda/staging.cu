@@ -6,11 +6,14 @@
 // evicted and stores never stall the host. A tensor larger than the room it finds gets a range
 // for its first piece only (`partial`): the store and the load copy the rest between the
 // tensor and the host buffer directly, so the compute stream spends the link's time on what
-// the arena cannot hold and nothing more.
+// the arena cannot hold and nothing more. Between programs the arena can be replaced by a
+// larger one (GrowStaging: every staged copy evicted, the host waits for the old arena's users).
 #include "device_module.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace ssdtrain {
 
@@ -149,6 +152,75 @@ void CudaModule::FreeStaging(Entry& e) {
   d->stage_unused = false;
   d->stage_ptr = nullptr;
   d->stage_bytes = 0;
+}
+
+Status CudaModule::GrowStaging(uint64_t bytes) {
+  int prev = -1;
+  SSD_CHECK_CUDA(cudaGetDevice(&prev));
+  Status s = Status::Ok();
+  for (auto& [dev, ds] : devices_) {
+    if (RoundUp(bytes, 256) <= ds->staging_size) continue;
+    s = UseDevice(dev);
+    if (s.ok()) s = GrowArena(ds.get(), RoundUp(bytes, 256));
+    if (!s.ok()) break;
+  }
+  if (prev >= 0) cudaSetDevice(prev);
+  return s;
+}
+
+Status CudaModule::GrowArena(DeviceState* ds, uint64_t bytes) {
+  for (const auto& [raw, ep] : ds->staged)
+    if (raw->filling() || raw->pinned())
+      return Status(EBUSY,
+                    "the staging arena of GPU " + std::to_string(ds->device) +
+                        " is not grown: " + DescribeTag(raw->name(), raw->site(), raw->id()) +
+                        " has a copy in flight in it (grow it between programs)");
+  std::vector<EntryPtr> staged;
+  staged.reserve(ds->staged.size());
+  for (const auto& [raw, ep] : ds->staged) staged.push_back(ep);
+  for (const EntryPtr& e : staged) {  // as AllocStaging evicts
+    if (D(*e)->d2h_deferred) {
+      if (Dead(*e)) {
+        ElideD2H(ds, *e);
+      } else {
+        SSD_RETURN_IF_ERROR(IssueD2H(ds, *e));
+        forced_d2h_++;
+      }
+    }
+    FreeStaging(*e);
+  }
+  // Every user of the old arena: the copies in and out of it on any stream, the D2H just issued.
+  for (auto& pf : ds->pending) {
+    for (cudaEvent_t ev : pf.events) {
+      SSD_CHECK_CUDA(cudaEventSynchronize(ev));
+      ds->free_events.push_back(ev);
+    }
+  }
+  ds->pending.clear();
+  SSD_CHECK_CUDA(cudaStreamSynchronize(ds->copy));
+  SSD_CHECK_CUDA(cudaStreamSynchronize(ds->h2d));
+  const uint64_t old = ds->staging_size;
+  if (ds->staging) SSD_CHECK_CUDA(cudaFree(ds->staging));
+  ds->staging = nullptr;
+  ds->staging_size = 0;
+  ds->alloc.Reset(0, 256);
+  Status s = Status::Ok();
+  uint64_t got = bytes;
+  if (cudaMalloc(&ds->staging, bytes) != cudaSuccess) {
+    cudaGetLastError();
+    s = Status(ENOMEM, "cannot allocate " + std::to_string(bytes) +
+                           " bytes of device staging on GPU " + std::to_string(ds->device) +
+                           "; it keeps " + std::to_string(old));
+    got = old;
+    if (old && cudaMalloc(&ds->staging, old) != cudaSuccess) {
+      cudaGetLastError();
+      ds->staging = nullptr;
+      got = 0;
+    }
+  }
+  ds->staging_size = got;
+  ds->alloc.Reset(got, 256);
+  return s;
 }
 
 bool CudaModule::StagingUsable(const Entry& e, const DeviceEntry& d) const {

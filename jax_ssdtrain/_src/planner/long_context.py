@@ -329,6 +329,8 @@ def plan_long_context(
   cannot fit before anything compiles (:func:`check_long_context`), skips the compiles the
   arithmetic rules out, and puts each tag's bytes at the model's (a chunked ``mlp_up`` is
   ``mlp_chunks`` tensors a layer). For each chunk count it runs ``plan_for_budget``'s search.
+  A profile without ``other_s`` gets the head's and the loss's time from their FLOPs at the
+  layer's measured rate.
 
   Args:
     cfg: the model's config (``models.get_config("llama", ...)``; see the module docstring).
@@ -379,6 +381,8 @@ def plan_long_context(
     base = profile_fn(m, lc)
     tiers = {} if host_tier_bytes is None else {"host_tier_bytes": int(host_tier_bytes)}
     prof = _with_model_bytes(dataclasses.replace(base, batch=batch, **tiers), cfg, seq_len, batch)
+    if not prof.other_s:  # the head and its chunked loss, at the layer's measured FLOP rate
+      prof = dataclasses.replace(prof, other_s=_head_seconds(cfg, seq_len, batch, prof))
 
     def memory(_batch, plan, m=m, lc=lc):
       locs = {n: loc.value for n, loc in plan.locations}
@@ -448,6 +452,17 @@ def _with_model_bytes(profile: Profile, cfg: Any, seq_len: int, batch: int) -> P
       dataclasses.replace(t, bytes=tags[t.name]) if t.name in tags else t for t in profile.tags
     ),
   )
+
+
+def _head_seconds(cfg: Any, seq_len: int, batch: int, profile: Profile) -> float:
+  """The head's and the loss's forward and backward seconds, at the FLOP rate of the profile's
+  layer (its forward and backward time): the head ``2 B S H V`` FLOP forward, a layer
+  ``2 B S (H (N + 2K) D + N D H + 3 H F) + 2 B N D S^2`` (its matmuls and causal attention's
+  two, half of the square each); the backward passes twice the forwards."""
+  H, N, K, D, F, V = _shape(cfg)
+  B, S = batch, seq_len
+  layer = 2.0 * B * S * (H * (N + 2 * K) * D + N * D * H + 3 * H * F) + 2.0 * B * N * D * S * S
+  return (profile.forward_s + profile.backward_s) * (2.0 * B * S * H * V) / layer
 
 
 def _shape(cfg: Any) -> tuple[int, int, int, int, int, int]:

@@ -864,6 +864,9 @@ def table(doc: dict) -> str:
     lead = f"| {_seq(r['seq'])} | {r['policy']} | {r['optimizer']} |"
     if not _ok(r):
       why = "out of device memory" if r.get("oom") else (r.get("error") or "?")[:200]
+      if "LongContextError" in (r.get("error") or ""):  # refused: the verdict and the way out
+        said = r["error"].splitlines()
+        why = f"refused before compiling: {said[0].partition(': ')[2]} {said[-1]}"
       lines.append(f"{lead} failed: {why} | | | | | | | | | | | |")
       continue
     engine = "engine" in r

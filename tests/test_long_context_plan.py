@@ -73,11 +73,11 @@ def test_too_long_a_sequence_is_refused_with_the_numbers():
   text = str(e.value)
   layer_in = 2 * S * 64  # 2 S H, bfloat16
   assert f"{layer_in:,} bytes a layer" in text
-  assert "exceeds the budget 0.07 GB" in text
+  assert "exceeds the budget 67.1 MB" in text
   assert "offload the layer inputs" in text and "a shorter sequence" in text
   assert e.value.arithmetic.floor_bytes > 64 << 20
   # the store too small for the layer inputs: refused, naming the host tier's room
-  with pytest.raises(LongContextError, match=r"more than its room 0\.01 GB"):
+  with pytest.raises(LongContextError, match=r"more than its room 10\.0 MB"):
     check_long_context(
       cfg, S, 1, budget_bytes=1 << 40, host_tier_bytes=10**7, locations={"layer_in": "host"}
     )
@@ -176,3 +176,20 @@ def test_the_planner_picks_chunks_and_locations_within_a_small_budget():
   # the unchunked step was compiled, and did not fit with its staging arena
   assert any(m == 1 for m, *_ in measured)
   assert all(v + plan.staging_bytes > budget for (m, *_), v in measured.items() if m == 1)
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def test_the_benchmark_refuses_a_row_before_compiling(tmp_path):
+  from scripts import bench_long_context as blc
+
+  assert blc._plan_chunks("16/32,32/64") == [(16, 32), (32, 64)]
+  with pytest.raises(ValueError, match="--plan-chunks"):
+    blc._plan_chunks("16-32")
+  cfg = models.get_config("llama", "tiny")
+  spec = dict(seq=1 << 16, store_dir=str(tmp_path))
+  with pytest.raises(LongContextError, match="cannot fit"):
+    blc._check_fits(spec, "remat", cfg, 10**7, None)
+  # no store configured: no host tier to hold the layer inputs; the files have room
+  with pytest.raises(LongContextError, match="the tags in host need 16.8 MB"):
+    blc._check_fits(spec, "ours_host_layer_in", cfg, 10**9, "host")
+  blc._check_fits(spec, "ours_nvme_layer_in", cfg, 10**9, "host")  # fits: no error

@@ -491,4 +491,4 @@ def _chunks_for(whole: int, room: int, seq_len: int) -> int | None:
 
 
 def _gb(n: float) -> str:
-  return f"{n / 1e9:.2f} GB"
+  return f"{n / 1e9:.2f} GB" if abs(n) >= 1e8 else f"{n / 1e6:.1f} MB"

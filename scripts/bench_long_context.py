@@ -23,6 +23,14 @@ chunks, grouped-query attention, an untied head, the loss in ``loss_chunks`` seq
   in the store (``ssd.offload_policy(["layer_in"], location=...)``: the host tier, the host tier
   spilling to the files, the files), the rest recomputed.
 
+* ``plan``: ``ssd.plan_long_context``'s choice at the device's budget (``--plan-budget-gb``):
+  one layer profiled at S (``ssd.profile``), then each tag's location, the split and the MLP's
+  and the loss's chunk counts (``--plan-chunks``), each candidate's step compiled for XLA's
+  memory analysis; the row reports the predicted step beside the measured one.
+
+Every row's sequence is first weighed by the planner's arithmetic (``check_long_context``): one
+that cannot fit the device or the store fails before anything compiles, with the arithmetic.
+
 A policy takes store options of its own after colons (``ours_host_nvme_layer_in:
 host_tier_bytes=24GiB``, as ``scripts/bench_rok.py``'s) and an optimizer placement after ``@``
 (``remat@device``); without ``@`` it runs once per placement of ``--optimizer``:
@@ -117,6 +125,7 @@ POLICIES = {
   "ours_host_layer_in": "host",
   "ours_host_nvme_layer_in": "host,nvme",
   "ours_nvme_layer_in": "nvme",
+  "plan": "plan",  # ssd.plan_long_context's choice: tags, split, mlp_chunks and loss_chunks
 }
 OPTIMIZERS = {"device": None, "host": "host", "streamed_device": "device"}
 IDEAL_POLICIES = ("keep", "selective")
@@ -162,7 +171,7 @@ def parse_rows(text: str, optimizers: list[str]) -> list[tuple[str, str]]:
       raise ValueError(
         f"--policies: unknown policy {base!r} in {item!r}; use one of {', '.join(POLICIES)}"
       )
-    if options and POLICIES[base] not in ("host", "host,nvme", "nvme"):
+    if options and POLICIES[base] not in ("host", "host,nvme", "nvme", "plan"):
       raise ValueError(f"--policies: {item!r}: store options apply to the ours_* policies only")
     for o in [opt] if opt else optimizers:
       if o not in OPTIMIZERS:
@@ -214,7 +223,7 @@ def _run_row(spec: dict) -> dict:
   from models import training
 
   base, options = split_policy(spec["policy"])
-  in_store = base in POLICIES and POLICIES[base] in ("host", "host,nvme", "nvme")
+  in_store = base in POLICIES and POLICIES[base] in ("host", "host,nvme", "nvme", "plan")
   opt_loc = OPTIMIZERS[spec["optimizer"]]
   dev = jax.devices()[0]
   row: dict = dict(device_kind=dev.device_kind, platform=dev.platform, jax=jax.__version__)
@@ -243,13 +252,20 @@ def _run_row(spec: dict) -> dict:
   )
   cfg = run.model_config()
   row["attention_impl"] = cfg.attention_impl()
+  budget = spec.get("plan_budget_bytes") or (dev.memory_stats() or {}).get("bytes_limit")
+  if base != "plan" and budget:  # a sequence that cannot fit: refused before anything compiles
+    _check_fits(spec, base, cfg, budget, opt_loc)
   t0 = time.perf_counter()
-  state, _, _ = training.create_train_state(run, policy=_policy(base, spec["min_bytes"]))
+  policy = _policy(base if base != "plan" else "remat", spec["min_bytes"])
+  state, _, _ = training.create_train_state(run, policy=policy)
   jax.block_until_ready(state)
   row["init_s"] = time.perf_counter() - t0
-  row["n_params"] = sum(int(x.size) for x in jax.tree.leaves(state.params))
   tokens = jax.random.randint(jax.random.key(7), (1, S + 1), 0, cfg.vocab_size, jnp.int32)
   rng = jax.random.key(0)
+  if base == "plan":
+    state, planned = _planned(spec, run, state, tokens, rng, budget, opt_loc)
+    row |= planned
+  row["n_params"] = sum(int(x.size) for x in jax.tree.leaves(state.params))
   t0 = time.perf_counter()
   step = training.jit_train_step().lower(state, tokens, rng).compile()
   row["compile_s"] = time.perf_counter() - t0
@@ -275,6 +291,8 @@ def _run_row(spec: dict) -> dict:
     tokens_per_step=S,
   )
   row["tokens_per_s"] = S / row["step_s"]
+  if row.get("predicted_step_s"):
+    row["measured_over_predicted"] = row["step_s"] / row["predicted_step_s"]
   if in_store or opt_loc == "host":
     ssd.flush()  # every write of the last step done: the counters exact
     row.update(bc.engine_row(ssd.stats(), spec["steps"]))
@@ -283,6 +301,128 @@ def _run_row(spec: dict) -> dict:
   row["device_limit_GB"] = mem["bytes_limit"] / 1e9 if "bytes_limit" in mem else None
   row["peak_rss_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
   return row
+
+
+def _store_room(spec: dict) -> tuple[int, int]:
+  """``(host tier bytes, disk free bytes)`` of the row's store (0 where it has none)."""
+  import jax_ssdtrain as ssd
+
+  cfg = ssd.current_config()
+  host = int(cfg.host_tier_bytes) if cfg is not None else 0
+  return host, shutil.disk_usage(spec["store_dir"]).free
+
+
+def _check_fits(spec: dict, base: str, cfg, budget: int, opt_loc) -> None:
+  """Raises the planner's LongContextError (the arithmetic, what to change) where the row's
+  sequence cannot fit the device or the store."""
+  from jax_ssdtrain._src.planner import check_long_context
+
+  where = POLICIES.get(base)
+  if base in IDEAL_POLICIES:
+    locations = dict.fromkeys(TAGS, "device")
+    host, disk = 0, 0
+  elif where == "pinned_host":  # JAX's pinned host memory: not the store's room
+    locations, (host, disk) = {"layer_in": "host"}, (1 << 62, 0)
+  else:
+    locations = {"layer_in": where or "device"}
+    host, disk = _store_room(spec)
+  check_long_context(
+    cfg,
+    spec["seq"],
+    1,
+    budget_bytes=int(budget),
+    host_tier_bytes=host,
+    disk_free_bytes=disk,
+    locations=locations,
+    param_dtype="bfloat16",  # master_weights: bfloat16 parameters and gradients
+    optimizer_on_device=opt_loc is None,
+  )
+
+
+def _planned(spec: dict, run, state, tokens, rng, budget, opt_loc):
+  """``--policies plan``: one layer profiled at S (``ssd.profile``), ``ssd.plan_long_context``
+  over the chunk counts of ``--plan-chunks`` (each candidate's step compiled for XLA's memory
+  analysis), the state's model replaced by the plan's. Returns ``(state, row fields)``."""
+  import jax
+  import jax.numpy as jnp
+
+  import jax_ssdtrain as ssd
+  import models
+  from models import llama, training
+
+  if not budget:
+    raise ValueError("--policies plan: no device memory limit here; give --plan-budget-gb")
+  cfg, S = run.model_config(), spec["seq"]
+  block = llama.LlamaBlock(cfg)
+  x = jnp.zeros((1, S, cfg.hidden), cfg.compute_dtype)
+  params = jax.jit(lambda r, x=x: block.init(r, x)["params"])(jax.random.key(3))
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)  # as master_weights trains
+  t0 = time.perf_counter()
+  prof = ssd.profile(
+    lambda p, h: block.apply({"params": p}, h)[0],
+    params,
+    x,
+    num_layers=cfg.num_layers,
+    directory=spec["store_dir"],
+    batch=1,
+    repeats=spec.get("plan_repeats", 3),
+    warmup=1,
+    progress=False,
+  )
+  del params, x
+  profile_s = time.perf_counter() - t0
+
+  def run_of(m, lc, plan):
+    overrides = dict(run.model_overrides, mlp_chunks=m, loss_chunks=lc)
+    return training.apply_plan(dataclasses.replace(run, model_overrides=overrides), plan)
+
+  def memory(m, lc, plan):  # XLA's device memory of the whole step as planned
+    r = run_of(m, lc, plan)
+    model = models.build_model("llama", r.model_config(), r.remat_policy_object())
+    compiled = training.jit_train_step().lower(state.replace(apply_fn=model.apply), tokens, rng)
+    ma = compiled.compile().memory_analysis()
+    return (
+      ma.temp_size_in_bytes
+      + ma.argument_size_in_bytes
+      + ma.output_size_in_bytes
+      - (ma.alias_size_in_bytes)
+    )
+
+  host, disk = _store_room(spec)
+  t0 = time.perf_counter()
+  plan = ssd.plan_long_context(
+    cfg,
+    S,
+    1,
+    int(budget),
+    lambda m, lc: prof,
+    memory,
+    chunk_options=spec.get("plan_chunks"),
+    host_tier_bytes=host,
+    disk_free_bytes=disk,
+    optimizer_on_device=opt_loc is None,
+    param_dtype="bfloat16",
+    min_bytes=spec["min_bytes"],
+  )
+  print(plan, flush=True)
+  chosen = run_of(plan.model_options()["mlp_chunks"], plan.model_options()["loss_chunks"], plan)
+  model = models.build_model("llama", chosen.model_config(), chosen.remat_policy_object())
+  ssd.configure(**plan.store_options())
+  return state.replace(apply_fn=model.apply), dict(
+    predicted_step_s=plan.step_s,
+    predicted_compute_s=plan.compute_s,
+    predicted_stall_s=plan.stall_s,
+    planned_device_GB=(plan.measured_device_bytes or 0) / 1e9,
+    plan_budget_GB=int(budget) / 1e9,
+    plan_locations={n: loc.value for n, loc in plan.locations},
+    plan_offload_layers=plan.offload_layers,
+    plan_staging_GB=plan.staging_bytes / 1e9,
+    plan_mlp_chunks=plan.model_options()["mlp_chunks"],
+    plan_loss_chunks=plan.model_options()["loss_chunks"],
+    profile_s=profile_s,
+    plan_s=time.perf_counter() - t0,
+    plan_table=str(plan),
+  )
 
 
 def child_main(spec_json: str) -> int:
@@ -367,6 +507,18 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--loss-chunk-tokens", type=int, default=4096, help="positions per loss chunk (default 4096)"
   )
+  p.add_argument(
+    "--plan-budget-gb",
+    type=float,
+    default=None,
+    help="--policies plan (and the refusal): the device budget in GB (default: the device's limit)",
+  )
+  p.add_argument(
+    "--plan-chunks",
+    default=None,
+    help="--policies plan: MLP/LOSS chunk counts to choose from, comma-separated (e.g. "
+    "16/32,32/64; default: the planner's)",
+  )
   p.add_argument("--attention", choices=["auto", "xla", "cudnn"], default=None)
   p.add_argument(
     "--min-bytes",
@@ -437,7 +589,21 @@ def _spec(args, policy: str, optimizer: str, seq: int, layers: int, store_dir: s
     in_place=args.optimizer_in_place,
     store_dir=store_dir,
     ssd_options=dict(args.ssd),
+    plan_budget_bytes=int(args.plan_budget_gb * 1e9) if args.plan_budget_gb else None,
+    plan_chunks=_plan_chunks(args.plan_chunks),
   )
+
+
+def _plan_chunks(text: str | None) -> list[tuple[int, int]] | None:
+  """``--plan-chunks``: ``MLP/LOSS`` pairs, comma-separated (None: the planner's default)."""
+  if not text:
+    return None
+  try:
+    return [tuple(int(v) for v in t.split("/")) for t in text.split(",") if t.strip()]
+  except ValueError:
+    raise ValueError(
+      f"--plan-chunks: expected MLP/LOSS chunk counts like 16/32, got {text!r}"
+    ) from None
 
 
 def disk_probe(directory: str, gb: float, timeout: float) -> dict:
@@ -519,9 +685,9 @@ def run(args) -> dict:
       t0 = time.perf_counter()
       r = head | _child(_spec(args, policy, opt, seq, n_layers, store_dir), timeout, env)
       r["wall_s"] = time.perf_counter() - t0
-      r |= dict(
-        mlp_chunks=chunks_for(seq, args.mlp_chunk_tokens),
-        loss_chunks=chunks_for(seq, args.loss_chunk_tokens),
+      r |= dict(  # a plan's own where it chose them
+        mlp_chunks=r.get("plan_mlp_chunks") or chunks_for(seq, args.mlp_chunk_tokens),
+        loss_chunks=r.get("plan_loss_chunks") or chunks_for(seq, args.loss_chunk_tokens),
       )
       brief = {k: v for k, v in r.items() if k not in ("engine", "stderr_tail", "store_config")}
       print(json.dumps(brief, default=str), flush=True)
@@ -698,6 +864,9 @@ def table(doc: dict) -> str:
     lead = f"| {_seq(r['seq'])} | {r['policy']} | {r['optimizer']} |"
     if not _ok(r):
       why = "out of device memory" if r.get("oom") else (r.get("error") or "?")[:200]
+      if "LongContextError" in (r.get("error") or ""):  # refused: the verdict and the way out
+        said = r["error"].splitlines()
+        why = f"refused before compiling: {said[0].partition(': ')[2]} {said[-1]}"
       lines.append(f"{lead} failed: {why} | | | | | | | | | | | |")
       continue
     engine = "engine" in r
@@ -756,6 +925,17 @@ def table(doc: dict) -> str:
         else f" ({lg['failed_why']})"
       )
     )
+  for r in doc["rows"]:  # --policies plan: the planner's prediction against the measured step
+    if _ok(r) and r.get("predicted_step_s"):
+      where = ", ".join(f"{n} {loc}" for n, loc in sorted(r["plan_locations"].items()))
+      lines.append(
+        f"\nplan, {_seq(r['seq'])} (optimizer {r['optimizer']}): predicted "
+        f"{r['predicted_step_s']:.3f} s, measured {r['step_s']:.3f} s (x"
+        f"{r['step_s'] / r['predicted_step_s']:.3f}); mlp_chunks {r['plan_mlp_chunks']}, "
+        f"loss_chunks {r['plan_loss_chunks']}, {where} in the first "
+        f"{r['plan_offload_layers']} layers, staging {r['plan_staging_GB']:.2f} GB; device "
+        f"{r['planned_device_GB']:.1f} GB (XLA + staging) of {r['plan_budget_GB']:.1f} GB"
+      )
   lines.append("")
   for src in doc.get("sources") or [doc]:
     lines += _probe_lines(src, f"{src['file']} ({src['date']}): " if "sources" in doc else "")

@@ -16,6 +16,9 @@ The package's modules, one concern each:
 - ``placement``: ``choose_optimizer_location``, ``choose_stack_location`` and the one weighing
   of a step's device memory against a budget;
 - ``split``: ``split_layers``, ``split_scan``;
+- ``long_context``: ``plan_long_context`` (the chunk counts of the MLP and the loss with the
+  plan), ``check_long_context`` (a sequence that cannot fit, refused with the arithmetic),
+  ``long_context_bytes``;
 - ``checks``: the argument checks they share.
 
 ``split_scan`` is the one split scan (the first ``k`` layers under one policy, the rest under
@@ -26,6 +29,13 @@ against a budget.
 """
 
 from jax_ssdtrain._src.planner.checks import _check_int, _check_number
+from jax_ssdtrain._src.planner.long_context import (
+  LongContextBytes,
+  LongContextError,
+  check_long_context,
+  long_context_bytes,
+  plan_long_context,
+)
 from jax_ssdtrain._src.planner.placement import (
   _HOTTEST_FIRST,
   _ON_DEVICE,
@@ -93,6 +103,8 @@ __all__ = [
   "DEFAULT_HOST_TIER_BYTES",
   "DEFAULT_STAGING_BYTES",
   "MIN_DIFFERENCE_S",
+  "LongContextBytes",
+  "LongContextError",
   "OFFLOADED",
   "PLANNED",
   "STAGING_TOLERANCE",
@@ -102,12 +114,15 @@ __all__ = [
   "StackPlacement",
   "TagProfile",
   "choose_optimizer_location",
+  "check_long_context",
   "choose_stack_location",
   "frontier",
+  "long_context_bytes",
   "measured_bandwidth",
   "measured_link_gbps",
   "plan",
   "plan_for_budget",
+  "plan_long_context",
   "profile",
   "simulate",
   "split_layers",

@@ -133,6 +133,9 @@ class Plan:
   min_bytes: int = DEFAULT_MIN_BYTES
   measured_device_bytes: int | None = None  # the whole step's, from XLA (plan_for_budget)
   staging_bytes: int = 0  # the device staging arena the plan needs (0: it offloads nothing)
+  # the model options it was chosen with, sorted (name, value) pairs: plan_long_context's
+  # (("loss_chunks", n), ("mlp_chunks", m)); () for a plan of the layer alone
+  chunks: tuple[tuple[str, int], ...] = ()
 
   @property
   def step_s(self) -> float:
@@ -153,6 +156,11 @@ class Plan:
   def kept_location_map(self) -> dict[str, Location]:
     """Locations in the kept (last) layers: host/nvme tags stay on the device."""
     return {n: Location.DEVICE if loc in OFFLOADED else loc for n, loc in self.locations}
+
+  def model_options(self) -> dict[str, int]:
+    """The model options the plan was chosen with (``plan_long_context``'s ``mlp_chunks`` and
+    ``loss_chunks``, for ``models.get_config``); empty for other plans."""
+    return dict(self.chunks)
 
   def store_options(self) -> dict[str, int]:
     """``ssd.configure`` options the plan was predicted with: its staging arena."""
@@ -227,6 +235,8 @@ class Plan:
       f"predicted step {self.step_s * 1e3:.2f} ms (compute {self.compute_s * 1e3:.2f} "
       f"+ stall {self.stall_s * 1e3:.2f}; all on device {self.baseline_s * 1e3:.2f})"
     )
+    if self.chunks:
+      lines.append("model options: " + ", ".join(f"{n}={v}" for n, v in self.chunks))
     if self.staging_bytes:
       lines.append(
         f"device staging arena {self.staging_bytes / 1e9:.3f} GB (link "

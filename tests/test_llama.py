@@ -117,7 +117,16 @@ def test_offloaded_tags_equal_device(offload_case, location):
   policy = ssd.offload_policy(TAGS, location=location, min_bytes=0)
   got = jax.block_until_ready(_loss_and_grads(cfg, policy, params, tokens, options=None))
   stats = ssd.stats()
-  jax.tree.map(np.testing.assert_array_equal, got, device)  # loss and every gradient
+  # the loss and every gradient bit for bit; on a GPU the embedding table's gradient (a
+  # scatter-add of the tokens' rows, duplicates accumulated by atomics in no fixed order) varies
+  # by a few bfloat16 ulps between runs of the same program, offloaded or not
+  flat = [jax.tree_util.tree_flatten_with_path(t)[0] for t in (got, device)]
+  assert len(flat[0]) == len(flat[1])
+  for (path, g), (_, d) in zip(*flat):
+    if jax.default_backend() == "gpu" and "embed" in jax.tree_util.keystr(path):
+      np.testing.assert_allclose(g, d, rtol=0, atol=2**-6 * float(np.max(np.abs(d))))
+    else:
+      np.testing.assert_array_equal(g, d)
   # every tag of every layer went to the store, the MLP's chunk by chunk: (B, S, ...) bfloat16
   B, S, H, N, K, D, F = 2, 32, cfg.hidden, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_dim
   per_layer = B * S * (H + (N + 2 * K) * D + N * D + 2 * F) * 2

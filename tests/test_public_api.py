@@ -31,3 +31,16 @@ def test_an_unknown_name_is_an_attribute_error():
 def test_every_public_name_is_documented_where_it_is_defined():
   undocumented = [n for n in ssd.__all__ if not (getattr(ssd, n).__doc__ or "").strip()]
   assert not undocumented, undocumented
+
+
+def test_the_api_page_names_every_public_name_by_task_before_the_reference():
+  # docs/api.md reads without a Sphinx build: its summary (before the first reference section)
+  # names each public name, and no replaced one.
+  import re
+  from pathlib import Path
+
+  page = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+  summary = page.split("\n## ", 1)[0]
+  named = set(re.findall(r"`([A-Za-z_][A-Za-z_0-9]*)", summary))
+  assert set(ssd.__all__) <= named, sorted(set(ssd.__all__) - named)
+  assert not named & set(deprecations.DEPRECATED)

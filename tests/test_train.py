@@ -229,7 +229,7 @@ def test_cli_memmap_data(tmp_path, shards, capsys):
     (["--batch", "0"], "must be > 0"),
     (["--steps", "x"], "expected a int"),
     (["--preset", "huge"], "invalid choice"),
-    (["--model", "llama"], "invalid choice"),
+    (["--model", "llama2"], "invalid choice"),
     (["--remat-policy", "sometimes"], "invalid choice"),
     (["--loader", "tfrecord"], "invalid choice"),
     (["--data", "/nonexistent/tokens.npy"], "no such file"),

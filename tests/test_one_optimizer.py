@@ -100,6 +100,11 @@ REFUSED_BY_THE_STACK = {
     r"cannot be streamed layer by layer: its reduce_sum operation .*across its layers.*trust "
     r"ratio",
   ),
+  "noisy_sgd": (
+    lambda: optax.noisy_sgd(1e-3),
+    r"layer by layer: its \w+ operation makes an array of the stacked layers' shape .*the same "
+    r"in every layer",
+  ),
   "adafactor": (
     lambda: optax.adafactor(1e-2),
     r"the transformation 'clip_by_block_rms' .*layer by layer: its reduce_sum operation",

@@ -15,7 +15,9 @@ layer, per chunk). Then:
   ``offload_optimizer``, whose gradients are whole on the device (a norm of them is its device
   part) and which can run a reduction pass first (``plan.two_pass``), the stack has one pass;
 * a group that reads one parameter's leaves but not elementwise over its rows (a trust ratio, a
-  norm of one tensor, Adafactor's factored moments) is refused: one layer alone does not give it.
+  norm of one tensor, Adafactor's factored moments) is refused: one layer alone does not give it;
+* so is an array of the stacked shape that the device part makes from no stored leaf (noise
+  from a shared random key): each layer's update would make it anew, the same in every layer.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def check_rows(fn, grads: Any, state: Any, params: Any, per_row: tuple[bool, ...
   prog, stored_out, plan = make_plan(traced_update, leaves, name, passes=1, fix=ROWS_FIX)
   stored_in = {prog.invars[i]: i for i, lf in enumerate(leaves) if lf.stored}
   found = None
+  made = {v: e for e in plan.device_eqns for v in e.outvars}  # the device part's values
   for group in plan.groups:
     members = sorted({i for _, i in group.loads} | set(group.stores))
     if not group.eqns:
@@ -96,8 +99,30 @@ def check_rows(fn, grads: Any, state: Any, params: Any, per_row: tuple[bool, ...
     if len({leaves[i].owner for i in members} - {-1}) > 1:
       found = found or dependencies(prog, stored_in, stored_out)
       raise coupling_error(name, group.eqns, found.deps, leaves, members, fix=ROWS_FIX)
+    arrays = [v for v in group.reads if v in made and tuple(v.aval.shape) != ()]
+    if arrays:
+      raise _device_array_error(name, made[arrays[0]], arrays[0])
     if not group.chunked:
       raise _whole_error(name, group, leaves, members)
+
+
+def _origin(eqn) -> str:
+  where = ji.equation_origin(eqn.origin) if eqn.origin is not None else None
+  if not where:
+    return ""
+  return f"the transformation {where.split('.<locals>')[0].split(' (')[0]!r} ({where}) in "
+
+
+def _device_array_error(name: str, eqn, var):
+  """The refusal of an array of the stacked layers' shape that reads no layer's leaves (random
+  noise from a shared key): made per layer, it would be another (the same in every layer)."""
+  prim = eqn.primitive.name if eqn.primitive is not None else "copy"
+  return OptimizerOffloadError(
+    f"{_origin(eqn)}{name} cannot be streamed layer by layer: its {prim} operation makes an "
+    f"array of the stacked layers' shape ({list(var.aval.shape)}) from no layer's leaves (noise "
+    "from a shared random key, say), which each layer's update would make anew, the same in "
+    "every layer: apply that transformation to the parameters kept on the device."
+  )
 
 
 def _whole_error(name: str, group, leaves, members: list[int]):
@@ -111,9 +136,7 @@ def _whole_error(name: str, group, leaves, members: list[int]):
     prim = cause.primitive.name if cause.primitive is not None else "copy"
     shapes = ", ".join(str(list(v.aval.shape)) for v in cause.invars if is_var(v))
     what = f"its {prim} operation (over {shapes})"
-    where = ji.equation_origin(cause.origin) if cause.origin is not None else None
-    if where:
-      inner = f"the transformation {where.split('.<locals>')[0].split(' (')[0]!r} ({where}) in "
+    inner = _origin(cause)
   return OptimizerOffloadError(
     f"{inner}{name} cannot be streamed layer by layer: {what} reads one parameter's leaves "
     f"({paths}) across its layers, not layer by layer: a number over a whole tensor (a trust "

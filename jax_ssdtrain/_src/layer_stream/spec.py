@@ -138,26 +138,22 @@ def _make_opt_spec(tx: Any, lay: _Layout, master: bool) -> _OptSpec:
         "factored moments): a layer-by-layer update cannot keep it per layer"
       )
   # Whether each layer's update is tx's: the optimizer's analysis (optimizer/rows.py) of
-  # tx.update on the stacked probe, the gradients, parameters and per-layer state streamed.
-  from jax_ssdtrain._src.optimizer.rows import check_rows  # the optimizer imports this package
+  # tx.update on the stacked probe, the gradients, parameters and per-layer state streamed
+  # (imported here: the optimizer package imports this one).
+  from jax_ssdtrain._src.optimizer.rows import check_rows, describe
 
   grads = jax.tree.map(
     lambda s: jax.ShapeDtypeStruct((_PROBE_LAYERS, *s.shape), s.dtype), lay.layer_struct()
   )
   try:
-    check_rows(tx.update, grads, many, stacked, tuple(per_layer), _describe(tx))
+    check_rows(
+      tx.update, grads, many, stacked, tuple(per_layer), describe(tx, "init_streamed_optimizer")
+    )
   except TypeError as err:
     raise ValueError(
       f"tx: its update of the stacked layers' gradients does not trace: {err}"
     ) from err
   return _OptSpec(treedef, tuple(per_layer), master, _params_key(lay))
-
-
-def _describe(tx: Any) -> str:
-  """A name for ``tx`` in messages, as ``offload_optimizer``'s: optax's factory where it shows."""
-  qual = getattr(getattr(tx, "init", None), "__qualname__", "") or type(tx).__name__
-  factory = qual.split(".<locals>")[0] if ".<locals>" in qual else qual
-  return f"the transformation {factory!r} (init_streamed_optimizer's tx)"
 
 
 def master_weights_of(lay: _Layout, master_weights: bool | None) -> bool:

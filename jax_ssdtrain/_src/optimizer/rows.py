@@ -43,6 +43,14 @@ ROWS_FIX = (
 )
 
 
+def describe(tx: Any, caller: str) -> str:
+  """A name for ``tx`` in messages: optax's factory (``adamw``, ``chain``) where it shows, and
+  the function it was given to (``offload_optimizer``, ``init_streamed_optimizer``)."""
+  qual = getattr(getattr(tx, "init", None), "__qualname__", "") or type(tx).__name__
+  factory = qual.split(".<locals>")[0] if ".<locals>" in qual else qual
+  return f"the transformation {factory!r} ({caller}'s tx)"
+
+
 def check_rows(fn, grads: Any, state: Any, params: Any, per_row: tuple[bool, ...], name: str):
   """Refuses (``OptimizerOffloadError``, a ``ValueError``) an update ``fn(grads, state,
   params)`` that does not run row by row. ``grads``, ``params``: abstract trees whose leaves

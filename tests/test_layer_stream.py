@@ -1321,8 +1321,8 @@ HANDLE_DTYPE _Layout StreamedStack _site_of _parse_location _make_layout master_
 _class_locations _check_num_layers _check_stack _chain_loads _PASSES StreamPass new_pass
 _load_layer _token _token32 _after _store_layer _stacked _scan_layers init_streamed _init_jit
 stack_from_tree _from_tree_jit stack_to_tree _to_tree_jit map_stack _map_jit _check_bool
-_sum_layout _MIXING _PROBE_LAYERS _OptSpec _params_key
-StreamedOptState _check_tx _opt_params _mixing_eqns _SPECS _opt_spec _make_opt_spec _opt_layout
+_sum_layout _PROBE_LAYERS _OptSpec _params_key
+StreamedOptState _check_tx _opt_params _SPECS _opt_spec _make_opt_spec _opt_layout
 init_streamed_optimizer _opt_init_jit _zeros _check_opt_state _check_scalar _sum_of_squares
 streamed_global_norm _global_norm_jit _mean_grad _clip apply_streamed_update _update_jit
 apply_device_update _ENTRY_ALIGN StreamedRoomError _dtype_name store_room STACK_CLASSES _STORED

@@ -25,6 +25,7 @@ LAYERS = [
   ["_src.native"],  # the engine's C ABI and FFI handlers
   ["_src.lifetimes"],  # handed the primitives it counts (install_lowering_hook)
   ["_src.config"],  # the process-wide store: opened when a program that uses it first runs
+  ["_src.store_space"],  # the store's room and its entries' rounding, for every class of state
   ["_src.sharded"],  # handed the primitives it partitions
   ["_src.primitives"],
   ["_src.policies", "_src.remat", "_src.measure"],
@@ -47,6 +48,10 @@ ALLOWED_LOCAL = {
   ("maxtext", "jax_ssdtrain.checkpointing"),
   # likewise where a StreamedTrainer saves or restores its state
   ("_src.trainer", "jax_ssdtrain.checkpointing"),
+  # The stack's optimizer is decided by the optimizer's own analysis (one analysis for both),
+  # while the optimizer package's api.py takes streamed stacks: imported where it is used until
+  # the stack's update runs through the optimizer package.
+  ("_src.layer_stream.spec", "jax_ssdtrain._src.optimizer.rows"),
 }
 
 

@@ -58,12 +58,10 @@ from jax_ssdtrain._src.layer_stream.room import (  # noqa: F401
   store_room,
 )
 from jax_ssdtrain._src.layer_stream.spec import (  # noqa: F401
-  _MIXING,
   _PROBE_LAYERS,
   _SPECS,
   _check_tx,
   _make_opt_spec,
-  _mixing_eqns,
   _opt_params,
   _opt_spec,
   _OptSpec,

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ssdtrain._src.config import ensure_configured, store_directories
 from jax_ssdtrain._src.layer_stream.spec import (
   _check_tx,
   _opt_params,
@@ -29,9 +28,8 @@ from jax_ssdtrain._src.layer_stream.stack import (
   _parse_location,
 )
 from jax_ssdtrain._src.location import Location
-from jax_ssdtrain._src.options import free_bytes_total
-
-_ENTRY_ALIGN = 4096  # the engine rounds each entry up to this (xla_ffi/src/config.h: kAlign)
+from jax_ssdtrain._src.store_space import ENTRY_ALIGN as _ENTRY_ALIGN  # noqa: F401 (re-exported)
+from jax_ssdtrain._src.store_space import entry_bytes, store_room
 
 
 class StreamedRoomError(ValueError):
@@ -42,26 +40,6 @@ class StreamedRoomError(ValueError):
 
 def _dtype_name(d: np.dtype) -> str:
   return np.dtype(d).name
-
-
-def store_room(location: Location) -> tuple[int, list[str]]:
-  """The room ``location`` gives a streamed stack: ``host_tier_bytes`` (``"host"``),
-  ``capacity_bytes`` (``"nvme"``; unset: 90% of the store directories' free space, as the store
-  takes it when it opens) or both (``"host,nvme"``); with the parts named for messages."""
-  cfg = ensure_configured()
-  parts, room = [], 0
-  if location in (Location.HOST, Location.HOST_NVME):
-    parts.append(f"host_tier_bytes {cfg.host_tier_bytes}")
-    room += cfg.host_tier_bytes
-  if location in (Location.NVME, Location.HOST_NVME):
-    files = cfg.capacity_bytes
-    if files is None:
-      files = int(0.9 * free_bytes_total(store_directories()))
-      parts.append(f"capacity_bytes {files} (90% of the store directories' free space)")
-    else:
-      parts.append(f"capacity_bytes {files}")
-    room += files
-  return room, parts
 
 
 STACK_CLASSES = (
@@ -218,7 +196,7 @@ def room_arithmetic(
     """Bytes of one layer's entries for ``(size, itemsize)`` arrays, times the layers: as
     they are, and as the store holds them (each entry rounded up to its 4 KiB alignment)."""
     raw = sum(n * b for n, b in arrays)
-    return raw * L, sum(-(-(n * b) // _ENTRY_ALIGN) * _ENTRY_ALIGN for n, b in arrays) * L
+    return raw * L, sum(entry_bytes(n * b) for n, b in arrays) * L
 
   sizes = [int(np.prod(s)) for s in lay.shapes]
   params = entries([(n, d.itemsize) for n, d in zip(sizes, lay.dtypes)])

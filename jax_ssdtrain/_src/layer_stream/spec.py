@@ -4,9 +4,11 @@ Owns the analysis that :func:`~jax_ssdtrain.init_streamed_optimizer`, the update
 arithmetic share (:func:`_opt_spec`, cached per ``tx`` and stack): which leaves of ``tx.init``'s
 state of one layer are per parameter (stored per layer) and which are shared scalars (kept once,
 on the device), found by probing ``tx.init`` of a stacked layer; and the refusal of a ``tx``
-that a layer-by-layer update cannot run exactly (its update combines the elements of an array,
-found by tracing ``tx.update`` of one layer; its state's structure depends on the shapes; or it
-is :func:`~jax_ssdtrain.offload_optimizer`'s, whose state lives in the store already). Also the
+that a layer-by-layer update cannot run exactly: its update reads several parameters' leaves
+together or one parameter across its layers (decided by the optimizer's analysis,
+``optimizer/rows.py``, as ``offload_optimizer``'s plan decides its groups, with the same
+messages), its state's structure depends on the shapes, or it is
+:func:`~jax_ssdtrain.offload_optimizer`'s, whose state lives in the store already. Also the
 master copy's default (:func:`master_weights_of`).
 """
 
@@ -21,32 +23,6 @@ import numpy as np
 
 from jax_ssdtrain._src.layer_stream.stack import _check_bool, _Layout
 
-# Primitives that combine the elements of an array (over more than one element, a number that
-# one layer's update cannot compute from that layer alone).
-_MIXING = frozenset(
-  {
-    "reduce_sum",
-    "reduce_max",
-    "reduce_min",
-    "reduce_prod",
-    "reduce_and",
-    "reduce_or",
-    "reduce_xor",
-    "reduce",
-    "argmax",
-    "argmin",
-    "dot_general",
-    "cumsum",
-    "cumprod",
-    "cummax",
-    "cummin",
-    "cumlogsumexp",
-    "sort",
-    "top_k",
-    "conv_general_dilated",
-    "fft",
-  }
-)
 _PROBE_LAYERS = 3  # the stacked probe of tx.init that tells per-parameter leaves from shared ones
 
 
@@ -118,21 +94,6 @@ def _opt_params(lay: _Layout, master: bool) -> Any:
   return jax.tree.unflatten(lay.treedef, leaves)
 
 
-def _mixing_eqns(jaxpr: Any, found: list) -> None:
-  """Equations of ``jaxpr`` (and the jaxprs inside it) that combine the elements of an array
-  of more than one element."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in _MIXING:
-      sizes = [int(np.prod(getattr(v.aval, "shape", ()))) for v in eqn.invars]
-      if max(sizes, default=0) > 1:
-        found.append((eqn.primitive.name, [tuple(v.aval.shape) for v in eqn.invars]))
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          _mixing_eqns(inner, found)
-
-
 _SPECS: dict = {}  # (tx, layout, master) -> _OptSpec: tracing tx.update once per optimizer
 
 
@@ -176,26 +137,22 @@ def _make_opt_spec(tx: Any, lay: _Layout, master: bool) -> _OptSpec:
         "parameter nor shared by all of them (a per-tensor transformation, such as Adafactor's "
         "factored moments): a layer-by-layer update cannot keep it per layer"
       )
-  grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), lay.layer_struct())
+  # Whether each layer's update is tx's: the optimizer's analysis (optimizer/rows.py) of
+  # tx.update on the stacked probe, the gradients, parameters and per-layer state streamed
+  # (imported here: the optimizer package imports this one).
+  from jax_ssdtrain._src.optimizer.rows import check_rows, describe
+
+  grads = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct((_PROBE_LAYERS, *s.shape), s.dtype), lay.layer_struct()
+  )
   try:
-    jaxpr = jax.make_jaxpr(lambda g, st, p: tx.update(g, st, p))(grads, one, params)
-  except TypeError as err:
-    raise ValueError(f"tx: its update of one layer's gradients does not trace: {err}") from err
-  found: list = []
-  _mixing_eqns(jaxpr.jaxpr, found)
-  if found:
-    prim, shapes = found[0]
-    raise ValueError(
-      f"tx: its update combines the elements of the gradients or parameters ({prim} over "
-      f"{', '.join(str(list(s)) for s in shapes)}; {len(found)} such operation(s)), a number "
-      "over all the parameters (optax.clip_by_global_norm's norm) or over a tensor (a trust "
-      "ratio, Adafactor's factored moments) that a layer-by-layer update cannot compute from "
-      "one layer. Only transformations that update each parameter from its own gradient, state "
-      "and value and shared scalars stream exactly (adam, adamw, sgd, lion, rmsprop, schedules). "
-      "For global-norm clipping, remove optax.clip_by_global_norm from tx and pass "
-      "clip_global_norm=max_norm to apply_streamed_update (it computes the norm over the stack "
-      "first, layer by layer)"
+    check_rows(
+      tx.update, grads, many, stacked, tuple(per_layer), describe(tx, "init_streamed_optimizer")
     )
+  except TypeError as err:
+    raise ValueError(
+      f"tx: its update of the stacked layers' gradients does not trace: {err}"
+    ) from err
   return _OptSpec(treedef, tuple(per_layer), master, _params_key(lay))
 
 

@@ -204,11 +204,22 @@ def partial_kind(eqn: Eqn) -> str:
   return PARTIAL_REDUCTIONS[eqn.primitive.name]
 
 
-def coupling_error(name: str, eqns, deps: dict, leaves, members: list[int], passes: int = 1):
+# What offload_optimizer's refusal of a coupling transformation proposes.
+OFFLOAD_FIX = (
+  "Keep this transformation's state on the device (apply it outside offload_optimizer, or raise "
+  "min_bytes above its leaves), or for gradient accumulation wrap the streamed optimizer: "
+  "optax.MultiSteps(offload_optimizer(tx), k) or jax_ssdtrain.accumulate_gradients("
+  "offload_optimizer(tx), k)."
+)
+
+
+def coupling_error(
+  name: str, eqns, deps: dict, leaves, members: list[int], passes: int = 1, fix: str = OFFLOAD_FIX
+):
   """The refusal of a group that reads the state of several parameters together: it names the
   first equation that does (its operation, the transformation and line that traced it) and the
-  leaves it reads. ``passes`` 2: the refusal of a two-pass stream (``plan.two_pass``) that does
-  not resolve it."""
+  leaves it reads, then ``fix`` (what the caller proposes). ``passes`` 2: the refusal of a
+  two-pass stream (``plan.two_pass``) that does not resolve it."""
   cause, read = None, ()
   for e in eqns:
     d = frozenset().union(*(deps.get(v, frozenset()) for v in e.invars if is_var(v)))
@@ -221,6 +232,18 @@ def coupling_error(name: str, eqns, deps: dict, leaves, members: list[int], pass
     what, where = "its update", None
   else:
     what = f"its {cause.primitive.name if cause.primitive else 'copy'} operation"
+    # a join of full reductions (a global norm's add of each leaf's reduce_sum): name them
+    made = {v: e for e in eqns for v in e.outvars}
+    reduced = {
+      made[v].primitive.name
+      for v in cause.invars
+      if is_var(v)
+      and v in made
+      and made[v].primitive is not None
+      and made[v].primitive.name in PARTIAL_REDUCTIONS
+    }
+    if reduced:
+      what += f" (of each parameter's {', '.join(sorted(reduced))})"
     where = ji.equation_origin(cause.origin) if cause.origin is not None else None
   prim = cause.primitive.name if cause is not None and cause.primitive else ""
   scalar = cause is not None and all(
@@ -250,8 +273,5 @@ def coupling_error(name: str, eqns, deps: dict, leaves, members: list[int], pass
   inner = f"the transformation {transformation!r} ({where}) in " if transformation else ""
   return OptimizerOffloadError(
     f"{inner}{name} cannot be streamed: {what} reads the state of several parameters "
-    f"together ({paths}): {why}. Keep this transformation's state on the device (apply it "
-    "outside offload_optimizer, or raise min_bytes above its leaves), or for gradient "
-    "accumulation wrap the streamed optimizer: optax.MultiSteps(offload_optimizer(tx), k) or "
-    "jax_ssdtrain.accumulate_gradients(offload_optimizer(tx), k)."
+    f"together ({paths}): {why}. {fix}"
   )

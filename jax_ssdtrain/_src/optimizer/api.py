@@ -39,6 +39,7 @@ from jax_ssdtrain._src.optimizer.layout import (
   room_bytes,
   storable_dtype,
 )
+from jax_ssdtrain._src.optimizer.rows import describe
 from jax_ssdtrain._src.optimizer.state import OffloadedState, check_state
 from jax_ssdtrain._src.optimizer.stream import stream
 
@@ -435,8 +436,5 @@ def _check_made_for(tx: Any, state: OffloadedState, params: Any, name: str) -> N
 
 
 def _describe(tx: Any) -> str:
-  """A name for ``tx`` in messages: optax's factory (``adamw``, ``chain``) where it shows."""
-  fn = getattr(tx, "init", None)
-  qual = getattr(fn, "__qualname__", "") or type(tx).__name__
-  factory = qual.split(".<locals>")[0] if ".<locals>" in qual else qual
-  return f"the transformation {factory!r} (offload_optimizer's tx)"
+  """A name for ``tx`` in messages (as a streamed stack's: ``rows.describe``)."""
+  return describe(tx, "offload_optimizer")

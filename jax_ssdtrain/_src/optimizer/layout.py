@@ -19,7 +19,6 @@ picks the place for ``location="auto"``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from typing import Any
 
@@ -30,6 +29,8 @@ import numpy as np
 from jax_ssdtrain._src.config import ensure_configured
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
+from jax_ssdtrain._src.remat import derived_site
+from jax_ssdtrain._src.store_space import entry_bytes, store_room
 
 PIPELINE_DEPTH = 2  # the stream's loads of chunk k wait for the stores of chunk k - PIPELINE_DEPTH
 
@@ -176,10 +177,11 @@ def storable_dtype(dtype: Any) -> bool:
 def site_of(leaf: LeafLayout, index: int) -> int:
   """The store site of a stored leaf's chunks: derived from the leaf (its index, path, shape,
   dtype, chunking and block), never from a counter, so that two ``init`` calls of one optimizer
-  on one model make equal layouts. Negative: activation sites count up from 1."""
-  key = repr((index, leaf.path, leaf.shape, leaf.dtype.name, leaf.bounds, leaf.local_shape))
-  digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-  return -2 - (int.from_bytes(digest, "little") >> 2)
+  on one model make equal layouts (``remat.derived_site``, as a streamed stack's leaves').
+  Negative: activation sites count up from 1."""
+  return derived_site(
+    (index, leaf.path, leaf.shape, leaf.dtype.name, leaf.bounds, leaf.local_shape)
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,9 +209,17 @@ def _local_devices(layout: Layout) -> int:
   return sum(d.process_index == jax.process_index() for d in layout.mesh.devices.flat)
 
 
+def _chunk_bytes(leaf: LeafLayout, r0: int, r1: int) -> int:
+  """Bytes a chunk's entry takes in the store (rounded up to the engine's alignment)."""
+  return entry_bytes(math.prod(leaf.chunk_shape(r0, r1)) * np.dtype(leaf.dtype).itemsize)
+
+
 def _version_bytes(layout: Layout) -> int:
-  """Bytes of one version of the stored leaves that this process's devices hold."""
-  return _local_devices(layout) * sum(leaf.block_nbytes for leaf in layout.leaves if leaf.stored)
+  """Bytes of one version of the stored leaves that this process's devices hold (each chunk an
+  entry, rounded up to the engine's alignment as the store holds it)."""
+  return _local_devices(layout) * sum(
+    _chunk_bytes(leaf, r0, r1) for leaf in layout.leaves if leaf.stored for r0, r1 in leaf.bounds
+  )
 
 
 def room_bytes(layout: Layout) -> int:
@@ -222,8 +232,7 @@ def room_bytes(layout: Layout) -> int:
   per_shape: dict[tuple[int, ...], int] = {}
   for leaf in layout.leaves:
     if leaf.stored:
-      r0, r1 = leaf.bounds[0]
-      chunk = math.prod(leaf.chunk_shape(r0, r1)) * np.dtype(leaf.dtype).itemsize
+      chunk = _chunk_bytes(leaf, *leaf.bounds[0])
       per_shape[leaf.block_shape] = per_shape.get(leaf.block_shape, 0) + chunk
   in_flight = (PIPELINE_DEPTH + 1) * max(per_shape.values(), default=0)
   return version + _local_devices(layout) * in_flight
@@ -231,24 +240,21 @@ def room_bytes(layout: Layout) -> int:
 
 def check_room(layout: Layout, loc: Location, name: str) -> None:
   """Refuses a state whose versions (the one an update reads and the one it writes beside it;
-  with ``in_place`` one, and the chunks in flight) do not fit where it is to live: this
-  process's host tier, its files, or both. State on the device takes no room in the store."""
+    with ``in_place`` one, and the chunks in flight) do not fit where it is to live: this
+    process's host tier, its files (``capacity_bytes``; unset: 90% of the store directories' free
+  space), or both: ``store_space.store_room``, the room a streamed stack's check uses. State on
+  the device takes no room in the store."""
   if not loc.in_store:
     return
   version, need = _version_bytes(layout), room_bytes(layout)
-  cfg = ensure_configured()
-  files = cfg.capacity_bytes  # None: the default, decided by the free space when the store opens
-  if loc is not Location.HOST and files is None:
-    return
-  room = cfg.host_tier_bytes if loc is Location.HOST else files
-  if loc is Location.HOST_NVME:
-    room += cfg.host_tier_bytes
+  room, parts = store_room(loc)  # as a streamed stack's room (capacity_bytes unset: free space)
   if need > room:
     what = {
       Location.HOST: "host_tier_bytes",
       Location.NVME: "capacity_bytes",
       Location.HOST_NVME: "host_tier_bytes + capacity_bytes",
     }[loc]
+    free = "".join(f"; {p}" for p in parts if "free space" in p)  # capacity_bytes unset
     held = (
       f"an update holds it and the chunks in flight ({need} bytes, in_place=True)"
       if layout.in_place
@@ -256,7 +262,8 @@ def check_room(layout: Layout, loc: Location, name: str) -> None:
     )
     raise OptimizerOffloadError(
       f"{name}: its state takes {version} bytes in the store, and {held}, more than "
-      f"location={loc.value!r} holds ({what} = {room}): configure more (ssd.configure(...)), "
+      f"location={loc.value!r} holds ({what} = {room}{free}): configure more "
+      "(ssd.configure(...)), "
       + ("" if layout.in_place else "update in place (in_place=True: one version), ")
       + "or use location='host,nvme' (the host tier spilling to the files)"
     )

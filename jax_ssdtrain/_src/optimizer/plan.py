@@ -20,6 +20,7 @@ from typing import Any
 
 from jax_ssdtrain._src import jax_internals as ji
 from jax_ssdtrain._src.optimizer.analyse import (
+  OFFLOAD_FIX,
   coupling_error,
   cuttable,
   dependencies,
@@ -60,10 +61,14 @@ class Plan:
   first: Plan | None = None
 
 
-def make_plan(traced: Traced, leaves, name: str) -> tuple[Program, dict, Plan]:
+def make_plan(
+  traced: Traced, leaves, name: str, passes: int = 2, fix: str = OFFLOAD_FIX
+) -> tuple[Program, dict, Plan]:
   """``traced``'s program (its conditions expanded where the plan needs), ``{stored leaf: the
   var of its new value}`` and its plan (with a reduction pass first where a number built from
-  the whole stored state feeds every parameter's update: :func:`two_pass`)."""
+  the whole stored state feeds every parameter's update: :func:`two_pass`). ``passes`` 1: no
+  reduction pass (the state of several parameters that such numbers join is one group, run
+  whole, or refused where its leaves' shapes differ). ``fix``: what a refusal proposes."""
   stored_ids = [i for i, leaf in enumerate(leaves) if leaf.stored]
   expand: frozenset = frozenset()
   while True:  # each pass expands the conditions the last plan found decided on the device
@@ -72,7 +77,7 @@ def make_plan(traced: Traced, leaves, name: str) -> tuple[Program, dict, Plan]:
     if traced.first_state_in is not None:
       stored_in = {prog.invars[traced.first_state_in + i]: i for i in stored_ids}
     stored_out = {i: prog.outvars[traced.n_updates + i] for i in stored_ids}
-    plan = _plan(prog, stored_in, stored_out, leaves, name)
+    plan = _plan(prog, stored_in, stored_out, leaves, name, passes == 2, fix=fix)
     if isinstance(plan, _Cut):
       try:
         return prog, stored_out, two_pass(prog, stored_in, stored_out, leaves, name, plan)
@@ -142,6 +147,7 @@ def _plan(
   name: str,
   cut_allowed: bool = True,
   partials: tuple[Eqn, ...] = (),
+  fix: str = OFFLOAD_FIX,
 ) -> Plan | frozenset | _Cut:
   """The device part and the groups of ``prog``; or the ids of the ``cond`` equations that join
   the state of several parameters and are decided before any stored state is read, which
@@ -197,8 +203,7 @@ def _plan(
         for e in eqns
         if e.primitive is not None
         and e.primitive.name == ji.COND_PRIMITIVE
-        and is_var(e.invars[0])
-        and not deps.get(e.invars[0])
+        and not (is_var(e.invars[0]) and deps.get(e.invars[0]))  # a literal index too
       ]
       if conds:  # decided before any stored state is read: run both branches, select
         return frozenset(id(e) for e in conds)
@@ -208,7 +213,7 @@ def _plan(
         errors.append(coupling_error(name, eqns, deps, leaves, sorted(members), passes=2))
         continue
       if len(shapes) > 1:
-        raise coupling_error(name, eqns, deps, leaves, sorted(members))
+        raise coupling_error(name, eqns, deps, leaves, sorted(members), fix=fix)
     shape = leaves[members[0]].shape if len(shapes) > 1 else next(iter(shapes))
     bounds = {leaves[i].bounds for i in members}
     # One parameter's leaves of several shapes (sm3's per-axis accumulators, adafactor's

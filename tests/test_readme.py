@@ -14,7 +14,7 @@ DEMO = (
   'pip install ".[demo]" && python -m scripts.train --model gpt --preset tiny --steps 30 '
   "--locations layer_in=nvme,qkv=nvme,attn=nvme,mlp_up=nvme"
 )
-TESTS = 'pip install ".[test]" && python -m pytest -q -ra'
+TESTS = 'pip install ".[test]" && python -m pytest -q -ra -n 2'
 
 
 def test_the_two_commands_are_the_first_code_lines():

@@ -28,7 +28,7 @@ def ms(value) -> str:
 
 def shown(doc: dict, bench: str) -> list[str]:
   """The numbers of BENCH's JSON that its table shows, formatted as the table does."""
-  if bench in ("rok", "host_tier", "emulated"):
+  if bench in ("rok", "rok_128k", "host_tier", "emulated"):
     return [ms(r["step_ms_median"]) for r in doc["rows"]]
   if bench == "link":
     return [f"{r[k]:.1f}" for r in doc["rows"] for k in ("d2h_GBps", "h2d_GBps")]

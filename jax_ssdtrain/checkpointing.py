@@ -195,21 +195,14 @@ class OptimizerStateHandler(ocp.CheckpointHandler):
     if shared:  # every process's blocks are written before the layout says the save is whole
       multihost_utils.sync_global_devices(f"jax_ssdtrain.checkpointing wrote {directory}")
     if primary:
-      layout = {"format": 1, "states": [_describe(s) for s in states]}
-      (directory / "layout.json").write_text(json.dumps(layout, indent=1) + "\n")
+      _write_layout(directory, states=[_describe(s) for s in states])
 
   def restore(self, directory, args: OptimizerStateRestore) -> list[OffloadedState]:
     like = list(args.like)
     for s in like:
       _check_offloaded(s, "OptimizerStateRestore.like")
     saved = self.metadata(directory)["states"]
-    if len(saved) != len(like):
-      raise OptimizerOffloadError(
-        f"the checkpoint holds {len(saved)} optimizer state(s) in the store, the tree to restore "
-        f"into {len(like)}: a checkpoint of another training setup?"
-      )
-    for si, (state, meta) in enumerate(zip(like, saved)):
-      _check_layout(state, meta, si)  # all of them before anything is written to the store
+    _check_saved(saved, like, "optimizer state", _check_layout)
     out = []
     for si, state in enumerate(like):
       arrays: dict[int, Any] = {}
@@ -267,8 +260,7 @@ class StreamedStackHandler(ocp.CheckpointHandler):
         for i in range(lay.num_layers):
           leaves = jax.device_get(jax.tree.leaves(_layer_jit(stack, np.int32(i))))
           writes.add([a[i].write(x) for a, x in zip(arrays, leaves)])
-    layout = {"format": 1, "stacks": [_describe_stack(s.layout) for s in stacks]}
-    (directory / "layout.json").write_text(json.dumps(layout, indent=1) + "\n")
+    _write_layout(directory, stacks=[_describe_stack(s.layout) for s in stacks])
 
   def restore(self, directory, args: StreamedStackRestore) -> list[StreamedStack]:
     like = list(args.like)
@@ -276,13 +268,7 @@ class StreamedStackHandler(ocp.CheckpointHandler):
       _check_store_stack(s, "StreamedStackRestore.like")
     _single_process(like, "restore")
     saved = self.metadata(directory)["stacks"]
-    if len(saved) != len(like):
-      raise OptimizerOffloadError(
-        f"the checkpoint holds {len(saved)} StreamedStack(s) in the store, the tree to restore "
-        f"into {len(like)}: a checkpoint of another training setup?"
-      )
-    for si, (stack, meta) in enumerate(zip(like, saved)):
-      _check_stack_layout(stack.layout, meta, si)  # all before anything is stored
+    _check_saved(saved, [s.layout for s in like], "StreamedStack", _check_stack_layout)
     out = []
     for si, stack in enumerate(like):
       lay = stack.layout
@@ -339,6 +325,13 @@ class _Writes:
         w.result()
 
 
+def _write_layout(directory, **entries: list) -> None:
+  """A handler's ``layout.json``: its format and ``entries`` (a description per saved state or
+  stack), written after every byte of the save, so that its presence says the save is whole."""
+  layout = {"format": 1, **entries}
+  (directory / "layout.json").write_text(json.dumps(layout, indent=1) + "\n")
+
+
 def _read_layout(directory, what: str) -> dict:
   """The ``layout.json`` a handler's save writes last (``what``: its kind, for the message)."""
   path = directory / "layout.json"
@@ -348,6 +341,19 @@ def _read_layout(directory, what: str) -> dict:
       "did not complete)"
     )
   return json.loads(path.read_text())
+
+
+def _check_saved(saved: list, like: list, what: str, check) -> None:
+  """The layouts a checkpoint holds (``saved``) against what a restore fills (``like``): as many,
+  and each one ``like``'s (``check(entry, meta, index)`` raises where not); all of them checked
+  before anything is written to the store. ``what``: their kind, for the message."""
+  if len(saved) != len(like):
+    raise OptimizerOffloadError(
+      f"the checkpoint holds {len(saved)} {what}(s) in the store, the tree to restore into "
+      f"{len(like)}: a checkpoint of another training setup?"
+    )
+  for si, (entry, meta) in enumerate(zip(like, saved)):
+    check(entry, meta, si)
 
 
 @jax.jit

@@ -236,16 +236,16 @@ def _report(
   return "\n".join(lines)
 
 
-def _arg(parse, what: str):
-  """An argparse type from parse_size / parse_bandwidth."""
+def _add_parsed(p: argparse.ArgumentParser, flag: str, parse, **kw) -> None:
+  """Option ``flag`` read with ``parse`` (parse_size / parse_bandwidth), its errors naming it."""
 
   def convert(text: str):
     try:
-      return parse(text, what=what)
+      return parse(text, what=flag)
     except ValueError as e:
       raise argparse.ArgumentTypeError(str(e)) from None
 
-  return convert
+  p.add_argument(flag, type=convert, **kw)
 
 
 def _threads(text: str) -> list[int]:
@@ -307,9 +307,10 @@ def _parse_args(argv):
     nargs="?",
     help="store directory to measure (created, private, if it does not exist)",
   )
-  p.add_argument(
+  _add_parsed(
+    p,
     "--size",
-    type=_arg(parse_size, "--size"),
+    parse_size,
     default=DEFAULT_SIZE,
     help="bytes written and read per measurement (default 4GiB)",
   )
@@ -319,15 +320,17 @@ def _parse_args(argv):
     default=[4, 8, 16],
     help="engine I/O thread counts to try (default 4,8,16)",
   )
-  p.add_argument(
+  _add_parsed(
+    p,
     "--tensor-size",
-    type=_arg(parse_size, "--tensor-size"),
+    parse_size,
     default=DEFAULT_TENSOR,
     help="size of one stored tensor (default 64MiB)",
   )
-  p.add_argument(
+  _add_parsed(
+    p,
     "--bandwidth-cap",
-    type=_arg(parse_bandwidth, "--bandwidth-cap"),
+    parse_bandwidth,
     default=None,
     help="measure the store capped at this rate (e.g. 7GB/s: emulation)",
   )
@@ -345,9 +348,10 @@ def _parse_args(argv):
   )
   p.add_argument("--refresh", action="store_true", help="measure again (ignore the cache)")
   p.add_argument("--step-ms", type=_number, help="training step time, ms")
-  p.add_argument(
+  _add_parsed(
+    p,
     "--bytes-per-step",
-    type=_arg(parse_size, "--bytes-per-step"),
+    parse_size,
     help="bytes written to the store per step (e.g. 1.2GB)",
   )
   p.add_argument(
@@ -358,9 +362,10 @@ def _parse_args(argv):
   p.add_argument("--steps-per-day", type=_number, help="default: 86400 s / step time")
   p.add_argument("--tbw", type=_number, help="drive's rated endurance, TB written")
   p.add_argument("--dwpd", type=_number, help="drive's rated drive writes per day")
-  p.add_argument(
+  _add_parsed(
+    p,
     "--capacity",
-    type=_arg(parse_size, "--capacity"),
+    parse_size,
     help="drive capacity (with --dwpd), e.g. 3.84TB",
   )
   p.add_argument("--warranty-years", type=_number, default=5.0)

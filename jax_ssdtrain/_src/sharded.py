@@ -82,6 +82,25 @@ def _local_aval(aval, shape):
   return aval.update(shape=shape, sharding=sharding.update(spec=PartitionSpec()))
 
 
+def _stored_sharding(site):
+  """The sharding the latest compiled store of ``site`` saw (None where none was compiled)."""
+  with _lock:
+    return _store_shardings.get(site)
+
+
+def _partitioned(local, partition, rule, infer):
+  """``local`` under ``custom_partitioning`` with these callbacks (Shardy's ``rule``, GSPMD's
+  ``infer``); a consumer's sharding of the result propagates as it is."""
+  fn = custom_partitioning(local)
+  fn.def_partition(
+    partition=partition,
+    sharding_rule=rule,
+    infer_sharding_from_operands=infer,
+    propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
+  )
+  return fn
+
+
 def _replicated(mesh, like):
   if mesh is not None and not mesh.empty:
     return NamedSharding(mesh, PartitionSpec())
@@ -112,14 +131,7 @@ def _store_fn(store_p, site, tier, name, uses):
     del result_shape
     return _replicated(mesh, arg_shapes[0].sharding)
 
-  fn = custom_partitioning(local_store)
-  fn.def_partition(
-    partition=partition,
-    sharding_rule=rule,
-    infer_sharding_from_operands=infer,
-    propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
-  )
-  return fn
+  return _partitioned(local_store, partition, rule, infer)
 
 
 def _load_fn(load_p, aval, site, tier, name):
@@ -137,8 +149,7 @@ def _load_fn(load_p, aval, site, tier, name):
 
   def partition(mesh, arg_shapes, result_shape):
     proposed = result_shape.sharding
-    with _lock:
-      stored = _store_shardings.get(site)
+    stored = _stored_sharding(site)
     out_sharding = proposed
     if stored is not None and stored._device_assignment == proposed._device_assignment:
       out_sharding = stored
@@ -153,15 +164,7 @@ def _load_fn(load_p, aval, site, tier, name):
     # GSPMD asks before any partition callback ran: the store's sharding of an earlier
     # compilation if any, else replicated (the partition callback still loads the shard).
     del result_shape
-    with _lock:
-      stored = _store_shardings.get(site)
+    stored = _stored_sharding(site)
     return stored if stored is not None else _replicated(mesh, arg_shapes[0].sharding)
 
-  fn = custom_partitioning(local_load)
-  fn.def_partition(
-    partition=partition,
-    sharding_rule=rule,
-    infer_sharding_from_operands=infer,
-    propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
-  )
-  return fn
+  return _partitioned(local_load, partition, rule, infer)

@@ -69,6 +69,27 @@ inline Status CheckStreamDir(int32_t dir, std::string_view what, std::string_vie
   }
 }
 
+// A store call's handle and attributes, checked alike by the CPU and the CUDA handler.
+inline Status CheckStoreCall(size_t handle_elements, int32_t stream_dir, std::string_view name) {
+  SSD_RETURN_IF_ERROR(CheckHandleShape(handle_elements, "store", name));
+  return CheckStreamDir(stream_dir, "store", name);
+}
+
+// A load call's handle and attributes, checked alike by the CPU and the CUDA handler.
+inline Status CheckLoadCall(size_t handle_elements, int32_t exact, int32_t stream_dir,
+                            std::string_view name) {
+  SSD_RETURN_IF_ERROR(CheckHandleShape(handle_elements, "load", name));
+  SSD_RETURN_IF_ERROR(CheckLoadOrder(exact, name));
+  return CheckStreamDir(stream_dir, "load", name);
+}
+
+// The copy handlers' one check: an output of the input's size.
+inline Status CheckCopySizes(size_t in_bytes, size_t out_bytes) {
+  if (in_bytes == out_bytes) return Status::Ok();
+  return Status(EINVAL, "copy: input of " + std::to_string(in_bytes) + " bytes, output of " +
+                            std::to_string(out_bytes));
+}
+
 // Runs f() -> Status, converting exceptions so nothing propagates into XLA.
 template <typename F>
 xla::ffi::Error Guarded(F&& f) {

@@ -14,8 +14,7 @@ ffi::Error StoreCpuImpl(int32_t device, ffi::RunId run, ffi::AnyBuffer x,
                         std::string_view name, int64_t uses, int64_t stream_pass,
                         int32_t stream_dir) {
   return Guarded([&]() -> Status {
-    SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
-    SSD_RETURN_IF_ERROR(CheckStreamDir(stream_dir, "store", name));
+    SSD_RETURN_IF_ERROR(CheckStoreCall(handle->element_count(), stream_dir, name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
@@ -33,9 +32,7 @@ ffi::Error LoadCpuImpl(int32_t device, ffi::RunId run, ffi::Buffer<ffi::U32> han
   // streamed load's is made and checked, for the counters). `exact` (state an earlier execution
   // stored) orders the read-ahead of the files.
   return Guarded([&]() -> Status {
-    SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
-    SSD_RETURN_IF_ERROR(CheckLoadOrder(exact, name));
-    SSD_RETURN_IF_ERROR(CheckStreamDir(stream_dir, "load", name));
+    SSD_RETURN_IF_ERROR(CheckLoadCall(handle.element_count(), exact, stream_dir, name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
@@ -51,10 +48,8 @@ ffi::Error LoadCpuImpl(int32_t device, ffi::RunId run, ffi::Buffer<ffi::U32> han
 // order its load after other stores and loads (an optimization barrier does not hold).
 ffi::Error CopyCpuImpl(ffi::AnyBuffer x, ffi::RemainingArgs after,
                        ffi::Result<ffi::AnyBuffer> out) {
-  if (x.size_bytes() != out->size_bytes())
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "ssdtrain: copy: input of " + std::to_string(x.size_bytes()) +
-                          " bytes, output of " + std::to_string(out->size_bytes()));
+  Status sizes = CheckCopySizes(x.size_bytes(), out->size_bytes());
+  if (!sizes.ok()) return ToFfiError(sizes);
   if (x.size_bytes() != 0) std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
   return ffi::Error::Success();
 }

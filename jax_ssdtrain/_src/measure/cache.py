@@ -5,6 +5,7 @@ cannot be written only costs a new measurement."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -36,3 +37,20 @@ def write(key: str, entry: dict) -> None:
     os.replace(tmp, where)
   except OSError as e:  # a cache that cannot be written only costs a new measurement
     print(f"jax_ssdtrain.probe: cannot write the cache {where}: {e}", file=sys.stderr)
+
+
+def entry(key: str, kind: type):
+  """The measurement cached at ``key``, a ``kind`` (a dataclass with a ``cached`` field) marked
+  ``cached=True``; None where there is none, or one written by another version (other fields)."""
+  found = load().get(key)
+  if not isinstance(found, dict):
+    return None
+  try:
+    return dataclasses.replace(kind(**found), cached=True)
+  except TypeError:  # written by another version
+    return None
+
+
+def remember(key: str, result) -> None:
+  """Caches the measurement ``result`` (a dataclass with a ``cached`` field) at ``key``."""
+  write(key, dataclasses.asdict(result) | {"cached": False})

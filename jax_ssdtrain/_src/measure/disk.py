@@ -7,6 +7,7 @@ for ``measure``'s two rates."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno as _errno
 import fcntl
@@ -97,14 +98,8 @@ def measure(
   if not refresh:
     hit = cached(key, raw)
     if hit is not None:
-      return dataclasses.replace(hit, cached=True)
-  need = key.size + (64 * MiB)
-  free = shutil.disk_usage(key.directory).free
-  if need > free:
-    raise ValueError(
-      f"size={key.size} ({key.size / GiB:.2f} GiB): the probe needs {need} bytes "
-      f"free in {key.directory!r}, which has {free}"
-    )
+      return hit
+  _check_free(key.directory, key.size, key.size + 64 * MiB, "the probe")
   request = dataclasses.asdict(key) | {"raw": raw}
   env = dict(os.environ)
   package_root = str(Path(__file__).resolve().parents[3])
@@ -123,7 +118,7 @@ def measure(
       f"{proc.returncode}): {(proc.stderr or proc.stdout).strip()[-2000:]}",
     )
   result = ProbeResult(**json.loads(lines[-1]))
-  remember(key, result)
+  cache.remember(key.cache_key(), result)
   return result
 
 
@@ -167,17 +162,8 @@ def measure_disk_duplex(
   blocks = max(1, size // RAW_BLOCK)
   size = blocks * RAW_BLOCK
   directory = os.path.realpath(os.fspath(directory))
-  free = shutil.disk_usage(directory).free
-  if 2 * size + 64 * MiB > free:
-    raise ValueError(
-      f"size={size} ({size / GiB:.2f} GiB): the duplex probe needs {2 * size + 64 * MiB} bytes "
-      f"free in {directory!r}, which has {free}"
-    )
-  fd, direct = open_private(directory)
-  bufs = [mmap.mmap(-1, RAW_BLOCK) for _ in range(threads)]  # page aligned
-  try:
-    for b in bufs:
-      b.write(os.urandom(RAW_BLOCK))
+  _check_free(directory, size, 2 * size + 64 * MiB, "the duplex probe")
+  with _raw_file(directory, threads) as (fd, direct, bufs):
     half = threads // 2
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
       for f in [pool.submit(_blocks, fd, bufs[t], True, t, half, blocks, 0) for t in range(half)]:
@@ -197,10 +183,6 @@ def measure_disk_duplex(
         f.result()
       os.fsync(fd)
       end = time.perf_counter()
-  finally:
-    os.close(fd)
-    for b in bufs:
-      b.close()
   return DiskDuplexResult(
     directory=directory,
     size=size,
@@ -223,13 +205,9 @@ def stripe_directories(directory: str | os.PathLike, stripes: int) -> list[str]:
 def raw_rates(directory: str, size: int, threads: int) -> tuple[float, float, bool]:
   """Plain pwrite then pread of ``size`` bytes in RAW_BLOCK blocks over ``threads`` threads, on
   an unlinked file opened with O_DIRECT (buffered where the filesystem refuses it)."""
-  fd, direct = open_private(directory)
   blocks = size // RAW_BLOCK
-  bufs = [mmap.mmap(-1, RAW_BLOCK) for _ in range(threads)]  # page aligned
-  for b in bufs:
-    b.write(os.urandom(RAW_BLOCK))
 
-  def timed(write: bool) -> float:
+  def timed(fd: int, bufs: list, write: bool) -> float:
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
       for f in [
@@ -240,12 +218,37 @@ def raw_rates(directory: str, size: int, threads: int) -> tuple[float, float, bo
       os.fsync(fd)
     return blocks * RAW_BLOCK / (time.perf_counter() - t0) / 1e9
 
+  with _raw_file(directory, threads) as (fd, direct, bufs):
+    return timed(fd, bufs, True), timed(fd, bufs, False), direct
+
+
+@contextlib.contextmanager
+def _raw_file(directory: str, buffers: int):
+  """The raw probes' file and buffers: ``(fd, O_DIRECT on, bufs)``, an unlinked file of
+  ``directory`` (:func:`open_private`) and ``buffers`` page-aligned RAW_BLOCK buffers of random
+  bytes, all closed when the block is left."""
+  fd, direct = open_private(directory)
+  bufs: list[mmap.mmap] = []
   try:
-    return timed(True), timed(False), direct
+    bufs = [mmap.mmap(-1, RAW_BLOCK) for _ in range(buffers)]  # page aligned
+    for b in bufs:
+      b.write(os.urandom(RAW_BLOCK))
+    yield fd, direct, bufs
   finally:
     os.close(fd)
     for b in bufs:
       b.close()
+
+
+def _check_free(directory: str, size: int, need: int, what: str) -> None:
+  """ValueError unless ``directory``'s filesystem has ``need`` bytes free for ``what`` (a probe
+  of ``size`` bytes)."""
+  free = shutil.disk_usage(directory).free
+  if need > free:
+    raise ValueError(
+      f"size={size} ({size / GiB:.2f} GiB): {what} needs {need} bytes free in {directory!r}, "
+      f"which has {free}"
+    )
 
 
 def _blocks(fd: int, buf, write: bool, t: int, stride: int, blocks: int, base: int) -> None:
@@ -367,16 +370,9 @@ def mount_point(path: str) -> str:
 
 
 def cached(key: Request, raw: bool) -> ProbeResult | None:
-  """The cached result of ``key`` (None where none, or without the raw rates ``raw`` asks)."""
-  entry = cache.load().get(key.cache_key())
-  try:
-    result = ProbeResult(**entry) if isinstance(entry, dict) else None
-  except TypeError:  # written by another version
-    return None
+  """The cached result of ``key``, marked ``cached`` (None where none, or without the raw rates
+  ``raw`` asks)."""
+  result = cache.entry(key.cache_key(), ProbeResult)
   if result is None or (raw and result.raw_write_gbps is None):
     return None
   return result
-
-
-def remember(key: Request, result: ProbeResult) -> None:
-  cache.write(key.cache_key(), dataclasses.asdict(result) | {"cached": False})

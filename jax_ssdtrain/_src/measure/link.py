@@ -55,8 +55,7 @@ def measure_link(
   registered, as the engine's host tier: what the engine can reach), ``"alloc"``
   (cudaHostAlloc: what a plain pinned-copy benchmark measures) or ``"registered_hugepages"``.
   OSError where no CUDA handler was built or no such GPU is visible."""
-  if host not in native.LINK_HOST_KINDS:
-    raise ValueError(f"host: expected one of {sorted(native.LINK_HOST_KINDS)}, got {host!r}")
+  _check_host(host)
   nbytes = parse_size(size, what="size")
   if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
     raise ValueError(f"repeats: expected a positive integer, got {repeats!r}")
@@ -64,26 +63,12 @@ def measure_link(
     raise ValueError(f"device: expected a CUDA ordinal >= 0, got {device!r}")
   kind = gpu_kind(device)
   key = f"link|{os.uname().nodename}|{kind}|ordinal={device}|size={nbytes}|host={host}"
-  if not refresh:
-    entry = cache.load().get(key)
-    try:
-      if isinstance(entry, dict):
-        return dataclasses.replace(LinkResult(**entry), cached=True)
-    except TypeError:  # written by another version
-      pass
+  hit = None if refresh else cache.entry(key, LinkResult)
+  if hit is not None:
+    return hit
   rates = native.probe_link(device, nbytes, repeats, host)
-  result = LinkResult(
-    device,
-    kind,
-    nbytes,
-    rates.d2h,
-    rates.h2d,
-    rates.duplex_d2h,
-    rates.duplex_h2d,
-    host,
-    measured_at=time.time(),
-  )
-  cache.write(key, dataclasses.asdict(result) | {"cached": False})
+  result = _result(device, kind, nbytes, rates, host, time.time())
+  cache.remember(key, result)
   return result
 
 
@@ -97,8 +82,7 @@ def measure_links(
   devices = list(devices)
   if not devices or len(set(devices)) != len(devices):
     raise ValueError(f"devices: expected distinct CUDA ordinals, got {devices!r}")
-  if host not in native.LINK_HOST_KINDS:
-    raise ValueError(f"host: expected one of {sorted(native.LINK_HOST_KINDS)}, got {host!r}")
+  _check_host(host)
   nbytes = parse_size(size, what="size")
   kinds = [gpu_kind(d) for d in devices]
   start = threading.Barrier(len(devices))
@@ -120,10 +104,27 @@ def measure_links(
   if errors:  # the cause, not another thread's broken barrier
     raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
   now = time.time()
-  return [
-    LinkResult(d, k, nbytes, r.d2h, r.h2d, r.duplex_d2h, r.duplex_h2d, host, measured_at=now)
-    for d, k, r in zip(devices, kinds, rates)
-  ]
+  return [_result(d, k, nbytes, r, host, now) for d, k, r in zip(devices, kinds, rates)]
+
+
+def _result(device: int, kind: str, nbytes: int, rates, host: str, when: float) -> LinkResult:
+  """The :class:`LinkResult` of one GPU's ``native.probe_link`` rates."""
+  return LinkResult(
+    device,
+    kind,
+    nbytes,
+    rates.d2h,
+    rates.h2d,
+    rates.duplex_d2h,
+    rates.duplex_h2d,
+    host,
+    measured_at=when,
+  )
+
+
+def _check_host(host: str) -> None:
+  if host not in native.LINK_HOST_KINDS:
+    raise ValueError(f"host: expected one of {sorted(native.LINK_HOST_KINDS)}, got {host!r}")
 
 
 def gpu_kind(device: int) -> str:

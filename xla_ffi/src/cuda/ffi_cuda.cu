@@ -20,8 +20,7 @@ ffi::Error StoreCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run, ff
                          std::string_view name, int64_t uses, int64_t stream_pass,
                          int32_t stream_dir) {
   return Guarded([&]() -> Status {
-    SSD_RETURN_IF_ERROR(CheckHandleShape(handle->element_count(), "store", name));
-    SSD_RETURN_IF_ERROR(CheckStreamDir(stream_dir, "store", name));
+    SSD_RETURN_IF_ERROR(CheckStoreCall(handle->element_count(), stream_dir, name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
@@ -47,12 +46,10 @@ ffi::Error LoadCudaImpl(int32_t device, cudaStream_t stream, ffi::RunId run,
                         int32_t tier, std::string_view name, int32_t exact, int32_t consume,
                         int64_t stream_pass, int32_t stream_dir) {
   return Guarded([&]() -> Status {
-    SSD_RETURN_IF_ERROR(CheckHandleShape(handle.element_count(), "load", name));
+    SSD_RETURN_IF_ERROR(CheckLoadCall(handle.element_count(), exact, stream_dir, name));
     Status st;
     auto engine = CurrentEngine(&st);
     if (!engine) return st;
-    SSD_RETURN_IF_ERROR(CheckLoadOrder(exact, name));
-    SSD_RETURN_IF_ERROR(CheckStreamDir(stream_dir, "load", name));
     DeviceLoad load;
     load.order = LoadOrderFromAttr(exact);
     load.stream_pass = stream_pass;
@@ -89,10 +86,8 @@ __global__ void CopyBytesKernel(const unsigned char* src, unsigned char* dst, si
 // every further operand is computed (they are not read): see ffi_cpu.cc's CopyCpuImpl.
 ffi::Error CopyCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs after,
                         ffi::Result<ffi::AnyBuffer> out) {
-  if (x.size_bytes() != out->size_bytes())
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "ssdtrain: copy: input of " + std::to_string(x.size_bytes()) +
-                          " bytes, output of " + std::to_string(out->size_bytes()));
+  Status sizes = CheckCopySizes(x.size_bytes(), out->size_bytes());
+  if (!sizes.ok()) return ToFfiError(sizes);
   size_t n = x.size_bytes();
   if (n == 0) return ffi::Error::Success();
   constexpr unsigned kThreads = 256;

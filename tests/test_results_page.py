@@ -52,7 +52,7 @@ def shown(doc: dict, bench: str) -> list[str]:
     return [f"{r[k]:.2f}" for r in doc["rows"] for k in ("save_s", "restore_s")]
   if bench in ("layerstream", "layerstream_h200"):  # the streamed run and its ideal
     return [f"{doc[k]['step_s']:.2f}" for k in ("streamed", "ideal")]
-  if bench == "longctx":  # rows that ran, and the ideal's runs that did
+  if bench.startswith("longctx"):  # rows that ran, and the ideal's runs that did
     return [f"{r['step_s']:.3f}" for r in doc["rows"] + doc["ideal_runs"] if r.get("step_s")]
   if bench in ("fit", "fit_node"):  # rows that do not fit show why; the node's its ideal too
     fits = [f"{r['tokens_per_s']:,.0f}" for r in doc["rows"] if r["fits"]]

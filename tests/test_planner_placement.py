@@ -270,6 +270,16 @@ def test_dense_tier_weighs_what_an_update_holds(tmp_path):
     assert two.room_bytes == 64 * MiB
 
 
+def test_dense_state_the_store_cannot_hold_is_refused_as_init_refuses_it(tmp_path):
+  with ssd.configured(tmp_path / "s", capacity_bytes=MiB, host_tier_bytes=MiB):
+    with pytest.raises(ssd.OptimizerOffloadError) as planned:
+      ssd.choose_placement(tx=optax.adam(1e-3), params=_dense_params(), name="adam")
+    with pytest.raises(ssd.OptimizerOffloadError) as init:
+      ssd.offload_optimizer(optax.adam(1e-3), location="auto").init(_dense_params())
+  assert "location='host,nvme' holds (host_tier_bytes + capacity_bytes" in str(planned.value)
+  assert str(planned.value).split(": ", 1)[1] == str(init.value).split(": ", 1)[1]
+
+
 # -- a streamed stack ---------------------------------------------------------------------------
 
 

@@ -79,6 +79,12 @@ class StreamedTrainState:
 def _check_location(value: Any, what: str, optional: bool = False) -> None:
   if optional and value is None:
     return
+  if isinstance(value, str) and value.strip().lower() == "auto":
+    raise ValueError(
+      f"{what}: 'auto' is the planner's choice for a batch: "
+      "trainer.placed(trainer.choose_placement(batch, memory_budget)) places every class "
+      "(ssd.choose_placement's rule, which offload_optimizer's location='auto' follows too)"
+    )
   loc = Location.parse(value, what=what)
   if loc is Location.REMAT:
     raise ValueError(

@@ -118,6 +118,8 @@ def choose_placement(
   Raises:
     StreamedRoomError: a stack's peak in the store exceeds the host tier and the files
       together, with the arithmetic.
+    OptimizerOffloadError: a dense model's state (``tx`` and ``params`` given), left to the
+      store, does not fit it: as ``offload_optimizer``'s ``init`` refuses it.
   """
   if stack is not None:
     if params is not None:
@@ -179,15 +181,16 @@ def _place_dense(step_bytes, budget_bytes, tx, params, in_place, device, name) -
   if tx is None:
     return Placement({"optimizer_state": "auto"}, why, need, budget)
   tier, held, room, parts = _dense_tier(tx, params, in_place, name)
-  fits = f"an update holds {_gib(held)} of it in the store, "
-  fits += f"which {'fits' if held <= room else 'exceeds'} {' + '.join(parts)}"
+  fits = f"an update holds {_gib(held)} of it in the store, which fits {' + '.join(parts)}"
   return Placement({"optimizer_state": tier.value}, f"{why}; {fits}", need, budget, held, room)
 
 
 def _dense_tier(tx, params, in_place: bool, name: str) -> tuple[Location, int, int, list[str]]:
   """A dense model's state in the store: ``(tier, bytes an update holds, the tier's room, its
   parts named)``, as ``offload_optimizer(tx, location="auto", in_place=in_place)``'s ``init``
-  lays the state out and chooses its tier (``layout.auto_location``: the one rule)."""
+  lays the state out and chooses its tier (``layout.auto_location``: the one rule); a state the
+  store cannot hold refused as ``init`` refuses it (``OptimizerOffloadError``, naming the
+  settings)."""
   # The optimizer's init places its state by this package's rule (optimizer/layout.py imports
   # planner/tiers.py), so its layout is reached here, where a dense model's tier is weighed.
   from jax_ssdtrain._src.optimizer.layout import (
@@ -195,6 +198,7 @@ def _dense_tier(tx, params, in_place: bool, name: str) -> tuple[Location, int, i
     DEFAULT_MIN_BYTES,
     Options,
     auto_location,
+    check_room,
     make_layout,
     room_bytes,
   )
@@ -204,6 +208,7 @@ def _dense_tier(tx, params, in_place: bool, name: str) -> tuple[Location, int, i
   opts = Options(Location.HOST, DEFAULT_MIN_BYTES, DEFAULT_CHUNK_BYTES, in_place)
   layout = make_layout(jax.eval_shape(tx.init, params), opts, name, params)
   tier = auto_location(layout)
+  check_room(layout, tier, name)
   room, parts = store_room(tier)
   return tier, room_bytes(layout), room, parts
 

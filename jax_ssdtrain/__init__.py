@@ -72,6 +72,7 @@ def _check_environment() -> None:
 _check_environment()
 from jax_ssdtrain._src import deprecations as _deprecations
 from jax_ssdtrain._src import layer_stream as _layer_stream
+from jax_ssdtrain._src import planner as _planner
 from jax_ssdtrain._src.accumulate import accumulate_gradients
 from jax_ssdtrain._src.config import (
   StoreConfig,
@@ -120,13 +121,11 @@ from jax_ssdtrain._src.optimizer import (
   state_to_host,
 )
 from jax_ssdtrain._src.planner import (
-  OptimizerPlacement,
+  Placement,
   Plan,
   Profile,
-  StackPlacement,
   TagProfile,
-  choose_optimizer_location,
-  choose_stack_location,
+  choose_placement,
   frontier,
   measured_bandwidth,
   plan,
@@ -151,8 +150,12 @@ from jax_ssdtrain._src.stream_scan import (
 )
 from jax_ssdtrain._src.trainer import StreamedTrainer, StreamedTrainState
 
-# Names one other way replaced (jax_ssdtrain/_src/deprecations.py): they answer, with a warning.
-_DEPRECATED_OBJECTS = {name: getattr(_layer_stream, name) for name in _deprecations.DEPRECATED}
+# Names one other way replaced (jax_ssdtrain/_src/deprecations.py): they answer, with a warning,
+# from the package that defines them.
+_DEPRECATED_OBJECTS = {
+  name: getattr(_layer_stream, name, None) or getattr(_planner, name)
+  for name in _deprecations.DEPRECATED
+}
 
 
 def __getattr__(name: str):
@@ -184,15 +187,13 @@ __all__ = [
   "OffloadedState",
   "OffloadPolicy",
   "OptimizerOffloadError",
-  "OptimizerPlacement",
-  "StackPlacement",
+  "Placement",
   "StoreConfig",
   "StoreShutDownError",
   "collect",
   "configure",
   "configured",
-  "choose_optimizer_location",
-  "choose_stack_location",
+  "choose_placement",
   "current_config",
   "default_config",
   "device_stats",

@@ -210,7 +210,7 @@ class Config:
     "auto: each class (the parameters, the sum, the state with the master copy, the saved "
     "layer inputs) on the device as far as the step fits there (--memory-budget, default the "
     "device's memory), the rest in the fastest tiers of the store that hold it "
-    "(ssd.choose_stack_location; the choice is printed)",
+    "(ssd.choose_placement; the choice is printed)",
     choices=["host", "nvme", "host,nvme", "device", "auto"],
   )
   stream_sum: str | None = _flag(
@@ -362,7 +362,7 @@ def auto_plan(run: training.RunConfig, cfg: Config) -> training.RunConfig:
 
 def place_optimizer(run: training.RunConfig, cfg: Config) -> training.RunConfig:
   """--optimizer-location auto: the state on the device or in the store, as
-  ``jax_ssdtrain.choose_optimizer_location`` decides from the compiled step's device memory
+  ``jax_ssdtrain.choose_placement`` decides from the compiled step's device memory
   with the state on the device (with --policy auto: the planner's plan for the activations at
   the run's batch) against --memory-budget, else the device's memory."""
   import jax_ssdtrain as ssd
@@ -370,7 +370,7 @@ def place_optimizer(run: training.RunConfig, cfg: Config) -> training.RunConfig:
   planned = cfg.policy == "auto"
   on_device = dataclasses.replace(run, optimizer_location=None, optimizer_in_place=False)
 
-  def step_bytes() -> int:  # compiled only where there is a budget to weigh it against
+  def step_bytes(locations) -> int:  # compiled only where there is a budget to weigh it against
     nonlocal on_device
     try:
       if planned:
@@ -382,7 +382,7 @@ def place_optimizer(run: training.RunConfig, cfg: Config) -> training.RunConfig:
       raise ValueError(f"with it on the device the plan fits batch {on_device.batch} only")
     return need
 
-  where = ssd.choose_optimizer_location(step_bytes, cfg.memory_budget)
+  where = ssd.choose_placement(step_bytes, cfg.memory_budget)  # in the store: its tier "auto"
   print(where, flush=True)
   if where.on_device:
     return on_device
@@ -682,9 +682,9 @@ def place_stream(trainer, args: Config, run: training.RunConfig, parser):
       trainer = trainer.placed(where)
       args = dataclasses.replace(
         args,
-        stream_layers=where.location,
-        stream_sum=where.sum_location,
-        stream_state=where.state_location,
+        stream_layers=where.locations["params"],
+        stream_sum=where.locations["grad_sum"],
+        stream_state=where.locations["optimizer_state"],
       )
     variables = trainer.read_ahead_variables()
     sizes = trainer.configure_read_ahead()  # nothing is stored yet

@@ -29,7 +29,8 @@ LAYERS = [
   ["_src.sharded"],  # handed the primitives it partitions
   ["_src.primitives"],
   ["_src.policies", "_src.remat", "_src.measure"],
-  ["_src.layer_stream", "_src.planner", "_src.optimizer"],  # the planner places streamed stacks
+  # the planner places streamed stacks; the optimizer's location="auto" follows its rule (tiers)
+  ["_src.layer_stream", "_src.planner", "_src.optimizer"],
   ["_src.accumulate", "_src.master_weights", "_src.stream_scan_passes", "_src.stream_scan"],
   ["_src.trainer"],  # the streamed model's training step, over the micro-step of stream_scan
   ["__init__"],
@@ -52,6 +53,10 @@ ALLOWED_LOCAL = {
   # while the optimizer package's api.py takes streamed stacks: imported where it is used until
   # the stack's update runs through the optimizer package.
   ("_src.layer_stream.spec", "jax_ssdtrain._src.optimizer.rows"),
+  # The optimizer's init places its state by the planner's one rule (optimizer/layout.py imports
+  # planner/tiers.py), so the planner reaches the optimizer's layout where choose_placement
+  # weighs a dense model's state tier.
+  ("_src.planner.placement", "jax_ssdtrain._src.optimizer.layout"),
 }
 
 

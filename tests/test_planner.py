@@ -689,47 +689,7 @@ def test_split_scan_is_the_one_split_scan():
     ssd.split_scan(_block, params, x, split=1, policies=(None,))
 
 
-class _Device:  # what choose_optimizer_location reads of a device
-  def __init__(self, stats):
-    self.stats = stats
-
-  def memory_stats(self):
-    return self.stats
-
-
-def test_choose_optimizer_location_weighs_the_step_against_the_budget():
-  where = ssd.choose_optimizer_location(1_500_000_000, 2_000_000_000)
-  assert where.on_device and (where.step_bytes, where.budget_bytes) == (1.5e9, 2e9)
-  assert str(where) == "optimizer state: on the device (the step takes 1.50 GB of 2.00 GB)"
-  where = ssd.choose_optimizer_location(lambda: 3_000_000_000, 2_000_000_000)
-  assert not where.on_device and where.step_bytes == 3e9
-  assert str(where) == (
-    "optimizer state: in the store (the step takes 3.00 GB with it on the device, budget 2.00 GB)"
-  )
-
-  def no_plan():
-    raise ValueError("no plan fits with it on the device")
-
-  where = ssd.choose_optimizer_location(no_plan, 2_000_000_000)
-  assert not where.on_device and where.step_bytes is None
-  assert str(where) == (
-    "optimizer state: in the store (no plan fits with it on the device, budget 2.00 GB)"
-  )
-  # The budget defaults to the device's memory limit; without one the step is not measured.
-  where = ssd.choose_optimizer_location(lambda: 10**9, device=_Device({"bytes_limit": 4 * 10**9}))
-  assert where.on_device and where.budget_bytes == 4 * 10**9
-
-  def not_measured():
-    raise AssertionError("measured with nothing to weigh it against")
-
-  for stats in (None, {}):
-    where = ssd.choose_optimizer_location(not_measured, device=_Device(stats))
-    assert not where.on_device and where.step_bytes is None and where.budget_bytes is None
-    assert str(where) == (
-      "optimizer state: in the store (no device memory limit to weigh it against)"
-    )
-  with pytest.raises(ValueError, match="budget_bytes: expected an integer >= 1, got 0"):
-    ssd.choose_optimizer_location(1, 0)
+# choose_placement's placement of a dense model's optimizer state: tests/test_planner_placement.py
 
 
 @pytest.mark.parametrize(

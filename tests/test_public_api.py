@@ -6,18 +6,34 @@ import warnings
 import pytest
 
 import jax_ssdtrain as ssd
-from jax_ssdtrain._src import deprecations, layer_stream
+from jax_ssdtrain._src import deprecations, layer_stream, planner
+
+# each replaced name: the package that defines it, and the one way its warning names
+REPLACED = {
+  "apply_streamed_update": (layer_stream, "apply_gradients"),
+  "apply_device_update": (layer_stream, "apply_gradients"),
+  "choose_optimizer_location": (planner, "choose_placement"),
+  "choose_stack_location": (planner, "choose_placement"),
+  "OptimizerPlacement": (planner, "Placement"),
+  "StackPlacement": (planner, "Placement"),
+}
+
+
+def test_every_replaced_name_is_listed_here():
+  assert set(REPLACED) == set(deprecations.DEPRECATED)
 
 
 @pytest.mark.parametrize("name", sorted(deprecations.DEPRECATED))
 def test_a_replaced_name_warns_once_naming_the_one_way(name):
   assert name not in ssd.__all__ and name not in vars(ssd)
+  home, way = REPLACED[name]
+  assert way in ssd.__all__
   deprecations._warned.discard(name)
   with pytest.warns(
-    DeprecationWarning, match=rf"jax_ssdtrain\.{name} is deprecated: use ssd\.apply_gradients\(tx, "
+    DeprecationWarning, match=rf"jax_ssdtrain\.{name} is deprecated: use ssd\.{way}\b"
   ):
     fn = getattr(ssd, name)
-  assert fn is getattr(layer_stream, name)
+  assert fn is getattr(home, name)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert getattr(ssd, name) is fn  # once per process

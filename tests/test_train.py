@@ -171,7 +171,7 @@ def test_cli_optimizer_location_auto_weighs_the_device(capsys):
   cfg = dataclasses.replace(cfg, memory_budget=64 << 10)
   assert train_script.place_optimizer(run, cfg) is run
   out = capsys.readouterr().out
-  assert "optimizer state: in the store (the step takes" in out and "budget 0.00 GB" in out
+  assert "optimizer state: in the store (the step takes" in out and "budget 0.1 MiB" in out
   if jax.default_backend() == "cpu":  # no memory limit to weigh the state against
     cfg = dataclasses.replace(cfg, memory_budget=None)
     assert train_script.place_optimizer(run, cfg) is run

@@ -132,7 +132,7 @@ def test_choose_placement(store):
   assert trainer.activation_bytes(batch) == (L - 1) * 4 * D * 4
   assert trainer.placed({"params": "device", "grad_sum": "device", "optimizer_state": "device"})
   roomy = trainer.choose_placement(batch, 1 << 30)
-  assert roomy.locations["params"] == "device", roomy
+  assert isinstance(roomy, ssd.Placement) and roomy.on_device, roomy
   assert trainer.placed(roomy).location == "device"
   tight = trainer.choose_placement(batch, 1 << 10)
   assert tight.locations["params"] == "host", tight
@@ -148,6 +148,7 @@ def test_choose_placement(store):
     (dict(num_layers=2.0), ValueError, "num_layers: expected an integer >= 1, got 2.0"),
     (dict(location="remat"), ValueError, "location: expected 'device', 'host'"),
     (dict(location="ssd"), ValueError, "location: unknown location 'ssd'"),
+    (dict(sum_location="auto"), ValueError, r"sum_location: 'auto' is the planner's choice"),
     (dict(sum_location="disk"), ValueError, "sum_location: unknown location 'disk'"),
     (dict(clip_global_norm=-1.0), ValueError, "clip_global_norm: expected a number > 0"),
     (dict(clip_global_norm="1"), TypeError, "clip_global_norm: expected a number > 0"),

@@ -19,6 +19,19 @@ DEPRECATED: dict[str, str] = {
     "ssd.apply_gradients(tx, grad_sums, state, params, scale=..., clip_global_norm=..., "
     "global_norm=...): the same mean and clipping for parameters on the device"
   ),
+  "choose_optimizer_location": (
+    "ssd.choose_placement(step_bytes, budget_bytes, device=..., tx=..., params=...): one "
+    "placement of every class under one budget (step_bytes a function of the locations; "
+    ".on_device)"
+  ),
+  "choose_stack_location": (
+    "ssd.choose_placement(step_bytes, budget_bytes, stack=stack, tx=tx, ...): one placement of "
+    "every class under one budget (.locations)"
+  ),
+  "OptimizerPlacement": (
+    "ssd.Placement, which ssd.choose_placement returns (.on_device, .locations)"
+  ),
+  "StackPlacement": "ssd.Placement, which ssd.choose_placement returns (.locations)",
 }
 
 _warned: set[str] = set()

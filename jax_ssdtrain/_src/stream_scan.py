@@ -459,7 +459,7 @@ def value_and_grad_streamed(
   micro-batch of a step: the returned sums are then its gradients). The embedding and head sums
   stay on the device; the stack's is a :class:`StreamedStack` at ``sum_location``: ``None``
   (default) where ``stack`` lives, else ``"device"`` or a store location (the planner's choice
-  per class: :func:`jax_ssdtrain.choose_stack_location`).
+  per class: :func:`jax_ssdtrain.choose_placement`).
 
   ``sum_dtype``: of the sums, float32 (default) or bfloat16 (2 B per parameter instead of 4; each
   micro-batch's sum rounds to it). ``save_inputs``: where each block's input waits for the

@@ -9,7 +9,7 @@ optimizer state where ``state_location`` says) and the embedding's and head's on
 (:func:`~jax_ssdtrain.apply_device_update`); the training state (:class:`StreamedTrainState`);
 the store's sizing for the run (its room, checked before anything is stored; its read-ahead); the
 choice of each class's location under a device budget
-(:func:`~jax_ssdtrain.choose_stack_location` weighing this trainer's compiled programs); and the
+(:func:`~jax_ssdtrain.choose_placement` weighing this trainer's compiled programs); and the
 checkpoints of its state (:mod:`jax_ssdtrain.checkpointing`). With every location ``"device"``
 the same programs keep every stack on the device: the reference the store's steps equal bit for
 bit. The model is three functions and their initialisers: nothing here knows a model.
@@ -42,7 +42,7 @@ from jax_ssdtrain._src.layer_stream import (
 )
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.options import BY_NAME
-from jax_ssdtrain._src.planner import StackPlacement, choose_stack_location
+from jax_ssdtrain._src.planner import Placement, StackPlacement, choose_placement
 from jax_ssdtrain._src.stream_scan import value_and_grad_streamed
 
 __all__ = ["StreamedTrainState", "StreamedTrainer"]
@@ -79,6 +79,12 @@ class StreamedTrainState:
 def _check_location(value: Any, what: str, optional: bool = False) -> None:
   if optional and value is None:
     return
+  if isinstance(value, str) and value.strip().lower() == "auto":
+    raise ValueError(
+      f"{what}: 'auto' is the planner's choice for a batch: "
+      "trainer.placed(trainer.choose_placement(batch, memory_budget)) places every class "
+      "(ssd.choose_placement's rule, which offload_optimizer's location='auto' follows too)"
+    )
   loc = Location.parse(value, what=what)
   if loc is Location.REMAT:
     raise ValueError(
@@ -340,17 +346,17 @@ class StreamedTrainer:
 
   # -- placement --------------------------------------------------------------------------------
 
-  def placed(self, locations: Mapping[str, str] | StackPlacement) -> StreamedTrainer:
+  def placed(self, locations: Mapping[str, str] | Placement) -> StreamedTrainer:
     """This trainer with each class where ``locations`` says (a
-    :class:`~jax_ssdtrain.StackPlacement`, or its ``locations``: ``params``, ``grad_sum``,
+    :class:`~jax_ssdtrain.Placement`, or its ``locations``: ``params``, ``grad_sum``,
     ``optimizer_state`` and, where given, ``activations``: the saved layer inputs)."""
-    if isinstance(locations, StackPlacement):
+    if isinstance(locations, (Placement, StackPlacement)):  # StackPlacement: deprecated
       locations = locations.locations
     missing = sorted({"params", "grad_sum", "optimizer_state"} - set(locations))
     if missing:
       raise ValueError(
         f"locations: no {', '.join(missing)} in {dict(locations)!r}: give every class's "
-        "location (StackPlacement.locations)"
+        "location (Placement.locations)"
       )
     return dataclasses.replace(
       self,
@@ -388,9 +394,9 @@ class StreamedTrainer:
 
   def choose_placement(
     self, batch: Any, memory_budget: int | None = None, *, name: str = "model", device: Any = None
-  ) -> StackPlacement:
+  ) -> Placement:
     """Each class's location under ``memory_budget`` (None: the device's memory), by
-    :func:`~jax_ssdtrain.choose_stack_location`: on the device as far as this trainer's compiled
+    :func:`~jax_ssdtrain.choose_placement`: on the device as far as this trainer's compiled
     step fits (its programs' memory analysis, :meth:`device_bytes`, plus on a GPU the staging
     arena it reads ahead with), the rest in the fastest tiers of the store that hold it; the
     saved layer inputs placed too. ``batch``: one micro-batch (or its ``jax.ShapeDtypeStruct``).
@@ -408,11 +414,11 @@ class StreamedTrainer:
         staging = config.stats()["staging_bytes"]  # the arena in force ("auto": its choice so far)
       return placed.device_bytes(batch) + (staging if on_gpu else 0)
 
-    return choose_stack_location(
-      here.stack_shape(),
-      self.tx,
+    return choose_placement(
       step_bytes,
       memory_budget,
+      stack=here.stack_shape(),
+      tx=self.tx,
       sum_dtype=jnp.dtype(self.sum_dtype),
       in_place=self.in_place,
       activation_bytes=here.activation_bytes(batch),

@@ -2,7 +2,7 @@
 
 The device holds a window of layers, never the whole stack's parameters or gradients (used by
 ``scripts/train.py --stream-layers`` and the planner's
-:func:`~jax_ssdtrain.choose_stack_location`). Each class of tensor has its own location: the
+:func:`~jax_ssdtrain.choose_placement`). Each class of tensor has its own location: the
 parameters where the stack lives, the gradients' running sum (``sum_location``) and the
 optimizer state with the master copy (``init_streamed_optimizer``'s ``location``) there too by
 default, or each on the device or in another tier.

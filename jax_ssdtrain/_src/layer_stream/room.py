@@ -260,6 +260,7 @@ def room_arithmetic(
     peak_bytes=peak,
     room_bytes=None,
     in_place=in_place,
+    host_bytes=0,  # the most the classes at "host" hold in the host tier, at either moment
   )
   used = {where[c] for c in moments["micro"] if where[c].in_store}
   out["fits"], out["room_parts"] = True, []
@@ -276,6 +277,7 @@ def room_arithmetic(
   room = sum(rooms.values())
   out["room_bytes"], out["room_parts"] = room, parts
   need = {m: by_location(moments[m]) for m in moments}
+  out["host_bytes"] = max(n.get(Location.HOST, 0) for n in need.values())
   out["fits"] = all(_fits(n, rooms) for n in need.values())
   if out["fits"] or not refuse:
     return out

@@ -24,8 +24,8 @@ How ``update`` computes what ``tx`` computes, one pass through the files of this
   the store (``load_p``/``store_p`` in its tier) or the device reference (``location="device"``:
   copies XLA cannot see through where the store has loads and stores, so the two agree bit for
   bit);
-* ``layout.py``: which leaves are stored, their chunks of rows, store sites, owners, sharding
-  and the room an update needs;
+* ``layout.py``: which leaves are stored, their chunks of rows, store sites, owners, sharding,
+  the room an update needs and where ``location="auto"`` puts it (the planner's one rule);
 * ``host_io.py``: the state between the store and host memory piece by piece
   (``state_to_host``, ``state_from_host``, and the seam of :mod:`jax_ssdtrain.checkpointing`:
   ``stream_out``, ``stream_in``, ``check_leaf``, ``device_blocks``, ``spans_processes``);
@@ -38,8 +38,6 @@ docs/optimizer.md.
 """
 
 from jax_ssdtrain._src.optimizer.api import (
-  DEFAULT_CHUNK_BYTES,
-  DEFAULT_MIN_BYTES,
   apply_gradients,
   floating_dtype,
   offload_optimizer,
@@ -56,7 +54,14 @@ from jax_ssdtrain._src.optimizer.host_io import (
   stream_in,
   stream_out,
 )
-from jax_ssdtrain._src.optimizer.layout import PIPELINE_DEPTH, Layout, LeafLayout, choose_location
+from jax_ssdtrain._src.optimizer.layout import (
+  DEFAULT_CHUNK_BYTES,
+  DEFAULT_MIN_BYTES,
+  PIPELINE_DEPTH,
+  Layout,
+  LeafLayout,
+  auto_location,
+)
 from jax_ssdtrain._src.optimizer.state import OffloadedState
 
 __all__ = [
@@ -69,8 +74,8 @@ __all__ = [
   "OffloadedState",
   "OptimizerOffloadError",
   "apply_gradients",
+  "auto_location",
   "check_leaf",
-  "choose_location",
   "device_blocks",
   "spans_processes",
   "floating_dtype",

@@ -31,20 +31,18 @@ from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
 from jax_ssdtrain._src.optimizer.chunk_io import chunk_io
 from jax_ssdtrain._src.optimizer.layout import (
+  DEFAULT_CHUNK_BYTES,
+  DEFAULT_MIN_BYTES,
   Layout,
   Options,
+  auto_location,
   check_room,
-  choose_location,
   make_layout,
-  room_bytes,
   storable_dtype,
 )
 from jax_ssdtrain._src.optimizer.rows import describe
 from jax_ssdtrain._src.optimizer.state import OffloadedState, check_state
 from jax_ssdtrain._src.optimizer.stream import stream
-
-DEFAULT_CHUNK_BYTES = 64 << 20
-DEFAULT_MIN_BYTES = 1 << 20
 
 
 def offload_optimizer(
@@ -66,7 +64,9 @@ def offload_optimizer(
       streams it at every micro-batch).
     location: ``"host"`` (pinned host memory), ``"nvme"`` (the store files) or ``"host,nvme"``
       (the host tier while it has room, then the files); ``"auto"``: chosen by ``init`` from the
-      state's size and the store's (see :func:`choose_location`); ``"device"`` runs the same
+      state's size and the store's, by the rule of every ``"auto"`` (the host tier where an
+      update's versions fit three quarters of it, else the host tier spilling to the files;
+      :func:`~jax_ssdtrain.choose_placement` weighs the device too); ``"device"`` runs the same
       streamed program with the state on the device (a reference: the store's results equal it
       bit for bit).
     min_bytes: state leaves smaller than this stay on the device (scalars always do: a step
@@ -146,7 +146,7 @@ def offload_optimizer(
     if not layout.stores_anything and loc is not Location.DEVICE and not warned:
       warned.append(True)
       warnings.warn(_stores_nothing(layout, name, min_bytes), stacklevel=2)
-    where = choose_location(room_bytes(layout)) if auto else loc
+    where = auto_location(layout) if auto else loc
     if where is not loc:
       layout = dataclasses.replace(layout, location=where)
     check_room(layout, where, name)

@@ -12,8 +12,8 @@ in one ``shard_map`` over the mesh.
 
 Room. An update holds two versions of the stored state (the one it reads and the new one written
 beside it), or with ``in_place`` one version and the chunks in flight (``room_bytes``):
-``check_room`` refuses a state that does not fit where it is to live, and ``choose_location``
-picks the place for ``location="auto"``.
+``check_room`` refuses a state that does not fit where it is to live, and ``auto_location``
+picks the place for ``location="auto"`` by the planner's one rule (``planner/tiers.py``).
 """
 
 from __future__ import annotations
@@ -26,13 +26,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ssdtrain._src.config import ensure_configured
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
+from jax_ssdtrain._src.planner.tiers import choose_tiers
 from jax_ssdtrain._src.remat import derived_site
 from jax_ssdtrain._src.store_space import entry_bytes, store_room
 
 PIPELINE_DEPTH = 2  # the stream's loads of chunk k wait for the stores of chunk k - PIPELINE_DEPTH
+DEFAULT_CHUNK_BYTES = 64 << 20  # offload_optimizer's chunk_bytes
+DEFAULT_MIN_BYTES = 1 << 20  # offload_optimizer's min_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,18 +190,23 @@ def site_of(leaf: LeafLayout, index: int) -> int:
 # Room: what an update holds in the store, and where it fits
 
 
-def choose_location(room_bytes: int) -> Location:
-  """``location="auto"``: where a state that needs ``room_bytes`` of the store (this process's
-  share of what an update holds at once: two versions, the new written beside the old, or with
-  ``in_place`` one and the chunks in flight) goes. The host tier is taken when that fits in
-  three quarters of it (the rest is left to
-  activations); else the host tier spilling to the files. The files alone never: the link
-  carries the host tier's bytes an order of magnitude faster than a disk (45 GB/s each way
-  against about 1 GB/s on the results' machine, docs/optimizer.md). A state that fits neither is
-  refused by ``init``, naming the settings."""
-  if room_bytes <= ensure_configured().host_tier_bytes * 3 // 4:
-    return Location.HOST
-  return Location.HOST_NVME
+def auto_location(layout: Layout) -> Location:
+  """``location="auto"``: where the state of ``layout`` goes, by the planner's one rule for every
+  ``"auto"`` (:func:`~jax_ssdtrain._src.planner.tiers.choose_tiers`, one class: the state)
+  weighing what an update holds in the store at once (:func:`room_bytes`: this process's share;
+  two versions, the new written beside the old, or with ``in_place`` one and the chunks in
+  flight): the host tier where that fits in its share for state (three quarters: the rest is
+  left to activations); else the host tier spilling to the files where the store holds it;
+  else the files (only where there is no host tier). Where none holds it, ``"host,nvme"``,
+  which ``init`` refuses (:func:`check_room`), naming the settings."""
+  need = room_bytes(layout)
+
+  def weigh(placement: dict) -> tuple[int, bool, None]:
+    loc = placement["optimizer_state"]
+    return (need if loc is Location.HOST else 0), need <= store_room(loc)[0], None
+
+  found = choose_tiers(("optimizer_state",), weigh)
+  return Location.HOST_NVME if found is None else found[0]["optimizer_state"]
 
 
 def _local_devices(layout: Layout) -> int:

@@ -1,10 +1,14 @@
-"""The planner's placement of whole classes of training state, each on the device or in the
-store: ``choose_optimizer_location`` (the optimizer state) and ``choose_stack_location`` (a
-streamed layer stack's parameters, gradient sum, optimizer state with the master copy, and
-saved layer inputs). Both weigh the exact device memory of the step (XLA's memory analysis)
-against a budget through one function, ``_weigh_step``; the stack's store placements are
-weighed against the store's rooms with the layer stream's own room arithmetic, reached
-through one function, ``_stack_room``."""
+"""The planner's placement of whole classes of training state under one device budget:
+:func:`choose_placement`, the one entry point, for a dense model (its optimizer state) and for a
+streamed layer stack (its parameters, gradient sum, optimizer state with the master copy, and
+saved layer inputs), returning a :class:`Placement`; and the deprecated
+``choose_optimizer_location`` and ``choose_stack_location``, which call it.
+
+The step's exact device memory (XLA's memory analysis) is weighed against the budget through
+one function, ``_weigh_step``; what the device leaves goes to the store's tiers by the one rule
+of every ``"auto"`` (``tiers.choose_tiers``), each placement weighed with its own class's
+arithmetic: a stack's with the layer stream's (reached through one function, ``_stack_room``),
+a dense model's state with the optimizer's layout (``_dense_tier``)."""
 
 from __future__ import annotations
 
@@ -21,54 +25,192 @@ from jax_ssdtrain._src.layer_stream import (
   check_streamed_room,
   master_weights_of,
   room_arithmetic,
-  store_room,
 )
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.planner.checks import _check_int
-from jax_ssdtrain._src.planner.types import _CLASS_NAMES, OptimizerPlacement, StackPlacement
+from jax_ssdtrain._src.planner.tiers import choose_tiers
+from jax_ssdtrain._src.planner.types import (
+  _CLASS_NAMES,
+  OptimizerPlacement,
+  Placement,
+  StackPlacement,
+)
+from jax_ssdtrain._src.store_space import store_room
+
+StepBytes = int | Callable[[dict[str, str]], int]
 
 
-def choose_optimizer_location(
-  step_bytes: int | Callable[[], int],
+def choose_placement(
+  step_bytes: StepBytes | None = None,
   budget_bytes: int | None = None,
   *,
+  stack: Any = None,
+  tx: Any = None,
+  params: Any = None,
+  sum_dtype: Any = None,
+  master_weights: bool | None = None,
+  in_place: bool = False,
+  activation_bytes: int | None = None,
   device: Any = None,
-) -> OptimizerPlacement:
-  """Device or store for the optimizer state: on the device when the whole training step fits
-  there with it (the update then reads nothing over the link), else in the store, where
-  ``offload_optimizer(tx, location="auto")`` chooses the tier from the state's size.
+  name: str = "model",
+) -> Placement:
+  """Where each class of a model's training state lives under one device budget: on the
+  device as far as the compiled step fits the budget with it there (what stays there reads
+  nothing over the link), the rest in the store's tiers by the one rule of every ``"auto"``
+  (``offload_optimizer(tx, location="auto")``'s too).
+
+  The classes: a dense model's optimizer state (``stack`` not given); a streamed layer stack's
+  (``stack``) parameters, their gradients' running sum, the optimizer state with the master
+  copy and, where ``activation_bytes`` is given, the layer inputs a micro-step saves for the
+  backward pass. The device keeps as many classes as the step fits the budget with, in the
+  order that saves the most link traffic per byte of device memory (all; the parameters, the
+  layer inputs and the sum; the parameters and the inputs; the parameters; the inputs; none).
+
+  The classes left go to the store, hottest first, to the first of these that fits: all in the
+  host tier; each there where it still fits beside the hotter ones, the others in the files; all
+  in the host tier spilling to the files; all in the files. A class wholly in the host tier
+  fits in three quarters of it (the rest is left to the activations a step saves there); a
+  spilling one fits where the store holds it. A stack's placement is weighed by its peak in
+  the store (:func:`check_streamed_room`'s arithmetic); a dense model's state by what an update
+  holds in the store (two versions, or with ``in_place`` one and the chunks in flight), as
+  ``offload_optimizer``'s ``init`` lays it out.
 
   Args:
-    step_bytes: the device memory of the training step with the state on the device (XLA's
-      ``compiled.memory_analysis()``: arguments + outputs + temporaries - aliased, as
-      ``plan_for_budget``'s ``memory_fn`` measures it), or a function returning it, called only
-      when there is a budget to weigh it against (it usually compiles the step). A ValueError
-      the function raises says why the state cannot be on the device (no plan fits with it,
-      say): the state goes to the store, and its message is the reason.
+    step_bytes: the device memory of the training step (XLA's ``compiled.memory_analysis()``:
+      arguments + outputs + temporaries - aliased, as ``plan_for_budget``'s ``memory_fn``
+      measures it): a number, that with every class on the device (then only that placement is
+      weighed), or a function of the classes' locations (``{class: "device" or a store
+      location}``, as :attr:`Placement.locations` names them) returning it, called only where
+      there is a budget to weigh it against (it usually compiles the step); a ValueError it
+      raises says why that placement cannot be (no plan fits with it, say), and its message is
+      the reason. None: every class goes to the store.
     budget_bytes: the device memory the step must fit in; default: ``device``'s limit
-      (``memory_stats()["bytes_limit"]``; default: the first local device). Without one (a
-      CPU reports no limit) the state goes to the store.
+      (``memory_stats()["bytes_limit"]``; default: the first local device). Without one (a CPU
+      reports no limit) every class goes to the store.
+    stack: a streamed layer stack's structure on the device (``jax.eval_shape`` of
+      ``init_streamed(..., location="device")``: nothing made); None: a dense model.
+    tx: the optax transformation of the optimizer state. With a stack: as
+      :func:`check_streamed_room`'s (None: no optimizer state). Dense, with ``params``: the
+      state's tier in the store is chosen too, as ``offload_optimizer(tx, location="auto",
+      in_place=in_place)``'s ``init`` chooses it (its default ``min_bytes`` and
+      ``chunk_bytes``); without them its location in the store is ``"auto"`` (``init``
+      chooses).
+    params: a dense model's parameters (arrays or ``jax.ShapeDtypeStruct``s), with ``tx``.
+    sum_dtype, master_weights: a stack's, as :func:`check_streamed_room`'s (``sum_dtype``
+      None: float32).
+    in_place: a stack's as :func:`check_streamed_room`'s; a dense model's as
+      ``offload_optimizer``'s (one version of the state in the store).
+    activation_bytes: the bytes of the layer inputs one micro-step of a stack saves
+      (:func:`value_and_grad_streamed`'s ``save_inputs``): given, they are placed too
+      (``locations["activations"]``); None: not placed (the step's own ``save_inputs``, outside
+      the arithmetic).
     device: the device whose limit is the default budget.
+    name: the model's name in messages.
 
   Returns:
-    An :class:`OptimizerPlacement`; ``print`` it to say where the state went and why::
+    A :class:`Placement`; ``print`` it to say where each class went and why::
 
-        where = ssd.choose_optimizer_location(lambda: step_bytes(state_on_device=True))
-        print(where)
-        tx = optax.adamw(1e-3) if where.on_device else ssd.offload_optimizer(optax.adamw(1e-3))
+        where = ssd.choose_placement(step_bytes, tx=optax.adamw(1e-3), params=params)
+        print(where)  # optimizer state: in the store, host (the step takes ...)
+        tx = optax.adamw(1e-3) if where.on_device else ssd.offload_optimizer(
+            optax.adamw(1e-3), location=where.locations["optimizer_state"])
+
+  Raises:
+    StreamedRoomError: a stack's peak in the store exceeds the host tier and the files
+      together, with the arithmetic.
+    OptimizerOffloadError: a dense model's state (``tx`` and ``params`` given), left to the
+      store, does not fit it: as ``offload_optimizer``'s ``init`` refuses it.
   """
-  budget_bytes, need, refused = _weigh_step(step_bytes, budget_bytes, device)
-  if budget_bytes is None:
-    return OptimizerPlacement(False, "no device memory limit to weigh it against")
-  budget = f"{budget_bytes / 1e9:.2f} GB"
-  if refused is not None:
-    return OptimizerPlacement(False, f"{refused}, budget {budget}", None, budget_bytes)
-  if need <= budget_bytes:
-    return OptimizerPlacement(
-      True, f"the step takes {need / 1e9:.2f} GB of {budget}", need, budget_bytes
+  if stack is not None:
+    if params is not None:
+      raise ValueError(
+        "params: a dense model's parameters, given with stack=: give stack= for a streamed "
+        "stack (its parameters are the stack's), params= and tx= for a dense model"
+      )
+    sum_dtype = jnp.float32 if sum_dtype is None else sum_dtype
+    return _place_stack(
+      stack,
+      tx,
+      step_bytes,
+      budget_bytes,
+      sum_dtype,
+      master_weights,
+      in_place,
+      activation_bytes,
+      device,
+      name,
     )
-  reason = f"the step takes {need / 1e9:.2f} GB with it on the device, budget {budget}"
-  return OptimizerPlacement(False, reason, need, budget_bytes)
+  stack_only = dict(
+    sum_dtype=sum_dtype, master_weights=master_weights, activation_bytes=activation_bytes
+  )
+  given = [k for k, v in stack_only.items() if v is not None]
+  if given:
+    raise ValueError(
+      f"{', '.join(given)}: a streamed stack's, given without stack= (a dense model has its "
+      "optimizer state alone to place)"
+    )
+  if (tx is None) != (params is None):
+    raise ValueError(
+      f"{'params' if tx is not None else 'tx'}: a dense model's state tier is weighed from tx "
+      "and params together: give both (or neither: its tier is offload_optimizer's 'auto')"
+    )
+  if not isinstance(in_place, bool):
+    raise ValueError(f"in_place: expected True or False, got {in_place!r}")
+  return _place_dense(step_bytes, budget_bytes, tx, params, in_place, device, name)
+
+
+def _place_dense(step_bytes, budget_bytes, tx, params, in_place, device, name) -> Placement:
+  """:func:`choose_placement` for a dense model: its optimizer state on the device where the
+  step fits with it there, else in the store (its tier by :func:`_dense_tier`)."""
+  on_device = {"optimizer_state": "device"}
+  need = budget = None
+  if step_bytes is None:
+    why = "no step to weigh"
+  else:
+    weigh = (lambda: step_bytes(dict(on_device))) if callable(step_bytes) else step_bytes
+    budget, need, refused = _weigh_step(weigh, budget_bytes, device)
+    if budget is None:
+      why = "no device memory limit to weigh it against"
+    elif refused is not None:
+      why = f"{refused}, budget {_gib(budget)}"
+    elif need <= budget:
+      why = f"the step takes {_gib(need)} of {_gib(budget)}"
+      return Placement(on_device, why, need, budget)
+    else:
+      why = f"the step takes {_gib(need)} with it on the device, budget {_gib(budget)}"
+  if tx is None:
+    return Placement({"optimizer_state": "auto"}, why, need, budget)
+  tier, held, room, parts = _dense_tier(tx, params, in_place, name)
+  fits = f"an update holds {_gib(held)} of it in the store, which fits {' + '.join(parts)}"
+  return Placement({"optimizer_state": tier.value}, f"{why}; {fits}", need, budget, held, room)
+
+
+def _dense_tier(tx, params, in_place: bool, name: str) -> tuple[Location, int, int, list[str]]:
+  """A dense model's state in the store: ``(tier, bytes an update holds, the tier's room, its
+  parts named)``, as ``offload_optimizer(tx, location="auto", in_place=in_place)``'s ``init``
+  lays the state out and chooses its tier (``layout.auto_location``: the one rule); a state the
+  store cannot hold refused as ``init`` refuses it (``OptimizerOffloadError``, naming the
+  settings)."""
+  # The optimizer's init places its state by this package's rule (optimizer/layout.py imports
+  # planner/tiers.py), so its layout is reached here, where a dense model's tier is weighed.
+  from jax_ssdtrain._src.optimizer.layout import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MIN_BYTES,
+    Options,
+    auto_location,
+    check_room,
+    make_layout,
+    room_bytes,
+  )
+
+  if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+    raise TypeError(f"tx: expected an optax GradientTransformation, got {tx!r}")
+  opts = Options(Location.HOST, DEFAULT_MIN_BYTES, DEFAULT_CHUNK_BYTES, in_place)
+  layout = make_layout(jax.eval_shape(tx.init, params), opts, name, params)
+  tier = auto_location(layout)
+  check_room(layout, tier, name)
+  room, parts = store_room(tier)
+  return tier, room_bytes(layout), room, parts
 
 
 # The classes the device keeps, most first: each left on the device saves the most link traffic
@@ -88,87 +230,21 @@ _ON_DEVICE = (
 _HOTTEST_FIRST = ("params", "activations", "grad_sum", "optimizer_state")
 
 
-def _place_in_store(
-  classes: tuple[str, ...], host_tier: bool, arithmetic_of: Callable[[dict], dict]
-) -> tuple[dict, dict] | None:
-  """``classes`` (hottest first) placed in the store, fastest first: all in the host tier; else
-  each class in the host tier where it still fits beside the hotter ones placed there, the
-  others in the files; else all in the host tier spilling to the files (first come, first
-  placed); else all in the files. ``arithmetic_of(placement)``: the room arithmetic of a
-  placement (``fits``). Returns the first placement that fits and its arithmetic, or None."""
-  tried: dict = {}
-
-  def fits(placement: dict) -> bool:
-    tried[tuple(placement.items())] = arithmetic = arithmetic_of(placement)
-    return arithmetic["fits"]
-
-  def chosen(placement: dict) -> tuple[dict, dict]:
-    return placement, tried[tuple(placement.items())]
-
-  if host_tier:
-    every = dict.fromkeys(classes, Location.HOST)
-    if fits(every):
-      return chosen(every)
-    placed = dict.fromkeys(classes, Location.NVME)
-    for c in classes:
-      if fits(placed | {c: Location.HOST}):
-        placed[c] = Location.HOST
-    if Location.HOST in placed.values():
-      return chosen(placed)
-    spill = dict.fromkeys(classes, Location.HOST_NVME)
-    if fits(spill):
-      return chosen(spill)
-  files = dict.fromkeys(classes, Location.NVME)
-  return chosen(files) if fits(files) else None
-
-
-def choose_stack_location(
+def _place_stack(
   stack: Any,
-  tx: Any = None,
-  step_bytes: int | Callable[[dict[str, str]], int] | None = None,
-  budget_bytes: int | None = None,
-  *,
-  sum_dtype: Any = jnp.float32,
-  master_weights: bool | None = None,
-  in_place: bool = False,
-  activation_bytes: int | None = None,
-  device: Any = None,
-  name: str = "model",
-) -> StackPlacement:
-  """Where each class of a streamed layer stack's tensors lives: the parameters, their
-  gradients' running sum, the optimizer state with the master copy and (``activation_bytes``)
-  the layer inputs a micro-step saves for the backward pass, each on the device, in the host
-  tier or in the files.
-
-  The device keeps as many classes as the compiled step fits the budget with, in the order that
-  saves the most link traffic per byte (all; the parameters, the layer inputs and the sum; the
-  parameters and the inputs; the parameters; the inputs; none); the classes left go to the
-  store, the hottest to the host tier: all of them there, else each there where it still fits
-  beside the hotter ones and the rest in the files, else all in the host tier spilling to the
-  files, else all in the files, the first whose peak (``check_streamed_room``'s arithmetic)
-  fits the rooms.
-
-  Args:
-    stack: the stack's structure on the device (``jax.eval_shape`` of ``init_streamed(...,
-      location="device")``: nothing made).
-    tx, sum_dtype, master_weights, in_place: as :func:`check_streamed_room`'s.
-    step_bytes: the device memory of the training step (XLA's memory analysis): a number, that
-      with every class on the device (then only that placement is weighed), or a function of
-      the classes' locations (``{"params", "grad_sum", "optimizer_state"}`` to ``"device"`` or
-      a store location) returning it, called only where there is a budget to weigh it against;
-      a ValueError it raises says why that placement cannot be. None: every class goes to the
-      store.
-    activation_bytes: the bytes of the layer inputs one micro-step saves
-      (:func:`value_and_grad_streamed`'s ``save_inputs``): given, they are placed too
-      (``StackPlacement.save_inputs``, ``locations["activations"]``); None: not placed (the
-      step's own ``save_inputs``, outside the arithmetic).
-    budget_bytes, device: as :func:`choose_optimizer_location`'s.
-
-  Raises:
-    StreamedRoomError: the stack's peak in the store exceeds the host tier and the files
-      together, with the arithmetic.
-  """
-  classes, host_tier, in_store = _stack_room(
+  tx: Any,
+  step_bytes: StepBytes | None,
+  budget_bytes: int | None,
+  sum_dtype: Any,
+  master_weights: bool | None,
+  in_place: bool,
+  activation_bytes: int | None,
+  device: Any,
+  name: str,
+) -> Placement:
+  """:func:`choose_placement` for a streamed layer stack: each placement of ``_ON_DEVICE``
+  weighed in turn, what it leaves to the store placed by the one rule."""
+  classes, in_store = _stack_room(
     stack, tx, sum_dtype, master_weights, in_place, activation_bytes, name
   )
   sum_dtype = np.dtype(sum_dtype)
@@ -183,7 +259,12 @@ def choose_stack_location(
   for on_device in placements:
     stored = tuple(c for c in _HOTTEST_FIRST if c in classes and c not in on_device)
     kept = dict.fromkeys(on_device, Location.DEVICE)
-    found = _place_in_store(stored, host_tier, lambda p: in_store(kept | p))
+
+    def weigh(p, kept=kept):
+      arithmetic = in_store(kept | p)
+      return arithmetic["host_bytes"], arithmetic["fits"], arithmetic
+
+    found = choose_tiers(stored, weigh)
     if found is None:
       continue  # the store cannot hold what this placement leaves it
     choice, arithmetic = found
@@ -195,10 +276,7 @@ def choose_stack_location(
       else ""
     )
     placement = dict(
-      location=locations["params"],
-      sum_location=locations["grad_sum"],
-      state_location=locations["optimizer_state"],
-      save_inputs=locations.get("activations"),
+      locations=locations,
       peak_bytes=arithmetic["peak_bytes"] if stored else None,
       room_bytes=arithmetic["room_bytes"],
     )
@@ -206,17 +284,17 @@ def choose_stack_location(
       why_not = _not_on_device(weighed, budget, step_bytes, classes, no_limit)
       why = "; ".join(w for w in (why_not, stored_part) if w)
       need = weighed[0][1] if weighed else None  # every class on the device
-      return StackPlacement(reason=why, step_bytes=need, budget_bytes=budget, **placement)
+      return Placement(reason=why, step_bytes=need, budget_bytes=budget, **placement)
     if no_limit or step_bytes is None:
       continue  # nothing to weigh this placement with, or against
     if not callable(step_bytes) and len(on_device) < len(classes):
       continue  # a number weighs every class on the device only
-    weigh = (lambda locs=locations: step_bytes(locs)) if callable(step_bytes) else step_bytes
+    weigh_step = (lambda locs=locations: step_bytes(locs)) if callable(step_bytes) else step_bytes
     # the classes' own bytes: a placement that cannot fit is not compiled to weigh it
     floor = sum(held[c] for c in on_device)
     on = _with_on_device(on_device, classes)
     budget, need, refused = _weigh_step(
-      weigh, budget_bytes, device, floor, f"at least {_gib(floor)} with {on} on the device"
+      weigh_step, budget_bytes, device, floor, f"at least {_gib(floor)} with {on} on the device"
     )
     if budget is None:
       no_limit = True
@@ -224,7 +302,7 @@ def choose_stack_location(
     if refused is None and need <= budget:
       why = f"the step takes {_gib(need)} of {_gib(budget)} with {on} on the device"
       why = "; ".join(w for w in (why, stored_part) if w)
-      return StackPlacement(reason=why, step_bytes=need, budget_bytes=budget, **placement)
+      return Placement(reason=why, step_bytes=need, budget_bytes=budget, **placement)
     weighed.append((on_device, need, refused))
   why_not = _not_on_device(weighed, budget, step_bytes, classes, no_limit) or "not weighed"
   raise StreamedRoomError(
@@ -239,6 +317,65 @@ def choose_stack_location(
   )
 
 
+# -- the names choose_placement replaced (deprecated: jax_ssdtrain/_src/deprecations.py) -------
+
+
+def choose_optimizer_location(
+  step_bytes: int | Callable[[], int],
+  budget_bytes: int | None = None,
+  *,
+  device: Any = None,
+) -> OptimizerPlacement:
+  """Deprecated: ``choose_placement(step_bytes, budget_bytes, device=...)`` (its
+  ``step_bytes`` a function of the classes' locations; ``.on_device``). Device or store for a
+  dense model's optimizer state, as :func:`choose_placement` chooses it."""
+  weigh = (lambda locations: step_bytes()) if callable(step_bytes) else step_bytes
+  where = choose_placement(weigh, budget_bytes, device=device)
+  return OptimizerPlacement(where.on_device, where.reason, where.step_bytes, where.budget_bytes)
+
+
+def choose_stack_location(
+  stack: Any,
+  tx: Any = None,
+  step_bytes: StepBytes | None = None,
+  budget_bytes: int | None = None,
+  *,
+  sum_dtype: Any = jnp.float32,
+  master_weights: bool | None = None,
+  in_place: bool = False,
+  activation_bytes: int | None = None,
+  device: Any = None,
+  name: str = "model",
+) -> StackPlacement:
+  """Deprecated: ``choose_placement(step_bytes, budget_bytes, stack=stack, tx=tx, ...)``
+  (``.locations``). Each class of a streamed stack's place, as :func:`choose_placement`
+  chooses it."""
+  where = choose_placement(
+    step_bytes,
+    budget_bytes,
+    stack=stack,
+    tx=tx,
+    sum_dtype=sum_dtype,
+    master_weights=master_weights,
+    in_place=in_place,
+    activation_bytes=activation_bytes,
+    device=device,
+    name=name,
+  )
+  loc = where.locations
+  return StackPlacement(
+    location=loc["params"],
+    reason=where.reason,
+    step_bytes=where.step_bytes,
+    budget_bytes=where.budget_bytes,
+    peak_bytes=where.peak_bytes,
+    room_bytes=where.room_bytes,
+    sum_location=loc["grad_sum"],
+    state_location=loc["optimizer_state"],
+    save_inputs=loc.get("activations"),
+  )
+
+
 def _stack_room(
   stack: Any,
   tx: Any,
@@ -247,13 +384,13 @@ def _stack_room(
   in_place: bool,
   activation_bytes: int | None,
   name: str,
-) -> tuple[tuple[str, ...], bool, Callable[[dict], dict]]:
-  """The layer stream's side of :func:`choose_stack_location` (the planner's one use of the
-  stack's layout and the layer stream's room arithmetic): checks the stack and its options and
-  returns ``(classes, host_tier, in_store)``: the classes to place (``STACK_CLASSES``, and
-  ``"activations"`` where ``activation_bytes`` is given), whether the store has a host tier,
-  and ``in_store(where)``: the arithmetic of ``where``'s store classes against their rooms
-  (``fits``)."""
+) -> tuple[tuple[str, ...], Callable[[dict], dict]]:
+  """The layer stream's side of :func:`choose_placement` for a stack (the planner's one use of
+  the stack's layout and the layer stream's room arithmetic): checks the stack and its options
+  and returns ``(classes, in_store)``: the classes to place (``STACK_CLASSES``, and
+  ``"activations"`` where ``activation_bytes`` is given) and ``in_store(where)``: the
+  arithmetic of ``where``'s store classes against their rooms (``fits``; ``host_bytes``: what
+  its classes at ``"host"`` hold there)."""
   # the arithmetic's own checks (the stack, dtype, flags, tx)
   check_streamed_room(
     stack, tx, sum_dtype=sum_dtype, master_weights=master_weights, in_place=in_place, name=name
@@ -263,7 +400,6 @@ def _stack_room(
     raise ValueError("stack: expected the stack's structure on the device (location='device')")
   master_weights = master_weights_of(lay, master_weights)
   sum_dtype = np.dtype(sum_dtype)
-  host_tier = store_room(Location.HOST)[0] > 0
   if activation_bytes is not None:
     _check_int("activation_bytes", activation_bytes, low=0)
   classes = STACK_CLASSES + (("activations",) if activation_bytes is not None else ())
@@ -282,7 +418,7 @@ def _stack_room(
       activation_bytes=activation_bytes or 0,
     )
 
-  return classes, host_tier, in_store
+  return classes, in_store
 
 
 def _with_on_device(on_device: tuple[str, ...], classes: tuple[str, ...]) -> str:
@@ -318,8 +454,7 @@ def _not_on_device(
 def _weigh_step(
   step_bytes, budget_bytes, device, floor: int = 0, over_floor: str = ""
 ) -> tuple[int | None, int | None, str | None]:
-  """``(budget_bytes, need, refused)`` for :func:`choose_optimizer_location` and
-  :func:`choose_stack_location`: the budget (default: ``device``'s limit, else the first local
+  """``(budget_bytes, need, refused)`` for :func:`choose_placement`: the budget (default: ``device``'s limit, else the first local
   device's; None where it reports none: then nothing is weighed), the step's device memory
   (``step_bytes``, called if a function) and, where that raised a ValueError, its message; or,
   where ``floor`` (bytes the step holds whatever XLA does) exceeds the budget, ``over_floor``

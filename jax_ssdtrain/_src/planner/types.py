@@ -1,8 +1,9 @@
 """The planner's types and tables: what it reads (``TagProfile``, ``Profile``: one layer of a
 scan, the stack and the store), what it returns (``Plan``: the split and each tag's location,
-with its predicted step, its memory and its ``jax.checkpoint`` policies; ``OptimizerPlacement``
-and ``StackPlacement``: where ``choose_optimizer_location`` and ``choose_stack_location`` put a
-class of tensors, and why), and the defaults and location sets they share."""
+with its predicted step, its memory and its ``jax.checkpoint`` policies; ``Placement``: where
+``choose_placement`` puts each class of a model's training state, and why; the deprecated
+``OptimizerPlacement`` and ``StackPlacement``, which the functions it replaced return), and the
+defaults and location sets they share."""
 
 from __future__ import annotations
 
@@ -275,10 +276,53 @@ class Plan:
 
 
 @dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where :func:`choose_placement` puts each class of a model's training state, and why;
+  ``str()`` is one line naming both (``optimizer state: on the device (the step takes 2.89 GiB
+  of 80.00 GiB)``, ``layer stack: parameters device, gradient sum host, optimizer state host
+  (...)``).
+
+  ``locations``: each class placed, to its location (``"device"``, ``"host"``, ``"nvme"`` or
+  ``"host,nvme"``). A dense model's class is ``"optimizer_state"`` (``offload_optimizer``'s
+  ``location``; ``"auto"`` where it goes to the store and its tier was not weighed, no ``tx``
+  and ``params`` given: ``offload_optimizer``'s ``init`` chooses it by the same rule). A
+  streamed stack's are ``"params"`` (``init_streamed``'s ``location``), ``"grad_sum"``
+  (``value_and_grad_streamed``'s ``sum_location``), ``"optimizer_state"`` with the master copy
+  (``init_streamed_optimizer``'s ``location``) and, where placed, ``"activations"``: the saved
+  layer inputs (``save_inputs``); ``StreamedTrainer.placed`` takes the placement whole.
+  """
+
+  locations: dict[str, str]
+  reason: str
+  # the step's device memory with the chosen classes on the device (every class in the store:
+  # with every class on the device, as weighed first)
+  step_bytes: int | None = None
+  budget_bytes: int | None = None  # what it was weighed against
+  peak_bytes: int | None = None  # the most the store holds of it (None: nothing weighed there)
+  room_bytes: int | None = None  # the room of the tiers it uses
+
+  @property
+  def on_device(self) -> bool:
+    """Whether every class stays on the device (the store holds none of them)."""
+    return all(loc == "device" for loc in self.locations.values())
+
+  def __str__(self) -> str:
+    where = self.locations
+    if "params" not in where:  # a dense model: its optimizer state
+      loc = where["optimizer_state"]
+      said = {"device": "on the device", "auto": "in the store"}.get(loc, f"in the store, {loc}")
+      return f"optimizer state: {said} ({self.reason})"
+    if len(set(where.values())) == 1:
+      return f"layer stack: {where['params']} ({self.reason})"
+    named = ", ".join(f"{_CLASS_NAMES[c]} {loc}" for c, loc in where.items())
+    return f"layer stack: {named} ({self.reason})"
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimizerPlacement:
-  """Where :func:`choose_optimizer_location` puts the optimizer state, and why; ``str()`` is
-  one line naming both (``optimizer state: on the device (the step takes 3.10 GB of 80.00
-  GB)``)."""
+  """Deprecated: :class:`Placement` (``locations["optimizer_state"]``). Where the deprecated
+  ``choose_optimizer_location`` puts the optimizer state, and why; ``str()`` is one line naming
+  both."""
 
   on_device: bool  # False: in the store (offload_optimizer, location="auto" picks the tier)
   reason: str
@@ -293,9 +337,9 @@ class OptimizerPlacement:
 
 @dataclasses.dataclass(frozen=True)
 class StackPlacement:
-  """Where :func:`choose_stack_location` puts each class of a streamed layer stack's tensors
-  (its parameters, their gradients' running sum, the optimizer state with the master copy),
-  and why; ``str()`` is one line naming both."""
+  """Deprecated: :class:`Placement`. Where the deprecated ``choose_stack_location`` puts each
+  class of a streamed layer stack's tensors (its parameters, their gradients' running sum, the
+  optimizer state with the master copy), and why; ``str()`` is one line naming both."""
 
   location: str  # the parameters': init_streamed's location ("device", "host", ...)
   reason: str

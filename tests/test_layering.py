@@ -28,6 +28,7 @@ LAYERS = [
   ["_src.store_space"],  # the store's room and its entries' rounding, for every class of state
   ["_src.sharded"],  # handed the primitives it partitions
   ["_src.primitives"],
+  ["_src.stored_io"],  # one stored piece loaded and stored: a stack's layer, an optimizer chunk
   ["_src.policies", "_src.remat", "_src.measure"],
   # the planner places streamed stacks; the optimizer's location="auto" follows its rule (tiers)
   ["_src.layer_stream", "_src.planner", "_src.optimizer"],

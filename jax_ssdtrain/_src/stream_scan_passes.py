@@ -6,7 +6,7 @@ load while layer ``i`` computes; each layer's carry input saved on the device or
 and the backward pass (each layer recomputed from its saved input under ``jax.vjp``, its
 parameters' gradient added into the running sum in the store, the new sum returned encoded as
 the gradient carrier's cotangent: :func:`encode`, :func:`decode`). The stack's I/O and ordering
-tokens are ``layer_stream``'s.
+tokens are ``layer_stream``'s; the saved inputs are loaded and stored through ``stored_io``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ssdtrain._src import stored_io
 from jax_ssdtrain._src.layer_stream import (
   HANDLE_DTYPE,
   StreamedStack,
@@ -30,9 +31,11 @@ from jax_ssdtrain._src.layer_stream import (
   _token32,
   new_pass,
 )
-from jax_ssdtrain._src.location import TIER_CODES, Location
-from jax_ssdtrain._src.primitives import load_p, opaque_copy, store_p
+from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.remat import new_site_id
+from jax_ssdtrain._src.stored_io import StoredLeaf
+
+_INPUT = "layer_stream.input"  # the saved layer inputs' entries' name
 
 
 def encode(handles: Any) -> Any:
@@ -153,7 +156,12 @@ def scan_core(spec: _Spec, mode: str, slot: Any):
     and a.dtype != np.bool_
     for a in spec.carry_structs
   ]
-  sites = [new_site_id() if s else 0 for s in storable]
+  # each storable carry input one stored piece per layer, at a site of its own (counted: one
+  # load each, in the backward pass)
+  inputs = [
+    StoredLeaf("", tuple(a.shape), a.dtype, new_site_id()) if s else None
+    for a, s in zip(spec.carry_structs, storable)
+  ]
 
   def stack_of(handles):
     return StreamedStack(jax.tree.unflatten(lay.treedef, list(handles)), lay)
@@ -163,22 +171,17 @@ def scan_core(spec: _Spec, mode: str, slot: Any):
 
   def save(c):
     out = []
-    for x, s, site in zip(jax.tree.leaves(c), storable, sites):
-      if s:
-        x = store_p.bind(
-          x, site=site, tier=TIER_CODES[save_loc], name="layer_stream.input", uses=None
-        )[1]
+    for x, leaf in zip(jax.tree.leaves(c), inputs):
+      if leaf is not None:
+        x = stored_io.store(x, leaf, save_loc, _INPUT, uses=None)
       out.append(x)
     return out
 
   def restore(saved):
     out = []
-    for x, s, site, like in zip(saved, storable, sites, spec.carry_structs):
-      if s:
-        aval = jax.core.ShapedArray(like.shape, like.dtype)
-        x = load_p.bind(
-          x, aval=aval, site=site, tier=TIER_CODES[save_loc], name="layer_stream.input"
-        )
+    for x, leaf in zip(saved, inputs):
+      if leaf is not None:  # an activation's load: predicted among this execution's entries
+        x = stored_io.load(x, leaf, save_loc, _INPUT, exact=False)
       out.append(x)
     return jax.tree.unflatten(spec.carry_tree, out)
 
@@ -307,9 +310,9 @@ def _backward(spec, slot, stack, carrier, saved, c_last, p_last, xs, consts, cts
     # entries are stored in layer order, which their loads' prediction follows
     if last:
       if ct_cf:
-        ct_cf = [opaque_copy(t, *last, effect=False) for t in ct_cf]
+        ct_cf = [stored_io.ordered_after(t, *last) for t in ct_cf]
       else:
-        ct_yf = [opaque_copy(t, *last, effect=False) for t in ct_yf]
+        ct_yf = [stored_io.ordered_after(t, *last) for t in ct_yf]
     p = _load_layer(stack, n - 2, bwd_pass, after=turn_after)
     if n > 2:
 

@@ -2,11 +2,13 @@
 
 Owns the type a streamed stack is (:class:`StreamedStack`, its static :class:`_Layout` with each
 leaf's store site, and its role, ``kind``: ``"params"``, ``"grad_sum"``, ``"opt_state"``...),
-the checks of a stack given as an argument (:func:`_check_stack`, :func:`_check_role`), the
-passes over a stack's layers (:class:`StreamPass`), and the loads and stores of one layer
-(:func:`_load_layer`, :func:`_store_layer`) that every program of the layer stream is made of.
-With ``location="device"`` the same programs keep the stacked leaves on the device
-(``[L, *shape]``), each load and store replaced by a copy XLA cannot see through
+the checks of a stack given as an argument (:func:`_check_stack`, :func:`_check_role`), and the
+loads and stores of one layer (:func:`_load_layer`, :func:`_store_layer`) that every program of
+the layer stream is made of: each leaf's row of a layer is one piece of a stored leaf, loaded
+and stored through ``stored_io.py`` (the seam the optimizer's chunks go through too, which owns
+the primitives' attributes, the passes over a stack's layers, :class:`StreamPass`, and the
+device reference). With ``location="device"`` the same programs keep the stacked leaves on the
+device (``[L, *shape]``), each load and store replaced by a copy XLA cannot see through
 (``primitives.opaque_copy``): the reference that the store's results equal bit for bit (the
 arithmetic is, in both, a region bounded by custom calls, which XLA compiles alike).
 
@@ -39,7 +41,6 @@ optimizer's ``in_place``; a failure then leaves no consistent state.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -47,10 +48,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ssdtrain._src import stored_io
 from jax_ssdtrain._src.lifetimes import COUNTED_OR_LATER
 from jax_ssdtrain._src.location import TIER_CODES, Location
-from jax_ssdtrain._src.primitives import load_p, opaque_copy, store_p
 from jax_ssdtrain._src.remat import derived_site
+from jax_ssdtrain._src.stored_io import (  # noqa: F401 (StreamPass, new_pass: the stack's API)
+  _PASSES,
+  StoredLeaf,
+  StreamPass,
+  chain_loads,
+  new_pass,
+  ordered_after,
+)
+from jax_ssdtrain._src.stored_io import token as _token  # noqa: F401
+from jax_ssdtrain._src.stored_io import token32 as _token32
 
 HANDLE_DTYPE = np.dtype(np.uint32)
 
@@ -61,16 +72,31 @@ HANDLE_DTYPE = np.dtype(np.uint32)
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-  """What a stack holds (static: hashable, the pytree's auxiliary data)."""
+  """What a stack holds (static: hashable, the pytree's auxiliary data): per leaf a
+  :class:`~jax_ssdtrain._src.stored_io.StoredLeaf` (its path, one layer's shape, its dtype and
+  the store site of its entries, one per layer), where they live and the stack's role."""
 
   treedef: Any  # of one layer's tree
-  paths: tuple[str, ...]  # per leaf, for messages and entry names
-  shapes: tuple[tuple[int, ...], ...]  # per leaf, one layer's shape
-  dtypes: tuple[np.dtype, ...]
+  leaves: tuple[StoredLeaf, ...]  # one layer's, in the treedef's order
   num_layers: int
   location: Location
-  sites: tuple[int, ...]  # per leaf: the store site of its entries
   kind: str  # "params", "grad_sum", ...: entry names and messages
+
+  @property
+  def paths(self) -> tuple[str, ...]:  # per leaf, for messages and entry names
+    return tuple(leaf.path for leaf in self.leaves)
+
+  @property
+  def shapes(self) -> tuple[tuple[int, ...], ...]:  # per leaf, one layer's shape
+    return tuple(leaf.shape for leaf in self.leaves)
+
+  @property
+  def dtypes(self) -> tuple[np.dtype, ...]:
+    return tuple(leaf.dtype for leaf in self.leaves)
+
+  @property
+  def sites(self) -> tuple[int, ...]:  # per leaf: the store site of its entries
+    return tuple(leaf.site for leaf in self.leaves)
 
   @property
   def on_device(self) -> bool:
@@ -79,6 +105,11 @@ class _Layout:
   @property
   def tier(self) -> int:
     return TIER_CODES[self.location]
+
+  @property
+  def prefix(self) -> str:
+    """The names of its entries: this, then the leaf's path."""
+    return f"layer_stream.{self.kind}"
 
   def layer_struct(self) -> Any:
     """One layer's tree of ``jax.ShapeDtypeStruct``."""
@@ -185,12 +216,11 @@ def _make_layout(layer: Any, num_layers: int, location: Location, kind: str, wha
     paths.append(name)
     shapes.append(tuple(int(d) for d in leaf.shape))
     dtypes.append(dtype)
-  sites = tuple(
-    _site_of(kind, i, p, s, d, num_layers) for i, (p, s, d) in enumerate(zip(paths, shapes, dtypes))
+  leaves = tuple(
+    StoredLeaf(p, s, d, _site_of(kind, i, p, s, d, num_layers))
+    for i, (p, s, d) in enumerate(zip(paths, shapes, dtypes))
   )
-  return _Layout(
-    treedef, tuple(paths), tuple(shapes), tuple(dtypes), num_layers, location, sites, kind
-  )
+  return _Layout(treedef, leaves, num_layers, location, kind)
 
 
 def _check_num_layers(num_layers: Any) -> int:
@@ -278,27 +308,7 @@ def _check_role(lay: _Layout, role: str, what: str, call: str = "", other: Any =
 def _chain_loads() -> bool:
   # XLA:CPU runs independent custom calls in any order: chain a layer's loads (read-ahead
   # order). A GPU runs them in its stream's order.
-  return jax.default_backend() == "cpu"
-
-
-_PASSES = itertools.count(1)
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamPass:
-  """One pass of a program over a stack's layers (its loads, or the stores of one version):
-  ``number``, which no other pass uses, and ``direction``, the order of its layers (1: up, -1:
-  down, 0: not said). With both passes' directions the engine predicts a pass's loads from the
-  second on (from the third without)."""
-
-  number: int
-  direction: int
-
-
-def new_pass(direction: int = 0) -> StreamPass:
-  """A pass no other pass of a stack's loads and stores uses (see :func:`_load_layer`); the
-  store and load primitives check ``direction``."""
-  return StreamPass(next(_PASSES), direction)
+  return chain_loads()
 
 
 def _load_layer(
@@ -317,44 +327,26 @@ def _load_layer(
   other in one direction (0 up, or down), so the engine predicts each leaf's next entry from
   the pass's last two loads of it (or, where both passes give their direction, the last one)
   instead of reading the handle (a sync each). A pass's loads must run in that order: loads
-  outside a scan wait for the ones before them (``after``), or XLA may move them."""
+  outside a scan wait for the ones before them (``after``), or XLA may move them. Each leaf's
+  row is one piece of it, loaded through ``stored_io`` (chained in the leaves' order on the CPU:
+  :func:`stored_io.load_next`)."""
   lay = stack.layout
-  leaves = jax.tree.leaves(stack.handles)
   given = [a for a in after if a is not None]
   out, before = [], given
-  for leaf, path, shape, dtype, site in zip(leaves, lay.paths, lay.shapes, lay.dtypes, lay.sites):
-    row = jax.lax.dynamic_index_in_dim(leaf, i, axis=0, keepdims=False)
-    if lay.on_device:  # a copy where the store has a load (see primitives.opaque_copy)
-      out.append(opaque_copy(row))
-      continue
-    deps = before if _chain_loads() else given  # on a GPU each leaf waits for `after`
-    if deps:
-      row = opaque_copy(row, *deps, effect=False)
-    aval = jax.core.ShapedArray(shape, dtype)
-    name = f"layer_stream.{lay.kind}{path}"
-    extra = {"consume": True} if consume else {}
-    if stream_pass:
-      extra |= dict(
-        exact="stream", stream_pass=stream_pass.number, stream_dir=stream_pass.direction
-      )
-    else:
-      extra |= {"exact": True}
-    x = load_p.bind(row, aval=aval, site=site, tier=lay.tier, name=name, **extra)
-    before = [x.reshape(-1)[:1]] if x.size else []
+  for hs, leaf in zip(jax.tree.leaves(stack.handles), lay.leaves):
+    row = jax.lax.dynamic_index_in_dim(hs, i, axis=0, keepdims=False)
+    x, before = stored_io.load_next(
+      row,
+      leaf,
+      lay.location,
+      lay.prefix,
+      after=before,
+      given=given,
+      stream=stream_pass,
+      consume=consume,
+    )
     out.append(x)
   return jax.tree.unflatten(lay.treedef, out)
-
-
-def _token(leaves: list[Any]) -> Any:
-  """A one-element slice of the last non-empty leaf (what a later load waits for), or None."""
-  sized = [x for x in leaves if x.size]
-  return sized[-1].reshape(-1)[:1] if sized else None
-
-
-def _token32(leaves: list[Any]) -> Any:
-  """:func:`_token` as float32[1] (zeros without a non-empty leaf): a scan's carry."""
-  t = _token(leaves)
-  return jnp.zeros((1,), jnp.float32) if t is None else t.astype(jnp.float32)
 
 
 def _after(i: Any, *tokens: Any) -> Any:
@@ -362,7 +354,7 @@ def _after(i: Any, *tokens: Any) -> Any:
   (its loads, the data it stores) comes after the iteration before it. XLA may unroll a scan
   and order its iterations' independent calls as it likes; the engine predicts a stack's loads
   from their order and the stores' order (see :func:`_load_layer`)."""
-  return opaque_copy(i, *tokens, effect=False)
+  return ordered_after(i, *tokens)
 
 
 def _store_layer(lay: _Layout, layer: Any, stream_pass: StreamPass) -> list[Any]:
@@ -370,32 +362,19 @@ def _store_layer(lay: _Layout, layer: Any, stream_pass: StreamPass) -> list[Any]
   ``stream_pass``: the pass that stores this version of the stack (:func:`new_pass`): a later
   pass's streamed loads follow one version's entries (a program may store two versions of a
   stack at the same sites, as micro-steps in one program store their sums)."""
-  leaves = jax.tree.leaves(layer)
   out = []
-  for x, path, shape, dtype, site in zip(leaves, lay.paths, lay.shapes, lay.dtypes, lay.sites):
+  for x, leaf in zip(jax.tree.leaves(layer), lay.leaves):
     x = jnp.asarray(x)
-    if x.shape != shape or x.dtype != dtype:
+    if x.shape != leaf.shape or x.dtype != leaf.dtype:
       raise ValueError(
-        f"{lay.kind} layer leaf {path or '<root>'}: expected {np.dtype(dtype).name}{list(shape)}, "
-        f"got {x.dtype.name}{list(x.shape)}"
+        f"{lay.kind} layer leaf {leaf.path or '<root>'}: expected "
+        f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}, got {x.dtype.name}{list(x.shape)}"
       )
-    if lay.on_device:
-      out.append(opaque_copy(x))
-    else:
-      name = f"layer_stream.{lay.kind}{path}"
-      # counted where this program loads it; else loaded by later programs, layer after layer:
-      # the engine makes the host copy at once (LATER_IN_ORDER)
-      out.append(
-        store_p.bind(
-          x,
-          site=site,
-          tier=lay.tier,
-          name=name,
-          uses=COUNTED_OR_LATER,
-          stream_pass=stream_pass.number,
-          stream_dir=stream_pass.direction,
-        )[1]
-      )
+    # counted where this program loads it; else loaded by later programs, layer after layer:
+    # the engine makes the host copy at once (LATER_IN_ORDER)
+    out.append(
+      stored_io.store(x, leaf, lay.location, lay.prefix, uses=COUNTED_OR_LATER, stream=stream_pass)
+    )
   return out
 
 

@@ -6,8 +6,11 @@ device), :func:`init_streamed_optimizer`, :func:`apply_streamed_update` (a ``lax
 ahead one layer), :func:`streamed_global_norm` (a pass of loads and reductions, for global-norm
 clipping, which ``tx`` itself cannot do per layer) and :func:`apply_device_update` (the same
 update of the parameters on the device, the embedding's and head's, with ``tx``'s ordinary
-state). Which ``tx`` streams and what its state holds is ``spec.py``'s; the room it needs,
-``room.py``'s.
+state). Both apply ``tx`` through one function (:func:`_tx_apply`: the mean of the sums, the
+clip, ``tx.update`` and ``optax.apply_updates``), a stack layer by layer, the device parameters
+whole, and share the checks of their options and the norm's arithmetic. Which ``tx`` streams
+and what its state holds is ``spec.py``'s; the room it needs, ``room.py``'s; every layer's
+loads and stores go through ``stack.py`` to ``stored_io.py``.
 """
 
 from __future__ import annotations
@@ -202,7 +205,7 @@ def _sum_of_squares(stack_sum: StreamedStack, scale: Any) -> Any:
     acc, token = carry
     leaves = jax.tree.leaves(_load_layer(stack_sum, _after(i, token), norm_pass))
     for x in leaves:
-      acc = acc + jnp.sum(jnp.square(x.astype(jnp.float32) * scale))
+      acc = acc + _squares(x, scale)
     return (acc, _token32(leaves)), None
 
   rows = jnp.arange(stack_sum.num_layers, dtype=jnp.int32)
@@ -225,8 +228,13 @@ def streamed_global_norm(stack_sum: StreamedStack, side_sums: Any = None, *, sca
 def _global_norm_jit(stack_sum, side_sums, scale):
   total = _sum_of_squares(stack_sum, scale)
   for x in jax.tree.leaves(side_sums):
-    total = total + jnp.sum(jnp.square(jnp.asarray(x).astype(jnp.float32) * scale))
+    total = total + _squares(x, scale)
   return jnp.sqrt(total)
+
+
+def _squares(x: Any, scale: Any) -> Any:
+  """The sum of ``(x * scale)**2`` in float32: one array's part of the global norm's square."""
+  return jnp.sum(jnp.square(jnp.asarray(x).astype(jnp.float32) * scale))
 
 
 def _mean_grad(s: Any, like_dtype: Any, scale: Any) -> Any:
@@ -242,6 +250,33 @@ def _clip(g: Any, norm: Any, max_norm: Any) -> Any:
     lambda t: jnp.where(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm.astype(t.dtype)),
     g,
   )
+
+
+def _check_mean_options(scale: Any, clip_global_norm: Any, global_norm: Any) -> tuple:
+  """``(scale, max_norm, norm)`` as float32 scalars (None where not given), checked: the
+  options that make the gradients a running sum to average and clip, the stack's and the
+  device parameters' alike."""
+  scale = _check_scalar(scale, "scale")
+  max_norm = _check_scalar(clip_global_norm, "clip_global_norm")
+  norm = _check_scalar(global_norm, "global_norm")
+  if norm is not None and max_norm is None:
+    raise ValueError("global_norm: given without clip_global_norm")
+  return scale, max_norm, norm
+
+
+def _tx_apply(tx: Any, sums: Any, state: Any, params: Any, dtypes: Any, scale, max_norm, norm):
+  """One application of ``tx``, to one layer of a stack or to the parameters on the device:
+  the mean ``sums * scale`` cast to ``dtypes`` (the parameters' dtypes: a tree like ``sums``),
+  clipped by ``norm`` to ``max_norm`` (where given), ``tx.update`` of ``state`` with ``params``
+  (the parameters, or their master copy) and ``optax.apply_updates``. Returns
+  ``(new params, new state)``."""
+  import optax  # an optional dependency (the demo extra): needed only by the update
+
+  g = jax.tree.map(lambda x, d: _mean_grad(x, d, scale), sums, dtypes)
+  if max_norm is not None:
+    g = _clip(g, norm, max_norm)
+  updates, new = tx.update(g, state, params)
+  return optax.apply_updates(params, updates), new
 
 
 def apply_streamed_update(
@@ -303,18 +338,12 @@ def apply_streamed_update(
       f"stack_sum: a sum of {sum_lay.num_layers} layers whose leaves or shapes differ from the "
       f"stack's ({lay.num_layers} layers)"
     )
-  scale = _check_scalar(scale, "scale")
-  max_norm = _check_scalar(clip_global_norm, "clip_global_norm")
-  norm = _check_scalar(global_norm, "global_norm")
-  if norm is not None and max_norm is None:
-    raise ValueError("global_norm: given without clip_global_norm")
+  scale, max_norm, norm = _check_mean_options(scale, clip_global_norm, global_norm)
   return _update_jit(tx, in_place, stack, stack_sum, tx_state, scale, max_norm, norm)
 
 
 @jax.jit(static_argnums=(0, 1))
 def _update_jit(tx, in_place, stack, stack_sum, state, scale, max_norm, norm):
-  import optax  # an optional dependency (the demo extra): needed only by the update
-
   spec, lay, per = state.spec, stack.layout, state.per_layer
   if max_norm is not None and norm is None:
     norm = jnp.sqrt(_sum_of_squares(stack_sum, scale))
@@ -340,11 +369,8 @@ def _update_jit(tx, in_place, stack, stack_sum, state, scale, max_norm, norm):
   def compute(loaded):
     s, st, p = loaded
     params = st["master"] if spec.master else p
-    g = jax.tree.map(lambda x, d: _mean_grad(x, d, scale), s, dtypes)
-    if max_norm is not None:
-      g = _clip(g, norm, max_norm)
-    updates, new = tx.update(g, state.layer_state(st["state"]), params)
-    new_params = optax.apply_updates(params, updates)
+    layer_state = state.layer_state(st["state"])
+    new_params, new = _tx_apply(tx, s, layer_state, params, dtypes, scale, max_norm, norm)
     leaves = jax.tree.leaves(new)
     if len(leaves) != len(spec.per_layer):
       raise ValueError("tx: its update changed the state's structure")
@@ -398,23 +424,9 @@ def apply_device_update(
   model's, from :func:`streamed_global_norm`; else these sums' own), ``tx.update`` and
   ``optax.apply_updates``. Returns ``(new_params, new_state)``. Called once per update with the
   streamed stack's, its step count advances with the stack's (both start at 0)."""
-  import optax  # an optional dependency (the demo extra): needed only by this function
-
   _check_tx(tx)
-  scale = _check_scalar(scale, "scale")
-  max_norm = _check_scalar(clip_global_norm, "clip_global_norm")
-  norm = _check_scalar(global_norm, "global_norm")
-  if norm is not None and max_norm is None:
-    raise ValueError("global_norm: given without clip_global_norm")
-  g = jax.tree.map(lambda s, p: _mean_grad(s, jnp.result_type(p), scale), sums, params)
-  if max_norm is not None:
-    if norm is None:
-      norm = jnp.sqrt(
-        sum(
-          jnp.sum(jnp.square(jnp.asarray(s).astype(jnp.float32) * scale))
-          for s in jax.tree.leaves(sums)
-        )
-      )
-    g = _clip(g, norm, max_norm)
-  updates, state = tx.update(g, state, params)
-  return optax.apply_updates(params, updates), state
+  scale, max_norm, norm = _check_mean_options(scale, clip_global_norm, global_norm)
+  if max_norm is not None and norm is None:  # these sums' own norm
+    norm = jnp.sqrt(sum(_squares(s, scale) for s in jax.tree.leaves(sums)))
+  dtypes = jax.tree.map(jnp.result_type, params)
+  return _tx_apply(tx, sums, state, params, dtypes, scale, max_norm, norm)

@@ -21,9 +21,10 @@ How ``update`` computes what ``tx`` computes, one pass through the files of this
   storing the new ones chunk by chunk (a ``lax.scan``, pipelined), on one device or in one
   ``shard_map`` over the mesh (sharded state);
 * ``chunk_io.py``: the seam the stream loads and stores through, chosen once from the location:
-  the store (``load_p``/``store_p`` in its tier) or the device reference (``location="device"``:
+  the store (handles of entries in its tier) or the device reference (``location="device"``:
   copies XLA cannot see through where the store has loads and stores, so the two agree bit for
-  bit);
+  bit); each chunk is loaded and stored through ``jax_ssdtrain/_src/stored_io.py``, the seam
+  a streamed stack's layers go through too;
 * ``layout.py``: which leaves are stored, their chunks of rows, store sites, owners, sharding,
   the room an update needs and where ``location="auto"`` puts it (the planner's one rule);
 * ``host_io.py``: the state between the store and host memory piece by piece

@@ -16,6 +16,11 @@ layout is data, and names no I/O):
   load or a store it has a copy XLA cannot see through (``primitives.opaque_copy``), so that the
   group's arithmetic is a region bounded by custom calls that XLA compiles alike in both.
 
+Both bind nothing themselves: each chunk is one piece of a stored leaf, loaded and stored
+through ``stored_io.py`` (the seam a streamed stack's layers go through too, which owns the
+primitives' attributes, the order of a chunk's loads on XLA:CPU and the device reference's
+copies); what is here is which piece of a leaf's handles a chunk is.
+
 Versions. The new version of each chunk is written beside the old one: the old entries are
 released by the store's sweeps once no live array holds their handles (lifetimes.py), so a
 failed step leaves the state it started from intact. The store then holds two versions at the
@@ -37,10 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ssdtrain._src import stored_io
 from jax_ssdtrain._src.lifetimes import LATER_IN_ORDER
 from jax_ssdtrain._src.location import TIER_CODES, Location
 from jax_ssdtrain._src.optimizer.layout import LeafLayout
-from jax_ssdtrain._src.primitives import load_p, opaque_copy, store_p
+
+# The names of the state's entries: this, then the leaf's path.
+PREFIX = "opt_state"
 
 # An index of a piece of a leaf: a tuple of slices (``()`` for the whole leaf).
 Index = tuple
@@ -81,7 +89,7 @@ class ChunkIO:
     the handles that reads ``after``: a data dependency, which orders custom calls on every
     backend (XLA:CPU drops optimization barriers). The device reference needs no order: its
     handles are the state itself."""
-    return opaque_copy(hs, *after, effect=False)
+    return stored_io.ordered_after(hs, *after)
 
   def store_rows(self, value, leaf: LeafLayout) -> Any:
     """The handle of one new chunk of ``leaf``."""
@@ -156,19 +164,15 @@ class StoreIO(ChunkIO):
     ``exact``: True reads the handle on the GPU; ``"ordered"`` where the leaf's chunks come in
     store order (a scan's): the engine predicts it after the update's first load (no sync)."""
     shape = leaf.chunk_shape(*leaf.bounds[k]) if shape is None else shape
-    aval = jax.core.ShapedArray(shape, leaf.dtype)
-    name = f"opt_state{leaf.path}"
-    extra = {"consume": True} if consume else {}
-    return load_p.bind(
-      handle, aval=aval, site=leaf.site, tier=self.tier, name=name, exact=exact, **extra
+    return stored_io.load(
+      handle, leaf, self.location, PREFIX, shape=shape, exact=exact, consume=consume
     )
 
   def store(self, x, leaf: LeafLayout, k: int):
     """``store_p`` of chunk ``k`` of ``leaf``: its handle. Loaded by the next update, in store
     order (``LATER_IN_ORDER``: the engine makes its host copy at once, so that device staging
     is free to read the next update's loads ahead)."""
-    name = f"opt_state{leaf.path}"
-    return store_p.bind(x, site=leaf.site, tier=self.tier, name=name, uses=LATER_IN_ORDER)[1]
+    return stored_io.store(x, leaf, self.location, PREFIX, uses=LATER_IN_ORDER)
 
   def load_leaf(self, hs, leaf, *, consume=False):
     return joined([self.load(hs[k], leaf, k, consume=consume) for k in range(len(leaf.bounds))])
@@ -178,18 +182,14 @@ class StoreIO(ChunkIO):
     if wait is not None:  # the chunk before last has been stored: see PIPELINE_DEPTH
       h, _ = jax.lax.optimization_barrier((h, wait))
     # The chunk's loads run in the group's order, its stores' order (the engine reads ahead in
-    # store order). XLA:CPU runs independent custom calls in any order: there each waits for
-    # the one before it through a copy of its handle (a data dependency). A GPU runs them in
-    # its stream's order, and a load reads its handle on the host: a handle made on the stream
-    # after the previous load would hold the host until that load's data had crossed the link.
-    if after and jax.default_backend() == "cpu":
-      h = opaque_copy(h, *after, effect=False)
+    # store order): on XLA:CPU each waits for the one before it (stored_io.load_next).
     shape = (rows,) + leaf.block_shape[1:]
     # a scan's iterations load each leaf's chunks in their store order: predicted on the GPU
     # (unless ``ordered`` is off)
     exact = "ordered" if self.ordered else True
-    value = self.load(h, leaf, 0, shape=shape, consume=consume, exact=exact)
-    return value, [value.reshape(-1)[:1]]  # one element of it: the load has run
+    return stored_io.load_next(
+      h, leaf, self.location, PREFIX, after=after, shape=shape, exact=exact, consume=consume
+    )
 
   def store_leaf(self, value, leaf):
     hs = [
@@ -283,27 +283,39 @@ class DeviceIO(ChunkIO):
 
   location: Location = Location.DEVICE
 
+  # Each load and store goes through stored_io, whose device reference is a copy XLA cannot see
+  # through where the store has a load or a store (see primitives.opaque_copy).
+
   def load_leaf(self, hs, leaf, *, consume=False):
-    return joined([opaque_copy(jax.lax.slice_in_dim(hs, *b)) for b in leaf.bounds])
+    return joined(
+      [
+        stored_io.load(jax.lax.slice_in_dim(hs, *b), leaf, self.location, PREFIX)
+        for b in leaf.bounds
+      ]
+    )
 
   def load_rows(self, hs, leaf, c, first, rows, *, wait, after, consume):
     if wait is not None:
       hs, _ = jax.lax.optimization_barrier((hs, wait))
-    # a copy where the store has a load (see primitives.opaque_copy)
-    return opaque_copy(jax.lax.dynamic_slice_in_dim(hs, first, rows)), after
+    piece = jax.lax.dynamic_slice_in_dim(hs, first, rows)
+    return stored_io.load_next(piece, leaf, self.location, PREFIX, after=after)
 
-  def store_leaf(self, value, leaf):  # a copy where the store has a store
+  def store_leaf(self, value, leaf):
     return joined(
       [
-        opaque_copy(
+        stored_io.store(
           jax.lax.slice_in_dim(value, *b) if len(leaf.bounds) > 1 else value,
+          leaf,
+          self.location,
+          PREFIX,
+          uses=LATER_IN_ORDER,
         )
         for b in leaf.bounds
       ]
     )
 
   def store_rows(self, value, leaf):
-    return opaque_copy(value)
+    return stored_io.store(value, leaf, self.location, PREFIX, uses=LATER_IN_ORDER)
 
   def wait_for(self, hs, after):
     return hs

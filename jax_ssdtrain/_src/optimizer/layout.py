@@ -31,6 +31,7 @@ from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
 from jax_ssdtrain._src.planner.tiers import choose_tiers
 from jax_ssdtrain._src.remat import derived_site
 from jax_ssdtrain._src.store_space import entry_bytes, store_room
+from jax_ssdtrain._src.stored_io import StoredLeaf
 
 PIPELINE_DEPTH = 2  # the stream's loads of chunk k wait for the stores of chunk k - PIPELINE_DEPTH
 DEFAULT_CHUNK_BYTES = 64 << 20  # offload_optimizer's chunk_bytes
@@ -48,15 +49,13 @@ class Options:
 
 
 @dataclasses.dataclass(frozen=True)
-class LeafLayout:
-  """One leaf of ``tx``'s state: its path, shape and dtype; for a stored leaf, its row chunks
-  (``bounds``) and one store site per chunk."""
+class LeafLayout(StoredLeaf):
+  """One leaf of ``tx``'s state: a :class:`~jax_ssdtrain._src.stored_io.StoredLeaf` (its path,
+  shape and dtype; for a stored leaf, the store site of every chunk, the engine checking a
+  handle's site on load) with, for a stored leaf, its row chunks (``bounds``), each a piece
+  that ``stored_io`` loads and stores."""
 
-  path: str
-  shape: tuple[int, ...]
-  dtype: Any
   bounds: tuple[tuple[int, int], ...] = ()  # () for a leaf kept on the device
-  site: int = -1  # the store site of every chunk (the engine checks a handle's site on load)
   # Sharded state (Layout.mesh set): the leaf's PartitionSpec (a leaf kept on the device too:
   # its parameter's, so that it lies as optax's own state would, replicated where it mirrors
   # none) and each stored leaf's block shape; bounds cut that block (every device streams its

@@ -134,7 +134,7 @@ def run(args) -> dict:
       step = jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=(None, state_sharding, None))
       acc = jax.tree.map(jnp.zeros_like, p)
       k = jnp.float32(accums[-1])
-      ma = step.lower(p, opt_state, acc, k).compile().memory_analysis()
+      step_bytes = bc.device_bytes(step.lower(p, opt_state, acc, k).compile())
       box = {"p": p, "s": opt_state, "acc": acc}
 
       def one_update():
@@ -156,13 +156,7 @@ def run(args) -> dict:
         written_gb_per_update=written / 1e9,
         update_s=t_update,
         accumulate_s=t_acc,
-        step_device_gb=(
-          (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes)
-          - ma.alias_size_in_bytes
-        )
-        / 1e9
-        if ma is not None
-        else None,
+        step_device_gb=step_bytes / 1e9 if step_bytes is not None else None,
       )
       for kk in accums:
         row[f"step_s_k{kk}"] = (kk - 1) * t_acc + t_update

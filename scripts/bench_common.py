@@ -488,6 +488,21 @@ def stack_params(H, S, B, L):
   return params, jax.random.normal(k[4], (B, S, H), jnp.bfloat16)
 
 
+def device_bytes(compiled) -> int | None:
+  """The device bytes a compiled program takes while it runs: its arguments, outputs and
+  temporaries, less the outputs that alias arguments (None where the backend gives no memory
+  analysis)."""
+  ma = compiled.memory_analysis()
+  if ma is None:
+    return None
+  return int(
+    ma.argument_size_in_bytes
+    + ma.output_size_in_bytes
+    + ma.temp_size_in_bytes
+    - ma.alias_size_in_bytes
+  )
+
+
 # ---- the engine's counters and GPU copy timeline (ssd.stats(), ssd.timeline())
 
 

@@ -36,7 +36,14 @@ import time
 from pathlib import Path
 
 from scripts import bench_common as common
-from scripts.bench_common import HEAD_DIM, POLICIES, make_layer, model_flops, stack_params
+from scripts.bench_common import (
+  HEAD_DIM,
+  POLICIES,
+  device_bytes,
+  make_layer,
+  model_flops,
+  stack_params,
+)
 
 TINY_SHAPES = common.TINY_SHAPES
 
@@ -56,16 +63,6 @@ def split_step(layer, policies):
     return jnp.mean(y.astype(jnp.float32) ** 2)
 
   return jax.jit(jax.value_and_grad(loss))
-
-
-def device_bytes(compiled) -> int:
-  ma = compiled.memory_analysis()
-  return int(
-    ma.argument_size_in_bytes
-    + ma.output_size_in_bytes
-    + ma.temp_size_in_bytes
-    - ma.alias_size_in_bytes
-  )
 
 
 def time_steps(fn, args, steps: int, warmup: int) -> list[float]:

@@ -1,24 +1,16 @@
 """Smoke test of scripts/bench_emulated.py: tiny shape on CPU, one capped RAM store, one point."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from _limits import HANG_S
+from _common import run_module
 
-ROOT = Path(__file__).resolve().parents[1]
 CAP = 0.02  # GB/s: the tiny sweep_4 step writes and reads ~2.4 MB, ~0.1 s each way at the cap
 
 
 @pytest.mark.slow
 def test_bench_emulated_tiny(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [
-    sys.executable,
-    "-m",
+  proc = run_module(
     "scripts.bench_emulated",
     "--tiny",
     "--caps",
@@ -35,9 +27,7 @@ def test_bench_emulated_tiny(tmp_path):
     str(tmp_path / "shm"),
     "--out",
     str(tmp_path),
-  ]
-  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_S)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  )
 
   (path,) = tmp_path.glob("emulated_cpu_*.json")
   assert path.with_suffix(".png").stat().st_size > 0

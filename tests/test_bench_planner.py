@@ -1,23 +1,14 @@
 """Smoke test of scripts/bench_planner.py: tiny stack on CPU, plans that offload, a memory cap."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from _limits import HANG_S
-
-ROOT = Path(__file__).resolve().parents[1]
+from _common import run_module
 
 
 @pytest.mark.slow
 def test_bench_planner_tiny(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [
-    sys.executable,
-    "-m",
+  run_module(
     "scripts.bench_planner",
     "--tiny",
     "--no-presets",
@@ -37,9 +28,7 @@ def test_bench_planner_tiny(tmp_path):
     str(tmp_path),
     "--store-dir",
     str(tmp_path / "store"),
-  ]
-  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_S)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  )
   (path,) = tmp_path.glob("planner_cpu_*.json")
   assert path.with_suffix(".png").stat().st_size > 0
   assert "| auto_nvme |" in path.with_suffix(".md").read_text()

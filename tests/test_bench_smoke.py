@@ -3,23 +3,17 @@ bench_long_context): the tiny presets on CPU, end to end; bench_common's child r
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from _limits import HANG_S
+from _common import run_module
 
-ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("keep", "selective", "ssd_nvme_named")
 
 
 @pytest.mark.slow
 def test_bench_rok_tiny(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [
-    sys.executable,
-    "-m",
+  proc = run_module(
     "scripts.bench_rok",
     "--tiny",
     "--steps",
@@ -31,9 +25,7 @@ def test_bench_rok_tiny(tmp_path):
     str(tmp_path),
     "--store-dir",
     str(tmp_path / "store"),
-  ]
-  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_S)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  )
 
   (path,) = tmp_path.glob("rok_cpu_*.json")
   assert path.with_suffix(".png").stat().st_size > 0
@@ -64,9 +56,7 @@ def test_bench_multigpu_cpu_smoke(tmp_path):
   """1 vs 2 CPU devices, FSDP, both offload policies (the optimizer state in the host tier) and
   remat: the script runs end to end and writes its rows, and the offload adds no collective to
   the compiled program."""
-  cmd = [
-    sys.executable,
-    "-m",
+  proc = run_module(
     "scripts.bench_multigpu",
     "--cpu-smoke",
     "--steps",
@@ -85,16 +75,7 @@ def test_bench_multigpu_cpu_smoke(tmp_path):
     str(tmp_path),
     "--store-dir",
     str(tmp_path / "store"),
-  ]
-  proc = subprocess.run(
-    cmd,
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    timeout=HANG_S,
   )
-  assert proc.returncode == 0, proc.stdout + proc.stderr
   (path,) = tmp_path.glob("multigpu_cpu_*.json")
   doc = json.loads(path.read_text())
   rows = {r["policy"]: r for r in doc["rows"]}
@@ -124,10 +105,7 @@ def test_bench_layer_stream_cpu_smoke(tmp_path):
   """The tiny GPT of 4 layers streamed from the host tier against its ideal (2 and 4 layers on
   the device): the script runs end to end, the 4-layer ideal is the same model (its losses
   agree), and the store holds what check_streamed_room's arithmetic says."""
-  cmd = [sys.executable, "-m", "scripts.bench_layer_stream", "--cpu-smoke", "--out", str(tmp_path)]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_S)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  run_module("scripts.bench_layer_stream", "--cpu-smoke", "--out", tmp_path)
   (path,) = tmp_path.glob("layerstream_cpu_*.json")
   assert path.with_suffix(".md").read_text().startswith("cpu: tiny (4 layers)")
   doc = json.loads(path.read_text())
@@ -157,9 +135,7 @@ def test_bench_multigpu_cpu_smoke_1_2_4(tmp_path):
   """--gpus 1,2,4 on 1, 2 and 4 CPU devices, DP and FSDP, the layer inputs and the optimizer
   state in the host tier against remat: a row per layout and count, the points against remat,
   the collectives' arithmetic, and no collective added by the offload."""
-  cmd = [
-    sys.executable,
-    "-m",
+  proc = run_module(
     "scripts.bench_multigpu",
     "--cpu-smoke",
     "--gpus",
@@ -178,11 +154,8 @@ def test_bench_multigpu_cpu_smoke_1_2_4(tmp_path):
     str(tmp_path),
     "--store-dir",
     str(tmp_path / "store"),
-  ]
-  proc = subprocess.run(
-    cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ), timeout=HANG_S
+    env=dict(os.environ),  # --cpu-smoke puts each count's run on CPU devices itself
   )
-  assert proc.returncode == 0, proc.stdout + proc.stderr
   (path,) = tmp_path.glob("multigpu_cpu_*.json")
   doc = json.loads(path.read_text())
   assert doc["config"]["gpus"] == [1, 2, 4] and sorted(doc["runs"]) == ["1", "2", "4"]
@@ -248,9 +221,7 @@ def test_bench_long_context_cpu_smoke(tmp_path):
   in the host tier, against the ideal of 2 and 4 layers: every row has its fields, the rows
   that offload the layer inputs train bit for bit as remat, the host tier's optimizer as the
   same stream on the device, and the store's counters say where the bytes went."""
-  cmd = [
-    sys.executable,
-    "-m",
+  proc = run_module(
     "scripts.bench_long_context",
     "--preset",
     "tiny",
@@ -280,10 +251,7 @@ def test_bench_long_context_cpu_smoke(tmp_path):
     str(tmp_path / "store"),
     "--out",
     str(tmp_path),
-  ]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_S)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  )
   (path,) = tmp_path.glob("longctx_cpu_*.json")
   assert path.with_suffix(".png").stat().st_size > 0
   assert path.with_suffix(".md").read_text().startswith("cpu: tiny (4 layers)")

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from _common import run_module
 
 import jax_ssdtrain as ssd
 from jax_ssdtrain import checkpointing
@@ -225,17 +226,9 @@ def test_arguments_name_what_they_expect(tmp_path):
 @pytest.mark.slow  # a benchmark's smoke run in its own process (.ci/run's slow stage)
 def test_bench_checkpoint_tiny(tmp_path):
   import json
-  import os
-  import subprocess
-  import sys
-  from pathlib import Path
 
-  root = Path(__file__).resolve().parents[1]
-  cmd = [sys.executable, "-m", "scripts.bench_checkpoint", "--tiny", "--out", str(tmp_path)]
-  cmd += ["--ckpt-dir", str(tmp_path / "ckpt"), "--store-dir", str(tmp_path / "store")]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  out = ["--out", tmp_path, "--ckpt-dir", tmp_path / "ckpt", "--store-dir", tmp_path / "store"]
+  run_module("scripts.bench_checkpoint", "--tiny", *out)
   (path,) = tmp_path.glob("checkpoint_cpu_*.json")
   doc = json.loads(path.read_text())
   assert [r["variant"] for r in doc["rows"]] == ["streamed", "staged"]

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _common import gpus
+from _ffi_common import chain, same, settled_stats
 from _ffi_common import raw_load as load
 from _ffi_common import raw_store as store
 from _limits import HANG_S
@@ -79,12 +81,6 @@ def rand(shape, dtype, seed=0):
     info = np.iinfo(dtype)
     return jnp.asarray(rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True))
   return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
-
-
-def same(a, b):
-  a, b = np.asarray(a), np.asarray(b)
-  assert a.dtype == b.dtype and a.shape == b.shape
-  assert a.tobytes() == b.tobytes()
 
 
 def drain():
@@ -595,22 +591,11 @@ def test_scan_hoisted_multiple_loads(tmp_path):
 # ---------------------------------------------------------------------------
 
 
-def _gpus():
-  try:
-    return jax.devices("gpu")
-  except RuntimeError:
-    return []
-
-
-gpu = pytest.mark.skipif(not _gpus(), reason="needs a CUDA GPU")
-
-
 def _on_gpu(x):
-  return jax.device_put(x, _gpus()[0])
+  return jax.device_put(x, gpus()[0])
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("staging", [0, 4 * MiB, 64 * MiB])
 @pytest.mark.parametrize("host_cache", [256 * 1024, 64 * MiB])
 def test_gpu_round_trip(tmp_path, staging, host_cache):
@@ -620,7 +605,7 @@ def test_gpu_round_trip(tmp_path, staging, host_cache):
   dtypes = [jnp.uint8, jnp.bfloat16, jnp.float32, jnp.int32, jnp.float16]
   xs = [_on_gpu(rand(s, d, seed=i)) for i, (s, d) in enumerate(zip(shapes, dtypes))]
   hs = [store(x, site=500 + i, name=f"g{i}") for i, x in enumerate(xs)]
-  assert all(h.devices() == {_gpus()[0]} for h in hs)
+  assert all(h.devices() == {gpus()[0]} for h in hs)
   for i in reversed(range(len(xs))):
     same(load(hs[i], xs[i], site=500 + i, name=f"g{i}"), xs[i])
   # Second load of the same handle.
@@ -631,17 +616,7 @@ def test_gpu_round_trip(tmp_path, staging, host_cache):
   assert s["disk_bytes_written"] + s["write_skipped_bytes"] == total
 
 
-def _chain(x, n):
-  """The intermediates of n steps of x -> sin(x) * 1.5 + i (what the GPU tests store)."""
-  out = []
-  for i in range(n):
-    x = jnp.sin(x) * 1.5 + i
-    out.append(x)
-  return out
-
-
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("staging", [0, 2 * MiB, 64 * MiB])
 def test_gpu_stream_order_under_buffer_reuse(tmp_path, staging):
   # Intermediates inside one jit share buffers; each store must capture the
@@ -657,7 +632,7 @@ def test_gpu_stream_order_under_buffer_reuse(tmp_path, staging):
       hs.append(store(x, site=600 + i, name=f"s{i}"))
     return hs, x
 
-  ref = jax.jit(lambda x: _chain(x, n))
+  ref = jax.jit(lambda x: chain(x, n))
 
   x0 = _on_gpu(rand((512, 1024), jnp.float32))
   want = ref(x0)
@@ -676,7 +651,6 @@ def test_gpu_stream_order_under_buffer_reuse(tmp_path, staging):
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_errors(tmp_path):
   cfg(tmp_path, capacity_bytes=1 * MiB)
   x = _on_gpu(rand((1000,), jnp.float32))
@@ -693,7 +667,6 @@ def test_gpu_errors(tmp_path):
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_host_tier_and_forwarding(tmp_path):
   cfg(tmp_path, host_tier_bytes=8 * MiB, staging_bytes=64 * MiB, host_cache_bytes=64 * MiB)
   xs = [_on_gpu(rand((256, 1024), jnp.float32, seed=i)) for i in range(4)]
@@ -707,7 +680,6 @@ def test_gpu_host_tier_and_forwarding(tmp_path):
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("forwarding", [True, False])
 @pytest.mark.parametrize("staging", [3 * MiB, 64 * MiB])
 def test_gpu_lazy_host_copies(tmp_path, forwarding, staging):
@@ -733,7 +705,7 @@ def test_gpu_lazy_host_copies(tmp_path, forwarding, staging):
       hs.append(store(x, site=900 + i, tier=1, name=f"h{i}", uses=-1 if i == 0 else 1))
     return hs
 
-  ref = jax.jit(lambda x: _chain(x, n))
+  ref = jax.jit(lambda x: chain(x, n))
 
   x0 = _on_gpu(rand(shape, jnp.float32))
   want = ref(x0)
@@ -765,17 +737,7 @@ def test_gpu_lazy_host_copies(tmp_path, forwarding, staging):
     assert s["link_d2h_busy_seconds"] > 0 and s["link_d2h_GBps"] > 0
 
 
-def settled_stats(timeout=HANG_S):
-  """Stats once every timed GPU copy completed (the copy streams run behind the host)."""
-  t0 = time.monotonic()
-  while (s := native.stats())["gpu_pending_brackets"]:
-    assert time.monotonic() - t0 < timeout, "GPU copies did not complete"
-    time.sleep(0.005)
-  return s
-
-
 @pytest.mark.gpu
-@gpu
 def test_gpu_timeline(tmp_path):
   cfg(tmp_path, staging_bytes=64 * MiB, host_tier_bytes=16 * MiB)
   native.timeline()
@@ -795,7 +757,6 @@ def test_gpu_timeline(tmp_path):
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_probe_link():
   for host in native.LINK_HOST_KINDS:
     rates = native.probe_link(0, 64 * MiB, 3, host)
@@ -820,7 +781,7 @@ def test_gpu_probe_link():
 
 
 def test_probe_link_needs_a_gpu():
-  if _gpus():
+  if gpus():
     pytest.skip("a GPU is present (test_gpu_probe_link covers it)")
   calls = []
   with pytest.raises(OSError, match="link"):
@@ -838,17 +799,16 @@ def test_measure_links_checks_its_arguments_and_needs_a_gpu():
     probe.measure_links([], MiB)
   with pytest.raises(ValueError, match="host"):
     probe.measure_links([0], MiB, host="pageable")
-  if not _gpus():  # every thread fails alike; the caller gets the cause, not a broken barrier
+  if not gpus():  # every thread fails alike; the caller gets the cause, not a broken barrier
     with pytest.raises(OSError, match="link"):
       probe.measure_links([0, 1], MiB, repeats=1)
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_measure_links_all_at_once():
   from jax_ssdtrain import probe
 
-  devices = list(range(len(_gpus())))
+  devices = list(range(len(gpus())))
   rs = probe.measure_links(devices, 64 * MiB, repeats=2)
   assert [r.device for r in rs] == devices and all(r.size == 64 * MiB for r in rs)
   assert all(min(r.d2h_gbps, r.h2d_gbps, r.duplex_d2h_gbps, r.duplex_h2d_gbps) > 0.5 for r in rs)

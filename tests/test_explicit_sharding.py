@@ -2,30 +2,14 @@
 DP, FSDP and TP grads bitwise equal to the same sharded program saving on the device, each
 device storing exactly its local shard of the tag."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from _common import run_worker
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 F32, B, D, LAYERS = 4, 2, 64, 2
 
 
 def _run(mode):
-  env = dict(
-    os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-  )
-  proc = subprocess.run(
-    [sys.executable, os.path.join(HERE, "_explicit_worker.py"), mode],
-    capture_output=True,
-    text=True,
-    env=env,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return run_worker("_explicit_worker.py", mode, JAX_PLATFORMS="cpu")
 
 
 @pytest.fixture(scope="module", params=["explicit", "auto"])

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _common import gpus
+from _ffi_common import chain, random_bytes, same, settled_stats
 from _ffi_common import raw_load as load
 from _ffi_common import raw_store as store
 
@@ -47,16 +49,6 @@ def configure(tmp_path, **kw):
   config = options.check(options.StoreConfig(**options.read_changes(fields)))
   native.configure(options.engine_options(config, config.directories))
   native.reset_stats()
-
-
-def random_bytes(nbytes, seed, device):
-  return jax.device_put(np.random.default_rng(seed).integers(0, 256, nbytes, np.uint8), device)
-
-
-def same(a, b):
-  a, b = np.asarray(a), np.asarray(b)
-  assert a.dtype == b.dtype and a.shape == b.shape
-  assert a.tobytes() == b.tobytes()
 
 
 def _cpu():
@@ -131,29 +123,7 @@ def test_tensors_larger_than_the_cache_among_small_ones_in_one_program(tmp_path,
 # CUDA handlers: a tensor larger than the staging room it finds
 
 
-def _gpus():
-  try:
-    return jax.devices("gpu")
-  except RuntimeError:
-    return []
-
-
-gpu = pytest.mark.skipif(not _gpus(), reason="needs a CUDA GPU")
-
-
-def settled_stats(timeout=60.0):
-  """Stats once every timed GPU copy completed (the copy streams run behind the host)."""
-  import time
-
-  t0 = time.monotonic()
-  while (s := native.stats())["gpu_pending_brackets"]:
-    assert time.monotonic() - t0 < timeout, "GPU copies did not complete"
-    time.sleep(0.005)
-  return s
-
-
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("tier", [NVME, HOST, HOST_NVME], ids=["nvme", "host", "host,nvme"])
 def test_gpu_tensor_larger_than_staging_streams_through_it(tmp_path, tier):
   """10 MiB against a 4 MiB arena: the first 4 MiB go into staging (D2D), the rest D2H on the
@@ -167,7 +137,7 @@ def test_gpu_tensor_larger_than_staging_streams_through_it(tmp_path, tier):
     host_tier_bytes=2 * MiB if tier == HOST_NVME else 64 * MiB,
     prefetch_bytes=4 * MiB,
   )
-  x = random_bytes(nbytes, seed=tier, device=_gpus()[0])
+  x = random_bytes(nbytes, seed=tier, device=gpus()[0])
   h = store(x, site=1, tier=tier, name="big", uses=1)
   same(load(h, x, site=1, tier=tier, name="big"), x)
   native.release_all()
@@ -184,16 +154,7 @@ def test_gpu_tensor_larger_than_staging_streams_through_it(tmp_path, tier):
   assert s["live_entries"] == 0 and s["staging_bytes_in_use"] == 0
 
 
-def _chain(x, n):
-  out = []
-  for i in range(n):
-    x = jnp.sin(x) * 1.5 + i
-    out.append(x)
-  return out
-
-
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("staging", [0, 4 * MiB, 16 * MiB])
 @pytest.mark.parametrize("tier", [NVME, HOST], ids=["nvme", "host"])
 def test_gpu_large_stores_capture_their_value_under_buffer_reuse(tmp_path, staging, tier):
@@ -209,7 +170,7 @@ def test_gpu_large_stores_capture_their_value_under_buffer_reuse(tmp_path, stagi
     prefetch_bytes=16 * MiB,
   )
   n, shape = 6, (2560, 1024)  # float32: 10 MiB each
-  dev = _gpus()[0]
+  dev = gpus()[0]
   smalls = [jax.device_put(jnp.full((64, 1024), i, jnp.float32), dev) for i in range(3)]
 
   @jax.jit
@@ -223,7 +184,7 @@ def test_gpu_large_stores_capture_their_value_under_buffer_reuse(tmp_path, stagi
   x0 = jax.device_put(
     jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.float32), dev
   )
-  want = jax.jit(lambda x: _chain(x, n))(x0)
+  want = jax.jit(lambda x: chain(x, n))(x0)
   for _ in range(2):
     hs = fwd(x0, smalls)
 
@@ -259,7 +220,6 @@ def test_gpu_large_stores_capture_their_value_under_buffer_reuse(tmp_path, stagi
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_read_ahead_stages_a_first_piece_of_a_large_tensor(tmp_path):
   """A 12 MiB tensor whose staging copy later stores took: read-ahead after the loads of those
   stores stages its first piece within the budget, and its load takes that piece D2D and the
@@ -271,7 +231,7 @@ def test_gpu_read_ahead_stages_a_first_piece_of_a_large_tensor(tmp_path):
     prefetch_bytes=4 * MiB,
     forwarding=False,
   )
-  dev = _gpus()[0]
+  dev = gpus()[0]
   big = random_bytes(12 * MiB + 100, seed=1, device=dev)
   smalls = [random_bytes(1 * MiB, seed=10 + i, device=dev) for i in range(4)]
   hb = store(big, site=1, tier=HOST, name="big", uses=1)

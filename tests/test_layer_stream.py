@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _common import assert_bitwise
 
 import jax_ssdtrain as ssd
 from jax_ssdtrain._src.layer_stream import StreamedStack
@@ -111,17 +112,6 @@ def _run_uncached(location, layers, micro, dtype, save_inputs, sum_dtype):
   return jax.tree.map(np.asarray, out)
 
 
-def _assert_bitwise(a, b):
-  flat_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
-  flat_b, tree_b = jax.tree_util.tree_flatten_with_path(b)
-  assert tree_a == tree_b
-  for (path, x), (_, y) in zip(flat_a, flat_b):
-    assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
-    assert np.array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8)), (
-      f"{jax.tree_util.keystr(path)}: differs by {np.max(np.abs(x.astype(float) - y))}"
-    )
-
-
 def _vmap_init(layers, dtype=jnp.float32, key=0):
   return jax.vmap(lambda k: _init_layer(k, dtype))(jax.random.split(jax.random.key(key), layers))
 
@@ -160,14 +150,14 @@ def _reference(stacked, micro, dtype=jnp.float32):
 def test_store_equals_device_bit_for_bit(store, location):
   # Loss, embedding and head sums, the stack's gradient sum over 3 micro-batches, the params as
   # stored and after an update written back: the store's program equals the device reference's.
-  _assert_bitwise(_run(location), _run("device"))
+  assert_bitwise(_run(location), _run("device"))
 
 
 @pytest.mark.slow  # the README's command keeps the float32 and nvme bit-for-bit cases
 def test_bfloat16_stack_saved_inputs_in_store(store):
   # bfloat16 parameters with a float32 sum, the block inputs saved in the host tier.
   device = _run("device", layers=3, micro=2, dtype=jnp.bfloat16)
-  _assert_bitwise(_run("host", layers=3, micro=2, dtype=jnp.bfloat16, save_inputs="host"), device)
+  assert_bitwise(_run("host", layers=3, micro=2, dtype=jnp.bfloat16, save_inputs="host"), device)
   assert device["stack_sum"]["scale"].dtype == np.float32
   assert device["updated"]["scale"].dtype == jnp.bfloat16
 
@@ -176,7 +166,7 @@ def test_bfloat16_stack_saved_inputs_in_store(store):
 def test_bfloat16_sum(store):
   # A bfloat16 sum on request, in the files.
   half = _run("nvme", layers=3, micro=2, dtype=jnp.bfloat16, sum_dtype=jnp.bfloat16)
-  _assert_bitwise(half, _run("device", layers=3, micro=2, dtype=jnp.bfloat16, sum_dtype="bfloat16"))
+  assert_bitwise(half, _run("device", layers=3, micro=2, dtype=jnp.bfloat16, sum_dtype="bfloat16"))
   assert half["stack_sum"]["mlp"]["up"].dtype == jnp.bfloat16
 
 
@@ -239,7 +229,7 @@ def test_whole_train_step_in_one_jit(store, layers):
   host = run("host")
   counted = ssd.stats()["counted_releases"]  # the two sums' entries, 3 leaves a layer each
   assert counted == (2 * 3 * layers if layers == 3 else 0)
-  _assert_bitwise(host, run("device"))
+  assert_bitwise(host, run("device"))
   ssd.collect()
   stats = ssd.stats()  # nothing holds a handle any more: the sweep releases every entry
   assert stats["live_entries"] == 0 and stats["host_tier_bytes_in_use"] == 0, stats
@@ -263,7 +253,7 @@ def test_in_place_holds_one_version(store):
   got = {"losses": losses, "embed": sums[0], "head": sums[2]}
   got |= {"stack_sum": ssd.stack_to_tree(sums[1]), "params": params}
   got["updated"] = ssd.stack_to_tree(ssd.map_stack(_sgd, stack, sums[1], in_place=True))
-  _assert_bitwise(jax.tree.map(np.asarray, got), _run("device"))
+  assert_bitwise(jax.tree.map(np.asarray, got), _run("device"))
   assert ssd.stats()["live_entries"] == 3 * 4  # the new parameters' entries only
   with pytest.raises(Exception, match="ssdtrain"):
     jax.block_until_ready(ssd.stack_to_tree(stack))
@@ -327,9 +317,7 @@ def test_stack_from_tree_round_trip(store):
   tree = _vmap_init(3, key=5)
   stack = ssd.stack_from_tree(tree, location="host,nvme")
   assert stack.location is ssd.Location.HOST_NVME
-  _assert_bitwise(
-    jax.tree.map(np.asarray, ssd.stack_to_tree(stack)), jax.tree.map(np.asarray, tree)
-  )
+  assert_bitwise(jax.tree.map(np.asarray, ssd.stack_to_tree(stack)), jax.tree.map(np.asarray, tree))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +395,7 @@ def test_released_handles_raise(store):
 @pytest.mark.slow
 @pytest.mark.parametrize("location", ["host", "nvme", "host,nvme"])
 def test_deeper_stack_many_micro_batches(store, location):
-  _assert_bitwise(
+  assert_bitwise(
     _run(location, layers=12, micro=6, save_inputs="nvme"), _run("device", layers=12, micro=6)
   )
 
@@ -430,7 +418,7 @@ def test_failed_write_leaves_the_last_sum(tmp_path):
     before = jax.tree.map(np.asarray, ssd.stack_to_tree(sums[1]))
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"host tier full.*layer_stream\.grad_sum"):
       jax.block_until_ready(step(ep, stack, hp, second, sums))
-    _assert_bitwise(jax.tree.map(np.asarray, ssd.stack_to_tree(sums[1])), before)
+    assert_bitwise(jax.tree.map(np.asarray, ssd.stack_to_tree(sums[1])), before)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -571,7 +559,7 @@ def test_update_store_equals_device_bit_for_bit(store, location):
   # model's gradients clipped by one global norm: 2 steps of 2 micro-batches. Every sum,
   # parameter, master copy and count equals the device reference's.
   got = _train(location, "clip_adamw", jnp.bfloat16)
-  _assert_bitwise(got, _train("device", "clip_adamw", jnp.bfloat16))
+  assert_bitwise(got, _train("device", "clip_adamw", jnp.bfloat16))
   assert got["params"][-1]["scale"].dtype == jnp.bfloat16
   assert got["master"][-1]["scale"].dtype == np.float32
 
@@ -585,7 +573,7 @@ def test_classes_apart_equal_device_bit_for_bit(store, params, grad_sum, state):
   # master copy each on the device or in a tier of its own): the same training as with every
   # class on the device, bit for bit.
   got = _train(params, "clip_adamw", jnp.bfloat16, sum_location=grad_sum, state_location=state)
-  _assert_bitwise(got, _train("device", "clip_adamw", jnp.bfloat16))
+  assert_bitwise(got, _train("device", "clip_adamw", jnp.bfloat16))
   placed = [k for k in _PLACED if k[0] == params and k[-2:] == (grad_sum, state)]
   assert _PLACED[placed[0]] == (params, grad_sum, state)
   room = ssd.check_streamed_room(
@@ -633,7 +621,7 @@ def test_master_weights_equal_optax_on_the_whole_tree(store):
     rounded = jax.tree.map(
       lambda m: np.asarray(jnp.asarray(m).astype(jnp.bfloat16)), got["master"][step]
     )
-    _assert_bitwise(got["params"][step], rounded)
+    assert_bitwise(got["params"][step], rounded)
 
 
 def test_update_refuses_what_needs_more_than_one_layer(store):
@@ -672,7 +660,7 @@ def test_update_in_place(store):
   # in_place: the update's loads of the old sum, state and parameters are their entries' last;
   # the results are the device reference's, bit for bit.
   got = _train("host", "adam", in_place=True, steps=1)
-  _assert_bitwise(got, _train("device", "adam", steps=1))
+  assert_bitwise(got, _train("device", "adam", steps=1))
 
 
 def test_update_in_place_with_master_weights_replaces_the_parameters(store):
@@ -698,7 +686,7 @@ def test_update_in_place_with_master_weights_replaces_the_parameters(store):
   with pytest.raises(Exception, match="ssdtrain"):
     jax.block_until_ready(ssd.stack_to_tree(stack))
   got = _train("host", "adam", dtype=jnp.bfloat16, in_place=True, steps=2)
-  _assert_bitwise(got, _train("device", "adam", dtype=jnp.bfloat16, steps=2))
+  assert_bitwise(got, _train("device", "adam", dtype=jnp.bfloat16, steps=2))
 
 
 def _live_entries(expected, timeout_s=10.0):
@@ -725,7 +713,7 @@ def test_in_place_releases_what_fn_does_not_read(store):
   ssd.reset_stats()
   kept = ssd.map_stack(lambda p, o: p, params, other, in_place=True)
   assert _live_entries(3 * 3) == 3 * 3, ssd.stats()  # the new stack's alone
-  _assert_bitwise(jax.tree.map(np.asarray, ssd.stack_to_tree(kept)), want)
+  assert_bitwise(jax.tree.map(np.asarray, ssd.stack_to_tree(kept)), want)
   for gone in (params, other):
     with pytest.raises(Exception, match="ssdtrain"):
       jax.block_until_ready(ssd.stack_to_tree(gone))
@@ -752,7 +740,7 @@ def test_stacks_sharing_their_sites_in_one_program(store):
   got = run("host")
   s = ssd.stats()
   assert s["speculative_loads"] > 0 and s["handle_mismatches"] == 0, s
-  _assert_bitwise(got, run("device"))
+  assert_bitwise(got, run("device"))
 
 
 def test_apply_gradients_takes_a_streamed_stack(store):
@@ -772,7 +760,7 @@ def test_apply_gradients_takes_a_streamed_stack(store):
   trees = lambda r: jax.tree.map(  # noqa: E731
     np.asarray, (ssd.stack_to_tree(r[0]), ssd.stack_to_tree(r[1].per_layer), r[1].shared)
   )
-  _assert_bitwise(trees(got), trees(want))
+  assert_bitwise(trees(got), trees(want))
   with pytest.raises(TypeError, match="not lr_scale"):
     ssd.apply_gradients(tx, sums[1], state, stack, lr_scale=2.0)
   with pytest.raises(TypeError, match="pass the optax transformation itself"):

@@ -3,39 +3,10 @@ set before JAX starts). DP, FSDP and TP on the MLP: grads equal the single-devic
 offloading program has the same collectives as the one saving on the device, every device
 stores exactly its shards."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from _limits import HANG_S
+from _common import run_worker, skip_without_gpus
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-
-
-def _run_worker(tmp_dir, worker="_multidevice_worker.py", **env_vars):
-  """The JSON result of ``worker`` (a script in tests/, run with ``env_vars`` in its
-  environment), with ``"left_behind"``: what it left in ``tmp_dir``, its TMPDIR (the store
-  directories it configures and the default store's temporary directory)."""
-  env = dict(
-    os.environ,
-    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    TMPDIR=str(tmp_dir),
-    **env_vars,
-  )
-  proc = subprocess.run(
-    [sys.executable, os.path.join(HERE, worker)],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=HANG_S,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
-  result["left_behind"] = sorted(os.listdir(tmp_dir))
-  return result
+WORKER = "_multidevice_worker.py"
 
 
 # The tests of the worker's result: one process of about 40 s on 2 cores, run by the slow stage.
@@ -44,7 +15,7 @@ SLOW = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-  return _run_worker(tmp_path_factory.mktemp("multidevice"), JAX_PLATFORMS="cpu")
+  return run_worker(WORKER, tmp_dir=tmp_path_factory.mktemp("multidevice"), JAX_PLATFORMS="cpu")
 
 
 @SLOW
@@ -168,7 +139,7 @@ def test_meshes_smaller_than_the_machine(tmp_path):
   mesh not over every device: "mesh data=2 x model=1 needs 2 devices, got 4", as
   test_two_gpus on a 4-GPU machine), or those chosen; scripts/train.py's --mesh dp=2 trains on
   the first 2, or on --devices 2,3, which alone store the offloaded activations."""
-  r = _run_worker(tmp_path, worker="_mesh_subset_worker.py", JAX_PLATFORMS="cpu")
+  r = run_worker("_mesh_subset_worker.py", tmp_dir=tmp_path, JAX_PLATFORMS="cpu")
   assert r["devices"] == [0, 1, 2, 3]
   assert r["dp2"] == [[0], [1]] and r["tp2"] == [[0, 1]] and r["dp1"] == [[0]]
   assert r["explicit"] == [[3], [1]]
@@ -178,15 +149,6 @@ def test_meshes_smaller_than_the_machine(tmp_path):
   assert first["stored_by"] == [0, 1] and chosen["stored_by"] == [2, 3], (first, chosen)
   assert first["gb_written"] == chosen["gb_written"] > 0
   assert first["final_loss"] == chosen["final_loss"], (first, chosen)
-
-
-def _gpu_count() -> int:
-  import jax
-
-  try:
-    return len(jax.devices("gpu"))
-  except RuntimeError:
-    return 0
 
 
 def _check_first_devices(r: dict, n: int) -> None:
@@ -217,7 +179,9 @@ def _check_first_devices(r: dict, n: int) -> None:
 @SLOW
 def test_two_of_four_cpu_devices(tmp_path):
   """test_two_gpus's worker on a machine with more devices than it needs: 2 of 4 CPU devices."""
-  r = _run_worker(tmp_path, JAX_PLATFORMS="cpu", SSD_MD_DEVICES="2", SSD_MD_CPU_DEVICES="4")
+  r = run_worker(
+    WORKER, tmp_dir=tmp_path, JAX_PLATFORMS="cpu", SSD_MD_DEVICES="2", SSD_MD_CPU_DEVICES="4"
+  )
   assert r["visible_devices"] == 4
   _check_first_devices(r, 2)
   msg = r["wrong_device"]["error"]
@@ -226,10 +190,13 @@ def test_two_of_four_cpu_devices(tmp_path):
 
 def _gpu_worker(tmp_path, n: int) -> dict:
   """The worker on the first ``n`` GPUs (skipped where there are fewer; more are left idle)."""
-  if _gpu_count() < n:
-    pytest.skip(f"needs {n} GPUs, there are {_gpu_count()}")
-  return _run_worker(
-    tmp_path, SSD_MD_PLATFORM="gpu", SSD_MD_DEVICES=str(n), XLA_PYTHON_CLIENT_PREALLOCATE="false"
+  skip_without_gpus(n)
+  return run_worker(
+    WORKER,
+    tmp_dir=tmp_path,
+    SSD_MD_PLATFORM="gpu",
+    SSD_MD_DEVICES=str(n),
+    XLA_PYTHON_CLIENT_PREALLOCATE="false",
   )
 
 

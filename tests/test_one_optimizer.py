@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _common import nested_norms
 
 import jax_ssdtrain as ssd
 from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
@@ -28,23 +29,6 @@ def store(tmp_path):
 def _init_layer(key):
   k1, k2 = jax.random.split(key)
   return {"up": jax.random.normal(k1, (16, 32)), "scale": 1.0 + jax.random.normal(k2, (16,))}
-
-
-def _nested_norms() -> optax.GradientTransformation:
-  """A momentum scaled by the norm of the whole momentum, then by the size of the scaled one:
-  the second number needs the first (no reduction pass before the update resolves it)."""
-
-  def init(params):
-    return {"m": jax.tree.map(jnp.zeros_like, params)}
-
-  def update(updates, state, params=None):
-    m = jax.tree.map(lambda m, g: 0.9 * m + g, state["m"], updates)
-    first = sum(jnp.sum(x * x) for x in jax.tree.leaves(m))
-    scaled = jax.tree.map(lambda x: x / (1.0 + first), m)
-    second = sum(jnp.sum(jnp.abs(x)) for x in jax.tree.leaves(scaled))
-    return jax.tree.map(lambda x: -1e-3 * x / (1.0 + second), scaled), {"m": scaled}
-
-  return optax.GradientTransformation(init, update)
 
 
 def _cross_shapes() -> optax.GradientTransformation:
@@ -82,7 +66,7 @@ ACCEPTED = {
 
 # Refused by both, with the same cause: (transformation, operation) in the messages.
 REFUSED_BY_BOTH = {
-  "nested_norms": (_nested_norms, ("_nested_norms", "add")),
+  "nested_norms": (nested_norms, ("nested_norms", "add")),
   "cross_shapes": (_cross_shapes, ("_cross_shapes", "add")),
 }
 

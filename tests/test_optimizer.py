@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _common import nested_norms, run_module, run_worker, skip_without_gpus
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
@@ -23,6 +24,7 @@ from jax_ssdtrain._src.optimizer import (
 )
 
 MiB = 1 << 20
+SHARDED_WORKER = "_sharded_optimizer_worker.py"  # the state sharded over several devices
 
 
 @pytest.fixture
@@ -517,30 +519,13 @@ def test_a_two_pass_stream_in_place_equals_the_device(store):
   assert ssd.stats()["live_entries"] == sum(len(h) for h in state.handles)
 
 
-def _nested_norms() -> optax.GradientTransformation:
-  """A momentum scaled by the norm of the whole momentum, then by the size of the scaled one:
-  the second number needs the first (three passes)."""
-
-  def init(params):
-    return {"m": jax.tree.map(jnp.zeros_like, params)}
-
-  def update(updates, state, params=None):
-    m = jax.tree.map(lambda m, g: 0.9 * m + g, state["m"], updates)
-    first = sum(jnp.sum(x * x) for x in jax.tree.leaves(m))
-    scaled = jax.tree.map(lambda x: x / (1.0 + first), m)
-    second = sum(jnp.sum(jnp.abs(x)) for x in jax.tree.leaves(scaled))
-    return jax.tree.map(lambda x: -1e-3 * x / (1.0 + second), scaled), {"m": scaled}
-
-  return optax.GradientTransformation(init, update)
-
-
 def test_a_number_that_needs_another_first_is_refused_naming_the_passes(store):
-  tx = offload_optimizer(_nested_norms(), location="host", min_bytes=4096, chunk_bytes=32 << 10)
+  tx = offload_optimizer(nested_norms(), location="host", min_bytes=4096, chunk_bytes=32 << 10)
   state = tx.init(_params())
   with pytest.raises(OptimizerOffloadError, match="cannot be computed in one reduction pass"):
     tx.update(_params(), state, _params())
   # on the device it runs (the refusal is the stream's, not the transformation's)
-  jax.block_until_ready(_nested_norms().update(_params(), _nested_norms().init(_params())))
+  jax.block_until_ready(nested_norms().update(_params(), nested_norms().init(_params())))
 
 
 def test_update_with_another_optimizers_state_names_both_layouts(store):
@@ -724,17 +709,11 @@ def _tiny_bench(tmp_path, module, prefix, *args, cpu_devices=1) -> dict:
   wrote, ``<prefix>_cpu_*.json``."""
   import json
   import os
-  import subprocess
-  import sys
-  from pathlib import Path
 
-  root = Path(__file__).resolve().parents[1]
-  cmd = [sys.executable, "-m", f"scripts.{module}", "--tiny", "--out", str(tmp_path), *args]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   if cpu_devices > 1:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cpu_devices}"
-  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  run_module(f"scripts.{module}", "--tiny", "--out", tmp_path, *args, env=env)
   (path,) = tmp_path.glob(f"{prefix}_cpu_*.json")
   return json.loads(path.read_text())
 
@@ -972,34 +951,25 @@ def _check_sharded(r: dict, devices: int) -> None:
 
 @pytest.mark.slow  # a worker process of 49 s on 2 cores (run by .ci/run's slow stage)
 def test_state_sharded_over_4_cpu_devices(tmp_path):
-  from test_multidevice import _run_worker
-
   # a process of its own: the device count is fixed when jax starts
-  _check_sharded(_run_worker(tmp_path, worker="_sharded_optimizer_worker.py"), 4)
+  _check_sharded(run_worker(SHARDED_WORKER, tmp_dir=tmp_path), 4)
 
 
 @pytest.mark.slow  # as the one above
 def test_state_sharded_over_2_of_4_cpu_devices(tmp_path):
   # the first 2 devices of a machine with more (the case of test_state_sharded_over_2_gpus on a
   # 4-GPU machine): the mesh, the state's blocks and their stores on those 2 alone
-  from test_multidevice import _run_worker
-
-  r = _run_worker(
-    tmp_path, worker="_sharded_optimizer_worker.py", SSD_OPT_DEVICES="2", SSD_OPT_CPU_DEVICES="4"
-  )
+  r = run_worker(SHARDED_WORKER, tmp_dir=tmp_path, SSD_OPT_DEVICES="2", SSD_OPT_CPU_DEVICES="4")
   assert r["visible_devices"] == 4
   _check_sharded(r, 2)
 
 
 def _sharded_over_gpus(tmp_path, n: int) -> None:
   """The worker on the first ``n`` GPUs (skipped where there are fewer; more are left idle)."""
-  from test_multidevice import _gpu_count, _run_worker
-
-  if _gpu_count() < n:
-    pytest.skip(f"needs {n} GPUs, there are {_gpu_count()}")
-  r = _run_worker(
-    tmp_path,
-    worker="_sharded_optimizer_worker.py",
+  skip_without_gpus(n)
+  r = run_worker(
+    SHARDED_WORKER,
+    tmp_dir=tmp_path,
     SSD_OPT_PLATFORM="gpu",
     SSD_OPT_DEVICES=str(n),
     XLA_PYTHON_CLIENT_PREALLOCATE="false",

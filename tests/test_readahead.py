@@ -5,16 +5,13 @@ hoists out of the loop (stored once, loaded in every layer), loads out of store 
 tensor-parallel scan on 4 CPU devices (a subprocess)."""
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _common import run_worker
 from _ffi_common import raw_load, raw_store
 from _limits import HANG_S
 from _optimizer_readahead import check_state_read_ahead_in_store_order
@@ -22,8 +19,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 KiB, MiB = 1 << 10, 1 << 20
 KEYS = (
   "bytes_read",
@@ -223,21 +218,7 @@ def test_loads_out_of_store_order(tmp_path):
 
 @pytest.mark.slow  # 4 devices; the read-ahead order is checked on one in the README's command
 def test_tensor_parallel_on_4_devices(tmp_path):
-  env = dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    SSD_RA_DIR=str(tmp_path / "s"),
-    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-  )
-  proc = subprocess.run(
-    [sys.executable, os.path.join(HERE, "_readahead_worker.py")],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=HANG_S,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  records = json.loads(proc.stdout.strip().splitlines()[-1])
+  records = run_worker("_readahead_worker.py", JAX_PLATFORMS="cpu", SSD_RA_DIR=tmp_path / "s")
   check(records, 4 * 6 * 96 * KiB)
 
 

@@ -8,6 +8,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
+from _common import gpus
+from _ffi_common import random_bytes, raw_load, raw_store, same, settled_stats
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
@@ -259,65 +261,34 @@ def test_explicit_staging_and_the_cap_keep_their_meaning(small_floor, tmp_path):
 # GPU: an arena that holds copies grows between programs
 
 
-def _gpus():
-  try:
-    return jax.devices("gpu")
-  except RuntimeError:
-    return []
-
-
-gpu = pytest.mark.skipif(not _gpus(), reason="needs a CUDA GPU")
-
-
-def _settled():
-  import time
-
-  t0 = time.monotonic()
-  while (s := native.stats())["gpu_pending_brackets"]:
-    assert time.monotonic() - t0 < 60, "GPU copies did not complete"
-    time.sleep(0.005)
-  return s
-
-
 @pytest.mark.gpu
-@gpu
 def test_gpu_arena_grows_keeping_the_copies_it_held(tmp_path):
   """Host-tier stores whose copies sit in a 4 MiB arena (the newest with its host copy
   deferred): growing it to 16 MiB issues their host copies first, and every one loads back bit
   for bit; a 12 MiB tensor then goes through the new arena whole."""
-  import numpy as np
-  from _ffi_common import raw_load, raw_store
-
   ssd.configure(tmp_path / "s", staging_bytes="4MiB", host_tier_bytes="64MiB")
-  dev = _gpus()[0]
-
-  def rand(nbytes, seed):
-    return jax.device_put(np.random.default_rng(seed).integers(0, 256, nbytes, np.uint8), dev)
-
-  xs = [rand(3 * MiB + 5, i) for i in range(3)]
+  dev = gpus()[0]
+  xs = [random_bytes(3 * MiB + 5, i, dev) for i in range(3)]
   hs = [raw_store(x, site=11 + i, tier=1, name=f"kept{i}", uses=1) for i, x in enumerate(xs)]
   jax.block_until_ready(hs)
-  assert _settled()[f"device{dev.id}_staging_bytes"] == 4 * MiB
+  assert settled_stats()[f"device{dev.id}_staging_bytes"] == 4 * MiB
   native.grow_staging(16 * MiB)
-  s = _settled()
+  s = settled_stats()
   assert s[f"device{dev.id}_staging_bytes"] == 16 * MiB and s["staging_bytes_in_use"] == 0
   assert native.engine_config()["staging_bytes"] == str(16 * MiB)
   for i, (h, x) in enumerate(zip(hs, xs)):
-    back = raw_load(h, x, site=11 + i, tier=1, name=f"kept{i}")
-    assert np.asarray(back).tobytes() == np.asarray(x).tobytes()
+    same(raw_load(h, x, site=11 + i, tier=1, name=f"kept{i}"), x)
   native.reset_stats()
-  big = rand(12 * MiB, 9)
+  big = random_bytes(12 * MiB, 9, dev)
   h = raw_store(big, site=20, tier=1, name="big", uses=1)
-  back = raw_load(h, big, site=20, tier=1, name="big")
-  assert np.asarray(back).tobytes() == np.asarray(big).tobytes()
-  s = _settled()
+  same(raw_load(h, big, site=20, tier=1, name="big"), big)
+  s = settled_stats()
   assert s["staging_direct_stores"] == 0 and s["stall_seconds"] == 0, s
   native.release_all()
   config.reset_to_unconfigured()
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_auto_arena_grows_for_the_larger_program(small_floor, tmp_path):
   """A small program's arena (2 MiB), an entry kept in it, then a program of 8 MiB layers: the
   arena grows before it runs, its stores fit whole, and its gradient is the device's bit for
@@ -328,7 +299,7 @@ def test_gpu_auto_arena_grows_for_the_larger_program(small_floor, tmp_path):
   handle = keep(jnp.ones((4096,)))[1]
   native.reset_stats()
   _step(layers=2, rows=4096)()
-  s = _settled()
+  s = settled_stats()
   assert ssd.stats()["staging_bytes"] == 8 * MiB
   assert ssd.device_stats()[0]["staging_bytes"] == 8 * MiB
   assert s["staging_direct_stores"] == 0, s

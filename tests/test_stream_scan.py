@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _common import assert_bitwise
 
 import jax_ssdtrain as ssd
 
@@ -120,18 +121,6 @@ def _to_numpy(grads):
   return jax.tree.map(np.asarray, grads)
 
 
-def _assert_bitwise(a, b):
-  flat_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
-  flat_b, tree_b = jax.tree_util.tree_flatten_with_path(b)
-  assert tree_a == tree_b
-  for (path, x), (_, y) in zip(flat_a, flat_b):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
-    assert np.array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8)), (
-      f"{jax.tree_util.keystr(path)}: differs by {np.max(np.abs(x.astype(float) - y))}"
-    )
-
-
 def _assert_close(got, want, rtol=1e-5, atol=1e-6):
   flat, tree = jax.tree_util.tree_flatten_with_path(got)
   assert tree == jax.tree.structure(want)
@@ -150,7 +139,7 @@ def test_store_equals_device_bit_for_bit(store, location, save_inputs):
   # evaluated without gradients: the store's program equals the device reference's. The nvme
   # case also saves each layer's carry input in the host tier (the mask stays on the device).
   got, want = _run(location, save_inputs), _run("device")
-  _assert_bitwise(
+  assert_bitwise(
     {k: got[k] for k in ("losses", "sums", "alone", "eval")},
     {k: want[k] for k in ("losses", "sums", "alone", "eval")},
   )
@@ -242,7 +231,7 @@ def test_in_place_releases_the_old_sum(store):
   with pytest.raises(Exception, match="ssdtrain"):
     jax.block_until_ready(ssd.stack_to_tree(first["blocks"]))
   _, sums = step(params, batches[2], sums=sums)
-  _assert_bitwise(_to_numpy(sums), _run("host")["sums"])
+  assert_bitwise(_to_numpy(sums), _run("host")["sums"])
 
 
 # ---------------------------------------------------------------------------------------------

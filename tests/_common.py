@@ -1,7 +1,8 @@
 """Helpers that the tests of several parts share: the GPUs JAX sees (conftest skips the ``gpu``
 tests without one), a repository module run as a command (the benchmark scripts' smoke runs), a
-worker script of tests/ run in a process of its own, pytrees compared bit for bit, and an optax
-transformation that the optimizer's stream cannot run."""
+worker script of tests/ run in a process of its own, pytrees compared bit for bit, an optax
+transformation that the optimizer's stream cannot run, and one layer's parameters of the small
+MLP block the layer stream's tests stack."""
 
 import json
 import os
@@ -106,3 +107,15 @@ def nested_norms() -> optax.GradientTransformation:
     return jax.tree.map(lambda x: -1e-3 * x / (1.0 + second), scaled), {"m": scaled}
 
   return optax.GradientTransformation(init, update)
+
+
+def init_layer(key, dtype=jnp.float32, width=16):
+  """One layer of the layer stream's test block: an MLP (up, down) and a scale."""
+  k1, k2, k3 = jax.random.split(key, 3)
+  return {
+    "mlp": {
+      "up": (jax.random.normal(k1, (width, 2 * width)) / np.sqrt(width)).astype(dtype),
+      "down": (jax.random.normal(k2, (2 * width, width)) / np.sqrt(2 * width)).astype(dtype),
+    },
+    "scale": (1.0 + 0.1 * jax.random.normal(k3, (width,))).astype(dtype),
+  }

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _common import assert_bitwise
+from _common import assert_bitwise, init_layer
 
 import jax_ssdtrain as ssd
 from jax_ssdtrain._src.layer_stream import StreamedStack
@@ -28,14 +28,7 @@ def store(tmp_path):
 
 
 def _init_layer(key, dtype=jnp.float32, width=D):
-  k1, k2, k3 = jax.random.split(key, 3)
-  return {
-    "mlp": {
-      "up": (jax.random.normal(k1, (width, 2 * width)) / np.sqrt(width)).astype(dtype),
-      "down": (jax.random.normal(k2, (2 * width, width)) / np.sqrt(2 * width)).astype(dtype),
-    },
-    "scale": (1.0 + 0.1 * jax.random.normal(k3, (width,))).astype(dtype),
-  }
+  return init_layer(key, dtype, width)
 
 
 def _block(p, x):

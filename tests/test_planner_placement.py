@@ -9,8 +9,8 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from _common import init_layer
 
 import jax_ssdtrain as ssd
 from jax_ssdtrain import Location
@@ -22,20 +22,9 @@ optax = pytest.importorskip("optax")
 MiB = 1 << 20
 
 
-def _init_layer(key, dtype=jnp.float32, width=16):
-  k1, k2, k3 = jax.random.split(key, 3)
-  return {
-    "mlp": {
-      "up": (jax.random.normal(k1, (width, 2 * width)) / np.sqrt(width)).astype(dtype),
-      "down": (jax.random.normal(k2, (2 * width, width)) / np.sqrt(2 * width)).astype(dtype),
-    },
-    "scale": (1.0 + 0.1 * jax.random.normal(k3, (width,))).astype(dtype),
-  }
-
-
 def _shape(layers, location, dtype=jnp.bfloat16, width=64):
   """The stack's structure (jax.eval_shape of init_streamed): nothing stored."""
-  init = functools.partial(_init_layer, dtype=dtype, width=width)
+  init = functools.partial(init_layer, dtype=dtype, width=width)
   return jax.eval_shape(
     lambda k: ssd.init_streamed(init, k, layers, location=location), jax.random.key(0)
   )

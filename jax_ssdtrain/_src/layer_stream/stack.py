@@ -56,10 +56,10 @@ from jax_ssdtrain._src.stored_io import (  # noqa: F401 (StreamPass, new_pass: t
   _PASSES,
   StoredLeaf,
   StreamPass,
-  chain_loads,
   new_pass,
   ordered_after,
 )
+from jax_ssdtrain._src.stored_io import chain_loads as _chain_loads  # noqa: F401
 from jax_ssdtrain._src.stored_io import token as _token  # noqa: F401
 from jax_ssdtrain._src.stored_io import token32 as _token32
 
@@ -303,12 +303,6 @@ def _check_role(lay: _Layout, role: str, what: str, call: str = "", other: Any =
 
 # ---------------------------------------------------------------------------------------------
 # Loading and storing one layer (the store's entries, or the device reference's copies)
-
-
-def _chain_loads() -> bool:
-  # XLA:CPU runs independent custom calls in any order: chain a layer's loads (read-ahead
-  # order). A GPU runs them in its stream's order.
-  return chain_loads()
 
 
 def _load_layer(

@@ -79,20 +79,26 @@ def test_master_weights_in_the_store_train():
   ],
 )
 def test_nvme_offload_bit_exact_vs_device(model, dtype):
-  import jax_ssdtrain as ssd
+  tags = [t for t in BLOCK_TAGS if t in TAGS_BY_MODEL[model]]
+  if jax.default_backend() == "cpu":  # loss and every gradient, bit for bit, compiled without
+    # FMA in a process of its own (tests/_models_exact_worker.py says why)
+    from _common import run_worker
 
-  tags = ",".join(f"{t}={{}}" for t in BLOCK_TAGS if t in TAGS_BY_MODEL[model])
-  common = dict(model=model, batch=4, dtype=dtype, min_bytes=0)
-  ssd.reset_stats()
-  nvme = jax.block_until_ready(
-    loss_and_grads(training.RunConfig(locations=tags.replace("{}", "nvme"), **common))
-  )
-  stats = ssd.stats()
-  device = loss_and_grads(training.RunConfig(locations=tags.replace("{}", "device"), **common))
-  if jax.default_backend() == "cpu":  # loss and every gradient, bit for bit
-    jax.tree.map(np.testing.assert_array_equal, nvme, device)
+    result = run_worker("_models_exact_worker.py", model, dtype, ",".join(tags))
+    assert result["differ"] == [], f"offloaded != saved on the device: {result}"
+    stats = result
   else:  # GPU: XLA fuses the backward differently around the custom calls, and "f32" matmuls
     # run in TF32: rounding-level noise only
+    import jax_ssdtrain as ssd
+
+    common = dict(model=model, batch=4, dtype=dtype, min_bytes=0)
+    ssd.reset_stats()
+    locations = lambda where: ",".join(f"{t}={where}" for t in tags)  # noqa: E731
+    nvme = jax.block_until_ready(
+      loss_and_grads(training.RunConfig(locations=locations("nvme"), **common))
+    )
+    stats = ssd.stats()
+    device = loss_and_grads(training.RunConfig(locations=locations("device"), **common))
     tol = dict(rtol=5e-3, atol=5e-4) if dtype == "float32" else dict(rtol=2e-2, atol=1e-3)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tol), nvme, device)
   assert stats["bytes_written"] > 0 and stats["bytes_read"] > 0, f"nothing was offloaded: {stats}"

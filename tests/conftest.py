@@ -1,9 +1,75 @@
+"""Test session setup: the README command's selection, GPU tests skipped without a GPU, and no
+test left with the store shut down."""
+
 import pytest
 
+# The slower variants of test families whose other variants stay in the README's test command
+# (`pytest -m slow`, which CI runs, runs these): the command keeps one of each guarantee. Each
+# entry is a node id or the start of one (the reliability tests' ids hold the error's text); an
+# entry that matches no test of a collected file is an error, not a silent no-op.
+SLOW_VARIANTS = (
+  # the same store-equals-device guarantee as the kept variant: nvme-host (stream_scan), the
+  # host tier (llama, layer-stream checkpoints, trainer resume), host (offload_optimizer)
+  "tests/test_stream_scan.py::test_store_equals_device_bit_for_bit[host-device]",
+  "tests/test_llama.py::test_offloaded_tags_equal_device[nvme]",
+  "tests/test_layer_stream_checkpoint.py::test_resume_equals_never_stopping[host]",
+  "tests/test_trainer.py::test_resume_through_the_trainer_equals_never_stopping[nvme]",
+  *(
+    f"tests/test_optimizer.py::test_matches_the_transformation_on_the_device[nvme-{tx}]"
+    for tx in ("chain", "lion", "sgd_momentum", "shared_trace")
+  ),
+  "tests/test_optimizer.py::test_apply_gradients_updates_the_parameters_in_place[chain]",
+  "tests/test_optimizer.py::test_apply_gradients_updates_the_parameters_in_place[sgd_momentum]",
+  # optax's own list: the kept cases cover each kind of state; the rest of it runs in the slow
+  # leg with these
+  *(
+    f"tests/test_optax_suite.py::test_optax_list_streams_like_the_device[{case}]"
+    for case in (
+      "prodigy",
+      "muon",
+      "lamb@mixed",
+      "cocob",
+      "sgd+mechanize[learning_rate=0.1]",
+      "schedule_free_adamw",
+      "galore",
+    )
+  ),
+  "tests/test_optax_suite.py::test_files_stream_like_the_device[adafactor[learning_rate=0.005]-host,nvme]",
+  "tests/test_optax_suite.py::test_files_stream_like_the_device[adam[mu_dtype=bfloat16]-host,nvme]",
+  "tests/test_optax_suite.py::test_files_stream_like_the_device[chain(clip_by_global_norm,adam)-host,nvme]",
+  "tests/test_optax_suite.py::test_files_stream_like_the_device[novograd-host,nvme]",
+  # the same failure injected at another count or errno (the kept ones: EIO both ways, ENOSPC)
+  "tests/test_reliability.py::test_injected_io_error[read:2:EROFS",
+  "tests/test_reliability.py::test_short_transfers_are_retried[shortread:3:0]",
+  "tests/test_reliability.py::test_short_transfers_are_retried[shortwrite:2:0]",
+  # the race's other variant (kept: the stack made before shutdown(), over the same processes)
+  "tests/test_user_traps.py::test_a_stack_made_before_configure_is_refused_the_same_way_in_every_process[configure]",
+  # end to end through a whole step, covered in the command by the trainer's device-reference
+  # step, the models' tiny training and scripts.train's progress test
+  "tests/test_layer_stream.py::test_update_store_equals_device_bit_for_bit[host]",
+  "tests/test_layer_stream.py::test_update_in_place_with_master_weights_replaces_the_parameters",
+  "tests/test_models.py::test_master_weights_in_the_store_train",
+  "tests/test_models.py::test_untied_embeddings_and_other_positions[t5]",
+  "tests/test_optimizer.py::test_one_device_train_step_compiles_once",
+  "tests/test_train.py::test_cli_default_offload_run_and_restore",
+)
 
+
+def _mark_slow_variants(items) -> None:
+  files = {item.nodeid.split("::")[0] for item in items}
+  for entry in SLOW_VARIANTS:
+    matched = [item for item in items if item.nodeid.startswith(entry)]
+    if not matched and entry.split("::")[0] in files:
+      raise pytest.UsageError(f"tests/conftest.py SLOW_VARIANTS: {entry!r} matches no test")
+    for item in matched:
+      item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marks
 def pytest_collection_modifyitems(config, items):
   from _common import gpus
 
+  _mark_slow_variants(items)
   if gpus():
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")

@@ -33,8 +33,8 @@ import numpy as np
 import optax
 
 import jax_ssdtrain as ssd
-from models import training
 from scripts import bench_common as bc
+from scripts import training
 
 VARIANTS = ("device", "host", "nvme", "jax_pinned_host")
 

@@ -35,9 +35,12 @@ A policy takes store options of its own after colons (``ours_host_nvme_layer_in:
 host_tier_bytes=24GiB``, as ``scripts/bench_rok.py``'s) and an optimizer placement after ``@``
 (``remat@device``); without ``@`` it runs once per placement of ``--optimizer``:
 
-* ``device``: ``optax`` AdamW (``models.training.make_optimizer``: global-norm clipping, warm-up
+* ``device``: ``optax`` AdamW (``scripts.training.make_optimizer``: global-norm clipping, warm-up
   and cosine decay) under ``ssd.with_master_weights`` (pure JAX: a float32 copy of the
   parameters in the state), the state on the device: what JAX alone runs;
+* ``jax_pinned_host``: JAX's own host offload of that state: in pinned host memory between the
+  steps, moved to the device for the update and back (``scripts.training``'s
+  ``optimizer_location="pinned_host"``, as MaxText's ``optimizer_memory_host_offload``);
 * ``host``: the same transformation in the store's host tier
   (``ssd.offload_optimizer(..., location="host")``, updated by ``ssd.apply_gradients``);
 * ``streamed_device``: the same streamed program with the state on the device
@@ -48,7 +51,7 @@ in the store instead of two: what lets the 8B shape's 96 GB of master weights an
 a host of 125 GiB).
 
 Every row has the same arithmetic: bfloat16 parameters (initialised in float32, the master copy
-made from them, then cast: ``models.training.create_train_state``'s ``master_weights``),
+made from them, then cast: ``scripts.training.create_train_state``'s ``master_weights``),
 bfloat16 compute, float32 master weights and moments; the policies change only where the layer
 inputs wait and what is recomputed, so a row's losses equal those of ``remat`` with the same
 optimizer placement bit for bit (``loss_same_as_remat``), and ``host``'s those of
@@ -127,7 +130,12 @@ POLICIES = {
   "ours_nvme_layer_in": "nvme",
   "plan": "plan",  # ssd.plan_long_context's choice: tags, split, mlp_chunks and loss_chunks
 }
-OPTIMIZERS = {"device": None, "host": "host", "streamed_device": "device"}
+OPTIMIZERS = {
+  "device": None,
+  "jax_pinned_host": "pinned_host",
+  "host": "host",
+  "streamed_device": "device",
+}
 IDEAL_POLICIES = ("keep", "selective")
 TAGS = ("layer_in", "qkv", "attn", "mlp_up")
 # --deterministic: cuDNN attention's backward pass (and XLA's scatters) otherwise add in any
@@ -220,7 +228,7 @@ def _run_row(spec: dict) -> dict:
   import jax.numpy as jnp
 
   import jax_ssdtrain as ssd
-  from models import training
+  from scripts import training
 
   base, options = split_policy(spec["policy"])
   in_store = base in POLICIES and POLICIES[base] in ("host", "host,nvme", "nvme", "plan")
@@ -241,7 +249,7 @@ def _run_row(spec: dict) -> dict:
     seed=0,
     min_bytes=spec["min_bytes"],
     optimizer_location=opt_loc,
-    optimizer_in_place=bool(spec["in_place"] and opt_loc is not None),
+    optimizer_in_place=bool(spec["in_place"] and opt_loc not in (None, "pinned_host")),
     master_weights=True,
     model_overrides=dict(
       num_layers=spec["layers"],
@@ -335,7 +343,7 @@ def _check_fits(spec: dict, base: str, cfg, budget: int, opt_loc) -> None:
     disk_free_bytes=disk,
     locations=locations,
     param_dtype="bfloat16",  # master_weights: bfloat16 parameters and gradients
-    optimizer_on_device=opt_loc is None,
+    optimizer_on_device=opt_loc in (None, "device"),  # streamed_device's too
   )
 
 
@@ -348,7 +356,8 @@ def _planned(spec: dict, run, state, tokens, rng, budget, opt_loc):
 
   import jax_ssdtrain as ssd
   import models
-  from models import llama, training
+  from models import llama
+  from scripts import training
 
   if not budget:
     raise ValueError("--policies plan: no device memory limit here; give --plan-budget-gb")

@@ -17,7 +17,7 @@ the same layout without offload ("points vs no offload"):
 * ``keep``:         no rematerialization at all (DP only unless ``--fsdp-keep``: a reference,
   and the run must stay under 6 minutes with its compilations).
 
-The offload policies also keep AdamW's state (models.training.make_optimizer: clipping and
+The offload policies also keep AdamW's state (scripts.training.make_optimizer: clipping and
 AdamW) in the store, at ``--optimizer-location`` (default ``host``: the host tier; ``device``
 keeps it on the device), through ``RunConfig.optimizer_location`` as ``scripts/train.py
 --optimizer-location`` does (``jax_ssdtrain.offload_optimizer``; under FSDP each GPU streams its
@@ -575,7 +575,7 @@ def _model_arithmetic(run, params) -> dict:
   optimizer state as it is on the device (``make_optimizer`` without a store location)."""
   import jax
 
-  from models import training
+  from scripts import training
 
   tx, _ = training.make_optimizer(dataclasses.replace(run, optimizer_location=None))
   shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
@@ -634,7 +634,8 @@ def _measure(cfg: dict, devices, layout: str, policy: str) -> tuple[dict, dict]:
   import numpy as np
 
   import jax_ssdtrain as ssd
-  from models import parallel, training
+  from models import parallel
+  from scripts import training
 
   n = len(devices)
   tags = [t for t in cfg["offload"].split(",") if t]

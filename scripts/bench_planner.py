@@ -235,13 +235,13 @@ def plan_doc(plan) -> dict:
 
 
 def run_preset(args, preset: str, bandwidth) -> dict:
-  """A models/ GPT preset through models.training: keep vs auto, predicted vs measured.
+  """A models/ GPT preset through scripts.training: keep vs auto, predicted vs measured.
   Time outside the layers (embedding, head, optimizer) comes from a 1-layer model's step."""
   import jax
 
   import jax_ssdtrain as ssd
-  from models import data as data_lib
-  from models import training
+  from scripts import data as data_lib
+  from scripts import training
 
   run = training.RunConfig(
     model="gpt",
@@ -272,7 +272,7 @@ def run_preset(args, preset: str, bandwidth) -> dict:
     return statistics.median(times[args.warmup :]), mem
 
   # other_s (embedding, head, loss) and update_s (optimizer of all layers) measured by
-  # profile_run from the one-layer step (models.training.outside_layers_seconds)
+  # profile_run from the one-layer step (scripts.training.outside_layers_seconds)
   prof = training.profile_run(
     run,
     bandwidth=bandwidth,
@@ -690,7 +690,7 @@ def _draw_errors(ax, doc: dict, rows: list) -> None:
 
 
 def _bandwidth(text):
-  from models import training
+  from scripts import training
 
   try:
     return training.parse_bandwidth(text)

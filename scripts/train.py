@@ -25,8 +25,8 @@ from typing import Any
 import jax
 
 import models
-from models import data as data_lib
-from models import training
+from scripts import data as data_lib
+from scripts import training
 
 
 def _positive(kind):
@@ -255,7 +255,7 @@ class Config:
   )
 
   def run_config(self) -> training.RunConfig:
-    """The run's :class:`models.training.RunConfig`: the fields of the same name, the model's
+    """The run's :class:`scripts.training.RunConfig`: the fields of the same name, the model's
     overrides (--attention, --layers) and --min-bytes' default for the preset."""
     ours = {f.name for f in dataclasses.fields(self)}
     same = {

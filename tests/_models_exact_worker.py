@@ -22,8 +22,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_ssdtrain as ssd  # noqa: E402
-from models import data as data_lib  # noqa: E402
-from models import training  # noqa: E402
+from scripts import data as data_lib  # noqa: E402
+from scripts import training  # noqa: E402
 
 model, dtype, tags = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
 

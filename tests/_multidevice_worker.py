@@ -30,7 +30,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
 import jax_ssdtrain as ssd  # noqa: E402
-from models import parallel, training  # noqa: E402
+from models import parallel  # noqa: E402
+from scripts import training  # noqa: E402
 
 TAGS = ("layer_in", "qkv", "attn", "mlp_up")
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
@@ -70,7 +71,7 @@ def grads_of(locations, tokens, par=None):
     mesh = par.mesh()
     state, shardings = training.shard_train_state(state, par, mesh)
 
-    def sharded(params, tokens):  # as models.training.jit_train_step: batch-split activations
+    def sharded(params, tokens):  # as scripts.training.jit_train_step: batch-split activations
       with parallel.batch_sharded_activations(mesh):
         return fn(params, tokens)
 

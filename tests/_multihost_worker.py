@@ -51,7 +51,8 @@ if num_processes:
   )
 
 import jax_ssdtrain as ssd  # noqa: E402
-from models import parallel, training  # noqa: E402
+from models import parallel  # noqa: E402
+from scripts import training  # noqa: E402
 
 STEPS, BATCH = 3, 8
 # the GPU reference, and a CPU reference of several devices, are sharded over them too

@@ -5,7 +5,7 @@ Parameters placed FSDP-style on a 1-D mesh (rows sharded, columns sharded, a rep
 small leaf kept on the device); for each transformation, 3 steps of ``tx`` itself on the device,
 and of ``offload_optimizer(tx)`` with the state on the device (the same streamed program), in the
 host tier and in the files. Then each device's bytes written against its blocks, the handles'
-sharding, a checkpoint round trip and the resumed run (for the chain), models.training's FSDP
+sharding, a checkpoint round trip and the resumed run (for the chain), scripts.training's FSDP
 path, sweeps between the steps of a donating loop, and the refusal of a transformation that
 needs whole leaves (LAMB's per-leaf norms).
 """
@@ -18,7 +18,7 @@ import tempfile
 GPU = os.environ.get("SSD_OPT_PLATFORM", "cpu") == "gpu"
 # The first N devices of the machine's (SSD_OPT_CPU_DEVICES: the CPU devices to make, default N)
 N = int(os.environ.get("SSD_OPT_DEVICES", "2" if GPU else "4"))
-if GPU:  # an embedding's gradient (models.training's case) is a scatter-add: no atomics
+if GPU:  # an embedding's gradient (scripts.training's case) is a scatter-add: no atomics
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true"
 if not GPU:  # CPU devices also on a GPU machine (whose memory the test process holds)
   os.environ["JAX_PLATFORMS"] = "cpu"
@@ -115,7 +115,7 @@ def rel(a, b) -> float:
 
 def same_state(a, b) -> bool:
   """Two train states of the same structure: every value bit for bit, every leaf placed alike."""
-  from models import training
+  from scripts import training
 
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   placed = all(
@@ -134,10 +134,11 @@ def block_bytes(layout) -> int:
 
 
 def train_case() -> dict:
-  """models.training's FSDP path (scripts/train.py --mesh dp=N,fsdp): the train state placed on
+  """scripts.training's FSDP path (scripts/train.py --mesh dp=N,fsdp): the train state placed on
   the mesh with its optimizer state in the store, 2 steps, against the state on the devices;
   the collectives of each compiled step ("kept": leaves under min_bytes stay on the device)."""
-  from models import parallel, training
+  from models import parallel
+  from scripts import training
   from scripts.bench_multigpu import count_collectives
 
   par = parallel.Parallelism(data=N, fsdp=True)

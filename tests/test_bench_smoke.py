@@ -212,13 +212,14 @@ LONG_ROWS = (
   "ours_nvme_layer_in",
   "ours_host_layer_in@host",
   "ours_host_layer_in@streamed_device",
+  "remat@jax_pinned_host",
 )
 
 
 @pytest.mark.slow
 def test_bench_long_context_cpu_smoke(tmp_path):
-  """The tiny Llama of 4 layers at S=64 under every policy, its AdamW state on the device and
-  in the host tier, against the ideal of 2 and 4 layers: every row has its fields, the rows
+  """The tiny Llama of 4 layers at S=64 under every policy, its AdamW state on the device, in
+  JAX's pinned host memory and in the host tier, against the ideal of 2 and 4 layers: every row has its fields, the rows
   that offload the layer inputs train bit for bit as remat, the host tier's optimizer as the
   same stream on the device, and the store's counters say where the bytes went."""
   proc = run_module(
@@ -288,6 +289,8 @@ def test_bench_long_context_cpu_smoke(tmp_path):
     assert r["losses"][0] == remat["losses"][0]  # before any update: one arithmetic
   host = rows[("ours_host_layer_in", "host")]
   assert host["loss_same_as_streamed_device"] is True
+  # JAX's own host offload of the optimizer state: the update's arithmetic unchanged
+  assert rows[("remat", "jax_pinned_host")]["losses"] == remat["losses"]
   layer_in = 4 * 64 * cfg.hidden * 2  # bytes of the 4 layer inputs of a step
   for (policy, _), r in rows.items():
     if not policy.startswith("ours_"):

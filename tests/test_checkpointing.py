@@ -1,5 +1,5 @@
 """jax_ssdtrain.checkpointing: Orbax checkpoints whose optimizer state is written straight from
-the store, chunk by chunk, and restored into it the same way (models.training's save and
+the store, chunk by chunk, and restored into it the same way (scripts.training's save and
 restore, and resuming bit for bit, are in test_optimizer.py)."""
 
 import tracemalloc
@@ -89,7 +89,7 @@ def test_save_and_restore_a_tree_with_state_in_the_store(store, tmp_path, locati
 def test_save_never_holds_the_whole_state_in_host_memory(store, tmp_path):
   # 4 leaves of 1 MiB with Adam's two moments (8 MiB of state) in chunks of 64 KiB: the save
   # holds about one chunk at a time; reading the state into host memory first (state_to_host,
-  # what models.training's checkpoints did) holds all 8 MiB.
+  # what scripts.training's checkpoints did) holds all 8 MiB.
   tx = ssd.offload_optimizer(optax.adam(1e-3), location="host", chunk_bytes=CHUNK)
   params = _params()
   state = _stepped(tx, params)

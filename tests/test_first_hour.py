@@ -81,8 +81,7 @@ def test_train_config_is_its_parser():
 def test_auto_plan_without_a_configured_store(monkeypatch):
   # --policy auto with --bandwidth and no --store-dir read the store's sizes from a store that
   # was never configured (AttributeError); the profile now gets the defaults'.
-  from models import training
-  from scripts import train
+  from scripts import train, training
 
   seen = {}
 

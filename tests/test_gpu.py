@@ -304,7 +304,7 @@ def test_gpu_accumulation_adds_its_running_mean_and_no_more(store):
   # gradient buffers and materialized: a second gradient-sized tree (16.5 GB at 8B).
   import dataclasses
 
-  from models.training import RunConfig, build_model, step_memory_bytes
+  from scripts.training import RunConfig, build_model, step_memory_bytes
 
   base = RunConfig(
     preset="gpt-1.3b", batch=1, seq_len=512, remat_policy="remat", model_overrides={"num_layers": 4}

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import models
-from models import data as data_lib
-from models import training
+from scripts import data as data_lib
+from scripts import training
 
 TAGS_BY_MODEL = {
   "gpt": {"layer_in", "qkv", "attn", "mlp_up"},
@@ -68,6 +68,25 @@ def test_master_weights_in_the_store_train():
   for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(master)):
     assert p.dtype == jnp.bfloat16 and m.dtype == jnp.float32
     assert_rounds_to(p, m)
+
+
+def test_jax_pinned_host_optimizer_state_trains_as_on_the_device():
+  # optimizer_location="pinned_host": JAX's own host offload of the state (the comparison the
+  # long-context benchmark runs): the same losses and parameters bit for bit, the state in
+  # pinned host memory between the steps
+  base = dict(batch=4, steps=4, master_weights=True, min_bytes=0)
+  device_losses, on_device = train_losses(training.RunConfig(**base), 4)
+  host_losses, on_host = train_losses(
+    training.RunConfig(optimizer_location="pinned_host", **base), 4
+  )
+  np.testing.assert_array_equal(host_losses, device_losses)
+  jax.tree.map(np.testing.assert_array_equal, on_host.params, on_device.params)
+  assert training.optimizer_location(on_host.opt_state) == "pinned_host"
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(on_host.opt_state)} == {"pinned_host"}
+  with pytest.raises(ValueError, match="optimizer_in_place is the store's"):
+    training.make_optimizer(
+      training.RunConfig(optimizer_location="pinned_host", optimizer_in_place=True)
+    )
 
 
 @pytest.mark.parametrize(

@@ -790,7 +790,7 @@ def _train_state_steps(tx, state, n):
 
 
 def test_checkpoint_resume_equals_never_stopping(store, tmp_path):
-  from models import training
+  from scripts import training
 
   ours = offload_optimizer(optax.adam(1e-3), min_bytes=4096, chunk_bytes=32 << 10)
   fresh = lambda: training.TrainState.create(apply_fn=None, params=_params(), tx=ours)
@@ -830,7 +830,7 @@ def test_checkpoint_resume_equals_never_stopping(store, tmp_path):
 
 
 def test_an_interrupted_save_leaves_the_last_checkpoint(store, tmp_path, monkeypatch):
-  from models import training
+  from scripts import training
 
   ours = offload_optimizer(optax.adam(1e-3), min_bytes=4096, chunk_bytes=32 << 10)
   state = _train_state_steps(
@@ -926,7 +926,7 @@ def _check_sharded(r: dict, devices: int) -> None:
   # the state on the devices' results
   live, one_version = r["in_place"]["live_entries"]
   assert r["in_place"]["eq_device"] and live == one_version, r["in_place"]
-  # models.training's FSDP path (scripts/train.py --mesh dp=N,fsdp --optimizer-location host)
+  # scripts.training's FSDP path (scripts/train.py --mesh dp=N,fsdp --optimizer-location host)
   t = r["train"]
   assert t["stored_leaves"] > 0 and t["handle_rows"] == [devices], t
   assert t["host_eq_device"] and t["vs_tx"] < 1e-5, t
@@ -1046,10 +1046,11 @@ def test_the_chunk_io_is_chosen_once_from_the_location():
 
 
 def test_one_device_train_step_compiles_once(store):
-  # models.training on a mesh of one device (scripts/bench_multigpu.py's 1-GPU rows): init's
+  # scripts.training on a mesh of one device (scripts/bench_multigpu.py's 1-GPU rows): init's
   # state was uncommitted (its jit dropped the parameters, which zeros do not read) and the step
   # returns committed arrays (its out_shardings), so that the second step compiled again.
-  from models import parallel, training
+  from models import parallel
+  from scripts import training
 
   run = training.RunConfig(
     preset="tiny", batch=2, seq_len=16, optimizer_location="host", min_bytes=4096

@@ -767,7 +767,7 @@ def test_memory_budget_picks_the_fastest_batch_that_fits():
 
 @pytest.mark.slow
 def test_memory_budget_with_real_compiles():
-  from models import training
+  from scripts import training
 
   run = training.RunConfig(preset="tiny", batch=4, min_bytes=0)
   prof = training.profile_run(run, bandwidth=(math.inf, math.inf), repeats=1)
@@ -791,7 +791,7 @@ def test_memory_budget_with_real_compiles():
 @pytest.mark.slow
 def test_split_scan_identical_to_unsplit():
   import models
-  from models import training
+  from scripts import training
 
   run = training.RunConfig(
     preset="tiny",
@@ -832,8 +832,7 @@ def test_split_scan_identical_to_unsplit():
 
 @pytest.mark.slow
 def test_train_policy_auto(tmp_path, capsys, monkeypatch):
-  from models import training
-  from scripts import train
+  from scripts import train, training
 
   profiled = []
   real = training.profile_run
@@ -897,7 +896,7 @@ def test_host_nvme_is_not_a_tier_the_planner_models():
 
 
 def test_median_time_runs_warmup_then_repeats():
-  # The timer ssd.profile and models.training share.
+  # The timer ssd.profile and scripts.training share.
   from jax_ssdtrain._src.measure.timing import median_time
 
   calls = []

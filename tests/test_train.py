@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from models import data as data_lib
-from models import training
+from scripts import data as data_lib
 from scripts import train as train_script
+from scripts import training
 
 
 @pytest.fixture

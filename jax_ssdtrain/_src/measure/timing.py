@@ -1,5 +1,5 @@
 """Timing of JAX functions: the median of repeated runs after a warmup. Shared by the planner's
-``profile`` (each scan it times) and ``models.training`` (the step outside the layer stack and
+``profile`` (each scan it times) and ``scripts.training`` (the step outside the layer stack and
 the optimizer update), so that the times they compare are taken the same way."""
 
 from __future__ import annotations

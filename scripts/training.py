@@ -1,4 +1,6 @@
-"""Run config, optimizer, train state, the pure ``train_step`` and orbax checkpointing."""
+"""The training step of the models in ``models/``: run config, optimizer, train state, the pure
+``train_step``, sharding, profiling and orbax checkpointing (``scripts.train`` and the benchmarks
+share it; ``models/`` holds the models alone)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import struct
 from flax.training import train_state
 
-from . import build_model, get_config, make_remat_policy, resolve_locations
-from .common import Block, ModelConfig, SplitPolicy
+from models import build_model, get_config, make_remat_policy, resolve_locations
+from models.common import Block, ModelConfig, SplitPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +37,10 @@ class RunConfig:
   remat_policy: str | None = None  # keep | remat | offload (shortcut, see models.common)
   locations: Mapping[str, str] | str | None = None  # {tag: remat|device|host|nvme} overrides
   min_bytes: int = 1 << 20
-  # Where the optimizer state lives: None (the device) or a store location (host | nvme |
-  # host,nvme), through jax_ssdtrain.offload_optimizer.
+  # Where the optimizer state lives: None (the device), a store location (host | nvme |
+  # host,nvme) through jax_ssdtrain.offload_optimizer, or "pinned_host": JAX's own host offload
+  # (the state in pinned host memory, moved to the device for each update and back: MaxText's
+  # optimizer_memory_host_offload), the comparison JAX alone offers.
   optimizer_location: str | None = None
   # bfloat16 parameters on the device, their float32 copy in the optimizer state
   # (jax_ssdtrain.with_master_weights; in the store with optimizer_location).
@@ -78,10 +83,23 @@ class RunConfig:
 
 
 class TrainState(train_state.TrainState):
+  # optimizer_location="pinned_host": the shardings of the state's leaves on the device and in
+  # pinned host memory, (device, host) tuples in the order of jax.tree.leaves(opt_state)
+  opt_state_memory: Any = struct.field(pytree_node=False, default=None)
+
   def apply_gradients(self, *, grads, **kwargs):
     """Flax's, except that optimizer state in the store (``offload_optimizer``) updates the
-    parameters inside its stream (``ssd.apply_gradients``: no whole array of updates)."""
+    parameters inside its stream (``ssd.apply_gradients``: no whole array of updates), and state
+    in pinned host memory is moved to the device for the update and its result back."""
     import jax_ssdtrain as ssd
+
+    if self.opt_state_memory is not None:
+      device, host = self.opt_state_memory
+      moved = self.replace(opt_state=_placed_leaves(self.opt_state, device), opt_state_memory=None)
+      new = moved.apply_gradients(grads=grads, **kwargs)
+      return new.replace(
+        opt_state=_placed_leaves(new.opt_state, host), opt_state_memory=self.opt_state_memory
+      )
 
     streamed = getattr(self.tx.update, "apply_gradients", None)  # offload or accumulate
     if streamed is None:
@@ -107,7 +125,10 @@ def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.
     import jax_ssdtrain as ssd
 
     tx = ssd.with_master_weights(tx)
-  if run.optimizer_location is not None:
+  if run.optimizer_location == "pinned_host":  # JAX's own: placed by create_train_state
+    if run.optimizer_in_place:
+      raise ValueError("optimizer_in_place is the store's (optimizer_location='pinned_host')")
+  elif run.optimizer_location is not None:
     import jax_ssdtrain as ssd
 
     tx = ssd.offload_optimizer(
@@ -160,8 +181,25 @@ def create_train_state(run: RunConfig, policy=None, *, parallelism=None, mesh=No
   # Array step and committed arrays, like a restored state: one compilation for both.
   state = state.replace(step=jnp.zeros((), jnp.int32))
   if mesh is None:
-    return jax.device_put(state, jax.local_devices()[0]), model, schedule
-  return _placed_as(state, parallelism, mesh), model, schedule
+    state = jax.device_put(state, jax.local_devices()[0])
+  else:
+    state = _placed_as(state, parallelism, mesh)
+  if run.optimizer_location == "pinned_host":
+    device = tuple(x.sharding for x in jax.tree.leaves(state.opt_state))
+    host = tuple(s.with_memory_kind("pinned_host") for s in device)
+    state = state.replace(
+      opt_state=_placed_leaves(state.opt_state, host), opt_state_memory=(device, host)
+    )
+  return state, model, schedule
+
+
+def _placed_leaves(tree, shardings: tuple):
+  """``tree`` with each leaf put on its sharding of ``shardings`` (in leaf order); under jit,
+  a transfer between the memories of one device."""
+  leaves, treedef = jax.tree.flatten(tree)
+  if len(leaves) != len(shardings):
+    raise ValueError(f"{len(shardings)} shardings for an optimizer state of {len(leaves)} leaves")
+  return jax.tree.unflatten(treedef, [jax.device_put(x, s) for x, s in zip(leaves, shardings)])
 
 
 def _placed_as(state: TrainState, parallelism, mesh) -> TrainState:
@@ -205,7 +243,7 @@ def jit_train_step(state_shardings=None):
   keeps the sharding of the old one."""
   if state_shardings is None:
     return jax.jit(train_step, donate_argnums=0)
-  from .parallel import batch_sharded_activations
+  from models.parallel import batch_sharded_activations
 
   mesh = jax.tree.leaves(state_shardings)[0].mesh
 
@@ -419,9 +457,15 @@ def _is_offloaded(x) -> bool:
 
 
 def optimizer_location(opt_state) -> str:
-  """Where the optimizer state lives: "device", or the store's tier that holds it."""
+  """Where the optimizer state lives: "device", "pinned_host" (JAX's own host offload), or the
+  store's tier that holds it."""
   stored = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_offloaded) if _is_offloaded(x)]
-  return stored[0].location if stored else "device"
+  if stored:
+    return stored[0].location
+  kinds = {
+    getattr(getattr(x, "sharding", None), "memory_kind", None) for x in jax.tree.leaves(opt_state)
+  }
+  return "pinned_host" if "pinned_host" in kinds else "device"
 
 
 def _state_on_host(state: TrainState) -> TrainState:

@@ -55,21 +55,33 @@ SLOW_VARIANTS = (
 )
 
 
-def _mark_slow_variants(items) -> None:
-  files = {item.nodeid.split("::")[0] for item in items}
+def _mark_slow_variants(config, items) -> None:
+  """Marks SLOW_VARIANTS slow. An entry whose test function is not in its collected file is an
+  error; so is one that matches no variant where the whole of its file was collected (no node id
+  or ``-k`` narrowed it)."""
+  some_item = {}
+  for item in items:
+    some_item.setdefault(item.nodeid.split("::")[0], item)
+  narrowed = any("::" in str(arg) for arg in config.args) or bool(config.option.keyword)
   for entry in SLOW_VARIANTS:
     matched = [item for item in items if item.nodeid.startswith(entry)]
-    if not matched and entry.split("::")[0] in files:
-      raise pytest.UsageError(f"tests/conftest.py SLOW_VARIANTS: {entry!r} matches no test")
     for item in matched:
       item.add_marker(pytest.mark.slow)
+    path, _, rest = entry.partition("::")
+    item = some_item.get(path)
+    if item is None or matched:
+      continue
+    if not hasattr(item.module, rest.split("[")[0]):
+      raise pytest.UsageError(f"tests/conftest.py SLOW_VARIANTS: {entry!r}: no such test")
+    if not narrowed:
+      raise pytest.UsageError(f"tests/conftest.py SLOW_VARIANTS: {entry!r} matches no test")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the marks
 def pytest_collection_modifyitems(config, items):
   from _common import gpus
 
-  _mark_slow_variants(items)
+  _mark_slow_variants(config, items)
   if gpus():
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")

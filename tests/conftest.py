@@ -1,5 +1,5 @@
-"""Test session setup: the README command's selection, GPU tests skipped without a GPU, and no
-test left with the store shut down."""
+"""Test session setup: the README command's selection, GPU tests skipped without a GPU, no test
+left with the store shut down, and JAX's caches emptied after each test file."""
 
 import pytest
 
@@ -100,3 +100,19 @@ def _store_not_left_shut_down():
   config = sys.modules.get("jax_ssdtrain._src.config")
   if config is not None and config.is_shut_down():
     config.reset_to_unconfigured()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _jax_caches_emptied_after_each_file():
+  """The slow tests run in one process (CI's slow leg: some 490 tests, MaxText's trainer among
+  them), which otherwise keeps the compiled programs and traces of every file before: once, near
+  its end, it aborted inside XLA's compiler (a test that passes alone), most likely for memory.
+  No two test files share a program, so each file starts as it would alone."""
+  yield
+  import gc
+  import sys
+
+  jax = sys.modules.get("jax")
+  if jax is not None:
+    jax.clear_caches()
+  gc.collect()

@@ -83,9 +83,9 @@ class RunConfig:
 
 
 class TrainState(train_state.TrainState):
-  # optimizer_location="pinned_host": the shardings of the state's leaves on the device and in
-  # pinned host memory, (device, host) tuples in the order of jax.tree.leaves(opt_state)
-  opt_state_memory: Any = struct.field(pytree_node=False, default=None)
+  # optimizer_location="pinned_host": the shardings of the state's leaves on the device, in the
+  # order of jax.tree.leaves(opt_state) (between the steps they lie in pinned host memory)
+  opt_state_on_device: Any = struct.field(pytree_node=False, default=None)
 
   def apply_gradients(self, *, grads, **kwargs):
     """Flax's, except that optimizer state in the store (``offload_optimizer``) updates the
@@ -93,12 +93,14 @@ class TrainState(train_state.TrainState):
     in pinned host memory is moved to the device for the update and its result back."""
     import jax_ssdtrain as ssd
 
-    if self.opt_state_memory is not None:
-      device, host = self.opt_state_memory
-      moved = self.replace(opt_state=_placed_leaves(self.opt_state, device), opt_state_memory=None)
+    if self.opt_state_on_device is not None:
+      device = self.opt_state_on_device
+      moved = self.replace(
+        opt_state=_placed_leaves(self.opt_state, device), opt_state_on_device=None
+      )
       new = moved.apply_gradients(grads=grads, **kwargs)
       return new.replace(
-        opt_state=_placed_leaves(new.opt_state, host), opt_state_memory=self.opt_state_memory
+        opt_state=_placed_leaves(new.opt_state, _in_pinned_host(device)), opt_state_on_device=device
       )
 
     streamed = getattr(self.tx.update, "apply_gradients", None)  # offload or accumulate
@@ -186,11 +188,14 @@ def create_train_state(run: RunConfig, policy=None, *, parallelism=None, mesh=No
     state = _placed_as(state, parallelism, mesh)
   if run.optimizer_location == "pinned_host":
     device = tuple(x.sharding for x in jax.tree.leaves(state.opt_state))
-    host = tuple(s.with_memory_kind("pinned_host") for s in device)
     state = state.replace(
-      opt_state=_placed_leaves(state.opt_state, host), opt_state_memory=(device, host)
+      opt_state=_placed_leaves(state.opt_state, _in_pinned_host(device)), opt_state_on_device=device
     )
   return state, model, schedule
+
+
+def _in_pinned_host(shardings: tuple) -> tuple:
+  return tuple(s.with_memory_kind("pinned_host") for s in shardings)
 
 
 def _placed_leaves(tree, shardings: tuple):

@@ -20,23 +20,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from test_models import loss_and_grads  # noqa: E402  (this file's directory is on sys.path)
 
 import jax_ssdtrain as ssd  # noqa: E402
-from scripts import data as data_lib  # noqa: E402
 from scripts import training  # noqa: E402
 
 model, dtype, tags = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
-
-
-def loss_and_grads(run: training.RunConfig):
-  """One forward+backward (no optimizer: cheaper to compile than a train step)."""
-  state, net, _ = training.create_train_state(run)
-  cfg = run.model_config()
-  tokens = next(
-    data_lib.synthetic_batches(run.batch, run.example_length(cfg), cfg.vocab_size, run.seed)
-  )
-  f = lambda p: net.apply({"params": p}, tokens, jax.random.key(1), method="loss")[0]  # noqa: E731
-  return jax.jit(jax.value_and_grad(f))(state.params)
 
 
 common = dict(model=model, batch=4, dtype=dtype, min_bytes=0)

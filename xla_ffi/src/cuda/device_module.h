@@ -3,16 +3,16 @@
 // staging copy and the events of the entry's copies (DeviceEntry). It reaches the engine through
 // the engine's device module support methods and serves it through DeviceHooks. Its parts, one
 // file each:
-//   device_module.cu  the module: per-GPU state (streams, staging, host arenas registered as
+//   device_module.cc  the module: per-GPU state (streams, staging, host arenas registered as
 //                     pinned memory), the engine's DeviceHooks, teardown
-//   events.cu         the event pool, fences (the asynchronous users of a buffer), timed copies
-//   staging.cu        the staging arena: allocation (whole or a tensor's first piece), eviction,
+//   events.cc         the event pool, fences (the asynchronous users of a buffer), timed copies
+//   staging.cc        the staging arena: allocation (whole or a tensor's first piece), eviction,
 //                     reuse fences, growing it between programs
-//   host_copies.cu    the host copies of staged stores: issued, deferred (lazy) or elided
-//   releases.cu       deferred releases: entries whose last load's copy is still queued
-//   read_ahead.cu     read-ahead: host -> staging of the next predicted loads
+//   host_copies.cc    the host copies of staged stores: issued, deferred (lazy) or elided
+//   releases.cc       deferred releases: entries whose last load's copy is still queued
+//   read_ahead.cc     read-ahead: host -> staging of the next predicted loads
 //   handles.cu        handles on the device (handles.h): written, read, a prediction checked
-//   store.cu, load.cu the store and the load of an activation (store_load.h)
+//   store.cc, load.cc the store and the load of an activation (store_load.h)
 // A new CUDA operation builds on the same parts: Module() and Device() for the GPU's state,
 // AllocStaging/FreeStaging for staging room, Tracked/WaitTracked/AddFence for ordered copies,
 // DeferRelease and StagePrefetch.
@@ -54,7 +54,7 @@ struct DeviceEntry {
   bool stage_unused = false;  // a read-ahead copy no load has used yet
   bool d2h_deferred = false;  // a store's staging copy whose D2H is not issued yet (lazy host copy)
   // A store's copy of an entry only later executions load, oldest first (optimizer state): no
-  // load of this execution takes it, so read-ahead may take its room (staging.cu).
+  // load of this execution takes it, so read-ahead may take its room (staging.cc).
   bool later_in_order = false;
   // The staging range, and the tensor bytes it holds: [0, stage_bytes) of the tensor. A tensor
   // larger than the room staging had keeps only its first piece there (stage_bytes < nbytes);
@@ -107,7 +107,7 @@ class CudaModule final : public DeviceHooks {
   CudaModule(const CudaModule&) = delete;
   CudaModule& operator=(const CudaModule&) = delete;
 
-  // ---- per-GPU state and entries (device_module.cu) ------------------------------------
+  // ---- per-GPU state and entries (device_module.cc) ------------------------------------
   // The state of GPU `dev`, made on first use (streams, staging; the host arenas are registered
   // as pinned memory with the first GPU).
   Status Device(int dev, DeviceState** out);
@@ -116,7 +116,7 @@ class CudaModule final : public DeviceHooks {
   // The device part of `e`, made (for GPU `dev`) if it has none yet.
   DeviceEntry* Attach(Entry& e, int dev);
 
-  // ---- events and fences (events.cu) ---------------------------------------------------
+  // ---- events and fences (events.cc) ---------------------------------------------------
   Status NewEvent(DeviceState* ds, cudaEvent_t* ev);
   void PutEvent(int dev, cudaEvent_t ev);
   // Records a fresh event on `stream` and appends it to `fences`, recycling completed ones.
@@ -157,7 +157,7 @@ class CudaModule final : public DeviceHooks {
     split_load_host_bytes_ += host_bytes;
   }
 
-  // ---- the staging arena (staging.cu) --------------------------------------------------
+  // ---- the staging arena (staging.cc) --------------------------------------------------
   // Reserves staging for the first `want` bytes of `e` (at most the arena), to be written on
   // `stream` (nullptr: the caller orders its stream with OrderStaging before writing it).
   // Evicts copies, loaded entries first, then the oldest; idle ones before busy ones (a busy
@@ -188,7 +188,7 @@ class CudaModule final : public DeviceHooks {
   // file, not from its store's staging copy).
   bool StagingUsable(const Entry& e, const DeviceEntry& d) const;
 
-  // ---- host copies of staged stores (host_copies.cu) -----------------------------------
+  // ---- host copies of staged stores (host_copies.cc) -----------------------------------
   // Copies the staging copy of store `e` to its host buffer on the copy stream (after the copy
   // into staging); host_ready (for the host buffer) and stage_d2h (for the staging range) mark
   // its end.
@@ -201,12 +201,12 @@ class CudaModule final : public DeviceHooks {
   // the host, and the copy stream has work while the forward pass runs).
   Status DeferD2H(DeviceState* ds, const EntryPtr& e);
 
-  // ---- deferred releases (releases.cu) -------------------------------------------------
+  // ---- deferred releases (releases.cc) -------------------------------------------------
   // The release of `e` waits for its last load's copy on `stream`: no host thread blocks on it
   // (ReclaimReleases collects it once done).
   Status DeferRelease(DeviceState* ds, const EntryPtr& e, cudaStream_t stream);
 
-  // ---- read-ahead (read_ahead.cu) ------------------------------------------------------
+  // ---- read-ahead (read_ahead.cc) ------------------------------------------------------
   // Copies the next predicted entries that sit in host memory into device staging on the h2d
   // stream (`after`, `stream`: Engine::PredictNext's; then within half the staging arena, so that
   // the stores of the same step keep room).
@@ -217,13 +217,13 @@ class CudaModule final : public DeviceHooks {
   // An error for every predicted load found wrong since the last call.
   Status TakeMismatch() { return checks_.TakeMismatch(eng_); }
 
-  // ---- DeviceHooks (device_module.cu; ReclaimReleases: releases.cu) --------------------
+  // ---- DeviceHooks (device_module.cc; ReclaimReleases: releases.cc) --------------------
   Status WaitHostReady(Entry& e) override;
   void BeforeHostFree(Entry& e) override;
   void OnEntryFree(Entry& e) override;
   bool HasDeviceCopy(const Entry& e) override;
   void ReclaimReleases(bool wait) override;
-  Status GrowStaging(uint64_t bytes) override;  // staging.cu
+  Status GrowStaging(uint64_t bytes) override;  // staging.cc
   void AppendStats(std::ostream& o) override;
   void ResetStats() override;
   std::string TakeTimeline() override { return tracker_.TakeTimeline(); }

@@ -1,4 +1,4 @@
-// The PCIe link of a GPU, measured (link_probe.cu; C ABI ssdtrain_probe_link, which documents
+// The PCIe link of a GPU, measured (link_probe.cc; C ABI ssdtrain_probe_link, which documents
 // the arguments and out[0..4]).
 #pragma once
 

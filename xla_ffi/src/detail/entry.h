@@ -99,7 +99,7 @@ class Entry {
   // kUncounted: released by a sweep (its handle left the execution, or the count was unknown);
   // kManual: stored through the C ABI (probe, tests), released by release_all() only.
   // A store's uses == kLaterInOrder (an optimizer's state) is kUncounted too, and says more: only
-  // later executions load the entry, in store order, so its host copy is made at once (store.cu).
+  // later executions load the entry, in store order, so its host copy is made at once (store.cc).
   // (The store's "uses" attribute, ssdtrain/attributes.h.)
   static constexpr int64_t kUncounted = SSDTRAIN_USES_UNCOUNTED, kManual = SSDTRAIN_USES_MANUAL,
                            kLaterInOrder = SSDTRAIN_USES_LATER_IN_ORDER;

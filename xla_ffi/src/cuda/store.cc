@@ -1,7 +1,7 @@
 // The store of an activation from device memory (store_load.h), step by step. Stream-ordered:
 // a D2D copy of the activation into device staging on the compute stream (E1) and the handle
 // written after it on the same stream; the D2H of the staging copy into pinned host memory on
-// the copy stream after E1 (host_copies.cu); the I/O threads wait for it and write the file.
+// the copy stream after E1 (host_copies.cc); the I/O threads wait for it and write the file.
 // A tensor larger than the staging room it finds (or than the arena) is split: what does not
 // fit is copied D2H into the host buffer directly on the compute stream first (the link's time
 // for those bytes is what the step pays), then the first piece into staging as above; without
@@ -86,7 +86,7 @@ Status CopyDirect(CudaModule* mod, DeviceState* ds, const EntryPtr& e, const Dev
 // deferred it would only hold staging room until newer stores pushed it out, and the state's
 // next loads would find no room to be read ahead on the h2d stream (they would cross the link
 // on the compute stream, between the chunks' arithmetic). Once copied out, its staging room is
-// read-ahead's to take (staging.cu).
+// read-ahead's to take (staging.cc).
 Status CopyToStaging(Engine& eng, CudaModule* mod, DeviceState* ds, const EntryPtr& e,
                      DeviceEntry* d, const DeviceStore& store, const uint32_t h[2]) {
   cudaStream_t stream = store.stream;

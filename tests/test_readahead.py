@@ -229,3 +229,71 @@ def test_optimizer_state_is_read_ahead_in_its_store_order(tmp_path):
   # step's own new state (or the old state's last chunks): no load found its chunk read ahead.
   # On the CPU backend on every machine; test_gpu runs the same check through the CUDA handlers.
   check_state_read_ahead_in_store_order(tmp_path, jax.devices("cpu")[0])
+
+
+def _scan_step(tags, location):
+  """One jitted gradient step of a 6-layer scan storing "a" (32 KiB) and "b" (64 KiB) a layer
+  at ``location``."""
+  L, B, H = 6, 32, 256
+
+  def layer(w, x):
+    a = checkpoint_name(jnp.tanh(x @ w), "a")
+    b = checkpoint_name(jnp.sin(jnp.concatenate([a, x], axis=1)), "b")
+    return x + a * b[:, :H]
+
+  f = jax.checkpoint(layer, policy=ssd.offload_policy(tags, location=location, min_bytes=0))
+  loss = lambda w, x: jnp.sum(jax.lax.scan(lambda c, wi: (f(wi, c), None), x, w)[0] ** 2)
+  w = jax.random.normal(jax.random.key(0), (L, H, H)) / 16
+  x = jax.random.normal(jax.random.key(1), (B, H))
+  step = jax.jit(jax.grad(loss))
+  return lambda: jax.block_until_ready(step(w, x))
+
+
+def test_a_file_tensor_too_large_to_read_ahead_is_warned_about_once(tmp_path):
+  import warnings
+
+  # 64 KiB tensors to the files, a 48 KiB host cache: never read ahead, and said once
+  ssd.configure(tmp_path / "t", host_cache_bytes="48KiB", prefetch_bytes="1MiB")
+  step = _scan_step(("b",), "nvme")
+  with pytest.warns(
+    RuntimeWarning, match=r"tensor of 64KiB to the files.*host_cache_bytes='128KiB'"
+  ):
+    step()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    step()  # warned once per configuration
+    ssd.flush()
+    s = ssd.stats()
+    assert s["disk_bytes_read"] > 0 and s["prefetch_issued"] == 0, s  # what the warning says
+    # the cache it names reads them ahead
+    ssd.configure(tmp_path / "r", host_cache_bytes="128KiB", prefetch_bytes="128KiB")
+    step = _scan_step(("b",), "nvme")
+    step(), step()
+    ssd.flush()
+    assert ssd.stats()["prefetch_issued"] > 0, ssd.stats()
+    # the same tensors in the host tier, or under an unbounded read-ahead off: nothing to say
+    ssd.configure(tmp_path / "u", host_cache_bytes="48KiB", host_tier_bytes="16MiB")
+    _scan_step(("a", "b"), "host")()
+    ssd.configure(tmp_path / "v", host_cache_bytes="48KiB", prefetch_bytes=0)
+    _scan_step(("a", "b"), "nvme")()
+    # a cache and a budget that hold the largest tensor: nothing to say
+    ssd.configure(tmp_path / "w", host_cache_bytes="256KiB", prefetch_bytes="64KiB")
+    _scan_step(("a", "b"), "host,nvme")()
+  # the budget, not only the cache, binds; host,nvme spills to the files
+  ssd.configure(tmp_path / "x", host_cache_bytes="1MiB", prefetch_bytes="60KiB")
+  with pytest.warns(RuntimeWarning, match=r"prefetch_bytes \(60KiB\)"):
+    _scan_step(("b",), "host,nvme")()
+
+
+def test_the_read_ahead_rule_counts_file_tensors_in_pages():
+  from jax_ssdtrain._src import attributes
+  from jax_ssdtrain._src.config import StoreConfig, too_large_to_read_ahead
+
+  nvme, host, both = attributes.TIER_NVME, attributes.TIER_HOST, attributes.TIER_HOST_THEN_NVME
+  cfg = StoreConfig(host_cache_bytes=8192, prefetch_bytes=1 << 20)
+  assert too_large_to_read_ahead([("a", 8192, nvme), ("b", 1 << 20, host)], cfg) == 0
+  assert too_large_to_read_ahead([("a", 8193, nvme)], cfg) == 12288  # 3 pages of 4 KiB
+  assert too_large_to_read_ahead([("a", 4096, nvme), ("b", 9000, both)], cfg) == 12288
+  cfg = StoreConfig(host_cache_bytes=1 << 20, prefetch_bytes=4096)
+  assert too_large_to_read_ahead([("a", 4097, nvme)], cfg) == 8192
+  assert too_large_to_read_ahead([("a", 4097, nvme)], StoreConfig(prefetch_bytes=0)) == 0

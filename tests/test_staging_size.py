@@ -13,7 +13,7 @@ from _ffi_common import random_bytes, raw_load, raw_store, same, settled_stats
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_ssdtrain as ssd
-from jax_ssdtrain._src import config, lifetimes, native, options, primitives
+from jax_ssdtrain._src import attributes, config, lifetimes, native, options, primitives
 from jax_ssdtrain._src.options import device_free, staging
 
 MiB = 1 << 20
@@ -166,7 +166,8 @@ def test_a_program_lists_its_stores_at_lowering():
     jaxpr, store_p=primitives.store_p, load_ps=primitives.LOAD_PRIMITIVES, copy_p=primitives.copy_p
   )
   stores = lifetimes.program_stores(jaxpr, store_p=primitives.store_p, counted=counted)
-  assert stores == [("h", 64 * 32 * 4), ("g", 64 * 32 * 4)]  # the scan body once: one layer
+  nvme = attributes.TIER_NVME  # offload_policy's default location
+  assert stores == [("h", 64 * 32 * 4, nvme), ("g", 64 * 32 * 4, nvme)]  # the scan body once
 
 
 def test_stores_only_later_programs_load_do_not_size_the_arena():
@@ -183,7 +184,7 @@ def test_stores_only_later_programs_load_do_not_size_the_arena():
   )
   # a handle that leaves its program (uncounted): its loads come later, its store is in flight
   stores = lifetimes.program_stores(escaping(jnp.ones((8,))), store_p=primitives.store_p)
-  assert stores == [("h", 32)]
+  assert stores == [("h", 32, 1)]  # (name, bytes, tier)
 
 
 def test_first_program_sizes_the_arena(small_floor, caplog):

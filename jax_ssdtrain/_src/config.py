@@ -51,8 +51,8 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from jax_ssdtrain._src import attributes, lifetimes, native
 from jax_ssdtrain._src import jax_internals as ji
-from jax_ssdtrain._src import lifetimes, native
 from jax_ssdtrain._src import options as _options
 from jax_ssdtrain._src.options import (  # noqa: F401 - re-exported
   GiB,
@@ -324,8 +324,10 @@ def _open_for_program(mark: _UsesStore, execute: Any) -> None:
         raise StoreShutDownError(SHUT_DOWN_MESSAGE)
       cfg = defaults()
       _apply(cfg, staging=_auto_staging(cfg, mark, execute))
+      _warn_if_not_read_ahead(cfg, mark, execute)
       return
     cfg = _state.config
+    _warn_if_not_read_ahead(cfg, mark, execute)
     want = _auto_staging(cfg, mark, execute)
     if want is None or want <= _state.staging_bytes:
       return
@@ -389,6 +391,49 @@ def _auto_staging(cfg: StoreConfig, mark: _UsesStore, execute: Any) -> int | Non
   return chosen
 
 
+# The store locations whose tensors the files hold (all, or what the host tier cannot).
+_FILE_TIERS = (attributes.TIER_NVME, attributes.TIER_HOST_THEN_NVME)
+
+
+def too_large_to_read_ahead(stores: Sequence[tuple], cfg: StoreConfig) -> int:
+  """The largest tensor of ``stores`` (a program's ``(name, bytes, tier)``) bound for the files
+  that the engine can never read ahead (0: none): read-ahead takes a file's tensor whole into
+  the host cache, within the ``prefetch_bytes`` budget (both in 4 KiB pages), so one larger than
+  either waits on the disk at its load. 0 with ``prefetch_bytes=0`` (read-ahead off)."""
+  if not cfg.prefetch_bytes:
+    return 0
+  room = min(int(cfg.host_cache_bytes), int(cfg.prefetch_bytes))
+  pages = [-(-int(n) // 4096) * 4096 for _, n, tier, *_ in stores if tier in _FILE_TIERS]
+  largest = max(pages, default=0)
+  return largest if largest > room else 0
+
+
+def _warn_if_not_read_ahead(cfg: StoreConfig, mark: _UsesStore, execute: Any) -> None:
+  largest = too_large_to_read_ahead(mark.stores, cfg)
+  if not largest or _state.warned_read_ahead:
+    return
+  _state.warned_read_ahead = True
+  twice = 2 * largest
+  unit = next(u for u in (_options.GiB, _options.MiB, 1024) if twice >= u)
+  want = _size(-(-twice // unit) * unit)  # twice the tensor, rounded up
+  warnings.warn(
+    f"jax_ssdtrain: program {_program_name(execute)!r} stores a tensor of {_size(largest)} to "
+    f"the files, more than host_cache_bytes ({_size(cfg.host_cache_bytes)}) or prefetch_bytes "
+    f"({_size(cfg.prefetch_bytes)}) hold: read-ahead takes a tensor whole, so "
+    "its loads wait on the disk. Pass configure(host_cache_bytes="
+    f"{want!r}, prefetch_bytes={want!r}) (at least twice the tensor) to read it ahead.",
+    RuntimeWarning,
+    stacklevel=3,
+  )
+
+
+def _size(n: int) -> str:
+  """``n`` bytes as a size string :func:`parse_size` reads back, with a unit where 1 KiB or
+  more divides it."""
+  text = _options.human_size(int(n))
+  return f"{int(n) // 1024}KiB" if text.isdigit() and n >= 1024 and n % 1024 == 0 else text
+
+
 def _device_budget(execute: Any) -> int | None:
   """The arena's budget on the program's devices (``options/device_free.py``); None on the CPU."""
   return device_free.program_budget(getattr(execute, "xla_executable", None))
@@ -418,6 +463,7 @@ class _State:
   staging_bytes = 0
   warned_staging_fixed = False
   warned_staging_small = False
+  warned_read_ahead = False  # once per configuration: a file tensor too large to read ahead
 
 
 _state = _State()
@@ -461,7 +507,7 @@ def _apply(cfg: StoreConfig, staging: int | None = None) -> None:
   _state.staging_bytes = int(settings["staging_bytes"])
   _state.shut_down = False
   lifetimes.sweeper.start()
-  _state.warned_kept = False
+  _state.warned_kept = _state.warned_read_ahead = False
   if (
     cfg.o_direct is None
     and native.stats().get("o_direct") == 0

@@ -211,16 +211,16 @@ _local = threading.local()
 
 def program_stores(
   jaxpr: Any, *, store_p: Any, counted: dict[int, int] | None = None
-) -> list[tuple[str, int]]:
-  """The stores of a program that are in flight while it runs, ``(name, bytes)`` in program
-  order (a sub-jaxpr's, such as a scan body's, listed once however often it runs): what the
+) -> list[tuple[str, int, int]]:
+  """The stores of a program that are in flight while it runs, ``(name, bytes, tier)`` in
+  program order (a sub-jaxpr's, such as a scan body's, listed once however often it runs): what the
   staging arena's size under ``staging_bytes="auto"`` is computed from (``options/staging.py``).
   Those a load of the same execution takes (``uses`` > 0, from ``counted``: :func:`analyze`'s)
   and those whose loads are not counted (a handle that leaves the program); not those only
   later executions load in store order (an optimizer's state: their host copy is made at once)
   nor those no load takes. The bytes are the stored value's whole (global) shape's."""
   counted = counted or {}
-  out: list[tuple[str, int]] = []
+  out: list[tuple[str, int, int]] = []
 
   def visit(j):
     for eqn in ji.open_jaxpr(j).eqns:
@@ -232,7 +232,7 @@ def program_stores(
         if uses > 0 or uses == UNCOUNTED:
           aval = eqn.invars[0].aval
           nbytes = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
-          out.append((str(eqn.params.get("name") or site), nbytes))
+          out.append((str(eqn.params.get("name") or site), nbytes, eqn.params["tier"]))
       for sub in _jaxprs_in(eqn.params):
         visit(sub)
 
@@ -240,7 +240,7 @@ def program_stores(
   return out
 
 
-def current_stores() -> list[tuple[str, int]]:
+def current_stores() -> list[tuple[str, int, int]]:
   """:func:`program_stores` of the program being lowered on this thread (empty outside one)."""
   stack = getattr(_local, "stores", None)
   return list(stack[-1]) if stack else []

@@ -420,7 +420,8 @@ OPTIONS: tuple[Option, ...] = (
     "SSDTRAIN_HOST_CACHE",
     size(low=1),
     1 * GiB,
-    "Pinned host buffers of the `nvme` location: write-behind, forwarding and read-ahead.",
+    "Pinned host buffers of the `nvme` location: write-behind, forwarding and read-ahead "
+    "(a tensor of the files larger than it is never read ahead; the store warns).",
   ),
   Option(
     "host_tier_bytes",
@@ -471,7 +472,8 @@ OPTIONS: tuple[Option, ...] = (
     "SSDTRAIN_PREFETCH",
     size(),
     1 * GiB,
-    "Read-ahead budget: bytes read from the files ahead of the loads that need them.",
+    "Read-ahead budget: bytes read from the files ahead of the loads that need them (a "
+    "tensor larger than it is never read ahead; the store warns).",
   ),
   Option(
     "o_direct",

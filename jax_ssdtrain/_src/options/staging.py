@@ -27,15 +27,16 @@ FLOOR_BYTES = 1 * GiB
 DEVICE_SHARE = 0.5
 
 
-def layers_of(stores: Iterable[tuple[str, int]]) -> list[list[int]]:
-  """A program's stores ``(name, bytes)`` in program order -> the bytes of each layer's stores.
+def layers_of(stores: Iterable[tuple]) -> list[list[int]]:
+  """A program's stores ``(name, bytes, ...)`` in program order -> the bytes of each layer's
+  stores.
 
   A layer ends where a name it already stored comes again: the layers of an unrolled stack
   store the same names once each, and the body of a scan over layers (listed once) is one
   layer."""
   layers: list[list[int]] = []
   names: set[str] = set()
-  for name, nbytes in stores:
+  for name, nbytes, *_ in stores:
     if not layers or name in names:
       layers.append([])
       names = set()

@@ -429,6 +429,45 @@ def test_streamed_loads_predicted_from_the_second_where_both_directions_are_give
   assert s["speculative_loads"] - before["speculative_loads"] == (n - 1 if both else n - 2)
 
 
+def test_ordered_loads_predicted_per_chunk_size_wherever_the_short_chunk_was_stored(tmp_path):
+  # A leaf's full chunks are stored and loaded in a scan's order, its shorter last chunk outside
+  # the scan, where XLA runs it before, between or after them (on XLA:CPU as its threads fall):
+  # here it is stored second and loaded first. The loads after the execution's first are
+  # predicted in store order among the entries of their size, and every prediction is right.
+  cfg(tmp_path)
+  full = [rand((64,), jnp.float32, seed=i) for i in range(4)]
+  tail = rand((40,), jnp.float32, seed=9)
+
+  @jax.jit
+  def put(full, tail):
+    hs = [store(full[0], site=7)]
+    ht = store(tail + hs[0][0].astype(jnp.float32) * 0.0, site=7)
+    prev = ht
+    for x in full[1:]:
+      prev = store(x + prev[0].astype(jnp.float32) * 0.0, site=7)
+      hs.append(prev)
+    return hs, ht
+
+  @jax.jit
+  def get(hs, ht):
+    t = load(ht, tail, site=7, exact=2)
+    out, prev = [], t
+    for h in hs:
+      h = h + (prev[0] * 0).astype(jnp.uint32)
+      out.append(prev := load(h, full[0], site=7, exact=2))
+    return out, t
+
+  hs, ht = jax.block_until_ready(put(full, tail))
+  before = native.stats()
+  got, t = jax.block_until_ready(get(hs, ht))
+  same(t, tail)
+  for a, b in zip(got, full):
+    same(a, b)
+  s = native.stats()
+  assert s["handle_mismatches"] == before["handle_mismatches"], "a load predicted wrong"
+  assert s["speculative_loads"] - before["speculative_loads"] == len(full)  # all but the first
+
+
 def test_capacity_enospc(tmp_path):
   cfg(tmp_path, capacity_bytes=1 * MiB)
   ok = store(rand((512 * 1024,), jnp.uint8), site=1, name="fits")

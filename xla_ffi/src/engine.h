@@ -355,7 +355,10 @@ class Engine {
       int64_t stored_by = -1;  // the execution that stored the site's last loaded entry
       uint64_t seq = 0;        // that entry's store seq
     };
-    std::map<int64_t, Cursor> sites;  // per site loaded so far
+    // Per site and entry size loaded so far: a leaf's chunks of one size come in store order
+    // (a scan's iterations), but its last, shorter chunk is stored and loaded outside the scan,
+    // where XLA may run it before, between or after them.
+    std::map<std::pair<int64_t, uint64_t>, Cursor> sites;
   };
   std::map<int, ExactSource> exact_sources_;  // per device (PredictOrderedLoad)
   struct StreamCursor {

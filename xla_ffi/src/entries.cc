@@ -126,17 +126,17 @@ bool Engine::PredictOrderedLoad(int64_t site, int64_t run_id, int device, uint64
                                 uint32_t h[2], uint64_t* left) const {
   auto src = exact_sources_.find(device);
   if (src == exact_sources_.end() || src->second.run_id != run_id) return false;
-  // Per site: the execution that stored its entries and the last loaded one's seq; a site not
-  // loaded yet in this execution: the first exact load's execution, from its oldest entry.
+  // Per site and size: the execution that stored its entries and the last loaded one's seq; one
+  // not loaded yet in this execution: the first exact load's execution, from its oldest entry.
   const ExactSource& s = src->second;
-  auto at = [&s](int64_t site_id) -> ExactSource::Cursor {
-    auto c = s.sites.find(site_id);
+  auto at = [&s](int64_t site_id, uint64_t size) -> ExactSource::Cursor {
+    auto c = s.sites.find({site_id, size});
     return c == s.sites.end() ? ExactSource::Cursor{s.stored_by, 0} : c->second;
   };
-  ExactSource::Cursor here = at(site);
+  ExactSource::Cursor here = at(site, nbytes);
   auto ids = by_site_.find({device, site});
   if (ids == by_site_.end()) return false;
-  if (!s.sites.count(site) &&
+  if (!s.sites.count({site, nbytes}) &&
       !FirstOrderedSource(ids->second, s.stored_by, nbytes, &here.stored_by))
     return false;
   const Entry* next = nullptr;
@@ -152,8 +152,9 @@ bool Engine::PredictOrderedLoad(int64_t site, int64_t run_id, int device, uint64
   uint64_t n = 0;
   for (const auto& [id, e] : entries_) {
     if (e->device_ != device) continue;
-    const ExactSource::Cursor c =
-        e->site_ == site ? ExactSource::Cursor{here.stored_by, next->seq_} : at(e->site_);
+    const ExactSource::Cursor c = e->site_ == site && e->nbytes_ == nbytes
+                                      ? ExactSource::Cursor{here.stored_by, next->seq_}
+                                      : at(e->site_, e->nbytes_);
     if (e->run_id_ == c.stored_by && e->seq_ > c.seq) n++;
   }
   *left = n;
@@ -190,10 +191,10 @@ void Engine::NoteExactLoad(int64_t run_id, int device, const Entry& e) {
   // The execution's first exact load names where the sites not loaded yet are; each site keeps
   // the execution that stored its last loaded entry (a state leaf an update never rewrites,
   // such as madgrad's or cocob's initial parameters, comes from an older one than the rest)
-  // and the entry's place in it: the site's next ordered load was stored after it.
+  // and the entry's place in it: the site's next ordered load of that size was stored after it.
   ExactSource& src = exact_sources_[device];
   if (src.run_id != run_id) src = ExactSource{run_id, e.run_id_, {}};
-  src.sites[e.site_] = {e.run_id_, e.seq_};
+  src.sites[{e.site_, e.nbytes_}] = {e.run_id_, e.seq_};
 }
 
 std::vector<const Entry*> Engine::StreamAhead(int device, int64_t site,

@@ -201,7 +201,7 @@ _SHAPES = {
   "gpt-4b": (36, 3072, 24, 2048),
   "gpt-6.7b": (32, 4096, 32, 2048),
   "gpt-8b": (40, 4096, 32, 2048),
-  # Past one GPU's memory (issue 35: parameters and gradients streamed from the store), heads of
+  # Past one GPU's memory (their parameters and gradients streamed from the store), heads of
   # 128. Parameters with the tied embedding and 2048 learned positions (12 x hidden^2 + 13 x
   # hidden per layer, 52352 x hidden + 2 x hidden besides; 50304 x hidden more with an untied
   # head, as scripts/bench_layer_stream.py trains): 13B 12.85B (OPT-13B's shape), 20B 20.26B

@@ -1,4 +1,4 @@
-"""A GPT larger than the GPU, its parameters and gradients streamed layer by layer (issue 35).
+"""A GPT larger than the GPU, its parameters and gradients streamed layer by layer.
 
     python -m scripts.bench_layer_stream [--preset gpt-13b] [--layers L] [--micro-batches 4]
         [--batch 4] [--seq 2048] [--location host|nvme|host,nvme|device] [--sum-location L]

@@ -1,5 +1,5 @@
-"""A scanned layer stack streamed from the store (jax_ssdtrain._src.layer_stream, issue 35's
-core): parameters initialised layer by layer into the store, a micro-step whose blocks load
+"""A scanned layer stack streamed from the store (jax_ssdtrain._src.layer_stream):
+parameters initialised layer by layer into the store, a micro-step whose blocks load
 their parameters and add their gradients into a running sum in the store, the sum read back and
 the update written back; against the same program with the stack on the device (bit for bit)
 and against ``jax.value_and_grad`` of the same model (within a tolerance); the compiled step's
@@ -788,7 +788,7 @@ def test_compiled_update_holds_no_whole_stack(store):
 
 
 # ---------------------------------------------------------------------------------------------
-# The room a streamed model needs, refused before anything is stored (issue 35, must-have 5)
+# The room a streamed model needs, refused before anything is stored
 
 
 def _shape(layers, location, dtype=jnp.bfloat16, width=64):

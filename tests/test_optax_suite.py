@@ -1,4 +1,4 @@
-"""optax's own lists of optimizers and wrappers through offload_optimizer (issue 33).
+"""optax's own lists of optimizers and wrappers through offload_optimizer.
 
 The lists are imported from the installed optax's test modules, as optax's own tests run them
 (alias_test, contrib/_common_test; the builders of transforms/_conditionality_test,

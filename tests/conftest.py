@@ -52,6 +52,15 @@ SLOW_VARIANTS = (
   "tests/test_models.py::test_untied_embeddings_and_other_positions[t5]",
   "tests/test_optimizer.py::test_one_device_train_step_compiles_once",
   "tests/test_train.py::test_cli_default_offload_run_and_restore",
+  # bfloat16 within tolerance of value_and_grad (kept: float32, bit for bit with it)
+  "tests/test_layer_stream.py::test_bfloat16_within_tolerance_of_value_and_grad",
+  # JAX's own pinned-host offload of the optimizer state: the long-context benchmark's
+  # comparison, not the library's
+  "tests/test_models.py::test_jax_pinned_host_optimizer_state_trains_as_on_the_device",
+  # two pages' examples (the disk probe and stats(); profile and plan), which
+  # tests/test_probe.py, test_offload.py and test_planner.py exercise in the command
+  "tests/test_docs.py::test_page_examples_run[performance.md]",
+  "tests/test_docs.py::test_page_examples_run[planner.md]",
 )
 
 

@@ -137,6 +137,7 @@ from jax_ssdtrain._src.planner import (
 )
 from jax_ssdtrain._src.policies import (
   OffloadPolicy,
+  flash_attention_saveable,
   location_policy,
   offload_policy,
   ssd_offload_policy,
@@ -197,6 +198,7 @@ __all__ = [
   "current_config",
   "default_config",
   "device_stats",
+  "flash_attention_saveable",
   "flush",
   "grad",
   "frontier",

@@ -156,6 +156,29 @@ def replot(paths: list[Path], out: Path, name: str, report, *, keys, field, tag_
   return 0
 
 
+def device_kind(rows) -> str:
+  """The device kind a run's rows recorded (JAX's ``device_kind``); where none ran far enough
+  to record one, the first GPU's name from ``nvidia-smi`` (JAX's kind for NVIDIA GPUs), else
+  ``"unknown"``: the results' file names and tables then still name the machine."""
+  kind = next((r["device_kind"] for r in rows if r and "device_kind" in r), None)
+  if kind:
+    return kind
+  try:
+    out = (
+      subprocess.run(
+        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+      )
+      .stdout.split("\n")[0]
+      .strip()
+    )
+  except (OSError, subprocess.TimeoutExpired):
+    out = ""
+  return out or "unknown"
+
+
 def slug(text: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", str(text).lower()).strip("_") or "unknown"
 

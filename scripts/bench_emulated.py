@@ -85,7 +85,7 @@ def main(argv=None) -> int:
   finally:
     for d in made:
       shutil.rmtree(d, ignore_errors=True)
-  device = next((r["device_kind"] for r in rows if "device_kind" in r), "unknown")
+  device = common.device_kind(rows)
   env = common.host_env() | {
     "device_kind": device,
     "platform": next((r["platform"] for r in rows if "platform" in r), None),

@@ -366,7 +366,7 @@ def run(args) -> dict:
       times = [r["step_s"] for r in ideal_runs]
       ideal = bench_fit.extend_to_depth(args.ideal_layers, times, layers)
       ideal["tokens_per_s"] = ideal_runs[0]["tokens_per_step"] / ideal["step_s"]
-  kind = next((r["device_kind"] for r in [ours, *ideal_runs] if "device_kind" in r), "unknown")
+  kind = bc.device_kind([ours, *ideal_runs])
   peak = bench_fit.peak_tflops(kind, args.peak_tflops)
   if "n_params" in ours:
     n = ours["n_params"]

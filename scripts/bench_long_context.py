@@ -23,6 +23,11 @@ chunks, grouped-query attention, an untied head, the loss in ``loss_chunks`` seq
   in the store (``ssd.offload_policy(["layer_in"], location=...)``: the host tier, the host tier
   spilling to the files, the files), the rest recomputed.
 
+* ``NAME+attention`` (``remat+attention``, ``ours_host_nvme_layer_in+attention``, ...): the same,
+  and cuDNN flash attention's output and softmax statistics saved on the device
+  (``ssd.flash_attention_saveable`` as the policy's ``base``): the recomputed layers do not run
+  attention's forward pass again (``2·S·N·D + 4·N·S`` bytes a layer on the device).
+
 * ``plan``: ``ssd.plan_long_context``'s choice at the device's budget (``--plan-budget-gb``):
   one layer profiled at S (``ssd.profile``), then each tag's location, the split and the MLP's
   and the loss's chunk counts (``--plan-chunks``), each candidate's step compiled for XLA's
@@ -168,14 +173,27 @@ def chunks_for(seq: int, tokens: int) -> int:
   return max(1, math.ceil(seq / tokens))
 
 
+ATTENTION_SUFFIX = "+attention"  # NAME+attention: flash attention's outputs saved as well
+
+
+def policy_parts(name: str) -> tuple[str, dict, bool]:
+  """``"ours_host_nvme_layer_in+attention:host_tier_bytes=4GiB"`` -> ``(base, store options,
+  whether flash attention's outputs are saved)``."""
+  base, options = split_policy(name)
+  attention = base.endswith(ATTENTION_SUFFIX)
+  if attention:
+    base = base[: -len(ATTENTION_SUFFIX)]
+  return base, options, attention
+
+
 def parse_rows(text: str, optimizers: list[str]) -> list[tuple[str, str]]:
   """``--policies``: ``NAME[:KEY=VALUE...][@OPT]`` items -> ``(policy with its options, OPT)``
   pairs, one per ``optimizers`` where an item names none."""
   out = []
   for item in (t.strip() for t in text.split(",") if t.strip()):
     name, _, opt = item.partition("@")
-    base, options = split_policy(name)
-    if base not in POLICIES:
+    base, options, attention = policy_parts(name)
+    if base not in POLICIES or (attention and base == "plan"):
       raise ValueError(
         f"--policies: unknown policy {base!r} in {item!r}; use one of {', '.join(POLICIES)}"
       )
@@ -198,7 +216,7 @@ def parse_rows(text: str, optimizers: list[str]) -> list[tuple[str, str]]:
 # One row, in a process of its own (imports JAX)
 
 
-def _policy(name: str, min_bytes: int):
+def _policy(name: str, min_bytes: int, attention: bool = False):
   import jax
 
   import jax_ssdtrain as ssd
@@ -209,16 +227,33 @@ def _policy(name: str, min_bytes: int):
   if name == "selective":
     return cp.save_only_these_names(*TAGS)
   where = POLICIES[name]
-  if where is None:
-    return cp.save_only_these_names("layer_in")
-  if where == "pinned_host":
-    return cp.save_and_offload_only_these_names(
-      names_which_can_be_saved=[],
-      names_which_can_be_offloaded=["layer_in"],
-      offload_src="device",
-      offload_dst="pinned_host",
+  if where in (None, "pinned_host"):
+    policy = (
+      cp.save_only_these_names("layer_in")
+      if where is None
+      else cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["layer_in"],
+        offload_src="device",
+        offload_dst="pinned_host",
+      )
     )
-  return ssd.offload_policy(["layer_in"], min_bytes=min_bytes, location=where)
+    return _saving_attention(policy) if attention else policy
+  base = ssd.flash_attention_saveable if attention else None
+  return ssd.offload_policy(["layer_in"], min_bytes=min_bytes, location=where, base=base)
+
+
+def _saving_attention(policy):
+  """``policy``, and flash attention's outputs saved on the device (JAX's
+  ``save_from_both_policies`` takes boolean policies only; an offloading one answers more)."""
+  import jax_ssdtrain as ssd
+
+  def saving_attention(prim, *avals, **params):
+    if ssd.flash_attention_saveable(prim, *avals, **params):
+      return True
+    return policy(prim, *avals, **params)
+
+  return saving_attention
 
 
 def _run_row(spec: dict) -> dict:
@@ -230,7 +265,7 @@ def _run_row(spec: dict) -> dict:
   import jax_ssdtrain as ssd
   from scripts import training
 
-  base, options = split_policy(spec["policy"])
+  base, options, attention = policy_parts(spec["policy"])
   in_store = base in POLICIES and POLICIES[base] in ("host", "host,nvme", "nvme", "plan")
   opt_loc = OPTIMIZERS[spec["optimizer"]]
   dev = jax.devices()[0]
@@ -264,7 +299,7 @@ def _run_row(spec: dict) -> dict:
   if base != "plan" and budget:  # a sequence that cannot fit: refused before anything compiles
     _check_fits(spec, base, cfg, budget, opt_loc)
   t0 = time.perf_counter()
-  policy = _policy(base if base != "plan" else "remat", spec["min_bytes"])
+  policy = _policy(base if base != "plan" else "remat", spec["min_bytes"], attention)
   state, _, _ = training.create_train_state(run, policy=policy)
   jax.block_until_ready(state)
   row["init_s"] = time.perf_counter() - t0
@@ -740,7 +775,7 @@ def run(args) -> dict:
   finally:
     if made:
       shutil.rmtree(made, ignore_errors=True)
-  kind = next((r["device_kind"] for r in rows + ideals if "device_kind" in r), "unknown")
+  kind = bc.device_kind(rows + ideals)
   doc = bc.bench_doc(
     "longctx",
     args,

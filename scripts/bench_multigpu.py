@@ -194,7 +194,7 @@ def _orchestrate(args, store_root: str) -> int:
   }
   doc["summary"] = summary(doc)
   os.makedirs(args.out, exist_ok=True)
-  kind = common.slug(results[1].get("device_kind") or "unknown")
+  kind = common.slug(common.device_kind([results[1]]))
   write(doc, os.path.join(args.out, f"multigpu_{kind}_{doc['date']}.json"))
   for line in doc["summary"]["lines"]:
     print(line)

@@ -734,7 +734,7 @@ def main(argv=None) -> int:
     if made_dir:
       shutil.rmtree(made_dir, ignore_errors=True)
 
-  device = next((r["device_kind"] for r in rows if "device_kind" in r), "unknown")
+  device = common.device_kind(rows)
   env = common.host_env() | {
     "device_kind": device,
     "platform": next((r["platform"] for r in rows if "platform" in r), None),

@@ -330,6 +330,28 @@ def test_bench_long_context_flops_and_rows():
     lc.parse_rows("remat@disk", ["device"])
   with pytest.raises(ValueError, match="store options apply to the ours_"):
     lc.parse_rows("remat:staging_bytes=1GiB", ["device"])
+  # NAME+attention: flash attention's outputs saved besides the policy's own choices
+  import jax
+
+  import jax_ssdtrain as ssd
+
+  item = "ours_host_nvme_layer_in+attention:host_tier_bytes=4GiB"
+  assert lc.parse_rows(f"{item}@host", ["device"]) == [(item, "host")]
+  assert lc.policy_parts(item) == ("ours_host_nvme_layer_in", {"host_tier_bytes": "4GiB"}, True)
+  assert lc._policy("ours_host_nvme_layer_in", 0, True).base is ssd.flash_attention_saveable
+  assert lc._policy("ours_host_nvme_layer_in", 0).base is None
+  from jax.extend.core import Primitive
+
+  from jax_ssdtrain._src import jax_internals as ji
+  from jax_ssdtrain._src.policies import decision_rank  # 3: saved, 0: recomputed
+
+  flash = Primitive(ji.FLASH_ATTENTION_FORWARD)
+  for name in ("remat", "jax_host_layer_in"):  # JAX's policies, and the outputs saved
+    assert decision_rank(lc._policy(name, 0, True)(flash)) == 3
+    assert decision_rank(lc._policy(name, 0, True)(jax.lax.exp_p)) == 0
+    assert decision_rank(lc._policy(name, 0)(flash)) == 0
+  with pytest.raises(ValueError, match="unknown policy 'plan'"):
+    lc.parse_rows("plan+attention", ["device"])
 
 
 def _child(code: str) -> list[str]:

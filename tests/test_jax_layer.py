@@ -65,6 +65,7 @@ INTERNALS = [
   "OUTPUT_BODY_PARAMS",
   "JaxprStackFrame",
   "REMAT_PRIMITIVE_NAMES",
+  "FLASH_ATTENTION_FORWARD",
 ]
 
 
@@ -72,6 +73,14 @@ INTERNALS = [
 def test_internal_is_where_we_expect_it(name):
   value = getattr(ji, name)
   assert value is not None and value != (), f"{name} moved in jax {jax.__version__}"
+
+
+def test_flash_attention_forward_is_named_as_cudnns_primitive():
+  # the name flash_attention_saveable matches: the primitive cuDNN's attention's forward rule
+  # binds (importable without a GPU; its use needs cuDNN)
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+  assert cudnn_attention._dot_product_attention_fwd_p_wrapper.name == ji.FLASH_ATTENTION_FORWARD
 
 
 def test_hooks_installed_where_jax_calls_them():

@@ -197,6 +197,110 @@ def test_sequence_past_every_max_len_runs():
 
 
 # ----------------------------------------------------------------------------- attention
+def _fake_flash_attention():
+  """A causal attention shaped as cuDNN's in JAX: a custom_vjp whose forward binds a primitive
+  named as cuDNN's forward (its outputs: the attention output and the softmax statistics),
+  whose backward reads them. On the CPU, where cuDNN's own cannot trace."""
+  from jax.extend.core import Primitive
+  from jax.interpreters import mlir
+
+  from jax_ssdtrain._src import jax_internals as ji
+
+  def reference(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -1e30)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v), jax.nn.logsumexp(s, -1)
+
+  fwd_p = Primitive(ji.FLASH_ATTENTION_FORWARD)
+  fwd_p.multiple_results = True
+  fwd_p.def_impl(reference)
+  fwd_p.def_abstract_eval(
+    lambda q, k, v: tuple(
+      jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(reference, q, k, v)
+    )
+  )
+  mlir.register_lowering(fwd_p, mlir.lower_fun(reference, multiple_results=True))
+
+  @jax.custom_vjp
+  def attention(q, k, v):
+    return fwd_p.bind(q, k, v)[0]
+
+  def fwd(q, k, v):
+    out, stats = fwd_p.bind(q, k, v)
+    return out, (q, k, v, out, stats)
+
+  def bwd(res, g):
+    q, k, v, out, stats = res
+    del out, stats  # read by cuDNN's backward; here the reference's gradient
+    return jax.vjp(lambda *a: reference(*a)[0], q, k, v)[1](g)
+
+  attention.defvjp(fwd, bwd)
+  return attention, fwd_p
+
+
+@pytest.mark.parametrize("base", [False, True])
+def test_flash_attention_saveable_spares_the_forward_pass(base):
+  # A layer recomputed from its input (in the store): with flash_attention_saveable its
+  # attention's forward outputs are saved and the forward primitive runs once, else twice (the
+  # recomputation); the gradients are the same.
+  import jax_ssdtrain as ssd
+  from models.common import LAYER_IN
+
+  attention, fwd_p = _fake_flash_attention()
+
+  def layer(w, x):
+    x = jax.ad_checkpoint.checkpoint_name(x, LAYER_IN)
+    q, k, v = (jnp.tanh(x @ w[i]).reshape(x.shape[0], x.shape[1], 2, -1) for i in range(3))
+    return jnp.sum(jnp.square(attention(q, k, v)))
+
+  x = jax.random.normal(jax.random.key(0), (1, 64, 16), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (3, 16, 16), jnp.float32) / 4
+  policy = ssd.offload_policy(
+    [LAYER_IN], location="host", min_bytes=0, base=ssd.flash_attention_saveable if base else None
+  )
+  grad = jax.grad(jax.checkpoint(layer, policy=policy), argnums=(0, 1))
+  text = str(jax.make_jaxpr(grad)(w, x))
+  assert text.count(fwd_p.name) == (1 if base else 2), text
+  got = jax.jit(grad)(w, x)
+  want = jax.grad(layer, argnums=(0, 1))(w, x)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+
+
+def test_flash_attention_saveable_saves_nothing_else():
+  import jax_ssdtrain as ssd
+
+  x = jnp.ones((4, 4))
+  assert not ssd.flash_attention_saveable(jax.lax.dot_general_p, x, x)
+  assert not ssd.flash_attention_saveable(jax.lax.exp_p, x)
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_forward_is_saved_and_not_recomputed():
+  # On a GPU the Llama's attention is cuDNN's: with the layer inputs in the store and
+  # flash_attention_saveable, one forward attention call in the step's program (the layers'
+  # scan body: none recomputed), else two; the loss the same.
+  import jax_ssdtrain as ssd
+  from jax_ssdtrain._src import jax_internals as ji
+
+  if jax.default_backend() != "gpu":
+    pytest.skip("cuDNN's flash attention runs on a GPU")
+  cfg = models.get_config("llama", "tiny", num_layers=2)
+  assert cfg.attention_impl() == "cudnn", cfg.attention_impl()
+  tokens = _tokens(1, 257, cfg.vocab_size)
+  params = _params(cfg, tokens)
+  counts, losses = [], []
+  for base in (None, ssd.flash_attention_saveable):
+    policy = ssd.offload_policy([LAYER_IN], location="host", min_bytes=0, base=base)
+    model = llama.Llama(cfg, policy)
+    f = lambda p, model=model: model.apply({"params": p}, tokens, method="loss")[0]  # noqa: E731
+    text = str(jax.make_jaxpr(jax.value_and_grad(f))(params))
+    counts.append(text.count(ji.FLASH_ATTENTION_FORWARD))
+    losses.append(float(_run(jax.value_and_grad(f), params, options=None)[0]))
+  assert counts == [2, 1], counts
+  assert losses[0] == losses[1], losses
+
+
 def test_grouped_query_attention_equals_repeated_heads():
   cfg = models.get_config("llama", "tiny", dtype="float32")  # 4 query heads, 2 key/value heads
   N, K = cfg.num_heads, cfg.kv_heads

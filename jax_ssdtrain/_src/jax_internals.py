@@ -160,6 +160,12 @@ CHECKPOINT_NAME_CLASSES = tuple(
   )
   if c is not None
 )
+# cuDNN's flash attention (jax.nn.dot_product_attention, implementation "cudnn") is a custom_vjp
+# whose forward rule binds this primitive: its outputs are the attention output and the softmax
+# statistics that the backward rule reads. A remat policy sees the primitive by its name (as
+# jax.checkpoint_policies.dots_saveable sees cuDNN's "scaled_matmul_wrapper"): importing
+# jax._src.cudnn for the object would load cuDNN's bindings. policies.flash_attention_saveable.
+FLASH_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
 # CheckpointNameFwd's rem ignores the recomputed value (no tangent flows through it).
 CHECKPOINT_NAME_FWD = getattr(_ad_checkpoint, "CheckpointNameFwd", None)
 # jax >= 0.12: remat(self, trace, x) -> (x, residuals, rem(residuals, x_recomputed));

@@ -81,6 +81,24 @@ def location_policy(
   )
 
 
+def flash_attention_saveable(prim, *_, **__) -> bool:
+  """A remat policy that saves what cuDNN's flash attention computes in the forward pass: its
+  output and softmax statistics (``jax.nn.dot_product_attention`` with cuDNN's implementation,
+  on a GPU), on the device, so that a recomputed layer does not run attention's forward pass
+  again; its queries, keys and values are recomputed from what the layer saves (cheap: linear
+  in the sequence, where attention is quadratic). Everything else is recomputed.
+
+  Compose it as ``jax.checkpoint_policies.dots_saveable`` composes:
+  ``offload_policy(["layer_in"], location="host,nvme", base=flash_attention_saveable)``, or
+  with JAX's own boolean policies ``jax.checkpoint_policies.save_from_both_policies(
+  save_only_these_names("layer_in"), flash_attention_saveable)``. It
+  costs ``2·S·N·D + 4·N·S`` bytes a layer of ``S`` positions and ``N`` heads of ``D`` (bfloat16
+  output, float32 statistics) and spares attention's forward FLOPs, ``2·S²·N·D`` a layer. XLA's
+  own attention (on a CPU, or ``implementation="xla"``) is not cuDNN's: there it saves nothing.
+  """
+  return prim.name == ji.FLASH_ATTENTION_FORWARD
+
+
 # ---------------------------------------------------------------------------------------------
 # Implementation
 

@@ -16,13 +16,13 @@ and compares it with the ideal.
   store (``init_streamed``; refused first by ``check_streamed_room`` where the model does not fit
   the store), ``--micro-batches`` micro-steps of ``value_and_grad_streamed`` (each layer loaded
   twice, recomputed in the backward pass, its gradient added into the running sum in the store,
-  ``--sum-dtype``), then ``apply_streamed_update`` with AdamW (the float32 master copy and the
-  moments in the store, ``init_streamed_optimizer``) and ``apply_device_update`` for the
-  embedding and head (float32 on the device, their sums too).
+  ``--sum-dtype``), then ``apply_gradients`` with AdamW for the stack (the float32 master copy
+  and the moments in the store, ``init_streamed_optimizer``) and for the embedding and head
+  (float32 on the device, their sums too).
 * **ideal**: the same width with ``--ideal-layers`` layers (few enough that everything stays on
   the device): ``jax.value_and_grad`` of the same model, each layer under ``jax.checkpoint``
   (recomputed from its input, as the streamed backward pass does), the same accumulation in
-  ``--sum-dtype`` and the same update (``apply_device_update`` of ``with_master_weights(adamw)``
+  ``--sum-dtype`` and the same update (``apply_gradients`` of ``with_master_weights(adamw)``
   for the stack, of AdamW for the embedding and head). Its step times are extended to the full
   depth by ``bench_fit.extend_to_depth`` (a least squares line: bench_fit's ``--ideal``).
 

@@ -633,16 +633,19 @@ def test_update_refuses_what_needs_more_than_one_layer(store):
   _, sums = jax.jit(ssd.value_and_grad_streamed(_embed, _block, _head))(
     *_side()[:1], stack, _side()[1], _batches(1)[0]
   )
+  # the one way's errors name its arguments (apply_gradients(tx, grads, opt_state, params))
   with pytest.raises(ValueError, match="clip_global_norm"):
-    ssd.apply_streamed_update(clipped, stack, sums[1], state)
-  with pytest.raises(ValueError, match="tx_state: made for another stack"):
+    ssd.apply_gradients(clipped, sums[1], state, stack)
+  with pytest.raises(ValueError, match="opt_state: made for another stack"):
     other = ssd.init_streamed(_init_layer, jax.random.key(0), 3)
-    ssd.apply_streamed_update(tx, other, sums[1], state)
+    ssd.apply_gradients(tx, sums[1], state, other)
   with pytest.raises(TypeError, match="tx_state: expected the StreamedOptState"):
     ssd.apply_streamed_update(tx, stack, sums[1], tx.init(_vmap_init(2)))
   with pytest.raises(ValueError, match="global_norm: given without clip_global_norm"):
-    ssd.apply_streamed_update(tx, stack, sums[1], state, global_norm=1.0)
-  with pytest.raises(ValueError, match="stack_sum: a sum of 3 layers"):
+    ssd.apply_gradients(tx, sums[1], state, stack, global_norm=1.0)
+  with pytest.raises(ValueError, match="grads: a sum of 3 layers .* those of params"):
+    ssd.apply_gradients(tx, other, state, stack)
+  with pytest.raises(ValueError, match="stack_sum: a sum of 3 layers .* those of stack "):
     ssd.apply_streamed_update(tx, stack, other, state)
   with pytest.raises(ValueError, match="master_weights: expected True or False"):
     ssd.init_streamed_optimizer(tx, stack, master_weights=1)
@@ -671,7 +674,7 @@ def test_update_in_place_with_master_weights_replaces_the_parameters(store):
   jax.block_until_ready(sums)
   ssd.flush()  # on a GPU, releases wait for their copies' events: collected here
   before = ssd.stats()["live_entries"]  # parameters, master copy, state and sum
-  new, _ = ssd.apply_streamed_update(tx, stack, sums[1], state, in_place=True)
+  new, _ = ssd.apply_gradients(tx, sums[1], state, stack, in_place=True)
   jax.block_until_ready(new)
   ssd.flush()
   # the sum's 4 x 3 entries consumed; the old parameters' too, the new ones in their place
@@ -726,7 +729,7 @@ def test_stacks_sharing_their_sites_in_one_program(store):
     other = ssd.init_streamed(_init_layer, jax.random.key(1), 3, location=location)
     summed = ssd.map_stack(lambda p, o: jax.tree.map(jnp.add, p, o), params, other)
     half = ssd.map_stack(lambda p: jax.tree.map(lambda a: a * 0.5, p), summed)
-    new, _ = ssd.apply_streamed_update(tx, params, half, ssd.init_streamed_optimizer(tx, params))
+    new, _ = ssd.apply_gradients(tx, half, ssd.init_streamed_optimizer(tx, params), params)
     return jax.tree.map(np.asarray, ssd.stack_to_tree(new))
 
   ssd.reset_stats()
@@ -768,7 +771,7 @@ def _update_memory(location, layers):
   state = jax.eval_shape(lambda s: ssd.init_streamed_optimizer(tx, s), stack)
   sums = jax.eval_shape(lambda s: ssd.map_stack(lambda p: p, s, kind="grad_sum"), stack)
   update = jax.jit(
-    lambda st, su, o: ssd.apply_streamed_update(tx, st, su, o, scale=0.5, clip_global_norm=1.0)
+    lambda st, su, o: ssd.apply_gradients(tx, su, o, st, scale=0.5, clip_global_norm=1.0)
   )
   return stack, update.lower(stack, sums, state).compile().memory_analysis()
 
@@ -1020,7 +1023,7 @@ def test_a_stack_in_the_wrong_role_is_refused(store):
   # The parameters and the gradient sum swapped ran, updating the sum with the parameters as
   # its gradients; each entry point now names the argument, what it got and the call order.
   tx, stack, state, stack_sum = _adam_stack_state_sums()
-  swapped = r"look swapped.*apply_gradients\(tx, grads, state, params\)"
+  swapped = r"look swapped.*apply_gradients\(tx, grads, opt_state, params\)"
   with pytest.raises(ValueError, match=r"params: a gradient sum \('grad_sum' stack\).*" + swapped):
     ssd.apply_gradients(tx, stack, state, stack_sum)
   order = r"apply_streamed_update\(tx, stack, stack_sum, tx_state\)"

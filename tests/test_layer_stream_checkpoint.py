@@ -112,9 +112,9 @@ _micro = jax.jit(ssd.value_and_grad_streamed(_embed, _block, _head))
 
 @jax.jit
 def _update(state, sums):
-  stack, opt = ssd.apply_streamed_update(_TX, state["stack"], sums[1], state["opt"], scale=0.5)
-  side, side_opt = ssd.apply_device_update(
-    _TX, state["side"], (sums[0], sums[2]), state["side_opt"], scale=0.5
+  stack, opt = ssd.apply_gradients(_TX, sums[1], state["opt"], state["stack"], scale=0.5)
+  side, side_opt = ssd.apply_gradients(
+    _TX, (sums[0], sums[2]), state["side_opt"], state["side"], scale=0.5
   )
   return {"stack": stack, "opt": opt, "side": side, "side_opt": side_opt}
 

@@ -4,9 +4,9 @@ Owns the glue between the layer stream's pieces that one optimizer step needs: t
 of :func:`~jax_ssdtrain.value_and_grad_streamed` over ``micro_batches`` batches (the stack's
 gradients added into a running sum where ``sum_location`` says), one global norm of the mean
 gradient over the stack and the device-resident embedding and head (where clipped), the stack's
-update layer by layer (:func:`~jax_ssdtrain.apply_streamed_update`: its master copy and
-optimizer state where ``state_location`` says) and the embedding's and head's on the device
-(:func:`~jax_ssdtrain.apply_device_update`); the training state (:class:`StreamedTrainState`);
+update layer by layer (:func:`~jax_ssdtrain.apply_gradients` with the stack's state: its master
+copy and optimizer state where ``state_location`` says) and the embedding's and head's on the
+device (the same function with their ordinary state); the training state (:class:`StreamedTrainState`);
 the store's sizing for the run (its room, checked before anything is stored; its read-ahead); the
 choice of each class's location under a device budget
 (:func:`~jax_ssdtrain.choose_placement` weighing this trainer's compiled programs); and the

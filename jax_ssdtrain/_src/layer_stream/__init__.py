@@ -110,6 +110,7 @@ from jax_ssdtrain._src.layer_stream.update import (  # noqa: F401
   apply_streamed_update,
   init_streamed_optimizer,
   streamed_global_norm,
+  update_stack,
 )
 from jax_ssdtrain._src.lifetimes import COUNTED_OR_LATER  # noqa: F401
 from jax_ssdtrain._src.location import TIER_CODES, Location  # noqa: F401

@@ -172,19 +172,19 @@ def _zeros(struct: Any) -> Any:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), struct)
 
 
-def _check_opt_state(state: Any, lay: _Layout) -> _OptSpec:
+def _check_opt_state(state: Any, lay: _Layout, what: str = "tx_state") -> _OptSpec:
   if not isinstance(state, StreamedOptState):
     raise TypeError(
-      f"tx_state: expected the StreamedOptState that init_streamed_optimizer made, got "
+      f"{what}: expected the StreamedOptState that init_streamed_optimizer made, got "
       f"{type(state).__name__}: make it with init_streamed_optimizer(tx, stack) (tx.init's own "
       "state, of the stacked tree or of the stack's handles, is not a streamed stack's)"
     )
   if state.spec.params != _params_key(lay):
     raise ValueError(
-      "tx_state: made for another stack (its layers' structure, shapes, dtypes, depth or "
+      f"{what}: made for another stack (its layers' structure, shapes, dtypes, depth or "
       "location differ from this stack's)"
     )
-  _check_stack(state.per_layer, "tx_state.per_layer")
+  _check_stack(state.per_layer, f"{what}.per_layer")
   return state.spec
 
 
@@ -317,17 +317,44 @@ def apply_streamed_update(
   results equal the same update with ``location="device"`` bit for bit, and ``tx`` applied to
   the whole stacked tree within XLA's reassociation.
   """
+  options = dict(scale=scale, clip_global_norm=clip_global_norm, global_norm=global_norm)
+  return update_stack(tx, stack, stack_sum, tx_state, in_place=in_place, **options)
+
+
+# the arguments' names in apply_streamed_update's messages: stack, stack_sum, tx_state, the order
+_OWN_NAMES = (
+  "stack",
+  "stack_sum",
+  "tx_state",
+  "apply_streamed_update(tx, stack, stack_sum, tx_state)",
+)
+
+
+def update_stack(
+  tx: Any,
+  stack: StreamedStack,
+  stack_sum: StreamedStack,
+  tx_state: StreamedOptState,
+  *,
+  scale: Any = 1.0,
+  clip_global_norm: Any = None,
+  global_norm: Any = None,
+  in_place: bool = False,
+  names: tuple[str, str, str, str] = _OWN_NAMES,
+):
+  """:func:`apply_streamed_update`, its errors naming the caller's arguments (``names``: the
+  stack's, the sum's, the state's and the call's order; ``apply_gradients`` passes its own)."""
+  stack_name, sum_name, state_name, order = names
   _check_tx(tx)
   _check_bool(in_place, "in_place")
-  lay = _check_stack(stack, "stack")
-  sum_lay = _check_stack(stack_sum, "stack_sum")
-  order = "apply_streamed_update(tx, stack, stack_sum, tx_state)"
-  _check_role(lay, "params", "stack", order, other=("stack_sum", sum_lay))
-  _check_role(sum_lay, "grad_sum", "stack_sum", order)
-  spec = _check_opt_state(tx_state, lay)
+  lay = _check_stack(stack, stack_name)
+  sum_lay = _check_stack(stack_sum, sum_name)
+  _check_role(lay, "params", stack_name, order, other=(sum_name, sum_lay))
+  _check_role(sum_lay, "grad_sum", sum_name, order)
+  spec = _check_opt_state(tx_state, lay, state_name)
   if _opt_spec(tx, lay, spec.master) != spec:
     raise ValueError(
-      "tx: its state differs from tx_state's (init_streamed_optimizer of another tx)"
+      f"tx: its state differs from {state_name}'s (init_streamed_optimizer of another tx)"
     )
   if (sum_lay.treedef, sum_lay.shapes, sum_lay.num_layers) != (
     lay.treedef,
@@ -335,8 +362,8 @@ def apply_streamed_update(
     lay.num_layers,
   ):
     raise ValueError(
-      f"stack_sum: a sum of {sum_lay.num_layers} layers whose leaves or shapes differ from the "
-      f"stack's ({lay.num_layers} layers)"
+      f"{sum_name}: a sum of {sum_lay.num_layers} layers whose leaves or shapes differ from "
+      f"those of {stack_name} ({lay.num_layers} layers)"
     )
   scale, max_norm, norm = _check_mean_options(scale, clip_global_norm, global_norm)
   return _update_jit(tx, in_place, stack, stack_sum, tx_state, scale, max_norm, norm)

@@ -22,10 +22,8 @@ import numpy as np
 from jax_ssdtrain._src.layer_stream import (
   StreamedOptState,
   StreamedStack,
-  _check_role,
-  _check_stack,
   apply_device_update,
-  apply_streamed_update,
+  update_stack,
 )
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.optimizer.base import OptimizerOffloadError
@@ -260,12 +258,8 @@ def _apply_to_stack(
       "streamed stack's state (init_streamed_optimizer) is in the store already: pass the optax "
       "transformation itself"
     )
-  # The roles, in this function's argument names (apply_streamed_update checks them again).
-  order = "apply_gradients(tx, grads, state, params)"
-  lay, sum_lay = _check_stack(params, "params"), _check_stack(grads, "grads")
-  _check_role(lay, "params", "params", order, other=("grads", sum_lay))
-  _check_role(sum_lay, "grad_sum", "grads", order)
-  return apply_streamed_update(tx, params, grads, opt_state, **options)
+  names = ("params", "grads", "opt_state", "apply_gradients(tx, grads, opt_state, params)")
+  return update_stack(tx, params, grads, opt_state, names=names, **options)
 
 
 def optimizer_state(state: OffloadedState) -> Any:

@@ -884,6 +884,33 @@ def _seq(s: int) -> str:
   return f"{s // 1024}K" if s >= 1024 and s % 1024 == 0 else str(s)
 
 
+def _size_text(value) -> str:
+  """A store option's value as given to ``configure``: ``"6442450944"`` -> ``"6GiB"``."""
+  try:
+    n = int(value)
+  except (TypeError, ValueError):
+    return str(value)
+  for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    if n and n % (1 << shift) == 0:
+      return f"{n >> shift}{unit}"
+  return str(n)
+
+
+def row_name(r: dict, rows: list[dict]) -> str:
+  """``policy @ optimizer``, and the store options in which this row differs from another row
+  of that policy and optimizer (merged runs with other sizes): the table's and plot's name."""
+  same = [o for o in rows if (o["policy"], o["optimizer"]) == (r["policy"], r["optimizer"])]
+  mine = r.get("store_config") or {}
+  differ = sorted(
+    k
+    for o in same
+    for k in set(mine) | set(o.get("store_config") or {})
+    if mine.get(k) != (o.get("store_config") or {}).get(k)
+  )
+  note = ", ".join(f"{k}={_size_text(mine[k])}" for k in dict.fromkeys(differ) if k in mine)
+  return f"{r['policy']} @ {r['optimizer']}" + (f" ({note})" if note else "")
+
+
 def table(doc: dict) -> str:
   head = (
     f"{doc['device_kind']}: {doc['preset']} ({doc['layers']} layers), batch 1, median of "
@@ -905,7 +932,8 @@ def table(doc: dict) -> str:
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in doc["rows"]:
-    lead = f"| {_seq(r['seq'])} | {r['policy']} | {r['optimizer']} |"
+    policy = row_name(r, doc["rows"]).rpartition(f" @ {r['optimizer']}")
+    lead = f"| {_seq(r['seq'])} | {policy[0]}{policy[2]} | {r['optimizer']} |"
     if not _ok(r):
       why = "out of device memory" if r.get("oom") else (r.get("error") or "?")[:200]
       if "LongContextError" in (r.get("error") or ""):  # refused: the verdict and the way out
@@ -1018,12 +1046,8 @@ def plot(plt, doc: dict, path: Path) -> str | None:
   if not rows:
     return "no plot: no row ran"
   with bc.figure(plt, path, 1, 2, figsize=(11, 4)) as (fig, (tps, mem)):
-    for name in sorted({(r["policy"], r["optimizer"]) for r in rows}):
-      pts = sorted(
-        ((r["seq"], r) for r in rows if (r["policy"], r["optimizer"]) == name),
-        key=lambda p: p[0],
-      )
-      label = f"{name[0]} @ {name[1]}"
+    for label in sorted({row_name(r, rows) for r in rows}):
+      pts = sorted(((r["seq"], r) for r in rows if row_name(r, rows) == label), key=lambda p: p[0])
       tps.plot([s for s, _ in pts], [r["tokens_per_s"] for _, r in pts], "o-", label=label)
       mem.plot([s for s, _ in pts], [r["device_GB"] for _, r in pts], "o-", label=label)
     ideal = doc.get("ideal") or []
@@ -1033,6 +1057,7 @@ def plot(plt, doc: dict, path: Path) -> str | None:
       ax.set_xscale("log", base=2)
       ax.set_xlabel("sequence length S")
       ax.set_ylabel(what)
+      ax.set_ylim(0, ax.get_ylim()[1] * 1.1)  # from zero: rows of one size read as alike
       ax.grid(alpha=0.3)
     tps.legend(fontsize=7)
     fig.suptitle(

@@ -26,7 +26,9 @@ chunks, grouped-query attention, an untied head, the loss in ``loss_chunks`` seq
 * ``NAME+attention`` (``remat+attention``, ``ours_host_nvme_layer_in+attention``, ...): the same,
   and cuDNN flash attention's output and softmax statistics saved on the device
   (``ssd.flash_attention_saveable`` as the policy's ``base``): the recomputed layers do not run
-  attention's forward pass again (``2·S·N·D + 4·N·S`` bytes a layer on the device).
+  attention's forward pass again (``2·S·N·D + 4·N·S`` bytes a layer on the device);
+  ``NAME+attention=K``: in the first K layers only (``models.common.SplitPolicy``: two scans),
+  the others recomputing attention.
 
 * ``plan``: ``ssd.plan_long_context``'s choice at the device's budget (``--plan-budget-gb``):
   one layer profiled at S (``ssd.profile``), then each tag's location, the split and the MLP's
@@ -173,17 +175,26 @@ def chunks_for(seq: int, tokens: int) -> int:
   return max(1, math.ceil(seq / tokens))
 
 
-ATTENTION_SUFFIX = "+attention"  # NAME+attention: flash attention's outputs saved as well
+ATTENTION_SUFFIX = "+attention"  # NAME+attention[=K]: flash attention's outputs saved as well
 
 
-def policy_parts(name: str) -> tuple[str, dict, bool]:
-  """``"ours_host_nvme_layer_in+attention:host_tier_bytes=4GiB"`` -> ``(base, store options,
-  whether flash attention's outputs are saved)``."""
+def policy_parts(name: str) -> tuple[str, dict, bool | int]:
+  """``"ours_host_nvme_layer_in+attention=20:host_tier_bytes=4GiB"`` -> ``(base, store options,
+  where flash attention's outputs are saved)``: False (nowhere), True (every layer) or K (the
+  first K layers)."""
   base, options = split_policy(name)
-  attention = base.endswith(ATTENTION_SUFFIX)
-  if attention:
-    base = base[: -len(ATTENTION_SUFFIX)]
-  return base, options, attention
+  base, plus, count = base.partition(ATTENTION_SUFFIX)
+  if not plus:
+    return base, options, False
+  if count == "":
+    return base, options, True
+  layers = count[1:] if count.startswith("=") else ""
+  if not layers.isdigit() or int(layers) < 1:
+    raise ValueError(
+      f"--policies: {name!r}: {ATTENTION_SUFFIX} takes a layer count ({ATTENTION_SUFFIX}=K, "
+      "K >= 1) or none (every layer)"
+    )
+  return base, options, int(layers)
 
 
 def parse_rows(text: str, optimizers: list[str]) -> list[tuple[str, str]]:
@@ -216,7 +227,16 @@ def parse_rows(text: str, optimizers: list[str]) -> list[tuple[str, str]]:
 # One row, in a process of its own (imports JAX)
 
 
-def _policy(name: str, min_bytes: int, attention: bool = False):
+def _policy(name: str, min_bytes: int, attention: bool | int = False, layers: int | None = None):
+  """The row's remat policy; ``attention`` K (< ``layers``): a SplitPolicy whose first K layers
+  save flash attention's outputs besides."""
+  if attention is not True and attention:
+    if layers is None or attention >= layers:
+      return _policy(name, min_bytes, True)
+    from models.common import SplitPolicy
+
+    with_attention = _policy(name, min_bytes, True)
+    return SplitPolicy(with_attention, _policy(name, min_bytes), attention)
   import jax
 
   import jax_ssdtrain as ssd
@@ -299,7 +319,9 @@ def _run_row(spec: dict) -> dict:
   if base != "plan" and budget:  # a sequence that cannot fit: refused before anything compiles
     _check_fits(spec, base, cfg, budget, opt_loc)
   t0 = time.perf_counter()
-  policy = _policy(base if base != "plan" else "remat", spec["min_bytes"], attention)
+  policy = _policy(
+    base if base != "plan" else "remat", spec["min_bytes"], attention, cfg.num_layers
+  )
   state, _, _ = training.create_train_state(run, policy=policy)
   jax.block_until_ready(state)
   row["init_s"] = time.perf_counter() - t0

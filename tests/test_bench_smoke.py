@@ -213,6 +213,7 @@ LONG_ROWS = (
   "ours_host_layer_in@host",
   "ours_host_layer_in@streamed_device",
   "remat@jax_pinned_host",
+  "ours_host_layer_in+attention=2",  # two scans (XLA's attention here: nothing more saved)
 )
 
 
@@ -352,6 +353,14 @@ def test_bench_long_context_flops_and_rows():
     assert decision_rank(lc._policy(name, 0)(flash)) == 0
   with pytest.raises(ValueError, match="unknown policy 'plan'"):
     lc.parse_rows("plan+attention", ["device"])
+  # +attention=K: the first K layers save them (two scans), the others recompute attention
+  assert lc.policy_parts("remat+attention=20")[2] == 20
+  split = lc._policy("ours_host_layer_in", 0, 20, layers=32)
+  assert split.split == 20 and split.first.base is ssd.flash_attention_saveable
+  assert split.rest.base is None
+  assert lc._policy("ours_host_layer_in", 0, 32, layers=32).base is ssd.flash_attention_saveable
+  with pytest.raises(ValueError, match=r"\+attention takes a layer count"):
+    lc.parse_rows("remat+attention=x", ["device"])
 
 
 def _child(code: str) -> list[str]:

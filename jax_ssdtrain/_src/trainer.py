@@ -33,12 +33,12 @@ from jax_ssdtrain._src.layer_stream import (
   StreamedOptState,
   StreamedStack,
   apply_device_update,
-  apply_streamed_update,
   check_streamed_room,
   init_streamed,
   init_streamed_optimizer,
   read_ahead_sizes,
   streamed_global_norm,
+  update_stack,
 )
 from jax_ssdtrain._src.location import Location
 from jax_ssdtrain._src.options import BY_NAME
@@ -113,7 +113,7 @@ def _update_program(tx, micro_batches, clip, in_place):
     scale = 1.0 / micro_batches
     # a pass of loads over the whole sum: only where clipping needs it
     norm = streamed_global_norm(sums[1], (sums[0], sums[2]), scale=scale) if clip else None
-    stack, opt = apply_streamed_update(
+    stack, opt = update_stack(
       tx,
       state.stack,
       sums[1],

@@ -22,7 +22,7 @@ This package re-exports every name of its files: the rest of the library imports
 * ``spec.py``: what an optax transformation's state of one layer holds (per parameter or shared)
   and the refusal of one that cannot be updated layer by layer.
 * ``update.py``: the streamed optimizer: :func:`init_streamed_optimizer`,
-  :func:`apply_streamed_update` (``tx``'s update layer by layer, read ahead one layer, the
+  :func:`update_stack` (``tx``'s update layer by layer, read ahead one layer, the
   state's per-parameter leaves and the float32 master copy stored per layer, its shared scalars
   once on the device), :func:`streamed_global_norm` (for global-norm clipping, which ``tx``
   itself cannot do per layer) and :func:`apply_device_update` (the embedding's and head's

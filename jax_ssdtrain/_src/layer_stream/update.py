@@ -2,8 +2,8 @@
 
 Owns :class:`StreamedOptState` (the state: per-parameter leaves and the float32 master copy
 stored per layer at the state's location, shared scalars such as the step count once on the
-device), :func:`init_streamed_optimizer`, :func:`apply_streamed_update` (a ``lax.scan`` read
-ahead one layer), :func:`streamed_global_norm` (a pass of loads and reductions, for global-norm
+device), :func:`init_streamed_optimizer`, :func:`update_stack` (a ``lax.scan`` read ahead
+one layer; ``apply_gradients`` with a stack's state, and the replaced ``apply_streamed_update``), :func:`streamed_global_norm` (a pass of loads and reductions, for global-norm
 clipping, which ``tx`` itself cannot do per layer) and :func:`apply_device_update` (the same
 update of the parameters on the device, the embedding's and head's, with ``tx``'s ordinary
 state). Both apply ``tx`` through one function (:func:`_tx_apply`: the mean of the sums, the
@@ -280,6 +280,23 @@ def _tx_apply(tx: Any, sums: Any, state: Any, params: Any, dtypes: Any, scale, m
 
 
 def apply_streamed_update(
+  tx: Any, stack: StreamedStack, stack_sum: StreamedStack, tx_state: StreamedOptState, **options
+):
+  """:func:`update_stack` (replaced by ``apply_gradients(tx, stack_sum, tx_state, stack,
+  ...)``, the one call order whatever the parameters are)."""
+  return update_stack(tx, stack, stack_sum, tx_state, **options)
+
+
+# the arguments' names in apply_streamed_update's messages: stack, stack_sum, tx_state, the order
+_OWN_NAMES = (
+  "stack",
+  "stack_sum",
+  "tx_state",
+  "apply_streamed_update(tx, stack, stack_sum, tx_state)",
+)
+
+
+def update_stack(
   tx: Any,
   stack: StreamedStack,
   stack_sum: StreamedStack,
@@ -289,6 +306,7 @@ def apply_streamed_update(
   clip_global_norm: Any = None,
   global_norm: Any = None,
   in_place: bool = False,
+  names: tuple[str, str, str, str] = _OWN_NAMES,
 ):
   """``tx``'s update of a streamed stack, layer by layer: returns ``(new_stack, new_tx_state)``.
 
@@ -316,34 +334,10 @@ def apply_streamed_update(
   are not read: sweeps release them once no array holds their handles (donate the stack). The
   results equal the same update with ``location="device"`` bit for bit, and ``tx`` applied to
   the whole stacked tree within XLA's reassociation.
+
+  ``names``: the stack's, the sum's and the state's argument names and the call's order, for the
+  errors (:func:`~jax_ssdtrain.apply_gradients` passes its own).
   """
-  options = dict(scale=scale, clip_global_norm=clip_global_norm, global_norm=global_norm)
-  return update_stack(tx, stack, stack_sum, tx_state, in_place=in_place, **options)
-
-
-# the arguments' names in apply_streamed_update's messages: stack, stack_sum, tx_state, the order
-_OWN_NAMES = (
-  "stack",
-  "stack_sum",
-  "tx_state",
-  "apply_streamed_update(tx, stack, stack_sum, tx_state)",
-)
-
-
-def update_stack(
-  tx: Any,
-  stack: StreamedStack,
-  stack_sum: StreamedStack,
-  tx_state: StreamedOptState,
-  *,
-  scale: Any = 1.0,
-  clip_global_norm: Any = None,
-  global_norm: Any = None,
-  in_place: bool = False,
-  names: tuple[str, str, str, str] = _OWN_NAMES,
-):
-  """:func:`apply_streamed_update`, its errors naming the caller's arguments (``names``: the
-  stack's, the sum's, the state's and the call's order; ``apply_gradients`` passes its own)."""
   stack_name, sum_name, state_name, order = names
   _check_tx(tx)
   _check_bool(in_place, "in_place")

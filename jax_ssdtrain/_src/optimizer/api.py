@@ -198,11 +198,11 @@ def apply_gradients(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_ar
 
   With the state of a streamed layer stack (:func:`init_streamed_optimizer`), ``params`` the
   :class:`StreamedStack` and ``grads`` its gradients' running sum (or mean) from
-  :func:`value_and_grad_streamed`, it is :func:`apply_streamed_update`: the sum, the state and
-  the master copy stream from the store layer by layer with ``tx`` (any optax transformation,
-  not one of :func:`offload_optimizer`'s), and the keyword arguments are that function's
-  (``scale=1 / k`` after ``k`` micro-batches, ``clip_global_norm``, ``global_norm``,
-  ``in_place``).
+  :func:`value_and_grad_streamed`, it is the stack's update layer by layer: the sum, the state
+  and the master copy stream from the store with ``tx`` (any optax transformation, not one of
+  :func:`offload_optimizer`'s), and the keyword arguments are ``scale=1 / k`` after ``k``
+  micro-batches, ``clip_global_norm``, ``global_norm`` and ``in_place`` (the old entries' loads
+  their last: one version of each in the store).
 
   With parameters on the device and a plain optax state, ``scale``, ``clip_global_norm`` and
   ``global_norm`` mean the same: ``grads`` is a running sum, the update takes its mean
@@ -243,13 +243,13 @@ _STACK_UPDATE_OPTIONS = ("scale", "clip_global_norm", "global_norm", "in_place")
 def _apply_to_stack(
   tx: Any, grads: Any, opt_state: StreamedOptState, params: Any, options: dict, offloaded: bool
 ):
-  """:func:`apply_gradients` of a streamed stack: :func:`apply_streamed_update`'s arguments
+  """:func:`apply_gradients` of a streamed stack: :func:`update_stack`'s arguments
   (``offloaded``: ``tx`` comes from :func:`offload_optimizer`)."""
   unknown = sorted(set(options) - set(_STACK_UPDATE_OPTIONS))
   if unknown:
     raise TypeError(
       f"apply_gradients: with a streamed stack's state (StreamedOptState) it takes "
-      f"apply_streamed_update's options {', '.join(_STACK_UPDATE_OPTIONS)}, not "
+      f"the stack's update options {', '.join(_STACK_UPDATE_OPTIONS)}, not "
       f"{', '.join(unknown)} (tx.update's extra arguments do not reach a stack's update)"
     )
   if offloaded:

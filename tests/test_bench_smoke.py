@@ -301,7 +301,11 @@ def test_bench_long_context_cpu_smoke(tmp_path):
     assert r["engine"]["tensors_written"] >= 2 * 4  # steps x layers
   assert rows[("ours_host_layer_in", "device")]["disk_MB_written_per_step"] == 0
   assert rows[("ours_host_layer_in", "device")]["host_tier_GB_peak"] * 1e9 >= layer_in
-  assert rows[("ours_nvme_layer_in", "device")]["disk_MB_written_per_step"] * 1e6 >= layer_in
+  # each layer input written to the files, or skipped where its load came first (forwarded from
+  # the host cache before its write-behind began: timing, one in eight once under load)
+  nvme = rows[("ours_nvme_layer_in", "device")]
+  written = nvme["disk_MB_written_per_step"] + nvme["write_skipped_MB_per_step"]
+  assert nvme["disk_MB_written_per_step"] > 0 and written * 1e6 >= layer_in, nvme
   spill = rows[("ours_host_nvme_layer_in:host_tier_bytes=16KiB", "device")]
   assert 0 < spill["host_tier_GB_peak"] * 1e9 <= 16 * 1024
   assert 0 < spill["disk_MB_written_per_step"] * 1e6 < layer_in

@@ -1,8 +1,8 @@
 """Helpers that the tests of several parts share: the GPUs JAX sees (conftest skips the ``gpu``
 tests without one), a repository module run as a command (the benchmark scripts' smoke runs), a
 worker script of tests/ run in a process of its own, pytrees compared bit for bit, an optax
-transformation that the optimizer's stream cannot run, and one layer's parameters of the small
-MLP block the layer stream's tests stack."""
+transformation that the optimizer's stream cannot run, one layer's parameters of the small
+MLP block the layer stream's tests stack, and an attention shaped as cuDNN's flash attention."""
 
 import json
 import os
@@ -119,3 +119,44 @@ def init_layer(key, dtype=jnp.float32, width=16):
     },
     "scale": (1.0 + 0.1 * jax.random.normal(k3, (width,))).astype(dtype),
   }
+
+
+def fake_flash_attention():
+  """A causal attention shaped as cuDNN's in JAX: a custom_vjp whose forward binds a primitive
+  named as cuDNN's forward (its outputs: the attention output and the softmax statistics),
+  whose backward reads them. On the CPU, where cuDNN's own cannot trace."""
+  from jax.extend.core import Primitive
+  from jax.interpreters import mlir
+
+  from jax_ssdtrain._src import jax_internals as ji
+
+  def reference(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -1e30)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v), jax.nn.logsumexp(s, -1)
+
+  fwd_p = Primitive(ji.FLASH_ATTENTION_FORWARD)
+  fwd_p.multiple_results = True
+  fwd_p.def_impl(reference)
+  fwd_p.def_abstract_eval(
+    lambda q, k, v: tuple(
+      jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(reference, q, k, v)
+    )
+  )
+  mlir.register_lowering(fwd_p, mlir.lower_fun(reference, multiple_results=True))
+
+  @jax.custom_vjp
+  def attention(q, k, v):
+    return fwd_p.bind(q, k, v)[0]
+
+  def fwd(q, k, v):
+    out, stats = fwd_p.bind(q, k, v)
+    return out, (q, k, v, out, stats)
+
+  def bwd(res, g):
+    q, k, v, out, stats = res
+    del out, stats  # read by cuDNN's backward; here the reference's gradient
+    return jax.vjp(lambda *a: reference(*a)[0], q, k, v)[1](g)
+
+  attention.defvjp(fwd, bwd)
+  return attention, fwd_p

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _common import fake_flash_attention
 
 import models
 from models import llama
@@ -197,47 +198,6 @@ def test_sequence_past_every_max_len_runs():
 
 
 # ----------------------------------------------------------------------------- attention
-def _fake_flash_attention():
-  """A causal attention shaped as cuDNN's in JAX: a custom_vjp whose forward binds a primitive
-  named as cuDNN's forward (its outputs: the attention output and the softmax statistics),
-  whose backward reads them. On the CPU, where cuDNN's own cannot trace."""
-  from jax.extend.core import Primitive
-  from jax.interpreters import mlir
-
-  from jax_ssdtrain._src import jax_internals as ji
-
-  def reference(q, k, v):
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -1e30)
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v), jax.nn.logsumexp(s, -1)
-
-  fwd_p = Primitive(ji.FLASH_ATTENTION_FORWARD)
-  fwd_p.multiple_results = True
-  fwd_p.def_impl(reference)
-  fwd_p.def_abstract_eval(
-    lambda q, k, v: tuple(
-      jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(reference, q, k, v)
-    )
-  )
-  mlir.register_lowering(fwd_p, mlir.lower_fun(reference, multiple_results=True))
-
-  @jax.custom_vjp
-  def attention(q, k, v):
-    return fwd_p.bind(q, k, v)[0]
-
-  def fwd(q, k, v):
-    out, stats = fwd_p.bind(q, k, v)
-    return out, (q, k, v, out, stats)
-
-  def bwd(res, g):
-    q, k, v, out, stats = res
-    del out, stats  # read by cuDNN's backward; here the reference's gradient
-    return jax.vjp(lambda *a: reference(*a)[0], q, k, v)[1](g)
-
-  attention.defvjp(fwd, bwd)
-  return attention, fwd_p
-
-
 @pytest.mark.parametrize("base", [False, True])
 def test_flash_attention_saveable_spares_the_forward_pass(base):
   # A layer recomputed from its input (in the store): with flash_attention_saveable its
@@ -246,7 +206,7 @@ def test_flash_attention_saveable_spares_the_forward_pass(base):
   import jax_ssdtrain as ssd
   from models.common import LAYER_IN
 
-  attention, fwd_p = _fake_flash_attention()
+  attention, fwd_p = fake_flash_attention()
 
   def layer(w, x):
     x = jax.ad_checkpoint.checkpoint_name(x, LAYER_IN)
@@ -265,6 +225,41 @@ def test_flash_attention_saveable_spares_the_forward_pass(base):
   want = jax.grad(layer, argnums=(0, 1))(w, x)
   for g, r in zip(got, want):
     np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  "names, base, runs",
+  [
+    ((LAYER_IN,), False, 2),
+    ((LAYER_IN, ATTN), False, 2),  # the tag is not what attention's backward reads
+    (TAGS, False, 2),  # nor are the four tags ("selective")
+    ((LAYER_IN,), True, 1),
+  ],
+)
+def test_which_policies_spare_attentions_forward_pass(monkeypatch, names, base, runs):
+  # The Llama's attention shaped as cuDNN's (a custom_vjp whose backward reads its forward
+  # primitive's outputs): saving the attn tag, or all four tags, still runs the forward pass
+  # again in the backward one; flash_attention_saveable does not.
+  import jax_ssdtrain as ssd
+
+  attention, fwd_p = fake_flash_attention()
+
+  def cudnn_like(q, k, v, is_causal=True, implementation=None):
+    del is_causal, implementation  # causal, as the model asks
+    rep = q.shape[2] // k.shape[2]
+    return attention(q, jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2))
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", cudnn_like)
+  cfg = models.get_config("llama", "tiny", num_layers=2)
+  tokens = jnp.zeros((1, 65), jnp.int32)
+  init = lambda r: llama.Llama(cfg).init(r, tokens[:, :9], None, method="loss")["params"]  # noqa: E731
+  params = jax.eval_shape(init, _KEY)  # traced only: the program is counted, not run
+  policy = jax.checkpoint_policies.save_only_these_names(*names)
+  if base:
+    policy = jax.checkpoint_policies.save_from_both_policies(policy, ssd.flash_attention_saveable)
+  model = llama.Llama(cfg, policy)
+  f = lambda p: model.apply({"params": p}, tokens, method="loss")[0]  # noqa: E731
+  assert str(jax.make_jaxpr(jax.value_and_grad(f))(params)).count(fwd_p.name) == runs
 
 
 def test_flash_attention_saveable_saves_nothing_else():

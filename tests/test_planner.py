@@ -110,6 +110,30 @@ def test_profile_follows_the_input_into_nested_calls():
   assert planner._tagged(both, jnp.ones((4, 4)), jnp.ones((2, 4)))[2] is None
 
 
+def test_profile_gives_no_tag_the_flops_of_cudnns_attention():
+  # Saving the attn tag does not spare cuDNN attention's forward pass (its backward reads the
+  # forward's own outputs: tests/test_llama.py counts it), so the tag's share of a layer's
+  # recomputation holds none of attention's FLOPs; XLA's attention (dot_generals) keeps its own.
+  from _common import fake_flash_attention
+
+  attention, _ = fake_flash_attention()
+
+  def layer(w, x, attend):
+    qkv = checkpoint_name(x @ w, "qkv").reshape(x.shape[0], x.shape[1], 3, 2, -1)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    return checkpoint_name(attend(q, k, v), "attn").reshape(x.shape)
+
+  def plain(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+  w, x = jnp.ones((16, 48)), jnp.ones((1, 32, 16))
+  _, flops, _ = planner._tagged(lambda p, h: layer(p, h, attention)[..., :16], w, x)
+  assert flops["qkv"] == 2 * 32 * 16 * 48 and flops["attn"] == 0, flops
+  _, flops, _ = planner._tagged(lambda p, h: layer(p, h, plain)[..., :16], w, x)
+  assert flops["attn"] == 2 * (2 * 32 * 32 * 2 * 8), flops  # QK^T and PV: 2 S^2 N D each
+
+
 def test_profile_measures_bandwidth_once_per_directory(tmp_path, monkeypatch):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
   (tmp_path / "store").mkdir()

@@ -6,8 +6,8 @@ gradients added into a running sum where ``sum_location`` says), one global norm
 gradient over the stack and the device-resident embedding and head (where clipped), the stack's
 update layer by layer (:func:`~jax_ssdtrain.apply_gradients` with the stack's state: its master
 copy and optimizer state where ``state_location`` says) and the embedding's and head's on the
-device (the same function with their ordinary state); the training state (:class:`StreamedTrainState`);
-the store's sizing for the run (its room, checked before anything is stored; its read-ahead); the
+device (the same function with their ordinary state); the training state
+(:class:`StreamedTrainState`); the store's sizing for the run (its room, checked before anything is stored; its read-ahead); the
 choice of each class's location under a device budget
 (:func:`~jax_ssdtrain.choose_placement` weighing this trainer's compiled programs); and the
 checkpoints of its state (:mod:`jax_ssdtrain.checkpointing`). With every location ``"device"``

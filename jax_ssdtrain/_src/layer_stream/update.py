@@ -3,7 +3,8 @@
 Owns :class:`StreamedOptState` (the state: per-parameter leaves and the float32 master copy
 stored per layer at the state's location, shared scalars such as the step count once on the
 device), :func:`init_streamed_optimizer`, :func:`update_stack` (a ``lax.scan`` read ahead
-one layer; ``apply_gradients`` with a stack's state, and the replaced ``apply_streamed_update``), :func:`streamed_global_norm` (a pass of loads and reductions, for global-norm
+one layer: ``apply_gradients`` with a stack's state, and ``apply_streamed_update``, the name it
+replaced), :func:`streamed_global_norm` (a pass of loads and reductions, for global-norm
 clipping, which ``tx`` itself cannot do per layer) and :func:`apply_device_update` (the same
 update of the parameters on the device, the embedding's and head's, with ``tx``'s ordinary
 state). Both apply ``tx`` through one function (:func:`_tx_apply`: the mean of the sums, the

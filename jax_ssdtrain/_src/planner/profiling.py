@@ -170,12 +170,12 @@ def _tagged(
       acc = 0.0
       if eqn.invars[0] in aliases:
         input_tags.add(name)
+    # cuDNN's flash attention is skipped: its backward pass reads its forward pass's own outputs
+    # (the softmax statistics among them), which no tag names, so a recomputed layer runs it
+    # again whatever its tags save (the attn tag too). Its FLOPs are no tag's to spare
+    # (flash_attention_saveable spares them, outside the tags).
     elif eqn.primitive.name != jax_internals.FLASH_ATTENTION_FORWARD:
       acc += _flops(eqn)
-    # cuDNN's flash attention: its backward pass reads its forward pass's own outputs (the
-    # softmax statistics among them), which no tag names, so a recomputed layer runs it again
-    # whatever its tags save (the attn tag too): its FLOPs are no tag's to spare
-    # (flash_attention_saveable spares them, outside the tags)
   # a name that also tags other values does not free the input when it is offloaded
   input_tag = next((n for n in input_tags if sizes[n] == tree_nbytes(x)), None)
   return sizes, flops, input_tag

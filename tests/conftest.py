@@ -61,6 +61,12 @@ SLOW_VARIANTS = (
   # tests/test_probe.py, test_offload.py and test_planner.py exercise in the command
   "tests/test_docs.py::test_page_examples_run[performance.md]",
   "tests/test_docs.py::test_page_examples_run[planner.md]",
+  # the layer stream's page (a minute: its examples train; test_layer_stream.py and
+  # test_stream_scan.py run the same calls in the command)
+  "tests/test_docs.py::test_page_examples_run[layer_stream.md]",
+  # which policies spare cuDNN attention's forward pass: kept, the attn tag's and the policy's
+  "tests/test_llama.py::test_which_policies_spare_attentions_forward_pass[layer_in]",
+  "tests/test_llama.py::test_which_policies_spare_attentions_forward_pass[four_tags]",
 )
 
 

@@ -235,6 +235,7 @@ def test_flash_attention_saveable_spares_the_forward_pass(base):
     (TAGS, False, 2),  # nor are the four tags ("selective")
     ((LAYER_IN,), True, 1),
   ],
+  ids=["layer_in", "layer_in+attn", "four_tags", "layer_in+flash_attention_saveable"],
 )
 def test_which_policies_spare_attentions_forward_pass(monkeypatch, names, base, runs):
   # The Llama's attention shaped as cuDNN's (a custom_vjp whose backward reads its forward

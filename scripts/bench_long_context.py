@@ -230,13 +230,11 @@ def parse_rows(text: str, optimizers: list[str]) -> list[tuple[str, str]]:
 def _policy(name: str, min_bytes: int, attention: bool | int = False, layers: int | None = None):
   """The row's remat policy; ``attention`` K (< ``layers``): a SplitPolicy whose first K layers
   save flash attention's outputs besides."""
-  if attention is not True and attention:
-    if layers is None or attention >= layers:
-      return _policy(name, min_bytes, True)
+  if attention is not True and attention and layers is not None and attention < layers:
     from models.common import SplitPolicy
 
-    with_attention = _policy(name, min_bytes, True)
-    return SplitPolicy(with_attention, _policy(name, min_bytes), attention)
+    return SplitPolicy(_policy(name, min_bytes, True), _policy(name, min_bytes), attention)
+  attention = bool(attention)  # True, or K of every layer
   import jax
 
   import jax_ssdtrain as ssd
@@ -918,19 +916,22 @@ def _size_text(value) -> str:
   return str(n)
 
 
-def row_name(r: dict, rows: list[dict]) -> str:
-  """``policy @ optimizer``, and the store options in which this row differs from another row
-  of that policy and optimizer (merged runs with other sizes): the table's and plot's name."""
-  same = [o for o in rows if (o["policy"], o["optimizer"]) == (r["policy"], r["optimizer"])]
+def _store_note(r: dict, rows: list[dict]) -> str:
+  """`` (KEY=VALUE, ...)``: the store options in which this row differs from another row of its
+  policy and optimizer (merged runs with other sizes); ``""`` where none does."""
   mine = r.get("store_config") or {}
-  differ = sorted(
-    k
-    for o in same
-    for k in set(mine) | set(o.get("store_config") or {})
-    if mine.get(k) != (o.get("store_config") or {}).get(k)
-  )
-  note = ", ".join(f"{k}={_size_text(mine[k])}" for k in dict.fromkeys(differ) if k in mine)
-  return f"{r['policy']} @ {r['optimizer']}" + (f" ({note})" if note else "")
+  differ = set()
+  for o in rows:
+    if (o["policy"], o["optimizer"]) == (r["policy"], r["optimizer"]):
+      theirs = o.get("store_config") or {}
+      differ |= {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
+  note = ", ".join(f"{k}={_size_text(mine[k])}" for k in sorted(differ) if k in mine)
+  return f" ({note})" if note else ""
+
+
+def row_name(r: dict, rows: list[dict]) -> str:
+  """``policy @ optimizer`` and its store note: the plot's name of a row."""
+  return f"{r['policy']} @ {r['optimizer']}{_store_note(r, rows)}"
 
 
 def table(doc: dict) -> str:
@@ -954,8 +955,7 @@ def table(doc: dict) -> str:
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in doc["rows"]:
-    policy = row_name(r, doc["rows"]).rpartition(f" @ {r['optimizer']}")
-    lead = f"| {_seq(r['seq'])} | {policy[0]}{policy[2]} | {r['optimizer']} |"
+    lead = f"| {_seq(r['seq'])} | {r['policy']}{_store_note(r, doc['rows'])} | {r['optimizer']} |"
     if not _ok(r):
       why = "out of device memory" if r.get("oom") else (r.get("error") or "?")[:200]
       if "LongContextError" in (r.get("error") or ""):  # refused: the verdict and the way out

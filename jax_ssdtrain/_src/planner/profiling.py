@@ -170,11 +170,7 @@ def _tagged(
       acc = 0.0
       if eqn.invars[0] in aliases:
         input_tags.add(name)
-    # cuDNN's flash attention is skipped: its backward pass reads its forward pass's own outputs
-    # (the softmax statistics among them), which no tag names, so a recomputed layer runs it
-    # again whatever its tags save (the attn tag too). Its FLOPs are no tag's to spare
-    # (flash_attention_saveable spares them, outside the tags).
-    elif eqn.primitive.name != jax_internals.FLASH_ATTENTION_FORWARD:
+    else:
       acc += _flops(eqn)
   # a name that also tags other values does not free the input when it is offloaded
   input_tag = next((n for n in input_tags if sizes[n] == tree_nbytes(x)), None)
@@ -243,7 +239,14 @@ def _is_jaxpr(v) -> bool:
 
 
 def _flops(eqn) -> float:
+  """The forward FLOPs of one equation that the next tag's share of a recomputed layer holds."""
   name = eqn.primitive.name
+  if name == jax_internals.FLASH_ATTENTION_FORWARD:
+    # cuDNN's flash attention: its backward pass reads its forward pass's own outputs (the
+    # softmax statistics among them), which no tag names, so a recomputed layer runs it again
+    # whatever its tags save (the attn tag too): no tag's to spare (flash_attention_saveable
+    # spares them, outside the tags)
+    return 0.0
   if name == "dot_general":
     (lc, _), _ = eqn.params["dimension_numbers"]
     lhs = eqn.invars[0].aval.shape

@@ -274,7 +274,9 @@ def _saving_attention(policy):
   return saving_attention
 
 
-def _run_row(spec: dict) -> dict:
+def _run_row(spec: dict, row: dict) -> dict:
+  """One row, measured in this process; ``row`` is filled as it goes, so that a row that fails
+  keeps what it measured before (its init, compile, the steps it finished)."""
   import resource
 
   import jax
@@ -287,7 +289,7 @@ def _run_row(spec: dict) -> dict:
   in_store = base in POLICIES and POLICIES[base] in ("host", "host,nvme", "nvme", "plan")
   opt_loc = OPTIMIZERS[spec["optimizer"]]
   dev = jax.devices()[0]
-  row: dict = dict(device_kind=dev.device_kind, platform=dev.platform, jax=jax.__version__)
+  row |= dict(device_kind=dev.device_kind, platform=dev.platform, jax=jax.__version__)
   if in_store or opt_loc in ("host",):
     cfg = ssd.configure(directory=spec["store_dir"], **(spec["ssd_options"] | options))
     row["store_config"] = {k: str(v) for k, v in dataclasses.asdict(cfg).items()}
@@ -337,15 +339,23 @@ def _run_row(spec: dict) -> dict:
     value = getattr(ma, f"{key}_size_in_bytes", None) if ma is not None else None
     row[f"{key}_GB"] = value / 1e9 if value is not None else None
   times, losses = [], []
+  row |= dict(steps_done_s=times, steps_done_losses=losses)  # kept by a row that fails
   for i in range(spec["warmup"] + spec["steps"]):
     if i == spec["warmup"] and (in_store or opt_loc == "host"):
       ssd.flush()
       ssd.reset_stats()
     t = time.perf_counter()
-    state, metrics = step(state, tokens, rng)
-    jax.block_until_ready(state)
+    try:
+      state, metrics = step(state, tokens, rng)
+      jax.block_until_ready(state)
+    except Exception:
+      row["failed_step"] = i  # counted from 0, warm-up included
+      if in_store or opt_loc == "host":  # where the store's room went when it failed
+        row["store_at_failure"] = _room_stats(ssd.stats())
+      raise
     times.append(time.perf_counter() - t)
     losses.append(float(metrics["loss"]))
+  del row["steps_done_s"], row["steps_done_losses"]
   measured = times[spec["warmup"] :]
   row |= dict(
     step_s_all=times,
@@ -489,13 +499,23 @@ def _planned(spec: dict, run, state, tokens, rng, budget, opt_loc):
   )
 
 
+def _room_stats(stats: dict) -> dict:
+  """The store's counters of room and traffic (bytes and tensors), from ``ssd.stats()``."""
+  return {
+    k: v
+    for k, v in stats.items()
+    if isinstance(v, int | float) and any(w in k for w in ("bytes", "tensors", "entries"))
+  }
+
+
 def child_main(spec_json: str) -> int:
   spec = json.loads(spec_json)
+  row: dict = {}
   try:
-    row = _run_row(spec)
+    _run_row(spec, row)
   except Exception as e:  # noqa: BLE001 - reported in the row (the parent's table says why)
     text = f"{type(e).__name__}: {e}"
-    row = dict(error=text[:2000], oom=_is_oom(text))
+    row |= dict(error=text[:2000], oom=_is_oom(text))
     print(json.dumps(row), flush=True)
     return 1
   print(json.dumps(row, default=float), flush=True)
@@ -961,6 +981,9 @@ def table(doc: dict) -> str:
       if "LongContextError" in (r.get("error") or ""):  # refused: the verdict and the way out
         said = r["error"].splitlines()
         why = f"refused before compiling: {said[0].partition(': ')[2]} {said[-1]}"
+      if r.get("failed_step") is not None:  # the steps it finished before the one that failed
+        done = ", ".join(f"{t:.3f}" for t in r.get("steps_done_s") or []) or "none"
+        why = f"step {r['failed_step'] + 1} {why} (steps done, s: {done})"
       lines.append(f"{lead} failed: {why} | | | | | | | | | | | |")
       continue
     engine = "engine" in r

@@ -119,10 +119,11 @@ def _store_not_left_shut_down():
 
 @pytest.fixture(autouse=True, scope="module")
 def _jax_caches_emptied_after_each_file():
-  """The slow tests run in one process (CI's slow leg: some 490 tests, MaxText's trainer among
-  them), which otherwise keeps the compiled programs and traces of every file before: once, near
-  its end, it aborted inside XLA's compiler (a test that passes alone), most likely for memory.
-  No two test files share a program, so each file starts as it would alone."""
+  """A test process runs many files (CI's slow leg: some 490 tests over two workers, MaxText's
+  trainer among them) and otherwise keeps the compiled programs and traces of every file before:
+  once, near its end, a single process aborted inside XLA's compiler (a test that passes alone),
+  most likely for memory. No two test files share a program, so each file starts as it would
+  alone."""
   yield
   import gc
   import sys

@@ -204,6 +204,28 @@ def test_bench_multigpu_cpu_smoke_1_2_4(tmp_path):
   assert "points vs no offload" in proc.stdout and "Collectives' arithmetic" in proc.stdout
 
 
+@pytest.mark.slow
+def test_bench_long_context_row_failing_in_a_later_step_keeps_the_steps_before(tmp_path):
+  """A write fault injected at the 6th file write (4 layer inputs a step, every one on the
+  files): the row fails in its second step, and keeps the first step's time, its compile and
+  where the store's room was when it failed; the table says which step failed."""
+  proc = run_module(
+    "scripts.bench_long_context",
+    *("--preset", "tiny", "--layers", "4", "--seq", "64", "--steps", "2", "--warmup", "0"),
+    *("--policies", "ours_nvme_layer_in", "--optimizer", "device", "--min-bytes", "0"),
+    *("--peak-tflops", "1", "--no-probe", "--no-link-probe", "--no-ideal"),
+    *("--ssd", "forwarding=False", "--store-dir", str(tmp_path / "store"), "--out", str(tmp_path)),
+    env=dict(os.environ, JAX_PLATFORMS="cpu", SSDTRAIN_FAULT="write:6:EIO"),
+  )
+  (path,) = tmp_path.glob("longctx_cpu_*.json")
+  (row,) = json.loads(path.read_text())["rows"]
+  assert "Input/output error" in row["error"] and not row["oom"], row
+  assert row["failed_step"] == 1 and len(row["steps_done_s"]) == 1, row
+  assert row["compile_s"] > 0 and row["init_s"] > 0, row
+  assert row["store_at_failure"]["tensors_written"] >= 4, row["store_at_failure"]
+  assert "failed: step 2 " in path.with_suffix(".md").read_text(), proc.stdout
+
+
 LONG_ROWS = (
   "remat",
   "jax_host_layer_in",

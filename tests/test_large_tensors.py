@@ -123,6 +123,32 @@ def test_tensors_larger_than_the_cache_among_small_ones_in_one_program(tmp_path,
 # CUDA handlers: a tensor larger than the staging room it finds
 
 
+def test_a_store_neither_tier_holds_in_one_extent_names_both_tiers_room(tmp_path):
+  """An entry takes one extent of one tier. A 4 MiB host tier holding 2, 1 and 1 MiB entries,
+  the first and last released, has 3 MiB free in extents of 2 and 1 MiB: a 3 MiB "host,nvme"
+  store goes to the files, and where the files are too small for it as well, the message names
+  the host tier's free room and largest extent (the cause: fragmentation), as the statistics do."""
+  configure(tmp_path, host_tier_bytes=4 * MiB, capacity_bytes=2 * MiB)
+  sizes = [2 * MiB, 1 * MiB, 1 * MiB]
+  xs = [random_bytes(n, seed=i, device=_cpu()) for i, n in enumerate(sizes)]
+  hs = [store(x, site=20 + i, tier=HOST_NVME, name=f"t{i}", uses=1) for i, x in enumerate(xs)]
+  for i in (0, 2):  # each entry's one counted load releases it
+    same(load(hs[i], xs[i], site=20 + i, tier=HOST_NVME, name=f"t{i}"), xs[i])
+  s = native.stats()
+  assert s["host_tier_bytes_in_use"] == 1 * MiB and s["host_tier_largest_free"] == 2 * MiB, s
+  assert s["file_largest_free"] == 2 * MiB and s["spilled_tensors"] == 0, s
+  big = random_bytes(3 * MiB, seed=7, device=_cpu())
+  with pytest.raises(Exception, match="No space left in the ssdtrain store") as err:
+    jax.block_until_ready(store(big, site=30, tier=HOST_NVME, name="big"))
+  msg = str(err.value)
+  assert "capacity_bytes=2097152" in msg, msg
+  assert f"the host tier, which has {3 * MiB} bytes free, largest extent {2 * MiB}" in msg, msg
+  assert f"host_tier_bytes={4 * MiB}" in msg, msg
+  same(load(hs[1], xs[1], site=21, tier=HOST_NVME, name="t1"), xs[1])  # the store is intact
+  native.release_all()
+  assert native.stats()["live_entries"] == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", [NVME, HOST, HOST_NVME], ids=["nvme", "host", "host,nvme"])
 def test_gpu_tensor_larger_than_staging_streams_through_it(tmp_path, tier):

@@ -103,6 +103,7 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
     in_host_tier = AllocHost(Arena::kHostTier, e->padded_, &host_off);
     if (!in_host_tier && hooks_) {  // entries whose last load's copy is still running hold room
       hooks_->ReclaimReleases(true);
+      SSD_RETURN_IF_ERROR(TakePendingError());  // a wait that failed
       in_host_tier = AllocHost(Arena::kHostTier, e->padded_, &host_off);
     }
     while (!in_host_tier && ReleaseOldestRetired())  // then entries a background sweep retired
@@ -135,6 +136,7 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
     bool got_slot = space_.Alloc(e->device_, e->padded_, &off);
     if (!got_slot && hooks_) {
       hooks_->ReclaimReleases(true);
+      SSD_RETURN_IF_ERROR(TakePendingError());
       got_slot = space_.Alloc(e->device_, e->padded_, &off);
     }
     // Then retired entries, oldest first; a released one whose write is still running gives
@@ -152,7 +154,7 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
                              (space_.groups() > 1
                                   ? ", split over " + std::to_string(space_.groups()) + " devices"
                                   : "") +
-                             ")");
+                             ")" + SpilledFrom(tier));
     } else {
       Status s = space_.Reserve(off, e->padded_);
       if (!s.ok()) {
@@ -209,6 +211,15 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
   ds.tensors_written++;
   *out = e;
   return Status::Ok();
+}
+
+// The host tier's room, for the message of a "host,nvme" store the files could not take either:
+// an entry needs one extent of either tier, so free room in extents too small does not count.
+std::string Engine::SpilledFrom(Tier tier) const {
+  if (tier != Tier::kHostThenNvme) return "";
+  return "; spilled from the host tier, which has " + std::to_string(tier_.alloc.free_bytes()) +
+         " bytes free, largest extent " + std::to_string(tier_.alloc.largest_free()) +
+         " (host_tier_bytes=" + std::to_string(cfg_.host_tier_bytes) + ")";
 }
 
 Status Engine::CommitStore(const EntryPtr& e) {

@@ -242,6 +242,14 @@ class Engine {
                         bool stream = false);
   // Returns (and clears) a recorded asynchronous error. Lock held.
   Status TakePendingError();
+  // The host tier's free room and largest extent, for a full store's message ("" unless `tier`
+  // spills from the host tier). Lock held.
+  std::string SpilledFrom(Tier tier) const;
+  // Records `s` (the first such error is kept) for the next store, load or flush to return:
+  // for a failure inside a hook that has no status to return. Lock held.
+  void FailLater(const Status& s) {
+    if (!s.ok() && pending_error_.ok()) pending_error_ = s;
+  }
 
   // Waits until no write or read is in flight; returns (and clears) a pending I/O error.
   Status Flush();

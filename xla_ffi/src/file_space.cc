@@ -170,6 +170,12 @@ uint64_t FileSpace::InUse() const {
   return n;
 }
 
+uint64_t FileSpace::LargestFree() const {
+  uint64_t n = 0;
+  for (const auto& a : slots_) n = std::max(n, a.largest_free());
+  return n;
+}
+
 uint64_t FileSpace::Peak() const {
   uint64_t n = 0;
   for (const auto& a : slots_) n += a.peak();

@@ -101,6 +101,7 @@ std::string Engine::StatsString() {
   d("read_seconds", s.read_seconds);
   u("host_tier_bytes_in_use", tier_.alloc.in_use());
   u("host_tier_bytes_peak", tier_.alloc.peak());
+  u("host_tier_largest_free", tier_.alloc.largest_free());
   u("host_cache_bytes_in_use", cache_.alloc.in_use());
   u("host_cache_bytes_peak", cache_.alloc.peak());
   u("staging_bytes_in_use", s.staging_in_use);
@@ -108,6 +109,7 @@ std::string Engine::StatsString() {
   u("file_bytes_in_use", space_.InUse());
   u("file_bytes_peak", space_.Peak());
   u("file_bytes_allocated", space_.AllocatedBytes());
+  u("file_largest_free", space_.LargestFree());
   u("live_entries", entries_.size() - retired_.size());
   u("writes_in_flight", writes_inflight_);
   u("reads_in_flight", reads_inflight_);

@@ -125,7 +125,7 @@ void CudaModule::BeforeHostFree(Entry& e) {
   if (!d) return;
   for (cudaEvent_t* ev : {&d->host_ready, &d->host_direct}) {
     if (!*ev) continue;
-    cudaEventSynchronize(*ev);
+    HostWait(*ev, "cudaEventSynchronize before a host buffer is freed");
     PutEvent(d->device, *ev);
     *ev = nullptr;
   }

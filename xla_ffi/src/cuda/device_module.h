@@ -123,6 +123,9 @@ class CudaModule final : public DeviceHooks {
   Status AddFence(DeviceState* ds, std::vector<cudaEvent_t>* fences, cudaStream_t stream);
   // Waits for every event of `fences` (on the host) and recycles them.
   void SyncAndRecycle(int dev, std::vector<cudaEvent_t>* fences);
+  // Waits on the host for `ev` (null: nothing to wait for), in a hook with no status to return:
+  // a failure is kept for the engine's next store, load or flush to return (Engine::FailLater).
+  void HostWait(cudaEvent_t ev, const char* what);
   // `ev` completed (or is null). Lock not needed.
   static bool Done(cudaEvent_t ev);
   // No copy into, out of, or D2H from the staging range of `d` is pending.

@@ -50,11 +50,18 @@ Status CudaModule::AddFence(DeviceState* ds, std::vector<cudaEvent_t>* fences,
 
 void CudaModule::SyncAndRecycle(int dev, std::vector<cudaEvent_t>* fences) {
   for (cudaEvent_t ev : *fences) {
-    cudaEventSynchronize(ev);
+    HostWait(ev, "cudaEventSynchronize of a host buffer's fence");
     PutEvent(dev, ev);
   }
   fences->clear();
-  cudaGetLastError();
+}
+
+void CudaModule::HostWait(cudaEvent_t ev, const char* what) {
+  if (!ev) return;
+  cudaError_t err = cudaEventSynchronize(ev);
+  if (err == cudaSuccess) return;
+  (void)cudaGetLastError();
+  eng_->FailLater(CudaError(err, what, __FILE__, __LINE__));
 }
 
 bool CudaModule::Done(cudaEvent_t ev) {

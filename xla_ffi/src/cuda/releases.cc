@@ -27,8 +27,7 @@ void CudaModule::ReclaimReleases(bool wait) {
       ++i;
       continue;
     }
-    if (wait) cudaEventSynchronize(r.done);
-    cudaGetLastError();
+    if (wait) HostWait(r.done, "cudaEventSynchronize of a deferred release's load copy");
     EntryPtr e = std::move(r.e);
     PutEvent(r.device, r.done);
     r = std::move(deferred_.back());

@@ -143,10 +143,9 @@ void CudaModule::FreeStaging(Entry& e) {
     if (!pf.events.empty()) ds->pending.push_back(std::move(pf));
   } else {
     for (cudaEvent_t ev : pf.events) {
-      cudaEventSynchronize(ev);
+      HostWait(ev, "cudaEventSynchronize of a freed staging range's fence");
       cudaEventDestroy(ev);
     }
-    cudaGetLastError();
   }
   d->staged = false;
   d->stage_unused = false;

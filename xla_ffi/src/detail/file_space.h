@@ -39,6 +39,7 @@ class FileSpace {
   void Free(uint64_t off, uint64_t len);
   const RangeAllocator& Group(int device) const { return slots_[GroupOf(device)]; }
   uint64_t InUse() const;
+  uint64_t LargestFree() const;  // the largest free extent of any device group
   uint64_t Peak() const;
   void ResetPeak();
   // Grows the files so that the extent [loff, loff + len) exists on disk (ENOSPC & co).

@@ -500,9 +500,9 @@ def _planned(spec: dict, run, state, tokens, rng, budget, opt_loc):
 
 
 def _room_stats(stats: dict) -> dict:
-  """The store's counters of room and traffic (bytes, tensors, the largest free extents), from
-  ``ssd.stats()``."""
-  words = ("bytes", "tensors", "entries", "largest_free")
+  """The store's counters of room and traffic (bytes, tensors, the largest free extents, the
+  spills for fragmentation), from ``ssd.stats()``."""
+  words = ("bytes", "tensors", "entries", "largest_free", "spills")
   return {
     k: v for k, v in stats.items() if isinstance(v, int | float) and any(w in k for w in words)
   }

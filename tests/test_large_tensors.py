@@ -149,6 +149,41 @@ def test_a_store_neither_tier_holds_in_one_extent_names_both_tiers_room(tmp_path
   assert native.stats()["live_entries"] == 0
 
 
+def test_a_spill_for_fragmentation_is_counted_and_said_once(tmp_path, capfd):
+  """The host tier of the test above, 3 MiB free in extents of 2 and 1 MiB, and files with
+  room: a 3 MiB "host,nvme" store spills to the files although the tier has its bytes free, and
+  so does a second; both are counted as fragmented spills, the first one said on stderr. A
+  spill of a tensor larger than the tier's free bytes is not counted; a "host" store the tier
+  cannot take in one extent names its largest extent."""
+  configure(tmp_path, host_tier_bytes=4 * MiB)
+  sizes = [2 * MiB, 1 * MiB, 1 * MiB]
+  xs = [random_bytes(n, seed=i, device=_cpu()) for i, n in enumerate(sizes)]
+  hs = [store(x, site=40 + i, tier=HOST_NVME, name=f"t{i}", uses=1) for i, x in enumerate(xs)]
+  for i in (0, 2):
+    same(load(hs[i], xs[i], site=40 + i, tier=HOST_NVME, name=f"t{i}"), xs[i])
+  capfd.readouterr()
+  bigs = [random_bytes(3 * MiB, seed=8 + i, device=_cpu()) for i in range(2)]
+  big_hs = [store(b, site=50 + i, tier=HOST_NVME, name="big", uses=1) for i, b in enumerate(bigs)]
+  jax.block_until_ready(big_hs)
+  s = native.stats()
+  assert s["spilled_tensors"] == 2 and s["fragmented_spills"] == 2, s
+  assert s["fragmented_spill_bytes"] == 6 * MiB, s
+  err = capfd.readouterr().err
+  assert err.count("spilled to the files although the host tier has") == 1, err
+  assert f"has {3 * MiB} bytes free: its largest free extent is {2 * MiB}" in err, err
+  huge = random_bytes(5 * MiB, seed=11, device=_cpu())  # more than the tier's free bytes
+  huge_h = store(huge, site=60, tier=HOST_NVME, name="huge", uses=1)
+  s = native.stats()
+  assert s["spilled_tensors"] == 3 and s["fragmented_spills"] == 2, s
+  with pytest.raises(Exception, match=f"{3 * MiB} free \\(largest extent {2 * MiB}, host_tier"):
+    jax.block_until_ready(store(bigs[0], site=61, tier=HOST, name="host_big"))
+  for h, x, site in [(big_hs[0], bigs[0], 50), (big_hs[1], bigs[1], 51), (huge_h, huge, 60)]:
+    same(load(h, x, site=site, tier=HOST_NVME, name="big" if site < 60 else "huge"), x)
+  same(load(hs[1], xs[1], site=41, tier=HOST_NVME, name="t1"), xs[1])
+  native.release_all()
+  assert native.stats()["live_entries"] == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", [NVME, HOST, HOST_NVME], ids=["nvme", "host", "host,nvme"])
 def test_gpu_tensor_larger_than_staging_streams_through_it(tmp_path, tier):

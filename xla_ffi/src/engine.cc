@@ -113,6 +113,7 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
       if (!in_host_tier) {
         stats_.spilled_tensors++;
         stats_.spilled_bytes += nbytes;
+        if (tier_.alloc.free_bytes() >= e->padded_) NoteFragmentedSpill(*e);
       }
     }
   }
@@ -122,10 +123,11 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
   } else if (e->tier_ == Tier::kHost) {
     uint64_t off = host_off;
     if (!in_host_tier) {
-      return Status(ENOMEM, "host tier full: " + std::to_string(e->padded_) + " bytes requested, " +
-                                std::to_string(tier_.alloc.free_bytes()) +
-                                " free (host_tier_bytes=" + std::to_string(cfg_.host_tier_bytes) +
-                                ") storing tag '" + e->name_ + "'");
+      return Status(ENOMEM,
+                    "host tier full: " + std::to_string(e->padded_) + " bytes requested, " +
+                        std::to_string(tier_.alloc.free_bytes()) + " free (largest extent " +
+                        std::to_string(tier_.alloc.largest_free()) + ", host_tier_bytes=" +
+                        std::to_string(cfg_.host_tier_bytes) + ") storing tag '" + e->name_ + "'");
     }
     e->host_arena_ = Arena::kHostTier;
     e->host_off_ = off;
@@ -211,6 +213,24 @@ Status Engine::BeginStore(int64_t site, Tier tier, uint64_t nbytes, std::string_
   ds.tensors_written++;
   *out = e;
   return Status::Ok();
+}
+
+// A "host,nvme" store that went to the files although the host tier had its bytes free, in
+// extents too small: counted, and said once per configuration (the store's room is not what
+// host_tier_bytes suggests).
+void Engine::NoteFragmentedSpill(const Entry& e) {
+  stats_.fragmented_spills++;
+  stats_.fragmented_spill_bytes += e.nbytes_;
+  if (warned_fragmented_) return;
+  warned_fragmented_ = true;
+  fprintf(stderr,
+          "ssdtrain: tag '%s' (%llu bytes) spilled to the files although the host tier has "
+          "%llu bytes free: its largest free extent is %llu (fragmentation: an entry takes one "
+          "extent). Leave the host tier a margin of a few of the largest entries; the "
+          "statistics fragmented_spills and host_tier_largest_free count it\n",
+          e.name_.c_str(), static_cast<unsigned long long>(e.padded_),
+          static_cast<unsigned long long>(tier_.alloc.free_bytes()),
+          static_cast<unsigned long long>(tier_.alloc.largest_free()));
 }
 
 // The host tier's room, for the message of a "host,nvme" store the files could not take either:

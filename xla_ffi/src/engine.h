@@ -89,6 +89,8 @@ struct Stats {
   uint64_t staging_in_use = 0, staging_peak = 0;
   uint64_t full_kept_tensors = 0, full_kept_bytes = 0;  // on_full=keep
   uint64_t spilled_tensors = 0, spilled_bytes = 0;      // host,nvme stores the host tier refused
+  // Of those, the ones the host tier had the free bytes for, in extents too small: fragmentation.
+  uint64_t fragmented_spills = 0, fragmented_spill_bytes = 0;
   uint64_t checksum_failures = 0;
   // Lifetimes: entries released after their counted last load, stores nobody loads (never
   // kept), sweeps and the entries they released.
@@ -245,6 +247,8 @@ class Engine {
   // The host tier's free room and largest extent, for a full store's message ("" unless `tier`
   // spills from the host tier). Lock held.
   std::string SpilledFrom(Tier tier) const;
+  // Counts a "host,nvme" store spilled for fragmentation, and says so once. Lock held.
+  void NoteFragmentedSpill(const Entry& e);
   // Records `s` (the first such error is kept) for the next store, load or flush to return:
   // for a failure inside a hook that has no status to return. Lock held.
   void FailLater(const Status& s) {
@@ -346,6 +350,7 @@ class Engine {
   std::unique_ptr<DeviceHooks> hooks_;
   HostArena cache_, tier_;
   bool warned_full_ = false;
+  bool warned_fragmented_ = false;
   FaultSpec fault_;
   ThrottleStats throttle_;
   // Entries: ids with a salted check word (handles), by id, by (device, site) and, for

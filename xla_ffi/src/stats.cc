@@ -81,6 +81,8 @@ std::string Engine::StatsString() {
   u("full_kept_bytes", s.full_kept_bytes);
   u("spilled_tensors", s.spilled_tensors);
   u("spilled_bytes", s.spilled_bytes);
+  u("fragmented_spills", s.fragmented_spills);
+  u("fragmented_spill_bytes", s.fragmented_spill_bytes);
   u("checksum_failures", s.checksum_failures);
   u("counted_releases", s.counted_releases);
   u("unused_stores", s.unused_stores);

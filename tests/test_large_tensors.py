@@ -123,17 +123,25 @@ def test_tensors_larger_than_the_cache_among_small_ones_in_one_program(tmp_path,
 # CUDA handlers: a tensor larger than the staging room it finds
 
 
+def _fragment_the_host_tier(site: int):
+  """Stores 2, 1 and 1 MiB "host,nvme" entries (sites ``site`` to ``site + 2``, names ``t0`` to
+  ``t2``) into a 4 MiB host tier and loads the first and last once, releasing them: 3 MiB free
+  in extents of 2 and 1 MiB, the middle entry live. Returns the values and the handles."""
+  sizes = [2 * MiB, 1 * MiB, 1 * MiB]
+  xs = [random_bytes(n, seed=i, device=_cpu()) for i, n in enumerate(sizes)]
+  hs = [store(x, site=site + i, tier=HOST_NVME, name=f"t{i}", uses=1) for i, x in enumerate(xs)]
+  for i in (0, 2):  # each entry's one counted load releases it
+    same(load(hs[i], xs[i], site=site + i, tier=HOST_NVME, name=f"t{i}"), xs[i])
+  return xs, hs
+
+
 def test_a_store_neither_tier_holds_in_one_extent_names_both_tiers_room(tmp_path):
   """An entry takes one extent of one tier. A 4 MiB host tier holding 2, 1 and 1 MiB entries,
   the first and last released, has 3 MiB free in extents of 2 and 1 MiB: a 3 MiB "host,nvme"
   store goes to the files, and where the files are too small for it as well, the message names
   the host tier's free room and largest extent (the cause: fragmentation), as the statistics do."""
   configure(tmp_path, host_tier_bytes=4 * MiB, capacity_bytes=2 * MiB)
-  sizes = [2 * MiB, 1 * MiB, 1 * MiB]
-  xs = [random_bytes(n, seed=i, device=_cpu()) for i, n in enumerate(sizes)]
-  hs = [store(x, site=20 + i, tier=HOST_NVME, name=f"t{i}", uses=1) for i, x in enumerate(xs)]
-  for i in (0, 2):  # each entry's one counted load releases it
-    same(load(hs[i], xs[i], site=20 + i, tier=HOST_NVME, name=f"t{i}"), xs[i])
+  xs, hs = _fragment_the_host_tier(site=20)
   s = native.stats()
   assert s["host_tier_bytes_in_use"] == 1 * MiB and s["host_tier_largest_free"] == 2 * MiB, s
   assert s["file_largest_free"] == 2 * MiB and s["spilled_tensors"] == 0, s
@@ -156,11 +164,7 @@ def test_a_spill_for_fragmentation_is_counted_and_said_once(tmp_path, capfd):
   spill of a tensor larger than the tier's free bytes is not counted; a "host" store the tier
   cannot take in one extent names its largest extent."""
   configure(tmp_path, host_tier_bytes=4 * MiB)
-  sizes = [2 * MiB, 1 * MiB, 1 * MiB]
-  xs = [random_bytes(n, seed=i, device=_cpu()) for i, n in enumerate(sizes)]
-  hs = [store(x, site=40 + i, tier=HOST_NVME, name=f"t{i}", uses=1) for i, x in enumerate(xs)]
-  for i in (0, 2):
-    same(load(hs[i], xs[i], site=40 + i, tier=HOST_NVME, name=f"t{i}"), xs[i])
+  xs, hs = _fragment_the_host_tier(site=40)
   capfd.readouterr()
   bigs = [random_bytes(3 * MiB, seed=8 + i, device=_cpu()) for i in range(2)]
   big_hs = [store(b, site=50 + i, tier=HOST_NVME, name="big", uses=1) for i, b in enumerate(bigs)]
